@@ -1,0 +1,76 @@
+# gpullm-lessons: every command a learner, an instructor or a lab admin needs.
+# On a fresh machine the first target you run creates .venv and installs the course into it.
+# Use your own environment instead (conda, an existing venv):  make test PY=python
+# GPU servers: make setup GPU=cuda13   (or GPU=cuda12 for a CUDA 12 driver, GPU=rocm for AMD ROCm 7)
+
+VENV   ?= .venv
+PY     ?= $(VENV)/bin/python
+GPU    ?=
+comma  := ,
+EXTRAS := dev$(if $(GPU),$(comma)$(GPU))
+# Only build .venv when PY points into it.
+SETUP  := $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed-$(EXTRAS),)
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=900
+
+.PHONY: help setup train test unit notebooks gpu-test lab doctor exercises grade grade-solutions clean
+
+help:
+	@sed -n 's/^## //p' $(MAKEFILE_LIST)
+
+$(VENV)/.installed-$(EXTRAS): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (gpullm-lessons)" >/dev/null
+	touch $@
+
+## setup       create .venv and install the course (GPU=cuda13|cuda12|rocm adds CuPy)
+setup: $(SETUP)
+
+## train       the main job: train the GPT on the default corpus (ARGS="--steps 500 ..." to change it)
+train: $(SETUP)
+	$(PY) -m gpullm_lessons.train $(ARGS)
+
+## test        unit tests + every lesson and solution notebook under nbval + grading of fresh exercises
+test: $(SETUP)
+	$(PYTEST) -q $(NBVAL) tests notebooks solutions
+
+## unit        unit tests only (fast)
+unit: $(SETUP)
+	$(PYTEST) -q tests
+
+## notebooks   lesson and solution notebooks under nbval only
+notebooks: $(SETUP)
+	$(PYTEST) -q $(NBVAL) notebooks solutions
+
+## gpu-test    the GPU suite on a lab server: GPU-marked tests and the notebooks at GPU sizes (fails without a GPU)
+gpu-test: $(SETUP)
+	$(PY) -m gpullm_lessons doctor
+	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make gpu-test')"
+	$(PYTEST) -q -rs $(NBVAL) tests notebooks solutions
+
+## lab         open the lessons in JupyterLab
+lab: $(SETUP)
+	$(PY) -m jupyter lab notebooks
+
+## doctor      check this machine and say how to fix what is missing
+doctor: $(SETUP)
+	$(PY) -m gpullm_lessons doctor
+
+## exercises   regenerate exercises/ from solutions/ (never edit exercises/ by hand)
+exercises: $(SETUP)
+	$(PY) -m gpullm_lessons exercises
+
+## grade       grade your exercises: runs each notebook in exercises/ and prints a score table
+grade: $(SETUP)
+	$(PY) -m gpullm_lessons grade exercises --json runs/grade.json
+
+## grade-solutions  instructors: the solutions must score 100%
+grade-solutions: $(SETUP)
+	$(PY) -m gpullm_lessons grade solutions
+
+## clean       remove runs/ and caches (keeps .venv)
+clean:
+	rm -rf runs build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,40 @@
+"""`python -m gpullm_lessons <command>`: doctor | grade | exercises | train."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m gpullm_lessons <command> [args]
+
+commands:
+  doctor                 check this machine: Python, numpy pin, numba, simulator, GPU, CuPy, compilers
+  grade [DIR]            run each exercise notebook in DIR (default: exercises) and print a score table
+  exercises [--check]    regenerate exercises/ from solutions/ (or check that it is up to date)
+  train [args]           train the GPT on the default corpus (same as python -m gpullm_lessons.train)
+"""
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor":
+        from . import doctor
+        return doctor.main(rest)
+    if cmd == "grade":
+        from . import grading
+        return grading.main(rest)
+    if cmd == "exercises":
+        from . import exercises
+        return exercises.main(rest)
+    if cmd == "train":
+        from . import train
+        train.main(rest)
+        return 0
+    print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

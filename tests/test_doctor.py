@@ -1,0 +1,47 @@
+"""`python -m gpullm_lessons doctor`: one [OK]/[FAIL]/[SKIP] line per check, a fix on every non-OK line."""
+import os
+import re
+import subprocess
+import sys
+
+from gpullm_lessons import doctor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_doctor_runs_and_every_line_is_a_verdict():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "gpullm_lessons", "doctor"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].startswith("gpullm_lessons doctor - device kind")
+    verdicts = [ln for ln in lines[1:-1] if not ln.startswith("       fix:")]
+    assert all(re.match(r"^\[(OK|FAIL|SKIP)\] \w[\w-]*: ", ln) for ln in verdicts), verdicts
+    names = {re.match(r"^\[\w+\] ([\w-]+):", ln).group(1) for ln in verdicts}
+    assert {"python", "numpy", "numba", "simulator", "gpu", "cupy", "nvrtc", "nvcc", "hipcc"} <= names
+    failed = [ln for ln in verdicts if ln.startswith("[FAIL]")]
+    assert p.returncode == (1 if failed else 0)
+    assert re.match(r"^\d+ ok/skipped, \d+ failed$", lines[-1])
+
+
+def test_numpy_too_new_fails_with_the_fix(monkeypatch):
+    monkeypatch.setattr(doctor, "_version", lambda dist: "2.5.0" if dist == "numpy" else None)
+    c = doctor.check_numpy()
+    assert c.status == "FAIL" and "pip install 'numpy<2.5'" in c.line()
+    monkeypatch.setattr(doctor, "_version", lambda dist: "2.4.6")
+    assert doctor.check_numpy().status == "OK"
+
+
+def test_missing_numba_fails_with_the_fix(monkeypatch):
+    monkeypatch.setattr(doctor, "_version", lambda dist: None if dist == "numba-cuda" else "0.68.1")
+    (c,) = doctor.check_numba()
+    assert c.status == "FAIL" and "numba-cuda not installed" in c.detail and c.fix
+
+
+def test_cupy_missing_with_a_gpu_is_a_failure(monkeypatch):
+    from gpullm_lessons import device
+    fake = device.DeviceInfo("cuda", device.GPU("nvidia", "H200", 1, 1), False, "test")
+    monkeypatch.setattr(device, "info", lambda: fake)
+    monkeypatch.setattr(doctor, "_version", lambda dist: None)
+    c = doctor.check_cupy()
+    assert c.status == "FAIL" and "[cuda13]" in c.fix

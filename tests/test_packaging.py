@@ -1,0 +1,78 @@
+"""Packaging: a non-editable install ships kernels/, cupy stays optional, environment.yml agrees with pyproject.toml."""
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _spec(req: str) -> str:
+    req = re.sub(r"\[[^\]]*\]", "", req.strip())
+    return req[len(_name(req)):].replace(" ", "")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                        str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (whl,) = out.glob("gpullm_lessons-*.whl")
+    return whl
+
+
+def test_wheel_ships_every_kernel_source(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"gpullm_lessons/kernels/hip/{p.name}" for p in (ROOT / "kernels" / "hip").iterdir()
+                if p.suffix in (".cu", ".h")}
+    expected |= {f"gpullm_lessons/kernels/numba/{p.name}" for p in (ROOT / "kernels" / "numba").glob("*.py")}
+    assert expected and expected <= names, sorted(expected - names)
+
+
+def test_installed_package_finds_its_kernels(wheel, tmp_path):
+    target = tmp_path / "site"
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    code = ("import gpullm_lessons, gpullm_lessons.hip as h; import gpullm_lessons.kernels.numba.vector_add;"
+            "print(h.kernel_dir()); print(len(h.sources())); print('#include \"portable.h\"' not in h.expanded_source('vector_add'))")
+    env = dict(os.environ, PYTHONPATH=str(target), GPULLM_DEVICE="sim")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    kdir, count, expanded = p.stdout.split()
+    assert kdir.startswith(str(target)), "the installed copy must be used, not the checkout"
+    assert int(count) == len(list((ROOT / "kernels" / "hip").glob("*.cu")))
+    assert expanded == "True"
+
+
+def test_environment_yml_agrees_with_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    in_env = {_name(r): _spec(r) for r in conda + pip if not r.startswith("-") and _name(r) not in ("python", "pip")}
+    in_project = {_name(r): _spec(r) for r in project["dependencies"]}
+    assert in_env == in_project
+    assert any(r.startswith("-e .") for r in pip), "environment.yml must install the course itself"
+
+
+def test_cupy_is_only_an_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(_name(r).startswith("cupy") for r in project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert {"cuda12", "cuda13", "rocm", "dev"} <= set(extras)
+    assert any(_name(r) == "cupy-cuda13x" for r in extras["cuda13"])
+    assert any(_name(r) == "cupy-cuda12x" for r in extras["cuda12"])
+    assert any(_name(r).startswith("cupy-rocm") for r in extras["rocm"])
+    assert any(_name(r) == "numpy" and "<2.5" in _spec(r) for r in project["dependencies"])
