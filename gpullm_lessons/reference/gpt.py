@@ -1,0 +1,119 @@
+"""The whole GPT-2 (pre-LN) forward and backward, composed from the reference ops.
+
+Forward, x (B, T, C) the residual stream:
+    x = wte[idx] + wpe[:T]                                               encoder
+    for each layer l:
+        x = x + attproj(attention(qkv(ln1(x))))                          attention block
+        x = x + fcproj(gelu(fc(ln2(x))))                                 MLP block
+    logits = lnf(x) @ wte.T                                              (B, T, V) tied LM head
+    loss = crossentropy(logits, targets)
+
+Backward: the same steps in reverse, each op's backward turning d(its output) into d(its inputs).
+    - A residual x + f(x) sends the incoming gradient both straight down (dx) and into f; the two add up.
+    - Weight tying: wte is used twice (embedding lookup and LM head), so dwte is the SUM of the encoder's
+      scatter-add and the head's gradient. The head is linear with weight wte.T (C, V), so its dweight (C, V)
+      is transposed back before adding.
+"""
+import numpy as np
+
+from ..params import GPTConfig, param_shapes
+from .attention import attention_backward, attention_forward
+from .crossentropy import crossentropy_backward, crossentropy_forward
+from .encoder import encoder_backward, encoder_forward
+from .gelu import gelu_backward, gelu_forward
+from .layernorm import layernorm_backward, layernorm_forward
+from .linear import linear_backward, linear_forward
+from .residual import residual_backward, residual_forward
+
+
+def _check_tensors(fn, what, tensors, cfg):
+    """Every named tensor present with the shape param_shapes(cfg) says. Returns the common dtype."""
+    dtype = None
+    for name, shape in param_shapes(cfg).items():
+        try:
+            arr = tensors[name]
+        except KeyError:
+            raise KeyError(f"{fn}: {what} has no tensor named {name!r}") from None
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{fn}: {what}[{name!r}] is {tuple(arr.shape)} but cfg needs {shape}")
+        if dtype is None:
+            dtype = arr.dtype
+        elif arr.dtype != dtype:
+            raise TypeError(f"{fn}: {what}[{name!r}] is {arr.dtype} but the others are {dtype}; use one dtype")
+    if not np.issubdtype(dtype, np.floating):
+        raise TypeError(f"{fn}: {what} must be floating-point, got dtype {dtype}")
+    return dtype
+
+
+def gpt_forward(params, cfg, idx, targets=None):
+    """params (ParamBuffer or dict name -> array), cfg GPTConfig, idx (B, T) int, targets (B, T) int or None
+    -> (logits (B, T, V), loss (scalar) or None, cache)."""
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"gpt_forward: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    _check_tensors("gpt_forward", "params", params, cfg)
+    idx = np.asarray(idx)
+    if idx.ndim != 2:
+        raise ValueError(f"gpt_forward: idx must be (B, T), got shape {idx.shape}")
+    if idx.shape[1] > cfg.block_size:
+        raise ValueError(f"gpt_forward: T={idx.shape[1]} is longer than block_size={cfg.block_size}")
+    p = params
+
+    x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                       # (B, T, C)
+    layers = []
+    for l in range(cfg.n_layer):
+        c = {}
+        ln1, c["ln1"] = layernorm_forward(x, p["ln1w"][l], p["ln1b"][l])          # (B, T, C)
+        qkv, c["qkv"] = linear_forward(ln1, p["qkvw"][l], p["qkvb"][l])           # (B, T, 3C)
+        atty, c["attention"] = attention_forward(qkv, cfg.n_head)                 # (B, T, C)
+        attproj, c["attproj"] = linear_forward(atty, p["attprojw"][l], p["attprojb"][l])  # (B, T, C)
+        x, _ = residual_forward(x, attproj)                                       # (B, T, C)
+        ln2, c["ln2"] = layernorm_forward(x, p["ln2w"][l], p["ln2b"][l])          # (B, T, C)
+        fch, c["fc"] = linear_forward(ln2, p["fcw"][l], p["fcb"][l])              # (B, T, 4C)
+        fch_gelu, c["gelu"] = gelu_forward(fch)                                   # (B, T, 4C)
+        fcproj, c["fcproj"] = linear_forward(fch_gelu, p["fcprojw"][l], p["fcprojb"][l])  # (B, T, C)
+        x, _ = residual_forward(x, fcproj)                                        # (B, T, C)
+        layers.append(c)
+    lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])                   # (B, T, C)
+    logits, head_cache = linear_forward(lnf, p["wte"].T)                          # (B, T, V) weight (C, V)
+
+    loss, ce_cache = None, None
+    if targets is not None:
+        loss, ce_cache = crossentropy_forward(logits, targets)                    # scalar
+    cache = {"cfg": cfg, "encoder": enc_cache, "layers": layers, "lnf": lnf_cache,
+             "head": head_cache, "crossentropy": ce_cache}
+    return logits, loss, cache
+
+
+def gpt_backward(cache, grads):
+    """Gradients of the loss (dloss = 1) into grads (ParamBuffer or dict name -> array of the parameter
+    shapes). Every tensor of grads is overwritten, not accumulated. Returns None."""
+    cfg = cache["cfg"]
+    if cache["crossentropy"] is None:
+        raise ValueError("gpt_backward: the cache has no loss; call gpt_forward with targets first")
+    _check_tensors("gpt_backward", "grads", grads, cfg)
+
+    dlogits = crossentropy_backward(1.0, cache["crossentropy"])                   # (B, T, V)
+    dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])                  # (B, T, C), (C, V)
+    # `grads[name][l], ... = op_backward(...)` writes layer l's slice of each gradient tensor in place
+    dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])  # dx (B, T, C)
+
+    for l in reversed(range(cfg.n_layer)):
+        c = cache["layers"][l]
+        # MLP block: x_out = x_mid + fcproj(gelu(fc(ln2(x_mid))))
+        dx_mid, dfcproj = residual_backward(dx)                                   # (B, T, C) each
+        dfch_gelu, grads["fcprojw"][l], grads["fcprojb"][l] = linear_backward(dfcproj, c["fcproj"])
+        dfch = gelu_backward(dfch_gelu, c["gelu"])                                # (B, T, 4C)
+        dln2, grads["fcw"][l], grads["fcb"][l] = linear_backward(dfch, c["fc"])   # (B, T, C)
+        dx_ln2, grads["ln2w"][l], grads["ln2b"][l] = layernorm_backward(dln2, c["ln2"])
+        dx = dx_mid + dx_ln2                                                      # both paths into x_mid
+        # attention block: x_mid = x_in + attproj(attention(qkv(ln1(x_in))))
+        dx_in, dattproj = residual_backward(dx)
+        datty, grads["attprojw"][l], grads["attprojb"][l] = linear_backward(dattproj, c["attproj"])
+        dqkv = attention_backward(datty, c["attention"])                          # (B, T, 3C)
+        dln1, grads["qkvw"][l], grads["qkvb"][l] = linear_backward(dqkv, c["qkv"])
+        dx_ln1, grads["ln1w"][l], grads["ln1b"][l] = layernorm_backward(dln1, c["ln1"])
+        dx = dx_in + dx_ln1                                                       # (B, T, C)
+
+    dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])              # (V, C), (maxT, C)
+    grads["wte"][...] = dwte + dwte_head.T                                        # weight tying: both uses
+    return None
