@@ -13,7 +13,7 @@ SETUP  := $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed-$(EXTRAS),)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=900
 
-.PHONY: help setup train test unit notebooks gpu-test lab doctor exercises grade grade-solutions clean
+.PHONY: help setup train test unit notebooks gpu-test lab doctor exercises grade grade-solutions clean clean-notebooks
 
 help:
 	@sed -n 's/^## //p' $(MAKEFILE_LIST)
@@ -74,3 +74,7 @@ grade-solutions: $(SETUP)
 clean:
 	rm -rf runs build dist *.egg-info .pytest_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +
+
+## clean-notebooks  strip outputs and odd metadata from notebooks/ and solutions/ (tests require it)
+clean-notebooks: $(SETUP)
+	$(PY) -c "import sys, glob; from gpullm_lessons.exercises import strip_outputs; [print('cleaned', p) for p in sorted(glob.glob('notebooks/*.ipynb') + glob.glob('solutions/*.ipynb')) if strip_outputs(p)]"

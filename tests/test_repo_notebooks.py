@@ -1,0 +1,31 @@
+"""The repository's own notebooks: stored clean, solutions score 100%, fresh exercises score 0 (all not attempted)."""
+from pathlib import Path
+
+import pytest
+
+from gpullm_lessons.exercises import is_clean
+from gpullm_lessons.grading import find_tasks, grade
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_stored_without_outputs_and_with_canonical_metadata(path):
+    assert is_clean(path), f"{path.relative_to(ROOT)} has outputs or odd metadata: run `make clean-notebooks`"
+
+
+def test_every_solution_notebook_has_graded_tasks():
+    solutions = sorted((ROOT / "solutions").glob("*.ipynb"))
+    assert solutions
+    for nb in solutions:
+        assert find_tasks(nb), f"{nb.name} calls no checker"
+
+
+def test_solutions_score_full_and_fresh_exercises_score_zero():
+    expected = sum(len(find_tasks(nb)) for nb in (ROOT / "solutions").glob("*.ipynb"))
+    solved = grade(ROOT / "solutions", timeout=900)
+    assert solved.total == expected and solved.score == expected, solved.format()
+    fresh = grade(ROOT / "exercises", timeout=900)
+    assert fresh.total == expected and fresh.score == 0, fresh.format()
+    assert {row.status for row in fresh.tasks} == {"not attempted"}, fresh.format()
