@@ -10,7 +10,8 @@ comma  := ,
 EXTRAS := dev$(if $(GPU),$(comma)$(GPU))
 # Only build .venv when PY points into it.
 SETUP  := $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed-$(EXTRAS),)
-PYTEST := $(PY) -m pytest -p no:cacheprovider
+# One BLAS thread per process: tests and notebook kernels run side by side on small CI machines.
+PYTEST := OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} $(PY) -m pytest -p no:cacheprovider
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=900
 
 .PHONY: help setup train test unit notebooks gpu-test lab doctor exercises grade grade-solutions clean clean-notebooks

@@ -1,0 +1,138 @@
+"""The reference optimizer and its helpers, on ONE flat parameter buffer (see params.ParamBuffer.flat).
+
+AdamW
+-----
+Exactly PyTorch's torch.optim.AdamW (amsgrad=False, maximize=False), for step t = 1, 2, ...:
+
+    p = p - lr * wd * p                      # decoupled weight decay, only where decay_mask is True
+    m = b1 * m + (1 - b1) * g                # first moment (running mean of the gradient)
+    v = b2 * v + (1 - b2) * g^2              # second moment (running mean of its square)
+    mhat = m / (1 - b1^t)                    # bias corrections: m and v start at 0
+    vhat = v / (1 - b2^t)
+    p = p - lr * mhat / (sqrt(vhat) + eps)
+
+Note eps is added to sqrt(vhat), after the bias correction, as PyTorch does.
+
+Which parameters decay (nanoGPT's rule)
+---------------------------------------
+nanoGPT decays every parameter tensor with dim >= 2 (the matrices: embeddings and linear weights) and not the
+1-D ones (biases, LayerNorm weights and biases). Our buffer stacks the L layers along a leading axis, so the rule
+is applied to one layer's tensor: qkvw (L, C, 3C) is a stack of 2-D matrices and decays, ln1w (L, C) is a stack
+of 1-D vectors and does not. Decayed: wte, wpe, qkvw, attprojw, fcw, fcprojw (see `DECAY_NAMES`).
+
+Also here: `lr_schedule` (linear warmup then cosine decay) and `clip_grad_norm` (global-norm clipping).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+# Tensors that get weight decay: the matrices (one layer's tensor has dim >= 2). Everything else -- biases
+# (qkvb, attprojb, fcb, fcprojb) and LayerNorm parameters (ln1w, ln1b, ln2w, ln2b, lnfw, lnfb) -- does not.
+DECAY_NAMES = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
+
+
+def decay_mask_for(cfg) -> np.ndarray:
+    """A boolean mask over the flat parameter buffer of `cfg`: True where weight decay applies (DECAY_NAMES)."""
+    from .params import param_shapes
+
+    parts = []
+    for name, shape in param_shapes(cfg).items():
+        parts.append(np.full(math.prod(shape), name in DECAY_NAMES, dtype=bool))
+    return np.concatenate(parts)
+
+
+class AdamW:
+    """AdamW over a flat parameter array, updated in place (PyTorch semantics, see the module docstring).
+
+        opt = AdamW(params.flat, lr=1e-3, weight_decay=0.1, decay_mask=decay_mask_for(cfg))
+        opt.step(grads.flat)              # or opt.step(grads.flat, lr=lr_schedule(...))
+
+    m and v have the dtype of the parameters. The update is computed in that dtype too.
+    """
+
+    def __init__(self, params_flat: np.ndarray, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, decay_mask: Optional[np.ndarray] = None):
+        if params_flat.ndim != 1:
+            raise ValueError(f"AdamW works on a flat (1-D) parameter buffer, got shape {params_flat.shape}")
+        self.params = params_flat
+        self.lr = lr
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+        if decay_mask is not None:
+            decay_mask = np.asarray(decay_mask, dtype=bool)
+            if decay_mask.shape != params_flat.shape:
+                raise ValueError(f"decay_mask has shape {decay_mask.shape}, the parameters {params_flat.shape}")
+        self.decay_mask = decay_mask
+        self.t = 0  # steps taken
+        self.m = np.zeros_like(params_flat)  # first moment
+        self.v = np.zeros_like(params_flat)  # second moment
+
+    def step(self, grads_flat: np.ndarray, lr: Optional[float] = None) -> None:
+        """One update of self.params (in place) from the gradient `grads_flat` (same shape). `lr` overrides."""
+        if grads_flat.shape != self.params.shape:
+            raise ValueError(f"gradient shape {grads_flat.shape} != parameter shape {self.params.shape}")
+        lr = self.lr if lr is None else lr
+        p, g, m, v = self.params, grads_flat, self.m, self.v
+        b1, b2 = self.beta1, self.beta2
+        self.t += 1
+        # 1. decoupled weight decay: shrink the weights, independent of the gradient
+        if self.weight_decay != 0.0:
+            if self.decay_mask is None:
+                p -= lr * self.weight_decay * p
+            else:
+                p[self.decay_mask] -= lr * self.weight_decay * p[self.decay_mask]
+        # 2. update the moment estimates
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        # 3. bias-corrected moments and the step
+        mhat = m / (1 - b1 ** self.t)
+        vhat = v / (1 - b2 ** self.t)
+        p -= lr * mhat / (np.sqrt(vhat) + self.eps)
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue: step count, moments (copies) and hyperparameters."""
+        return {"t": self.t, "m": self.m.copy(), "v": self.v.copy(), "lr": self.lr,
+                "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()`; the moments are copied into the existing arrays."""
+        self.t = int(state["t"])
+        self.m[...] = state["m"]
+        self.v[...] = state["v"]
+        self.lr = state["lr"]
+        self.beta1, self.beta2 = state["betas"]
+        self.eps = state["eps"]
+        self.weight_decay = state["weight_decay"]
+
+
+def lr_schedule(step: int, max_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> float:
+    """Learning rate at `step` (0-based) of a run of `total` steps: linear warmup, then cosine decay.
+
+    - steps 0 .. warmup-1:     max_lr * (step + 1) / warmup   (rises to max_lr; step 0 is not wasted at lr 0)
+    - steps warmup .. total-1: cosine from max_lr (at step = warmup) down to min_lr (at the last step, total-1)
+    - after the run:           min_lr
+    """
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    decay_steps = max(1, total - 1 - warmup)
+    ratio = min(1.0, (step - warmup) / decay_steps)  # 0 -> 1 over the decay phase
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def clip_grad_norm(grads_flat: np.ndarray, max_norm: float) -> float:
+    """Scale the gradient (in place) so its global L2 norm is at most max_norm; return the norm before clipping.
+
+    As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    """
+    total_norm = float(np.sqrt(np.sum(np.square(grads_flat, dtype=np.float64))))
+    clip_coef = max_norm / (total_norm + 1e-6)
+    if clip_coef < 1.0:
+        grads_flat *= grads_flat.dtype.type(clip_coef)
+    return total_norm
