@@ -1,0 +1,655 @@
+"""Tests for gpullm_lessons.checks and gpullm_lessons.arrays.
+
+For every checker: a correct NumPy implementation (destination-passing, written here) passes over several seeds
+in float32 and float64; plausible wrong implementations fail with the hint for their mistake; a stub gives
+"not attempted"; other errors give "error" and never propagate. Plus Numba kernels under the simulator.
+"""
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+import gpullm_lessons  # noqa: F401  (first: switches the CUDA simulator on before numba loads)
+from gpullm_lessons import arrays, checks, device
+from numba import cuda  # noqa: E402  (after gpullm_lessons)
+
+from gpullm_lessons.checks import (
+    check_attention_backward, check_crossentropy_backward, check_encoder_backward, check_gelu_backward,
+    check_layernorm_backward, check_linear_backward, check_residual_backward, check_softmax_backward)
+
+SEEDS = range(6)
+S, K = math.sqrt(2 / math.pi), 0.044715
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Correct implementations (NumPy, destination-passing: write every element of the outputs)
+# ------------------------------------------------------------------------------------------------------------
+def linear_backward(dout, inp, weight, dinp, dweight, dbias):
+    dinp[...] = dout @ weight.T          # (N, OC) @ (OC, C)
+    dweight[...] = inp.T @ dout          # (C, N) @ (N, OC)
+    dbias[...] = dout.sum(axis=0)        # (OC,)
+
+
+def softmax_backward(dout, out, dinp):
+    dinp[...] = out * (dout - (out * dout).sum(axis=-1, keepdims=True))
+
+
+def _xhat(inp, mean, rstd):
+    return (inp - mean[:, None]) * rstd[:, None]
+
+
+def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+    xhat = _xhat(inp, mean, rstd)
+    g = dout * weight
+    dinp[...] = rstd[:, None] * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    dweight[...] = (dout * xhat).sum(axis=0)
+    dbias[...] = dout.sum(axis=0)
+
+
+def _gelu_grad(x, dudx=None):
+    t = np.tanh(S * (x + K * x ** 3))
+    dudx = S * (1 + 3 * K * x ** 2) if dudx is None else dudx
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * dudx
+
+
+def gelu_backward(dout, inp, dinp):
+    dinp[...] = dout * _gelu_grad(inp)
+
+
+def _probs(logits):
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def crossentropy_backward(logits, targets, dlogits):
+    N = logits.shape[0]
+    p = _probs(logits)
+    p[np.arange(N), targets] -= 1
+    dlogits[...] = p / N
+
+
+def _attention(dout, qkv, att, dqkv, n_head, scale=True, mask=True, dk_t=True, rowsum=True, heads_ok=True):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+
+    def split(x):  # (B, T, C) -> (B, nh, T, hs)
+        if not heads_ok:
+            return x.reshape(B, n_head, T, hs)
+        return x.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+
+    def merge(x):  # (B, nh, T, hs) -> (B, T, C)
+        if not heads_ok:
+            return x.reshape(B, T, C)
+        return x.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+    q, k, v = split(qkv[..., :C]), split(qkv[..., C:2 * C]), split(qkv[..., 2 * C:])
+    s = 1 / math.sqrt(hs)
+    if not mask:  # recompute att, forgetting the causal mask
+        att = _probs(q @ k.swapaxes(-1, -2) * s)
+    dy = split(dout)
+    datt = dy @ v.swapaxes(-1, -2)
+    dv = att.swapaxes(-1, -2) @ dy
+    dpre = att * (datt - (att * datt).sum(axis=-1, keepdims=True)) if rowsum else att * datt
+    s = s if scale else 1.0
+    dq = dpre @ k * s
+    dk = (dpre.swapaxes(-1, -2) if dk_t else dpre) @ q * s
+    dqkv[..., :C], dqkv[..., C:2 * C], dqkv[..., 2 * C:] = merge(dq), merge(dk), merge(dv)
+
+
+def attention_backward(dout, qkv, att, dqkv, n_head):
+    _attention(dout, qkv, att, dqkv, n_head)
+
+
+def encoder_backward(dout, idx, dwte, dwpe):
+    dwte[...] = 0
+    dwpe[...] = 0
+    np.add.at(dwte, idx, dout)                 # repeated tokens accumulate
+    dwpe[:idx.shape[1]] = dout.sum(axis=0)
+
+
+def residual_backward(dout, da, db):
+    da[...] = dout
+    db[...] = dout
+
+
+CORRECT = [
+    (check_linear_backward, linear_backward), (check_softmax_backward, softmax_backward),
+    (check_layernorm_backward, layernorm_backward), (check_gelu_backward, gelu_backward),
+    (check_crossentropy_backward, crossentropy_backward), (check_attention_backward, attention_backward),
+    (check_encoder_backward, encoder_backward), (check_residual_backward, residual_backward),
+]
+IDS = [c.__name__ for c, _ in CORRECT]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("check,fn", CORRECT, ids=IDS)
+def test_correct_passes(check, fn, dtype):
+    for seed in SEEDS:
+        r = check(fn, dtype=dtype, seed=seed, quiet=True)
+        assert r.status == "correct" and r.passed and bool(r), r.message
+        assert r.max_rel <= r.tol
+
+
+@pytest.mark.parametrize("check,fn", CORRECT, ids=IDS)
+def test_correct_passes_fresh_seeds_and_low_precision(check, fn):
+    seeds = {check(fn, quiet=True).seed for _ in range(3)}   # seed=None: fresh inputs each call
+    assert len(seeds) >= 2
+    for dtype in (np.float16, "bfloat16"):
+        r = check(fn, dtype=dtype, quiet=True)
+        assert r.passed, r.message
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Wrong implementations: each must fail, with the hint for its mistake
+# ------------------------------------------------------------------------------------------------------------
+def lin_no_transpose(dout, inp, weight, dinp, dweight, dbias):
+    dinp[...] = dout @ weight                    # missing .T
+    dweight[...] = inp.T @ dout
+    dbias[...] = dout.sum(axis=0)
+
+
+def lin_dbias_axis(dout, inp, weight, dinp, dweight, dbias):
+    linear_backward(dout, inp, weight, dinp, dweight, dbias)
+    dbias[...] = dout.sum(axis=1)                # wrong axis
+
+
+def lin_no_dbias(dout, inp, weight, dinp, dweight, dbias):
+    dinp[...] = dout @ weight.T                  # forgot the bias gradient
+    dweight[...] = inp.T @ dout
+
+
+def lin_dweight_layout(dout, inp, weight, dinp, dweight, dbias):
+    linear_backward(dout, inp, weight, dinp, dweight, dbias)
+    dweight[...] = dout.T @ inp                  # (OC, C) layout
+
+
+def lin_skip_last_row(dout, inp, weight, dinp, dweight, dbias):
+    dinp[:-1] = (dout @ weight.T)[:-1]           # loop bound off by one: last row never written
+    dweight[...] = inp.T @ dout
+    dbias[...] = dout.sum(axis=0)
+
+
+def lin_half(dout, inp, weight, dinp, dweight, dbias):
+    linear_backward(dout, inp, weight, dinp, dweight, dbias)
+    dweight *= 0.5
+
+
+def lin_rebind(dout, inp, weight, dinp, dweight, dbias):
+    dinp = dout @ weight.T                       # noqa: F841  rebinds the names: nothing is written
+    dweight = inp.T @ dout                       # noqa: F841
+    dbias = dout.sum(axis=0)                     # noqa: F841
+
+
+def sm_no_rowsum(dout, out, dinp):
+    dinp[...] = out * dout
+
+
+def sm_wrong_axis(dout, out, dinp):
+    dinp[...] = out * (dout - (out * dout).sum(axis=0, keepdims=True))
+
+
+def sm_no_keepdims(dout, out, dinp):
+    dinp[...] = out * (dout - (out * dout).sum(axis=-1))
+
+
+def sm_diagonal(dout, out, dinp):
+    dinp[...] = out * (1 - out) * dout
+
+
+def sm_skip_last_row(dout, out, dinp):
+    dinp[:-1] = (out * (dout - (out * dout).sum(axis=-1, keepdims=True)))[:-1]
+
+
+def ln_no_mean_term(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+    layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias)
+    xhat, g = _xhat(inp, mean, rstd), dout * weight
+    dinp[...] = rstd[:, None] * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+
+
+def ln_no_xhat_term(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+    layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias)
+    g = dout * weight
+    dinp[...] = rstd[:, None] * (g - g.mean(axis=-1, keepdims=True))
+
+
+def ln_wrong_axis(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+    layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias)
+    dweight[...] = (dout * _xhat(inp, mean, rstd)).sum(axis=1)
+    dbias[...] = dout.sum(axis=1)
+
+
+def ln_no_weight(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+    layernorm_backward(dout, inp, np.ones_like(weight), mean, rstd, dinp, dweight, dbias)
+
+
+def ln_no_dbias(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+    layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias)
+    dbias[...] = 0
+
+
+def gelu_erf(dout, inp, dinp):
+    x = inp.astype(np.float64)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    dinp[...] = dout * (cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi))
+
+
+def gelu_no_cube_term(dout, inp, dinp):
+    dinp[...] = dout * _gelu_grad(inp, dudx=S)
+
+
+def gelu_no_dout(dout, inp, dinp):
+    dinp[...] = _gelu_grad(inp)
+
+
+def gelu_skip_tail(dout, inp, dinp):
+    n = (inp.shape[0] // 32) * 32                # a grid of whole blocks only: the tail is never written
+    dinp[:n] = (dout * _gelu_grad(inp))[:n]
+
+
+def ce_no_mean(dout_logits, targets, dlogits):
+    p = _probs(dout_logits)
+    p[np.arange(len(targets)), targets] -= 1
+    dlogits[...] = p                             # forgot / N
+
+
+def ce_no_onehot(logits, targets, dlogits):
+    dlogits[...] = _probs(logits) / logits.shape[0]
+
+
+def ce_broadcast_onehot(logits, targets, dlogits):
+    p = _probs(logits)
+    p[:, targets] -= 1                           # every row's target in every row
+    dlogits[...] = p / logits.shape[0]
+
+
+def ce_skip_last_row(logits, targets, dlogits):
+    p = _probs(logits)
+    p[np.arange(len(targets)), targets] -= 1
+    dlogits[:-1] = (p / logits.shape[0])[:-1]
+
+
+def att_no_mask(dout, qkv, att, dqkv, n_head):
+    _attention(dout, qkv, att, dqkv, n_head, mask=False)
+
+
+def att_no_scale(dout, qkv, att, dqkv, n_head):
+    _attention(dout, qkv, att, dqkv, n_head, scale=False)
+
+
+def att_dk_no_transpose(dout, qkv, att, dqkv, n_head):
+    _attention(dout, qkv, att, dqkv, n_head, dk_t=False)
+
+
+def att_no_rowsum(dout, qkv, att, dqkv, n_head):
+    _attention(dout, qkv, att, dqkv, n_head, rowsum=False)
+
+
+def att_heads(dout, qkv, att, dqkv, n_head):
+    _attention(dout, qkv, att, dqkv, n_head, heads_ok=False)
+
+
+def enc_no_zero(dout, idx, dwte, dwpe):
+    np.add.at(dwte, idx, dout)                   # forgot to zero: the NaN poison stays
+    dwpe[:idx.shape[1]] += dout.sum(axis=0)
+
+
+def enc_overwrite(dout, idx, dwte, dwpe):
+    dwte[...] = 0
+    dwpe[...] = 0
+    dwte[idx] += dout                            # buffered: repeated tokens keep one contribution
+    dwpe[:idx.shape[1]] = dout.sum(axis=0)
+
+
+def enc_race(dout, idx, dwte, dwpe):
+    """What a kernel without atomics may give: for a repeated token, only the first write survives."""
+    dwte[...] = 0
+    dwpe[...] = 0
+    B, T = idx.shape
+    for b in reversed(range(B)):
+        for t in reversed(range(T)):
+            dwte[idx[b, t]] = dout[b, t]
+    dwpe[:T] = dout.sum(axis=0)
+
+
+def enc_no_batch_sum(dout, idx, dwte, dwpe):
+    encoder_backward(dout, idx, dwte, dwpe)
+    dwpe[:idx.shape[1]] = dout[0]
+
+
+def enc_zero_only_used(dout, idx, dwte, dwpe):
+    dwte[idx] = 0                                # zeroes only the rows it touches
+    dwpe[:idx.shape[1]] = 0
+    np.add.at(dwte, idx, dout)
+    dwpe[:idx.shape[1]] += dout.sum(axis=0)
+
+
+def res_only_da(dout, da, db):
+    da[...] = dout
+
+
+def res_split(dout, da, db):
+    da[...] = 0.5 * dout
+    db[...] = 0.5 * dout
+
+
+def res_db_zero(dout, da, db):
+    da[...] = dout
+    db[...] = 0
+
+
+def res_skip_tail(dout, da, db):
+    da[:-3] = dout[:-3]
+    db[:-3] = dout[:-3]
+
+
+WRONG = [
+    (check_linear_backward, lin_no_transpose, "missing transpose: dinp looks like dout @ weight"),
+    (check_linear_backward, lin_dbias_axis, "dbias is summed over the wrong axis"),
+    (check_linear_backward, lin_no_dbias, "dbias was never written"),
+    (check_linear_backward, lin_dweight_layout, "dweight is transposed"),
+    (check_linear_backward, lin_skip_last_row, "elements of dinp were never written"),
+    (check_linear_backward, lin_half, "off by a constant factor (x0.5)"),
+    (check_linear_backward, lin_rebind, "only rebinds the name"),
+    (check_softmax_backward, sm_no_rowsum, "missing the row-sum term"),
+    (check_softmax_backward, sm_wrong_axis, "the row sum runs over the wrong axis"),
+    (check_softmax_backward, sm_no_keepdims, "keepdims=True"),
+    (check_softmax_backward, sm_diagonal, "only the diagonal of the softmax Jacobian"),
+    (check_softmax_backward, sm_skip_last_row, "were never written"),
+    (check_layernorm_backward, ln_no_mean_term, "missing the mean term"),
+    (check_layernorm_backward, ln_no_xhat_term, "missing the xhat * mean(g * xhat) term"),
+    (check_layernorm_backward, ln_wrong_axis, "reduced over the wrong axis"),
+    (check_layernorm_backward, ln_no_weight, "dinp ignores weight"),
+    (check_layernorm_backward, ln_no_dbias, "dbias is not computed"),
+    (check_gelu_backward, gelu_erf, "exact (erf) GELU"),
+    (check_gelu_backward, gelu_no_cube_term, "missing the 3 * 0.044715 x^2 term"),
+    (check_gelu_backward, gelu_no_dout, "multiply the local derivative by dout"),
+    (check_gelu_backward, gelu_skip_tail, "last partial block"),
+    (check_crossentropy_backward, ce_no_mean, "divided by N"),
+    (check_crossentropy_backward, ce_no_onehot, "subtract 1 at each row's target"),
+    (check_crossentropy_backward, ce_broadcast_onehot, "only at each row's own target"),
+    (check_crossentropy_backward, ce_skip_last_row, "were never written"),
+    (check_attention_backward, att_no_mask, "without the causal mask"),
+    (check_attention_backward, att_no_scale, "missing the 1/sqrt(hs) scale"),
+    (check_attention_backward, att_dk_no_transpose, "missing transpose in dk"),
+    (check_attention_backward, att_no_rowsum, "missing its row-sum term"),
+    (check_attention_backward, att_heads, "the heads are split wrong"),
+    (check_encoder_backward, enc_no_zero, "set dwte and dwpe to 0 first"),
+    (check_encoder_backward, enc_overwrite, "must collect every contribution"),
+    (check_encoder_backward, enc_race, "must collect every contribution"),
+    (check_encoder_backward, enc_no_batch_sum, "dwpe[t] sums dout[b, t] over the whole batch b"),
+    (check_encoder_backward, enc_zero_only_used, "rows that get no gradient must be 0"),
+    (check_residual_backward, res_only_da, "db was never written"),
+    (check_residual_backward, res_split, "not split between them"),
+    (check_residual_backward, res_db_zero, "db = dout too"),
+    (check_residual_backward, res_skip_tail, "never written"),
+]
+
+
+@pytest.mark.parametrize("check,fn,hint", WRONG, ids=[f.__name__ for _, f, _ in WRONG])
+def test_wrong_fails_with_hint(check, fn, hint):
+    for seed in (1, 2, 3):
+        r = check(fn, seed=seed, quiet=True)
+        assert r.status == "wrong" and not r.passed and not bool(r), r.message
+        assert hint in r.hint, r.message
+        assert r.output is not None and r.first_bad is not None and r.seed == seed
+        assert f"seed {seed}" in r.message.splitlines()[0]
+
+
+def test_wrong_in_float64_too():
+    r = check_layernorm_backward(ln_no_mean_term, dtype=np.float64, seed=5, quiet=True)
+    assert r.status == "wrong" and "missing the mean term" in r.hint and r.tol == checks.TOLERANCES["float64"]
+
+
+def test_rectangular_case_turns_transposes_into_shape_errors():
+    """After the square case, the rectangular one (C != OC): a missing transpose fails on shape, with shape hints."""
+    rect = dataclasses.replace(checks._LINEAR, n_cases=1,
+                               make=lambda rng, dt, size, k: checks._make_linear(rng, dt, size, 1))
+    for fn in (lin_no_transpose, lin_dbias_axis):
+        r = checks._run(rect, fn, seed=4, quiet=True)
+        assert r.status == "error" and "ValueError" in r.message, r.message
+        assert "shape or index problem" in r.hint and "dbias (OC,) = (" in r.hint and "dout @ weight.T" in r.hint
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Not attempted, errors, NaN
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("check", [c for c, _ in CORRECT], ids=IDS)
+def test_stub_is_not_attempted(check, capsys):
+    def stub(*args):
+        raise NotImplementedError("TODO")
+
+    r = check(stub)
+    assert r.status == "not attempted" and not r.passed
+    out = capsys.readouterr().out
+    assert out == f"{r.name}: not attempted (your function raised NotImplementedError)\n"
+
+
+@pytest.mark.parametrize("check", [c for c, _ in CORRECT], ids=IDS)
+def test_other_error_is_reported_not_raised(check, capsys):
+    def broken(*args):
+        raise ZeroDivisionError("my bug")
+
+    r = check(broken)
+    assert r.status == "error" and not r.passed
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0] == f"{r.name}: error - your function raised ZeroDivisionError: my bug"
+    assert lines[1].startswith("  hint: ") and "in broken" in lines[1] and f"seed {r.seed}" in lines[1]
+
+
+def test_shape_error_hint_lists_shapes(capsys):
+    def wrong_shapes(dout, inp, weight, dinp, dweight, dbias):
+        dinp[...] = dout @ weight.T
+        dweight[...] = inp.T @ dout
+        dbias[...] = dout.sum(axis=0, keepdims=True).T   # (OC, 1) does not fit (OC,)
+
+    r = check_linear_backward(wrong_shapes, seed=3)
+    out = capsys.readouterr().out.splitlines()
+    assert r.status == "error" and out[0].startswith("linear_backward: error - your function raised ValueError: ")
+    assert "shape or index problem" in out[1] and "dout (N, OC) = " in out[1] and "weight.T" in out[1]
+
+
+@pytest.mark.parametrize("check,fn", CORRECT, ids=IDS)
+def test_nan_output_fails(check, fn):
+    def with_nan(*args):
+        fn(*args)
+        n_in = {"linear_backward": 3, "softmax_backward": 2, "layernorm_backward": 5, "gelu_backward": 2,
+                "crossentropy_backward": 2, "attention_backward": 3, "encoder_backward": 2,
+                "residual_backward": 1}[check.__name__[len("check_"):]]
+        args[n_in].reshape(-1)[0] = np.nan          # a NaN that our arithmetic "made"
+        args[n_in].reshape(-1)[1] = np.inf
+
+    r = check(with_nan, seed=0, quiet=True)
+    assert r.status == "wrong" and not r.passed
+    assert "NaN/inf" in r.hint and r.first_bad is not None and math.isnan(r.ours)
+
+
+def test_printed_forms(capsys):
+    r = check_linear_backward(linear_backward, seed=7)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("linear_backward: correct (max rel err ")
+    assert out.rstrip().endswith(", tol 1e-05, fp32, 3 outputs)") and out.strip() == r.message == str(r)
+
+    r = check_linear_backward(lin_no_transpose, seed=7)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("linear_backward: wrong - dinp at [")
+    assert ": yours " in lines[0] and ", expected " in lines[0] and "(max abs err " in lines[0]
+    assert lines[0].endswith("tol 1e-05; seed 7)") and lines[1].startswith("  hint: missing transpose")
+    assert r.first_bad == tuple(int(i) for i in lines[0].split(" at [")[1].split("]")[0].split(", "))
+
+    check_gelu_backward(gelu_backward, seed=1, dtype=np.float64)
+    assert capsys.readouterr().out.endswith("tol 1e-09, fp64, 1 output)\n")
+
+    check_gelu_backward(gelu_backward, quiet=True)
+    assert capsys.readouterr().out == ""
+
+
+def test_result_fields_and_reproducible_seed():
+    a = check_softmax_backward(sm_no_rowsum, seed=11, quiet=True)
+    b = check_softmax_backward(sm_no_rowsum, seed=11, quiet=True)
+    assert a.message == b.message and a.first_bad == b.first_bad and a.ours == b.ours
+    assert a.expected != a.ours and a.max_abs > 0 and a.max_rel > a.tol and a.dtype == "float32"
+    assert a.arrays == "numpy" and set(a.atol) == {"dinp"} and a.dims["N"] > 0 and "out" in a.inputs
+    assert repr(a).startswith("CheckResult(softmax_backward: wrong")
+
+
+def test_square_case_then_rectangular():
+    shapes = []
+
+    def spy(dout, inp, weight, dinp, dweight, dbias):
+        shapes.append((dout.shape, inp.shape, weight.shape))
+        linear_backward(dout, inp, weight, dinp, dweight, dbias)
+
+    for seed in range(5):
+        shapes.clear()
+        assert check_linear_backward(spy, seed=seed, quiet=True)
+        (sq_dout, sq_inp, _), (dout_shape, inp_shape, weight_shape) = shapes
+        assert sq_dout[0] == sq_dout[1] == sq_inp[1]          # N = C = OC
+        N, OC = dout_shape
+        C = inp_shape[1]
+        assert C != OC and weight_shape == (C, OC) and N % 16 and C % 16 and OC % 16
+
+
+def test_encoder_inputs_have_repeats_and_unused_rows():
+    seen = []
+
+    def spy(dout, idx, dwte, dwpe):
+        seen.append((idx.copy(), dwte.shape, dwpe.shape, np.isnan(dwte).all() and np.isnan(dwpe).all()))
+        encoder_backward(dout, idx, dwte, dwpe)
+
+    for seed in range(5):
+        assert check_encoder_backward(spy, seed=seed, quiet=True)
+    for idx, (V, C), (maxT, _), poisoned in seen:
+        counts = np.bincount(idx.ravel(), minlength=V)
+        assert counts.max() >= 2 and (counts == 0).any() and maxT > idx.shape[1] and poisoned and idx.dtype == np.int32
+
+
+def test_input_mutation_is_noted():
+    def mutates(dout, out, dinp):
+        dout *= out                                   # in place: changes the caller's dout
+        dinp[...] = dout
+
+    r = check_softmax_backward(mutates, seed=2, quiet=True)
+    assert r.status == "wrong" and "changed its input dout" in r.hint
+
+
+def test_grading_record(tmp_path, monkeypatch):
+    log = tmp_path / "grades.jsonl"
+    monkeypatch.setenv("GPULLM_GRADE_LOG", str(log))
+    check_residual_backward(residual_backward, task="03.1 residual", quiet=True)
+    check_residual_backward(res_only_da, quiet=True)
+    check_gelu_backward(lambda *a: 1 / 0, task="gelu", quiet=True)
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["status"] for e in entries] == ["correct", "wrong", "error"]
+    assert entries[0]["check"] == "check_residual_backward" and entries[0]["task"] == "03.1 residual"
+    assert entries[1]["task"] is None and entries[1]["message"].startswith("residual_backward: wrong - db at [")
+    assert "\n" not in entries[1]["message"] and entries[2]["task"] == "gelu"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Misuse of the checker itself: clear errors
+# ------------------------------------------------------------------------------------------------------------
+def test_bad_use_of_checker():
+    with pytest.raises(TypeError, match="without calling it"):
+        check_linear_backward(None)
+    with pytest.raises(ValueError, match="'numpy', 'cupy', 'numba'"):
+        check_linear_backward(linear_backward, arrays="torch")
+    with pytest.raises(ValueError, match="float32"):
+        check_linear_backward(linear_backward, dtype=np.int32)
+    with pytest.raises(ValueError, match="float32"):
+        check_linear_backward(linear_backward, dtype="float8")
+    with pytest.raises(ValueError, match="'small', 'large'"):
+        check_linear_backward(linear_backward, size="huge")
+    with pytest.raises(TypeError, match="seed"):
+        check_linear_backward(linear_backward, seed="abc")
+
+
+@pytest.mark.skipif(device.has_gpu(), reason="checks the message shown without a GPU")
+def test_cupy_without_gpu_names_the_fix():
+    with pytest.raises(arrays.BackendUnavailableError, match=r"cuda13|arrays='numba'"):
+        check_residual_backward(residual_backward, arrays="cupy")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# arrays.py
+# ------------------------------------------------------------------------------------------------------------
+def test_arrays_roundtrip():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x = arrays.to_backend(a, "numpy")
+    assert arrays.backend_of(x) == "numpy" and x is not a and np.array_equal(arrays.to_numpy(x), a)
+    d = arrays.to_backend(a, "numba")
+    assert arrays.backend_of(d) == "numba"
+    back = arrays.to_numpy(d)
+    assert isinstance(back, np.ndarray) and np.array_equal(back, a) and back.dtype == np.float32
+    with pytest.raises(ValueError, match="'numpy', 'cupy', 'numba'"):
+        arrays.to_backend(a, "jax")
+    with pytest.raises(TypeError):
+        arrays.backend_of([1, 2])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Numba kernels under the simulator (arrays="numba")
+# ------------------------------------------------------------------------------------------------------------
+@cuda.jit
+def residual_kernel(dout, da, db):
+    i = cuda.grid(1)
+    if i < dout.shape[0]:
+        da[i] = dout[i]
+        db[i] = dout[i]
+
+
+@cuda.jit
+def gelu_kernel(dout, inp, dinp):
+    i = cuda.grid(1)
+    if i < inp.shape[0]:
+        x = inp[i]
+        t = math.tanh(S * (x + K * x * x * x))
+        dinp[i] = dout[i] * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * S * (1 + 3 * K * x * x))
+
+
+@cuda.jit
+def unguarded_kernel(dout, da, db):
+    i = cuda.grid(1)
+    da[i] = dout[i]                                  # no `if i < n`: reads past the end
+    db[i] = dout[i]
+
+
+def test_numba_kernels_in_the_simulator():
+    threads = 64
+
+    def residual_numba(dout, da, db):
+        residual_kernel[(dout.shape[0] + threads - 1) // threads, threads](dout, da, db)
+
+    def residual_numba_short(dout, da, db):
+        residual_kernel[dout.shape[0] // threads, threads](dout, da, db)   # forgets the last partial block
+
+    def gelu_numba(dout, inp, dinp):
+        gelu_kernel[(inp.shape[0] + threads - 1) // threads, threads](dout, inp, dinp)
+
+    def residual_unguarded(dout, da, db):
+        unguarded_kernel[(dout.shape[0] + threads - 1) // threads, threads](dout, da, db)
+
+    r = check_residual_backward(residual_numba, arrays="numba", seed=1, quiet=True)
+    assert r.passed and r.arrays == "numba", r.message
+    r = check_gelu_backward(gelu_numba, arrays="numba", seed=2, quiet=True)
+    assert r.passed, r.message
+    r = check_residual_backward(residual_numba_short, arrays="numba", seed=1, quiet=True)
+    assert r.status == "wrong" and "never written" in r.hint and "last partial block" in r.hint
+    assert "only the last" in r.hint and r.output == "da"
+    r = check_residual_backward(residual_unguarded, arrays="numba", seed=1, quiet=True)
+    assert r.status == "error" and "IndexError" in r.message
+    with pytest.raises(TypeError, match="Numba kernel"):
+        check_residual_backward(residual_kernel, arrays="numba")
+
+
+def test_scalar_broadcast_into_output():
+    def dbias_scalar(dout, inp, weight, dinp, dweight, dbias):
+        linear_backward(dout, inp, weight, dinp, dweight, dbias)
+        dbias[...] = dout.sum(axis=1).mean()          # one number for every channel
+
+    r = check_linear_backward(dbias_scalar, seed=8, quiet=True)
+    assert r.status == "wrong" and r.output == "dbias" and "has the same value" in r.hint
