@@ -640,8 +640,11 @@ def test_numba_kernels_in_the_simulator():
     r = check_residual_backward(residual_numba_short, arrays="numba", seed=1, quiet=True)
     assert r.status == "wrong" and "never written" in r.hint and "last partial block" in r.hint
     assert "only the last" in r.hint and r.output == "da"
-    r = check_residual_backward(residual_unguarded, arrays="numba", seed=1, quiet=True)
-    assert r.status == "error" and "IndexError" in r.message
+    if not device.numba_on_gpu():
+        # The simulator bounds-checks every access; a real GPU does not, so there the unguarded kernel's
+        # out-of-range accesses go unseen (or corrupt other memory): the reason every kernel guards with `if i < n`.
+        r = check_residual_backward(residual_unguarded, arrays="numba", seed=1, quiet=True)
+        assert r.status == "error" and "IndexError" in r.message
     with pytest.raises(TypeError, match="Numba kernel"):
         check_residual_backward(residual_kernel, arrays="numba")
 
