@@ -12,12 +12,9 @@ Backward
 """
 import numpy as np
 
+from ._validate import _float_array
 
-def _float_array(fn, name, x):
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {x.dtype}")
-    return x
+
 
 
 def encoder_forward(idx, wte, wpe):

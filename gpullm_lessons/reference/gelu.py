@@ -11,15 +11,12 @@ import math
 
 import numpy as np
 
+from ._validate import _float_array
+
 GELU_SCALE = math.sqrt(2.0 / math.pi)  # a python float: multiplying keeps float32 arrays float32
 GELU_CUBE = 0.044715
 
 
-def _float_array(fn, name, x):
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {x.dtype}")
-    return x
 
 
 def gelu_forward(inp):

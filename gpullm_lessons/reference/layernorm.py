@@ -13,12 +13,9 @@ Backward, dout = dL/dout, g = dout * weight = dL/dxhat:
 """
 import numpy as np
 
+from ._validate import _float_array
 
-def _float_array(fn, name, x):
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {x.dtype}")
-    return x
+
 
 
 def layernorm_stats(inp, eps=1e-5):

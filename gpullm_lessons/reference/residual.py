@@ -6,12 +6,9 @@ Backward: d(a + b)/da = d(a + b)/db = 1, so the gradient is copied to both branc
 """
 import numpy as np
 
+from ._validate import _float_array
 
-def _float_array(fn, name, x):
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {x.dtype}")
-    return x
+
 
 
 def residual_forward(a, b):

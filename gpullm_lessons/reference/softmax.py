@@ -11,12 +11,9 @@ Backward: the Jacobian is d out_i / d x_j = out_i (delta_ij - out_j), so
 """
 import numpy as np
 
+from ._validate import _float_array
 
-def _float_array(fn, name, x):
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {x.dtype}")
-    return x
+
 
 
 def softmax_forward(inp):

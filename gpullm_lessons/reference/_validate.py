@@ -1,0 +1,10 @@
+"""Input validation shared by the reference ops: clear errors that name the op, the argument and the problem."""
+import numpy as np
+
+
+def _float_array(fn, name, x):
+    """x as an array; TypeError naming `fn` and `name` unless it is floating point."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {x.dtype}")
+    return x
