@@ -15,8 +15,6 @@ import numpy as np
 from ._validate import _float_array
 
 
-
-
 def encoder_forward(idx, wte, wpe):
     """out = wte[idx] + wpe[:T].  idx (B, T) int, wte (V, C), wpe (maxT, C) -> out (B, T, C), cache."""
     idx = np.asarray(idx)

@@ -16,8 +16,6 @@ import numpy as np
 from ._validate import _float_array
 
 
-
-
 def layernorm_stats(inp, eps=1e-5):
     """Per-row statistics: (mean (...,), rstd (...,)) over the last axis, in inp's dtype."""
     inp = _float_array("layernorm_stats", "inp", inp)

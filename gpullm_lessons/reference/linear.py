@@ -17,8 +17,6 @@ import numpy as np
 from ._validate import _float_array
 
 
-
-
 def linear_forward(inp, weight, bias=None):
     """out = inp @ weight + bias.  inp (..., C), weight (C, OC), bias (OC,) or None -> out (..., OC), cache."""
     inp = _float_array("linear_forward", "inp", inp)

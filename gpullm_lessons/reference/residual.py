@@ -9,8 +9,6 @@ import numpy as np
 from ._validate import _float_array
 
 
-
-
 def residual_forward(a, b):
     """a, b (same shape) -> out = a + b, cache None."""
     a = _float_array("residual_forward", "a", a)

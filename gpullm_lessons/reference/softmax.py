@@ -14,8 +14,6 @@ import numpy as np
 from ._validate import _float_array
 
 
-
-
 def softmax_forward(inp):
     """inp (..., n) -> out (..., n), each row sums to 1; cache {out}. -inf entries get probability 0."""
     inp = _float_array("softmax_forward", "inp", inp)
