@@ -95,7 +95,8 @@ def check_gpu() -> Check:
         return Check("SKIP", "gpu", f"none ({info.reason})",
                      "on a lab server: NVIDIA driver (nvidia-smi) or ROCm (rocm-smi) must list a GPU")
     g = info.gpu
-    return Check("OK", "gpu", f"{g.vendor.upper()} {g.name}, {g.memory_bytes / 2**30:.1f} GiB, {g.count} device(s)")
+    name = g.name if g.name.upper().startswith(g.vendor.upper()) else f"{g.vendor.upper()} {g.name}"
+    return Check("OK", "gpu", f"{name}, {g.memory_bytes / 2**30:.1f} GiB, {g.count} device(s)")
 
 
 def check_cupy() -> Check:
