@@ -1,0 +1,14 @@
+"""Every backend's launchers pass the op's checker (NumPy here; Numba and HIP in tests/test_kernels_*.py)."""
+import pytest
+
+from gpullm_lessons import checks
+from gpullm_lessons.backends import numpy as np_backend
+
+OPS = ["linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "residual"]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_backend_passes_its_checker(op, dtype):
+    r = getattr(checks, f"check_{op}_backward")(getattr(np_backend, f"{op}_backward"), dtype=dtype, quiet=True)
+    assert r.status == "correct", r.message
