@@ -5,13 +5,17 @@ device-to-device copy bandwidth for memory-bound kernels, cuBLAS matmul rate for
 Without a GPU, lessons show a stored measurement instead (``stored_ceilings()``, with its card and date).
 
     python -m gpullm_lessons.bench ceilings [--json PATH]
+    python -m gpullm_lessons.bench kernels [--ops softmax,layernorm] [--json PATH] [--plot roofline.png]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import importlib
 import json
 import sys
+from typing import Callable, Optional
 from importlib import resources
 
 import numpy as np
@@ -38,8 +42,8 @@ def time_gpu(fn, warmup: int = 3, iters: int = 20) -> float:
 
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """Device-to-device copy: GB/s counted as read + write (2 x nbytes per copy)."""
-    import cupy as cp
     device.require_gpu("measuring copy bandwidth")
+    import cupy as cp
     n = nbytes // 4
     src = cp.ones(n, cp.float32)
     dst = cp.empty_like(src)
@@ -49,8 +53,8 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
 
 def matmul_rate(n: int = 8192, dtype: str = "float32") -> dict:
     """Square matmul through CuPy (cuBLAS / hipBLAS): TFLOP/s counted as 2 n^3 per product."""
-    import cupy as cp
     device.require_gpu("measuring the matmul rate")
+    import cupy as cp
     if dtype == "bfloat16":
         import ml_dtypes
         dt = np.dtype(ml_dtypes.bfloat16)
@@ -92,17 +96,156 @@ def format_ceilings(c: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- kernel benchmarks ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    """One op at one shape: how to build its arguments on the GPU, what it moves and computes, PyTorch's version."""
+    op: str
+    shape: str
+    make: Callable  # (rng) -> tuple of CuPy arrays (+ int scalars) in the launcher's argument order
+    bytes: int  # minimum bytes a kernel must read + write
+    flops: int
+    torch: Optional[Callable] = None  # (args as torch tensors) -> runs PyTorch's kernel for the same op
+    bound: str = "memory"  # which ceiling judges it: "memory" (copy GB/s) or "compute" (fp32 matmul TFLOP/s)
+
+
+def _cases(small: bool) -> list:
+    import cupy as cp
+    f32 = cp.float32
+
+    def randn(rng, *shape):
+        return cp.asarray(rng.standard_normal(shape, dtype=np.float32))
+
+    def softmax_out(rng, N, n):
+        x = randn(rng, N, n)
+        e = cp.exp(x - x.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    N = 2048 if small else 16384
+    n, C, V, Nce = 1024, 768, 50304, (1024 if small else 8192)
+    cases = [
+        Case("softmax", f"{N}x{n}", lambda r: (randn(r, N, n), softmax_out(r, N, n), cp.empty((N, n), f32)),
+             3 * N * n * 4, 4 * N * n,
+             torch=lambda t: __import__("torch")._softmax_backward_data(t[0], t[1], -1, t[0].dtype)),
+        Case("layernorm", f"{N}x{C}", lambda r: (randn(r, N, C), randn(r, N, C), randn(r, C), randn(r, N),
+                                                 cp.abs(randn(r, N)) + 0.5, cp.empty((N, C), f32), cp.empty(C, f32),
+                                                 cp.empty(C, f32)),
+             (3 * N * C + 2 * N + 3 * C) * 4, 12 * N * C,
+             torch=lambda t: __import__("torch").ops.aten.native_layer_norm_backward(
+                 t[0], t[1], [t[1].shape[1]], t[3][:, None], t[4][:, None], t[2], t[2], [True, True, True])),
+        Case("gelu", f"{N * 4 * C}", lambda r: (randn(r, N * 4 * C), randn(r, N * 4 * C), cp.empty(N * 4 * C, f32)),
+             3 * N * 4 * C * 4, 20 * N * 4 * C,
+             torch=lambda t: __import__("torch").ops.aten.gelu_backward(t[0], t[1], approximate="tanh")),
+        Case("crossentropy", f"{Nce}x{V}", lambda r: (randn(r, Nce, V), cp.asarray(r.integers(0, V, Nce, dtype=np.int32)),
+                                                       cp.empty((Nce, V), f32)),
+             2 * Nce * V * 4 + Nce * 4, 5 * Nce * V,
+             torch=_torch_crossentropy_backward),
+        Case("linear", f"N{N} C{C} OC{4 * C}", lambda r: (randn(r, N, 4 * C), randn(r, N, C), randn(r, C, 4 * C),
+                                                          cp.empty((N, C), f32), cp.empty((C, 4 * C), f32),
+                                                          cp.empty(4 * C, f32)),
+             (2 * N * C + 2 * C * 4 * C + N * 4 * C + 4 * C) * 4, 4 * N * C * 4 * C + N * 4 * C, bound="compute",
+             torch=lambda t: (t[0] @ t[2].T, t[1].T @ t[0], t[0].sum(0))),
+    ]
+    return cases
+
+
+def _torch_crossentropy_backward(t):
+    """PyTorch's fused path for the same math: softmax + NLL backward without a separate probabilities tensor."""
+    import torch
+    logits = t[0]
+    lsm = torch._log_softmax(logits, 1, False)
+    grad = torch.ops.aten.nll_loss_backward(torch.ones((), device=logits.device), lsm, t[1].long(), None, 1, -100,
+                                            torch.zeros((), device=logits.device))
+    return torch._log_softmax_backward_data(grad, lsm, 1, logits.dtype)
+
+
+def _backends():
+    """(name, module) for each kernel backend that imports here."""
+    out = []
+    for name in ("numba", "hip"):
+        try:
+            out.append((name, importlib.import_module(f"gpullm_lessons.backends.{name}")))
+        except ImportError:
+            continue
+    return out
+
+
+def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
+    """Time every version of every kernel backend on each case, beside PyTorch, against this run's ceilings."""
+    info = device.require_gpu("benchmarking kernels")
+    import cupy as cp
+    ceil = {"copy": copy_bandwidth(256 * 2**20 if small else 2 * 2**30), "matmul_fp32": matmul_rate(2048 if small else 8192)}
+    rows = []
+    rng = np.random.default_rng(0)
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - PyTorch is optional
+        torch = None
+    for case in _cases(small):
+        if ops and case.op not in ops:
+            continue
+        args = case.make(rng)
+        runs = []
+        for bname, mod in _backends():
+            fn = getattr(mod, f"{case.op}_backward", None)
+            for version in (mod.versions(case.op) if fn is not None else []):
+                runs.append((bname, version, lambda fn=fn, version=version: fn(*args, version=version)))
+        if torch is not None and case.torch is not None:
+            targs = [torch.as_tensor(a, device="cuda") if isinstance(a, cp.ndarray) else a for a in args]
+            runs.append(("torch", torch.__version__, lambda: case.torch(targs)))
+        for bname, version, run in runs:
+            try:
+                t = time_gpu(run, warmup=3, iters=iters)
+            except Exception as e:  # noqa: BLE001 - one failing version must not stop the table
+                rows.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version,
+                             "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            gbs, tflops = case.bytes / t / 1e9, case.flops / t / 1e12
+            frac = gbs / ceil["copy"]["GB/s"] if case.bound == "memory" else tflops / ceil["matmul_fp32"]["TFLOP/s"]
+            rows.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version, "ms": t * 1e3,
+                         "bytes": case.bytes, "flops": case.flops, "GB/s": gbs, "TFLOP/s": tflops, "bound": case.bound,
+                         "fraction_of_ceiling": frac})
+        del args
+        cp.get_default_memory_pool().free_all_blocks()
+    return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil, "rows": rows}
+
+
+def format_kernels(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [f"{result['card']} ({result['date']}): copy {c['copy']['GB/s']:.0f} GB/s, "
+             f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s",
+             f"{'op':<13}{'shape':<22}{'backend':<8}{'version':<10}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}{'of ceiling':>12}"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}  error: {r['error']}")
+            continue
+        lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}{r['ms']:9.3f}{r['GB/s']:9.0f}"
+                     f"{r['TFLOP/s']:9.2f}{100 * r['fraction_of_ceiling']:11.0f}% ({'copy' if r['bound'] == 'memory' else 'fp32 mm'})")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings"], help="what to measure")
+    ap.add_argument("what", choices=["ceilings", "kernels"], help="what to measure")
+    ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
+    ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
     ap.add_argument("--json", help="write the result as JSON here")
+    ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
     args = ap.parse_args(argv)
     try:
-        result = ceilings()
+        if args.what == "ceilings":
+            result = ceilings(small=args.small)
+            print(format_ceilings(result))
+        else:
+            result = bench_kernels(ops=args.ops.split(",") if args.ops else None, small=args.small)
+            print(format_kernels(result))
+            if args.plot:
+                from . import viz
+                viz.plot_roofline(result, path=args.plot)
     except device.NoGPUError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_ceilings(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -42,7 +42,9 @@ from typing import Callable, Optional
 
 LOG_ENV = "GPULLM_GRADE_LOG"
 NOTEBOOK_ENV = "GPULLM_GRADE_NOTEBOOK"
-STATUSES = ("correct", "wrong", "not attempted", "error")
+STATUSES = ("correct", "wrong", "not attempted", "error", "skipped")
+# "skipped": the task needs a GPU and this machine has none. It is listed but left out of the total.
+UNSCORED = ("skipped",)
 NOT_RUN = "not run"
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds the gpullm_lessons package
 
@@ -208,7 +210,7 @@ class Report:
 
     @property
     def total(self) -> int:
-        return len(self.tasks)
+        return sum(1 for t in self.tasks if t.status not in UNSCORED)
 
     @property
     def percent(self) -> float:
@@ -234,7 +236,9 @@ class Report:
         for n in self.notebooks:
             note = f"  [{n.failure}]" if n.failure else ""
             lines.append(f"{n.notebook}: {n.score}/{n.total} ({_pct(n.score, n.total)}){note}")
-        lines.append(f"score: {self.score}/{self.total} ({_pct(self.score, self.total)})")
+        skipped = len(self.tasks) - self.total
+        note = f"  ({skipped} task{'s' if skipped != 1 else ''} skipped: need a GPU)" if skipped else ""
+        lines.append(f"score: {self.score}/{self.total} ({_pct(self.score, self.total)}){note}")
         return "\n".join(lines)
 
     __str__ = format
@@ -490,7 +494,8 @@ def _grade_notebook(nb_path: Path, workdir: Path, timeout: float, kernel_name: s
             stop_reason = f"grader failed: {msgs[-1]}"
     results, errors = merge(tasks, entries, name, stop_reason=stop_reason)
     score = sum(r.points for r in results)
-    return results, NotebookResult(name, score, len(results), stop_reason, round(time.monotonic() - start, 2),
+    total = sum(1 for r in results if r.status not in UNSCORED)
+    return results, NotebookResult(name, score, total, stop_reason, round(time.monotonic() - start, 2),
                                    errors)
 
 

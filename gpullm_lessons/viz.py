@@ -99,3 +99,41 @@ def plot_ceilings(ceilings: dict, ax=None):
     ax.set_title(f"ceilings of {ceilings['card']} ({ceilings['date']})")
     fig.tight_layout()
     return fig
+
+
+def plot_roofline(result: dict, path=None, ax=None):
+    """Roofline of a kernel benchmark (bench.bench_kernels): achieved TFLOP/s against arithmetic intensity
+    (FLOPs per byte), under the measured copy-bandwidth slope and the fp32 matmul ceiling of the same run."""
+    import numpy as np
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 5))
+    else:
+        fig = ax.figure
+    bw = result["ceilings"]["copy"]["GB/s"] * 1e9
+    peak = result["ceilings"]["matmul_fp32"]["TFLOP/s"] * 1e12
+    rows = [r for r in result["rows"] if "error" not in r]
+    ai = np.logspace(-2, 3, 200)
+    ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, "k-", lw=1.5, label="ceiling (copy GB/s, fp32 matmul)")
+    markers = {"numba": "o", "hip": "s", "torch": "^"}
+    colors = plt.get_cmap("tab10")
+    ops = sorted({r["op"] for r in rows})
+    for r in rows:
+        x = r["flops"] / r["bytes"]
+        ax.scatter(x, r["TFLOP/s"], marker=markers.get(r["backend"], "x"), color=colors(ops.index(r["op"]) % 10),
+                   s=40, alpha=0.8)
+        ax.annotate(f"{r['backend'][0]}{r['version'] if r['backend'] != 'torch' else ''}", (x, r["TFLOP/s"]),
+                    fontsize=6, xytext=(3, 2), textcoords="offset points")
+    for i, op in enumerate(ops):
+        ax.scatter([], [], color=colors(i % 10), label=op)
+    for b, m in markers.items():
+        ax.scatter([], [], marker=m, color="gray", label=b)
+    ax.set_xlabel("arithmetic intensity (FLOPs / byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"kernels on {result['card']} ({result['date']})")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig

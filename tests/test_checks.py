@@ -571,7 +571,17 @@ def test_bad_use_of_checker():
 @pytest.mark.skipif(device.has_gpu(), reason="checks the message shown without a GPU")
 def test_cupy_without_gpu_names_the_fix():
     with pytest.raises(arrays.BackendUnavailableError, match=r"cuda13|arrays='numba'"):
-        check_residual_backward(residual_backward, arrays="cupy")
+        arrays.to_backend(np.zeros(3, np.float32), "cupy")
+
+
+@pytest.mark.skipif(device.has_gpu(), reason="checks what happens without a GPU")
+def test_cupy_check_without_gpu_is_skipped_not_crashed(capsys, tmp_path, monkeypatch):
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("GPULLM_GRADE_LOG", str(log))
+    r = check_residual_backward(residual_backward, arrays="cupy", task="t")
+    assert r.status == "skipped" and not r.passed
+    assert "skipped - arrays='cupy' runs on a GPU" in capsys.readouterr().out
+    assert '"status": "skipped"' in log.read_text()
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -311,3 +311,16 @@ def test_hanging_and_dying_notebooks_cost_only_their_own_tasks(tmp_path):
         time.sleep(0.1)
     assert _gone(kernel_pid), "the hanging kernel outlived the timeout"
     assert _gone(sleep_pid), "the kernel's child process outlived the timeout"
+
+
+def test_skipped_tasks_are_listed_but_not_scored():
+    rows = [TaskResult("03_a.ipynb", "numba", "correct", 1, "ok", "check_x"),
+            TaskResult("03_a.ipynb", "hip", "skipped", 0, "skipped - needs a GPU", "check_x")]
+    report = Report(rows, [grading.NotebookResult("03_a.ipynb", 1, 1, None, 1.0)], "solutions")
+    assert (report.score, report.total) == (1, 1)
+    assert report.format().splitlines()[-1] == "score: 1/1 (100%)  (1 task skipped: need a GPU)"
+    tasks = [grading.Task("03_a.ipynb", "hip", "check_x", "hip", 0, 1, True)] if hasattr(grading, "Task") else []
+    if tasks:
+        results, _ = grading.merge(tasks, [{"check": "check_x", "task": "hip", "status": "skipped", "message": "m"}],
+                                   "03_a.ipynb")
+        assert results[0].status == "skipped" and results[0].points == 0
