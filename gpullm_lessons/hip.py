@@ -92,6 +92,24 @@ def kernel(name: str, function: str, options: tuple = ()):
     return load(name, options).get_function(function)
 
 
+def kernel_from_source(text: str, function: str, options: tuple = ()):
+    """Compile your own kernel source (a string that may `#include "portable.h"`) and return one entry point.
+    Used by the exercises: learners write HIP/CUDA C++ in a notebook cell. Needs a GPU and CuPy."""
+    device.require_gpu(f"running the HIP kernel {function}")
+    module = _load("<notebook>", expand_includes(text), tuple(options))
+    try:
+        return module.get_function(function)
+    except Exception as e:  # noqa: BLE001 - CuPy's message lacks the names we have
+        names = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', text)
+        raise LookupError(f"no kernel named {function!r} in your source (extern \"C\" __global__ entry points: "
+                          f"{', '.join(names) or 'none'}): {e}") from e
+
+
+def compile_source_nvrtc(text: str, arch: str = "sm_90") -> tuple[bool, str]:
+    """Compile a kernel source string with NVRTC without a GPU: (ok, log). Lets a laptop check a HIP exercise compiles."""
+    return _nvrtc(expand_includes(text).encode(), "notebook.cu", arch)
+
+
 # ---- compiling without a GPU --------------------------------------------------------------------------------------
 
 def nvrtc_include_dir() -> Path | None:
@@ -112,10 +130,13 @@ def nvrtc_include_dir() -> Path | None:
 
 def compile_nvrtc(name: str, arch: str = "sm_90") -> tuple[bool, str]:
     """Compile with NVRTC (cuda-python bindings), as CuPy does on an NVIDIA GPU. Returns (ok, log)."""
+    return _nvrtc(expanded_source(name).encode(), f"{name}.cu", arch)
+
+
+def _nvrtc(text: bytes, filename: str, arch: str) -> tuple[bool, str]:
     from cuda.bindings import nvrtc  # lazy: comes with numba-cuda[cu13] / cuda-python
 
-    text = expanded_source(name).encode()
-    err, prog = nvrtc.nvrtcCreateProgram(text, f"{name}.cu".encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(text, filename.encode(), 0, [], [])
     opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
     inc = nvrtc_include_dir()
     if inc is not None:

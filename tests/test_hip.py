@@ -87,3 +87,23 @@ def test_vector_add_and_block_sum_on_gpu():
     hip.kernel("vector_add", "block_sum")((1024,), (256,), (a, total, np.int64(n)))
     ref = float(a.astype(cp.float64).sum())
     assert abs(float(total[0]) - ref) <= 1e-3 * np.sqrt(n)
+
+
+def test_compile_source_reports_errors_and_success():
+    pytest.importorskip("cuda.bindings", reason="NVRTC bindings come with the [dev] extra (numba-cuda[cu13])")
+    good = '#include "portable.h"\nextern "C" __global__ void k(float* x) { x[threadIdx.x] = warp_sum(1.0f); }\n'
+    ok, log = hip.compile_source_nvrtc(good)
+    assert ok, log
+    ok, log = hip.compile_source_nvrtc(good.replace("warp_sum(1.0f)", "undefined_thing"))
+    assert not ok and "undefined_thing" in log
+
+
+@pytest.mark.gpu
+def test_kernel_from_source_runs_and_names_missing_entry_points():
+    import cupy as cp
+    src = '#include "portable.h"\nextern "C" __global__ void twice(float* x, int n) { int i = threadIdx.x; if (i < n) x[i] *= 2.0f; }\n'
+    x = cp.arange(8, dtype=cp.float32)
+    hip.kernel_from_source(src, "twice")((1,), (32,), (x, np.int32(8)))
+    assert x.get().tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    with pytest.raises(LookupError, match="no kernel named 'thrice'.*twice"):
+        hip.kernel_from_source(src, "thrice")
