@@ -211,6 +211,19 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
     return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil, "rows": rows}
 
 
+def stored_kernels() -> dict:
+    """The kernel benchmark measured on the course's reference GPU (card and date inside)."""
+    text = resources.files("gpullm_lessons").joinpath("results", "kernels_h200.json").read_text()
+    return json.loads(text)
+
+
+def kernel_results(ops, live=None) -> dict:
+    """Benchmark rows for `ops`: measured now on a GPU (live=None means: if there is one), else the stored run."""
+    live = device.has_gpu() if live is None else live
+    result = bench_kernels(ops=ops) if live else stored_kernels()
+    return dict(result, rows=[r for r in result["rows"] if r["op"] in ops], live=bool(live))
+
+
 def format_kernels(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"{result['card']} ({result['date']}): copy {c['copy']['GB/s']:.0f} GB/s, "

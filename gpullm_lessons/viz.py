@@ -113,7 +113,7 @@ def plot_roofline(result: dict, path=None, ax=None):
     bw = result["ceilings"]["copy"]["GB/s"] * 1e9
     peak = result["ceilings"]["matmul_fp32"]["TFLOP/s"] * 1e12
     rows = [r for r in result["rows"] if "error" not in r]
-    ai = np.logspace(-2, 3, 200)
+    ai = np.logspace(-1, 3, 200) if any(r["bound"] == "compute" for r in rows) else np.logspace(-1, 1.5, 200)
     ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, "k-", lw=1.5, label="ceiling (copy GB/s, fp32 matmul)")
     markers = {"numba": "o", "hip": "s", "torch": "^"}
     colors = plt.get_cmap("tab10")

@@ -1,0 +1,30 @@
+"""Gather a backend's launchers (every public `*_forward` / `*_backward` function) from its op modules."""
+import importlib
+import re
+
+OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder")
+_VERSION = re.compile(r"^v\d+$")
+
+
+def collect(package: str, prefix: str = "") -> tuple[dict, dict]:
+    """(launchers by name, module by launcher name) from `package.<prefix><op>` for each op module that exists."""
+    launchers, owners = {}, {}
+    for op in OP_MODULES:
+        try:
+            mod = importlib.import_module(f"{package}.{prefix}{op}")
+        except ModuleNotFoundError as e:
+            if e.name and e.name.endswith(f"{prefix}{op}"):
+                continue  # this op has no kernels on this backend yet
+            raise
+        for name in dir(mod):
+            if (name.endswith("_forward") or name.endswith("_backward")) and not name.startswith("_"):
+                fn = getattr(mod, name)
+                if callable(fn) and getattr(fn, "__module__", None) == mod.__name__:
+                    launchers[name] = fn
+                    owners[name] = mod
+    return launchers, owners
+
+
+def numbered(names) -> list:
+    """The plain numbered versions v1, v2, ... in order (helper kernels such as 'v2_reduce' left out)."""
+    return sorted((n for n in names if _VERSION.match(n)), key=lambda n: int(n[1:]))

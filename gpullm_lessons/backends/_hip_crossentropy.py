@@ -1,0 +1,87 @@
+"""Launch wrappers for kernels/hip/crossentropy.cu (CuPy arrays; NVIDIA through NVRTC, AMD through hiprtc).
+
+Same names, signatures and versions as kernels/numba/crossentropy.py (its docstring has the math):
+    crossentropy_forward(logits (N,V), targets (N,) int32, losses (N,), version=)
+    crossentropy_backward(logits (N,V), targets (N,) int32, dlogits (N,V), version=)   dloss = 1, mean over N
+    crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2")     one launch, both outputs
+v1: one thread per row. v2: one block per row, shared-memory tree. v3: v2 with warp shuffles.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+VERSIONS = ("v1", "v2", "v3")
+MAX_THREADS = 1024
+
+
+def _check_array(fn, name, a, shape, dtype):
+    """ValueError/TypeError naming the argument, the shape/dtype it has and the one expected."""
+    if not (type(a).__module__ or "").startswith("cupy"):
+        raise TypeError(f"{fn}: {name} must be a CuPy array (the HIP kernels run on the GPU), "
+                        f"got {type(a).__module__}.{type(a).__name__}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if str(a.dtype) != dtype:
+        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must be C-contiguous (cupy.ascontiguousarray)")
+
+
+def _check_inputs(fn, logits, targets, **outputs):
+    if not hasattr(logits, "shape") or len(logits.shape) != 2:
+        raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {getattr(logits, 'shape', None)}")
+    N, V = logits.shape
+    _check_array(fn, "logits", logits, (N, V), "float32")
+    _check_array(fn, "targets", targets, (N,), "int32")
+    for name, a in outputs.items():
+        _check_array(fn, name, a, (N,) if name == "losses" else (N, V), "float32")
+    return N, V
+
+
+def _launch_shape(fn, version, N, threads, allowed=VERSIONS):
+    """(grid, block): v1 a thread per row; v2, v3 a block per row (v2: a power of 2, v3: a multiple of 64,
+    which is a whole number of warps on NVIDIA (32) and AMD (64))."""
+    if version not in allowed:
+        raise ValueError(f"{fn}: version={version!r}, expected one of {', '.join(allowed)}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"{fn}: threads={threads}, expected 1..{MAX_THREADS}")
+    if version == "v1":
+        return (N + threads - 1) // threads, threads
+    if threads < 64 or threads & (threads - 1):
+        raise ValueError(f"{fn}: threads={threads}: {version} needs a power of 2 in [64, {MAX_THREADS}]")
+    return N, threads
+
+
+def _kernel(name):
+    from gpullm_lessons import hip
+    return hip.kernel("crossentropy", name)
+
+
+def crossentropy_backward(logits, targets, dlogits, version="v2", threads=256):
+    """dlogits (N,V) = (softmax(logits) - onehot(targets)) / N, for dloss = 1 and the mean loss over N rows."""
+    N, V = _check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits)
+    grid, block = _launch_shape("crossentropy_backward", version, N, threads)
+    if N:
+        _kernel(f"crossentropy_backward_{version}")((grid,), (block,),
+                                                   (logits, targets, dlogits, np.int32(N), np.int32(V)))
+    return dlogits
+
+
+def crossentropy_forward(logits, targets, losses, version="v2", threads=256):
+    """losses (N,) = -log softmax(logits)[target] per row (the mean loss is losses.mean())."""
+    N, V = _check_inputs("crossentropy_forward", logits, targets, losses=losses)
+    grid, block = _launch_shape("crossentropy_forward", version, N, threads)
+    if N:
+        _kernel(f"crossentropy_forward_{version}")((grid,), (block,),
+                                                  (logits, targets, losses, np.int32(N), np.int32(V)))
+    return losses
+
+
+def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2", threads=256):
+    """Both in one launch: losses (N,) per row and dlogits (N,V) = (softmax - onehot) / N."""
+    N, V = _check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits)
+    grid, block = _launch_shape("crossentropy_forward_backward", version, N, threads, allowed=("v2",))
+    if N:
+        _kernel("crossentropy_forward_backward_v2")((grid,), (block,),
+                                                    (logits, targets, losses, dlogits, np.int32(N), np.int32(V)))
+    return losses, dlogits

@@ -1,0 +1,114 @@
+"""LayerNorm forward and backward through the portable kernels of kernels/hip/layernorm.cu, launched with CuPy.
+
+Same names, signatures and versions as the Numba wrappers (kernels/numba/layernorm.py):
+    layernorm_forward(inp (N,C), weight (C,), bias (C,), out (N,C), mean (N,), rstd (N,), eps=1e-5, version=...)
+    layernorm_backward(dout (N,C), inp (N,C), weight (C,), mean (N,), rstd (N,), dinp (N,C), dweight (C,),
+                       dbias (C,), version=...)
+v1: one thread per row (dinp), one per column (dweight, dbias). v2: one block per row, shared-memory tree sums;
+dweight/dbias by a two-stage deterministic column reduction through scratch allocated here. v3: v2 with
+warp-shuffle sums. All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import hip
+
+VERSIONS = ("v1", "v2", "v3")
+MAX_THREADS = 1024
+WARP_MAX = 64          # v3 blocks are whole warps on either vendor (32 lanes on NVIDIA, 64 on AMD CDNA)
+ROWS_PER_CHUNK = 32    # rows summed by one thread in stage 1 of the dweight/dbias reduction
+
+
+def _check_array(fn, name, x, shape):
+    """ValueError/TypeError naming the argument, the shape/dtype got and the one expected."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "flags")):
+        raise TypeError(f"{fn}: {name} must be a CuPy array, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected float32 (these kernels compute in float32)")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous (cupy.ascontiguousarray)")
+
+
+def _check_on_gpu(fn, named):
+    """Every array must live in GPU memory: a CuPy array."""
+    for name, x in named:
+        if not (type(x).__module__ or "").startswith("cupy"):
+            raise TypeError(f"{fn}: {name} must be a CuPy array (GPU memory), got {type(x).__module__}."
+                            f"{type(x).__name__}: move it with cupy.asarray(...)")
+
+
+def _check_rows(fn, inp):
+    if not hasattr(inp, "shape"):
+        raise TypeError(f"{fn}: inp must be a CuPy array, got {type(inp).__name__}")
+    if len(inp.shape) != 2 or inp.shape[0] < 1 or inp.shape[1] < 1:
+        raise ValueError(f"{fn}: inp has shape {tuple(inp.shape)}, expected (N, C) with N, C >= 1 "
+                         f"(flatten (B, T, C) to (B*T, C))")
+    return int(inp.shape[0]), int(inp.shape[1])
+
+
+def _check_launch(fn, version, threads):
+    if version not in VERSIONS:
+        raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(VERSIONS)}")
+    if not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"{fn}: threads={threads!r}, expected an int in 1..{MAX_THREADS}")
+    if version == "v2" and threads & (threads - 1):
+        raise ValueError(f"{fn}: threads={threads} must be a power of two for v2 (tree reduction)")
+    if version == "v3" and threads % WARP_MAX:
+        raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP_MAX} for v3 (whole warps on "
+                         f"NVIDIA and AMD)")
+    return int(threads)
+
+
+def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2", threads=128):
+    """inp (N, C), weight (C,), bias (C,) -> writes out (N, C), mean (N,), rstd (N,)."""
+    fn = "layernorm_forward"
+    N, C = _check_rows(fn, inp)
+    named = (("inp", inp, (N, C)), ("weight", weight, (C,)), ("bias", bias, (C,)),
+             ("out", out, (N, C)), ("mean", mean, (N,)), ("rstd", rstd, (N,)))
+    for name, x, shape in named:
+        _check_array(fn, name, x, shape)
+    threads = _check_launch(fn, version, threads)
+    _check_on_gpu(fn, [(name, x) for name, x, _ in named])
+    blocks = (N + threads - 1) // threads if version == "v1" else N   # v1: a thread per row; v2, v3: a block
+    k = hip.kernel("layernorm", f"layernorm_forward_{version}")
+    k((blocks,), (threads,), (inp, weight, bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
+    return out
+
+
+def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version="v2", threads=128,
+                       rows_per_chunk=ROWS_PER_CHUNK):
+    """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,)."""
+    fn = "layernorm_backward"
+    N, C = _check_rows(fn, inp)
+    named = (("dout", dout, (N, C)), ("inp", inp, (N, C)), ("weight", weight, (C,)), ("mean", mean, (N,)),
+             ("rstd", rstd, (N,)), ("dinp", dinp, (N, C)), ("dweight", dweight, (C,)), ("dbias", dbias, (C,)))
+    for name, x, shape in named:
+        _check_array(fn, name, x, shape)
+    threads = _check_launch(fn, version, threads)
+    if not isinstance(rows_per_chunk, (int, np.integer)) or rows_per_chunk < 1:
+        raise ValueError(f"{fn}: rows_per_chunk={rows_per_chunk!r}, expected a positive int")
+    _check_on_gpu(fn, [(name, x) for name, x, _ in named])
+    n, c = np.int32(N), np.int32(C)
+    col_blocks = (C + threads - 1) // threads
+    if version == "v1":
+        hip.kernel("layernorm", "layernorm_backward_v1")(
+            ((N + threads - 1) // threads,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c))
+        hip.kernel("layernorm", "layernorm_backward_v1_dparams")(
+            (col_blocks,), (threads,), (dout, inp, mean, rstd, dweight, dbias, n, c))
+        return dinp, dweight, dbias
+    import cupy  # lazily: an optional extra
+    hip.kernel("layernorm", f"layernorm_backward_{version}")(
+        (N,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c))              # one block per row
+    rows_per_chunk = max(int(rows_per_chunk), (N + 65534) // 65535)                # gridDim.y is at most 65535
+    n_chunks = (N + rows_per_chunk - 1) // rows_per_chunk
+    dweight_part = cupy.empty((n_chunks, C), dtype=cupy.float32)                    # scratch, every element written
+    dbias_part = cupy.empty((n_chunks, C), dtype=cupy.float32)
+    hip.kernel("layernorm", "layernorm_backward_v2_partials")(
+        (col_blocks, n_chunks), (threads,),
+        (dout, inp, mean, rstd, dweight_part, dbias_part, n, c, np.int32(rows_per_chunk)))
+    hip.kernel("layernorm", "layernorm_backward_v2_reduce")(
+        (col_blocks,), (threads,), (dweight_part, dbias_part, dweight, dbias, np.int32(n_chunks), c))
+    return dinp, dweight, dbias
