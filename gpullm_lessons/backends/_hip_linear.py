@@ -1,4 +1,4 @@
-"""HIP/CUDA C++ launchers for linear_backward (kernels/hip/linear.cu), through CuPy; the same signature as the Numba one.
+"""HIP/CUDA C++ launchers for linear_backward (kernels/hip/linear.cu) through CuPy, with the Numba signature.
 
     linear_backward(dout (N,OC), inp (N,C), weight (C,OC), dinp (N,C), dweight (C,OC), dbias (OC,), version="v2")
 
@@ -89,6 +89,10 @@ def linear_backward(dout, inp, weight, dinp, dweight, dbias, version="v2"):
     N, C, OC = _validate(dout, inp, weight, dinp, dweight, dbias, version)
     if version == "cublas":
         import cupy  # lazily: cupy is an optional extra
+        if N == 0:   # no rows: the sums over rows are empty (zeros); do not ask BLAS for a K = 0 product
+            dweight.fill(0)
+            dbias.fill(0)
+            return
         cupy.matmul(dout, weight.T, out=dinp)      # (N, OC) @ (OC, C) -> (N, C)
         cupy.matmul(inp.T, dout, out=dweight)      # (C, N) @ (N, OC) -> (C, OC)
         cupy.sum(dout, axis=0, out=dbias)          # (OC,)

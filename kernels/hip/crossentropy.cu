@@ -1,0 +1,166 @@
+// crossentropy.cu: fused softmax + cross-entropy, forward (per-row losses) and backward (dlogits), portable HIP/CUDA.
+// Same versions as kernels/numba/crossentropy.py (read its docstring for the math):
+//   online softmax: one read of a row gives its max m and s = sum_j exp(logits_j - m);
+//   loss_row = m + log(s) - logits[target];  dlogits_j = (exp(logits_j - m) / s - [j == target]) / N.
+// The probabilities are never stored as a separate (N, V) tensor.
+//   v1: one thread per row.  v2: one block per row, (max, sum) pairs merged in shared memory (tree; blockDim a
+//   power of 2).  v3: v2 with warp shuffles first (blockDim a multiple of warpSize: 32 NVIDIA, 64 AMD CDNA).
+//   crossentropy_forward_backward_v2: both outputs in one launch.
+#include "portable.h"
+
+// A thread that got no element holds (CE_EMPTY, 0). Finite, so merging two empty pairs gives exp(0) * 0 = 0,
+// where -inf would give exp(-inf - -inf) = NaN.
+#define CE_EMPTY (-3.0e38f)
+
+// Fold one logit x into the running pair (m = max so far, s = sum of exp(. - m) so far).
+__device__ __forceinline__ void online_update(float& m, float& s, float x) {
+    if (x > m) { s = s * expf(m - x) + 1.0f; m = x; }   // new max: rescale what was summed so far
+    else       { s += expf(x - m); }
+}
+
+// Merge pair (m_b, s_b) into (m, s).
+__device__ __forceinline__ void merge(float& m, float& s, float m_b, float s_b) {
+    float m_new = fmaxf(m, m_b);
+    s = s * expf(m - m_new) + s_b * expf(m_b - m_new);
+    m = m_new;
+}
+
+// Thread `start` of a group of `step` threads: online softmax over x[start], x[start + step], ... (x: one row (V,)).
+__device__ __forceinline__ void slice_stats(const float* x, int V, int start, int step, float& m, float& s) {
+    m = CE_EMPTY; s = 0.0f;
+    for (int j = start; j < V; j += step) online_update(m, s, x[j]);
+}
+
+// dlogits row (V,) = (probs - onehot) / N for elements start, start + step, ...
+__device__ __forceinline__ void write_dlogits(const float* x, int t, float* d, int V, int N, float m, float s,
+                                              int start, int step) {
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+    for (int j = start; j < V; j += step) {
+        float p = expf(x[j] - m) * inv_s;                 // probs_j, never stored
+        d[j] = (j == t ? p - 1.0f : p) * inv_n;
+    }
+}
+
+// Block tree over one pair per thread (sh_m, sh_s: blockDim entries): every thread returns the block's pair.
+__device__ __forceinline__ void block_stats_tree(float* sh_m, float* sh_s, float& m, float& s) {
+    int tid = threadIdx.x;
+    sh_m[tid] = m; sh_s[tid] = s;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {   // tid merges the pair of tid + stride
+        if (tid < stride) {
+            float mm = sh_m[tid], ss = sh_s[tid];
+            merge(mm, ss, sh_m[tid + stride], sh_s[tid + stride]);
+            sh_m[tid] = mm; sh_s[tid] = ss;
+        }
+        __syncthreads();
+    }
+    m = sh_m[0]; s = sh_s[0];
+}
+
+// Butterfly over the lanes of a warp: every lane ends with the warp's pair.
+__device__ __forceinline__ void warp_stats(float& m, float& s) {
+    for (int offset = warpSize / 2; offset > 0; offset /= 2) {
+        float m_b = shfl_xor(m, offset, warpSize), s_b = shfl_xor(s, offset, warpSize);
+        merge(m, s, m_b, s_b);
+    }
+}
+
+// Warps merge by shuffles, lane 0 of each stores the warp's pair, then every warp merges those pairs:
+// every thread returns the block's pair after one __syncthreads (sh_m, sh_s: MAX_WARPS_PER_BLOCK entries).
+__device__ __forceinline__ void block_stats_shfl(float* sh_m, float* sh_s, float& m, float& s) {
+    int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, n_warps = blockDim.x / warpSize;
+    warp_stats(m, s);
+    if (lane == 0) { sh_m[warp] = m; sh_s[warp] = s; }
+    __syncthreads();
+    m = lane < n_warps ? sh_m[lane] : CE_EMPTY;
+    s = lane < n_warps ? sh_s[lane] : 0.0f;
+    warp_stats(m, s);
+}
+
+// ---- v1: thread `row` owns logits[row, :] (V,) --------------------------------------------------------------------
+extern "C" __global__ void crossentropy_backward_v1(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                   float* __restrict__ dlogits, int N, int V) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    float m, s;
+    slice_stats(x, V, 0, 1, m, s);
+    write_dlogits(x, targets[row], dlogits + (long long)row * V, V, N, m, s, 0, 1);
+}
+
+extern "C" __global__ void crossentropy_forward_v1(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                  float* __restrict__ losses, int N, int V) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    float m, s;
+    slice_stats(x, V, 0, 1, m, s);
+    losses[row] = m + logf(s) - x[targets[row]];
+}
+
+// ---- v2: block `row` owns logits[row, :]; thread tid handles elements tid, tid + blockDim, ... -----------------------
+extern "C" __global__ void crossentropy_backward_v2(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                   float* __restrict__ dlogits, int N, int V) {
+    __shared__ float sh_m[1024], sh_s[1024];              // one pair per thread (blockDim <= 1024)
+    int row = blockIdx.x;
+    if (row >= N) return;                                 // the whole block leaves together
+    const float* x = logits + (long long)row * V;
+    float m, s;
+    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+    block_stats_tree(sh_m, sh_s, m, s);
+    write_dlogits(x, targets[row], dlogits + (long long)row * V, V, N, m, s, threadIdx.x, blockDim.x);
+}
+
+extern "C" __global__ void crossentropy_forward_v2(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                  float* __restrict__ losses, int N, int V) {
+    __shared__ float sh_m[1024], sh_s[1024];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    float m, s;
+    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+    block_stats_tree(sh_m, sh_s, m, s);
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - x[targets[row]];
+}
+
+// One launch, one reduction, both outputs.
+extern "C" __global__ void crossentropy_forward_backward_v2(const float* __restrict__ logits,
+                                                           const int* __restrict__ targets,
+                                                           float* __restrict__ losses, float* __restrict__ dlogits,
+                                                           int N, int V) {
+    __shared__ float sh_m[1024], sh_s[1024];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    int t = targets[row];
+    float m, s;
+    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+    block_stats_tree(sh_m, sh_s, m, s);
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - x[t];
+    write_dlogits(x, t, dlogits + (long long)row * V, V, N, m, s, threadIdx.x, blockDim.x);
+}
+
+// ---- v3: v2 with warp shuffles ------------------------------------------------------------------------------------
+extern "C" __global__ void crossentropy_backward_v3(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                   float* __restrict__ dlogits, int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];   // one pair per warp
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    float m, s;
+    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+    block_stats_shfl(sh_m, sh_s, m, s);
+    write_dlogits(x, targets[row], dlogits + (long long)row * V, V, N, m, s, threadIdx.x, blockDim.x);
+}
+
+extern "C" __global__ void crossentropy_forward_v3(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                  float* __restrict__ losses, int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    float m, s;
+    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+    block_stats_shfl(sh_m, sh_s, m, s);
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - x[targets[row]];
+}

@@ -1,0 +1,180 @@
+"""Fused softmax + cross-entropy kernels: kernels/numba/crossentropy.py and kernels/hip/crossentropy.cu.
+
+In the simulator: v1 and v2 (and v2_fused) against check_crossentropy_backward, the forward against the reference
+loss, broken launches caught, wrapper validation. On a GPU (`pytest -m gpu`): every version, Numba and HIP, at the
+checker's large size (V = 50257) and awkward block sizes. PTX for every KERNELS entry: tests/test_kernels_numba.py.
+"""
+import numpy as np
+import pytest
+
+from gpullm_lessons import device, reference
+from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons.checks import check_crossentropy_backward
+from gpullm_lessons.kernels.numba import crossentropy as ce
+
+SIM_VERSIONS = [v for v in ce.VERSIONS if v not in ce.GPU_ONLY]
+
+
+def _inputs(N, V, seed, offset=0.0):
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((N, V)) * 10.0 ** rng.uniform(-1, 0.7, (N, 1)) + offset).astype(np.float32)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    return logits, targets
+
+
+def _row_losses(logits, targets):
+    """float64 per-row -log softmax[target] (the reference op returns only the mean)."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=1)
+    lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))
+    return lse - x[np.arange(len(targets)), targets]
+
+
+# ---- (a) the simulator: every simulator-capable version passes its checker ---------------------------------------------
+@pytest.mark.parametrize("version", SIM_VERSIONS)
+def test_backward_passes_checker(version):
+    r = check_crossentropy_backward(lambda *a: ce.crossentropy_backward(*a, version=version), arrays="numba",
+                                    quiet=True)
+    assert r.passed, r.message
+
+
+@pytest.mark.parametrize("version", SIM_VERSIONS)
+def test_forward_matches_reference(version):
+    logits, targets = _inputs(13, 37, seed=1)
+    losses = to_backend(np.full(13, np.nan, np.float32), "numba")
+    ce.crossentropy_forward(to_backend(logits, "numba"), to_backend(targets, "numba"), losses, version=version)
+    ours = to_numpy(losses)
+    loss, _ = reference.crossentropy_forward(logits.astype(np.float64), targets)
+    assert abs(ours.mean() - loss) <= 1e-5 * abs(loss)                  # the mean is the reference loss
+    np.testing.assert_allclose(ours, _row_losses(logits, targets), rtol=1e-5, atol=1e-6)
+
+
+def test_online_softmax_does_not_overflow():
+    """Logits around 500: exp(500) overflows float32; the running max keeps every exponent <= 0."""
+    logits, targets = _inputs(5, 41, seed=2, offset=500.0)
+    losses = np.full(5, np.nan, np.float32)
+    dlogits = np.full((5, 41), np.nan, np.float32)
+    ce.crossentropy_forward_backward(logits, targets, losses, dlogits, threads=32)   # NumPy arrays: simulator
+    np.testing.assert_allclose(losses, _row_losses(logits, targets), rtol=1e-4)
+    _, cache = reference.crossentropy_forward(logits.astype(np.float64), targets)
+    np.testing.assert_allclose(dlogits, reference.crossentropy_backward(1.0, cache), atol=1e-7)
+
+
+def test_fused_passes_checker_and_writes_losses():
+    seen = {}
+
+    def fused(logits, targets, dlogits):
+        losses = to_backend(np.full(logits.shape[0], np.nan, np.float32), "numba")
+        ce.crossentropy_forward_backward(logits, targets, losses, dlogits)
+        seen["losses"], seen["logits"], seen["targets"] = to_numpy(losses), to_numpy(logits), to_numpy(targets)
+
+    r = check_crossentropy_backward(fused, arrays="numba", quiet=True)
+    assert r.passed, r.message
+    np.testing.assert_allclose(seen["losses"], _row_losses(seen["logits"], seen["targets"]), rtol=1e-5, atol=1e-6)
+
+
+def test_broken_launches_are_caught():
+    def too_few_threads(logits, targets, dlogits):        # v1 with one block of 2 threads: rows 2.. never written
+        ce.KERNELS["v1"][1, 2](logits, targets, dlogits)
+
+    r = check_crossentropy_backward(too_few_threads, arrays="numba", quiet=True)
+    assert not r.passed and "never written" in r.hint
+
+    def last_row_missing(logits, targets, dlogits):       # v2 with a block too few: the last row stays NaN
+        ce.KERNELS["v2"][logits.shape[0] - 1, 32](logits, targets, dlogits)
+
+    r = check_crossentropy_backward(last_row_missing, arrays="numba", quiet=True)
+    assert not r.passed and "never written" in r.hint
+
+
+# ---- (b) wrapper validation --------------------------------------------------------------------------------------------
+def _arrays(N=4, V=6):
+    return np.zeros((N, V), np.float32), np.zeros(N, np.int32), np.zeros((N, V), np.float32)
+
+
+def test_validation_errors():
+    logits, targets, dlogits = _arrays()
+    with pytest.raises(ValueError, match=r"dlogits has shape \(4, 5\), expected \(4, 6\)"):
+        ce.crossentropy_backward(logits, targets, np.zeros((4, 5), np.float32))
+    with pytest.raises(ValueError, match=r"targets has shape \(3,\), expected \(4,\)"):
+        ce.crossentropy_backward(logits, np.zeros(3, np.int32), dlogits)
+    with pytest.raises(TypeError, match="targets has dtype int64, expected int32"):
+        ce.crossentropy_backward(logits, targets.astype(np.int64), dlogits)
+    with pytest.raises(TypeError, match="logits has dtype float64, expected float32"):
+        ce.crossentropy_backward(logits.astype(np.float64), targets, dlogits)
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        ce.crossentropy_backward(logits.ravel(), targets, dlogits)
+    with pytest.raises(ValueError, match=r"losses has shape \(5,\), expected \(4,\)"):
+        ce.crossentropy_forward(logits, targets, np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        ce.crossentropy_backward(logits, targets, np.zeros((6, 4), np.float32).T)
+    with pytest.raises(ValueError, match="version='v9'"):
+        ce.crossentropy_backward(logits, targets, dlogits, version="v9")
+    with pytest.raises(ValueError, match="threads=48: v2 needs a power of 2"):
+        ce.crossentropy_backward(logits, targets, dlogits, version="v2", threads=48)
+    with pytest.raises(ValueError, match="version='v1'"):
+        ce.crossentropy_forward_backward(logits, targets, np.zeros(4, np.float32), dlogits, version="v1")
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="the GPU runs v3")
+def test_gpu_only_version_refused_in_simulator():
+    with pytest.raises(RuntimeError, match="simulator does not support"):
+        ce.crossentropy_backward(*_arrays(), version="v3")
+
+
+def test_hip_wrapper_validation_without_gpu():
+    from gpullm_lessons.backends import _hip_crossentropy as hce
+    with pytest.raises(TypeError, match="logits must be a CuPy array"):
+        hce.crossentropy_backward(*_arrays())
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        hce.crossentropy_forward(np.zeros(3, np.float32), np.zeros(3, np.int32), np.zeros(3, np.float32))
+
+
+# ---- (c) on a GPU: every version, both backends, large and awkward sizes ------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("version", ce.VERSIONS)
+def test_numba_on_gpu(version, size):
+    for threads in (None, 32, 1024):
+        r = check_crossentropy_backward(lambda *a: ce.crossentropy_backward(*a, version=version, threads=threads),
+                                        arrays="numba", size=size, quiet=True)
+        assert r.passed, (threads, r.message)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("version", ce.VERSIONS)
+def test_hip_on_gpu(version, size):
+    from gpullm_lessons.backends import _hip_crossentropy as hce
+    for threads in (64, 256, 1024):
+        r = check_crossentropy_backward(lambda *a: hce.crossentropy_backward(*a, version=version, threads=threads),
+                                        arrays="cupy", size=size, quiet=True)
+        assert r.passed, (threads, r.message)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["numba", "hip"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "fused"])
+def test_forward_on_gpu(backend, version):
+    """Per-row losses at GPT-2 size (V = 50257, N awkward), and the fused kernel's dlogits, against float64."""
+    if backend == "hip":
+        from gpullm_lessons.backends import _hip_crossentropy as mod
+        arrays = "cupy"
+    else:
+        mod, arrays = ce, "numba"
+    N, V = 1000, 50257
+    logits, targets = _inputs(N, V, seed=3)
+    d_logits, d_targets = to_backend(logits, arrays), to_backend(targets, arrays)
+    losses = to_backend(np.full(N, np.nan, np.float32), arrays)
+    if version == "fused":
+        dlogits = to_backend(np.full((N, V), np.nan, np.float32), arrays)
+        mod.crossentropy_forward_backward(d_logits, d_targets, losses, dlogits)
+        _, cache = reference.crossentropy_forward(logits.astype(np.float64), targets)
+        expected = reference.crossentropy_backward(1.0, cache)
+        assert np.abs(to_numpy(dlogits) - expected).max() <= 1e-5 / N
+    else:
+        mod.crossentropy_forward(d_logits, d_targets, losses, version=version)
+    ours = to_numpy(losses)
+    np.testing.assert_allclose(ours, _row_losses(logits, targets), rtol=1e-5, atol=1e-5)
+    loss, _ = reference.crossentropy_forward(logits.astype(np.float64), targets)
+    assert abs(ours.astype(np.float64).mean() - loss) <= 1e-5 * abs(loss)

@@ -1,0 +1,249 @@
+"""LayerNorm kernels: Numba (kernels/numba/layernorm.py) and HIP (kernels/hip/layernorm.cu via
+gpullm_lessons.backends._hip_layernorm).
+
+Backward: check_layernorm_backward (fresh random inputs, NaN-poisoned outputs). Forward: compared here with
+gpullm_lessons.reference.layernorm_forward in float64, outputs NaN-poisoned. Simulator runs keep sizes toy;
+@pytest.mark.gpu tests (every version, both backends, large and awkward sizes) run on a GPU.
+"""
+import secrets
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import device, reference
+from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons.checks import check_layernorm_backward
+from gpullm_lessons.kernels.numba import layernorm as nb
+
+SIM_VERSIONS = sorted(set(nb.VERSIONS) - nb.GPU_ONLY)   # v1, v2
+needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(), reason="Numba kernels run on NVIDIA GPUs only")
+
+
+# Forward tolerance, same rule as the checkers (|yours - expected| <= tol * (|expected| + max|expected|)) but 3x the
+# checkers' fp32 1e-5: a row with a small spread and a large offset turns the mean's rounding error into an error
+# of xhat |mean| / std times larger. A sequential fp32 loop (v1) reached 7.4e-6 at N=4097, C=1023; missing terms
+# fail by orders of magnitude.
+FORWARD_TOL = 3e-5
+
+
+def check_forward(fn, arrays, N, C, tol=FORWARD_TOL, seed=None):
+    """fn(inp, weight, bias, out, mean, rstd) against the float64 reference; outputs start as NaN."""
+    seed = secrets.randbelow(1_000_000) if seed is None else seed
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.uniform(-1.0, 0.5, (N, 1))                      # rows of very different scales
+    inp = (rng.standard_normal((N, C)) * scale + rng.standard_normal((N, 1))).astype(np.float32)
+    weight = rng.normal(1.0, 0.5, C).astype(np.float32)
+    bias = rng.standard_normal(C).astype(np.float32)
+    out_ref, cache = reference.layernorm_forward(*(x.astype(np.float64) for x in (inp, weight, bias)))
+    expected = {"out": out_ref, "mean": cache["mean"], "rstd": cache["rstd"]}
+    outs = {"out": np.full((N, C), np.nan, np.float32), "mean": np.full(N, np.nan, np.float32),
+            "rstd": np.full(N, np.nan, np.float32)}
+    dev = {k: to_backend(v, arrays) for k, v in outs.items()}
+    fn(*(to_backend(x, arrays) for x in (inp, weight, bias)), dev["out"], dev["mean"], dev["rstd"])
+    for name, e in expected.items():
+        got = to_numpy(dev[name]).astype(np.float64)
+        assert np.isfinite(got).all(), f"{name}: {int((~np.isfinite(got)).sum())} elements NaN/unwritten " \
+                                       f"(N={N}, C={C}, seed {seed})"
+        err = np.abs(got - e) / (np.abs(e) + np.abs(e).max())
+        assert err.max() <= tol, f"{name}: max rel err {err.max():.2g} > {tol} (N={N}, C={C}, seed {seed})"
+
+
+# ---- (a) simulator-capable versions, toy sizes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", SIM_VERSIONS)
+def test_numba_backward_passes_checker(version):
+    threads = 128 if device.numba_on_gpu() else 32
+    r = check_layernorm_backward(lambda *a: nb.layernorm_backward(*a, version=version, threads=threads),
+                                 arrays="numba", quiet=True)
+    assert r.passed, r.message
+
+
+def test_numba_backward_v2_many_chunks_and_column_blocks():
+    """Small blocks and chunks: several column blocks and row chunks, the last of each partial."""
+    r = check_layernorm_backward(lambda *a: nb.layernorm_backward(*a, version="v2", threads=8, rows_per_chunk=3),
+                                 arrays="numba", quiet=True)
+    assert r.passed, r.message
+
+
+@pytest.mark.parametrize("version", SIM_VERSIONS)
+def test_numba_forward_matches_reference(version):
+    rng = np.random.default_rng()
+    N, C = int(rng.integers(3, 30)), int(rng.integers(4, 50))
+    check_forward(lambda *a: nb.layernorm_forward(*a, version=version, threads=16), "numba", N, C)
+
+
+def test_too_few_blocks_is_caught():
+    """v1 launched with one block of N - 1 threads: the last row of dinp is never written."""
+    def broken(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+        N, C = inp.shape
+        nb.KERNELS["v1"][1, N - 1](dout, inp, weight, mean, rstd, dinp)
+        nb.KERNELS["v1_dparams"][1, C](dout, inp, mean, rstd, dweight, dbias)
+    r = check_layernorm_backward(broken, arrays="numba", quiet=True)
+    assert r.status == "wrong" and r.output == "dinp"
+    assert "never written" in r.hint
+
+
+def test_missing_stage_two_is_caught():
+    """v2 stage 1 only, with dweight/dbias taken from the first chunk's partials: rows past the chunk are lost."""
+    from numba import cuda
+
+    def broken(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
+        N, C = inp.shape
+        nb.KERNELS["v2"][N, 8](dout, inp, weight, mean, rstd, dinp)
+        part_w, part_b = cuda.device_array((N, C), np.float32), cuda.device_array((N, C), np.float32)
+        nb.KERNELS["v2_partials"][(C + 7) // 8, N](dout, inp, mean, rstd, part_w, part_b, np.int64(1))
+        nb.KERNELS["v2_reduce"][(C + 7) // 8, 8](part_w[:1], part_b[:1], dweight, dbias)
+    r = check_layernorm_backward(broken, arrays="numba", quiet=True)
+    assert r.status == "wrong" and r.output in ("dweight", "dbias")
+
+
+def test_check_forward_catches_a_wrong_forward():
+    def no_bias(inp, weight, bias, out, mean, rstd):          # NumPy, forgets the bias
+        mean[:], rstd[:] = reference.layernorm_stats(inp)
+        out[:] = (inp - mean[:, None]) * rstd[:, None] * weight
+
+    def last_row_missing(inp, weight, bias, out, mean, rstd):   # NumPy, skips the last row
+        y, cache = reference.layernorm_forward(inp[:-1], weight, bias)
+        out[:-1], mean[:-1], rstd[:-1] = y, cache["mean"], cache["rstd"]
+    with pytest.raises(AssertionError, match="out: max rel err"):
+        check_forward(no_bias, "numpy", 7, 9)
+    with pytest.raises(AssertionError, match="out: 9 elements NaN/unwritten"):
+        check_forward(last_row_missing, "numpy", 7, 9)
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="on a GPU v3 runs")
+def test_gpu_only_version_refused_in_simulator():
+    from gpullm_lessons.device import NoGPUError
+    a = np.zeros((3, 4), np.float32)
+    v = np.zeros(4, np.float32)
+    s = np.zeros(3, np.float32)
+    with pytest.raises(NoGPUError, match="warp shuffles"):
+        nb.layernorm_backward(a, a, v, s, s, a.copy(), v.copy(), v.copy(), version="v3")
+    with pytest.raises(NoGPUError, match="simulator"):
+        nb.layernorm_forward(a, v, v, a.copy(), s, s.copy(), version="v3")
+
+
+# ---- (b) wrapper input validation (Numba, and the HIP wrapper's checks that need no GPU) -----------------------------
+
+def _bwd_args(N=5, C=7):
+    f = np.float32
+    return [np.zeros((N, C), f), np.zeros((N, C), f), np.zeros(C, f), np.zeros(N, f), np.zeros(N, f),
+            np.zeros((N, C), f), np.zeros(C, f), np.zeros(C, f)]
+
+
+def _fwd_args(N=5, C=7):
+    f = np.float32
+    return [np.zeros((N, C), f), np.zeros(C, f), np.zeros(C, f), np.zeros((N, C), f), np.zeros(N, f),
+            np.zeros(N, f)]
+
+
+def _hip():
+    from gpullm_lessons.backends import _hip_layernorm
+    return _hip_layernorm
+
+
+@pytest.mark.parametrize("module", ["numba", "hip"])
+def test_validation_errors(module):
+    mod = nb if module == "numba" else _hip()
+    args = _bwd_args()
+    args[2] = np.zeros(6, np.float32)
+    with pytest.raises(ValueError, match=r"layernorm_backward: weight has shape \(6,\), expected \(7,\)"):
+        mod.layernorm_backward(*args)
+    args = _bwd_args()
+    args[6] = np.zeros(7, np.float64)
+    with pytest.raises(TypeError, match="dweight has dtype float64, expected float32"):
+        mod.layernorm_backward(*args)
+    args = _bwd_args()
+    args[5] = np.zeros((7, 5), np.float32).T
+    with pytest.raises(ValueError, match="dinp of shape .* must be C-contiguous"):
+        mod.layernorm_backward(*args)
+    args = _bwd_args()
+    args[1] = np.zeros((5, 7, 1), np.float32)
+    with pytest.raises(ValueError, match=r"inp has shape \(5, 7, 1\), expected \(N, C\)"):
+        mod.layernorm_backward(*args)
+    with pytest.raises(ValueError, match="version='v9' is not one of v1, v2, v3"):
+        mod.layernorm_backward(*_bwd_args(), version="v9")
+    with pytest.raises(ValueError, match="threads=48 must be a power of two"):
+        mod.layernorm_backward(*_bwd_args(), version="v2", threads=48)
+    args = _fwd_args()
+    args[4] = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=r"layernorm_forward: mean has shape \(4,\), expected \(5,\)"):
+        mod.layernorm_forward(*args)
+
+
+def test_hip_wrapper_wants_cupy_arrays():
+    with pytest.raises(TypeError, match="dout must be a CuPy array"):
+        _hip().layernorm_backward(*_bwd_args())
+    with pytest.raises(TypeError, match="inp must be a CuPy array"):
+        _hip().layernorm_forward(*_fwd_args())
+
+
+# ---- (c) on a GPU: every version, both backends, large and awkward sizes ---------------------------------------------
+
+def _hip_or_skip():
+    pytest.importorskip("cupy", reason="HIP kernels are launched through CuPy")
+    return _hip()
+
+
+@pytest.mark.gpu
+@needs_numba_gpu
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("version", nb.VERSIONS)
+def test_numba_backward_on_gpu(version, size):
+    for threads in ((64, 256) if version != "v1" else (32, 128)):
+        r = check_layernorm_backward(lambda *a: nb.layernorm_backward(*a, version=version, threads=threads),
+                                     arrays="numba", size=size, quiet=True)
+        assert r.passed, f"threads={threads}: {r.message}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("version", _hip().VERSIONS)
+def test_hip_backward_on_gpu(version, size):
+    hipln = _hip_or_skip()
+    for threads in (64, 256):
+        r = check_layernorm_backward(lambda *a: hipln.layernorm_backward(*a, version=version, threads=threads),
+                                     arrays="cupy", size=size, quiet=True)
+        assert r.passed, f"threads={threads}: {r.message}"
+
+
+AWKWARD = [(1, 1), (3, 5), (37, 771), (1000, 768), (4097, 1023)]
+
+
+@pytest.mark.gpu
+@needs_numba_gpu
+@pytest.mark.parametrize("version", nb.VERSIONS)
+def test_numba_forward_on_gpu(version):
+    for N, C in AWKWARD:
+        check_forward(lambda *a: nb.layernorm_forward(*a, version=version, threads=128), "numba", N, C)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", _hip().VERSIONS)
+def test_hip_forward_on_gpu(version):
+    hipln = _hip_or_skip()
+    for N, C in AWKWARD:
+        check_forward(lambda *a: hipln.layernorm_forward(*a, version=version, threads=128), "cupy", N, C)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["numba", "hip"])
+def test_backward_dparams_deterministic_on_gpu(backend):
+    """The two-stage reduction (no atomics) gives bit-identical dweight/dbias run after run."""
+    if backend == "numba" and not device.numba_on_gpu():
+        pytest.skip("Numba kernels run on NVIDIA GPUs only")
+    mod, arrays = (nb, "numba") if backend == "numba" else (_hip_or_skip(), "cupy")
+    rng = np.random.default_rng(0)
+    N, C = 4099, 768
+    inp = rng.standard_normal((N, C)).astype(np.float32)
+    mean, rstd = (x.astype(np.float32) for x in reference.layernorm_stats(inp))
+    host = [rng.standard_normal((N, C)).astype(np.float32), inp, rng.standard_normal(C).astype(np.float32),
+            mean, rstd]
+    results = []
+    for _ in range(3):
+        outs = [to_backend(np.full(s, np.nan, np.float32), arrays) for s in ((N, C), (C,), (C,))]
+        mod.layernorm_backward(*(to_backend(x, arrays) for x in host), *outs, version="v3")
+        results.append([to_numpy(o) for o in outs])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)

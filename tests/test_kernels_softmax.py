@@ -1,0 +1,194 @@
+"""softmax_backward kernels (kernels/numba/softmax.py, kernels/hip/softmax.cu) against check_softmax_backward.
+
+Simulator (CI): v1 and v2 with toy block sizes (the simulator runs one Python thread per CUDA thread), broken launches
+the checker must catch, wrapper validation. GPU (`make gpu-test`): every version on both backends at the checker's
+large sizes and at awkward ones (n not a multiple of the block, n much longer than the block, one row).
+"""
+import numpy as np
+import pytest
+
+from gpullm_lessons import device
+from gpullm_lessons.checks import check_softmax_backward
+from gpullm_lessons.kernels.numba import softmax as nb
+from gpullm_lessons.reference import softmax_backward as ref_softmax_backward, softmax_forward
+
+SIM_VERSIONS = [v for v in nb.KERNELS if v not in nb.GPU_ONLY]
+needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),
+                                     reason=f"needs Numba on an NVIDIA GPU (this machine: {device.kind()})")
+
+
+def inputs(N, n, seed=0):
+    """dout (N, n), out = softmax of random logits (N, n), and the float64 reference dinp."""
+    rng = np.random.default_rng(seed)
+    out = softmax_forward(rng.standard_normal((N, n)) * 3)[0].astype(np.float32)
+    dout = rng.standard_normal((N, n)).astype(np.float32)
+    expected = ref_softmax_backward(dout.astype(np.float64), {"out": out.astype(np.float64)})
+    return dout, out, expected
+
+
+# ---- (a) the simulator-capable versions pass their checker; broken launches are caught ------------------------------
+
+@pytest.mark.parametrize("threads", [None, 1, 8])
+@pytest.mark.parametrize("version", SIM_VERSIONS)
+def test_numba_versions_pass_the_checker(version, threads):
+    if version == "v2" and threads is None and not device.numba_on_gpu():
+        threads = 4   # the default 256 threads per row is slow in the simulator
+    r = check_softmax_backward(lambda *a: nb.softmax_backward(*a, version=version, threads=threads),
+                               arrays="numba", quiet=True)
+    assert r.passed, r.message
+
+
+def test_default_version_and_threads_run_here():
+    # no version=: v3 on a GPU, v2 (32 threads per row) in the simulator
+    from gpullm_lessons.arrays import to_backend, to_numpy
+    dout, out, expected = inputs(3, 45)
+    arrays = "numba"
+    dinp = to_backend(np.full_like(out, np.nan), arrays)
+    nb.softmax_backward(to_backend(dout, arrays), to_backend(out, arrays), dinp)
+    terms = np.abs(out.astype(np.float64) * dout).max()
+    np.testing.assert_allclose(to_numpy(dinp), expected, rtol=1e-5, atol=1e-5 * terms)
+
+
+def test_v1_with_too_few_blocks_is_caught():
+    # one block of 2 threads: only rows 0 and 1 are written (the checker's N is at least 3)
+    r = check_softmax_backward(lambda d, o, di: nb.KERNELS["v1"][1, 2](d, o, di), arrays="numba", quiet=True)
+    assert r.status == "wrong" and "never written" in r.hint, r.message
+
+
+def test_v2_missing_the_last_row_is_caught():
+    r = check_softmax_backward(lambda d, o, di: nb.KERNELS["v2"][d.shape[0] - 1, 4](d, o, di),
+                               arrays="numba", quiet=True)
+    assert r.status == "wrong", r.message
+
+
+def test_v2_tree_with_a_non_power_of_two_block_is_caught():
+    # 6 threads: the tree adds 3 + 3, then 1 + 1, and partial[2] is never added: wrong row sums
+    r = check_softmax_backward(lambda d, o, di: nb.KERNELS["v2"][d.shape[0], 6](d, o, di),
+                               arrays="numba", quiet=True, seed=3)
+    assert r.status == "wrong", r.message
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="on a GPU the warp versions run")
+@pytest.mark.parametrize("version", sorted(nb.GPU_ONLY))
+def test_gpu_only_versions_refuse_the_simulator(version):
+    dout, out, _ = inputs(3, 5)
+    with pytest.raises(RuntimeError, match="simulator"):
+        nb.softmax_backward(dout, out, np.empty_like(out), version=version)
+
+
+def test_docstring_names_every_version_and_gpu_only_ones():
+    assert set(nb.GPU_ONLY) <= set(nb.KERNELS) and set(nb.KERNELS) == set(nb.SIGNATURES)
+    assert "GPU-only" in nb.__doc__
+
+
+# ---- (b) wrapper input validation --------------------------------------------------------------------------------
+
+def test_numba_wrapper_validates_inputs():
+    dout, out, _ = inputs(4, 6)
+    dinp = np.empty_like(out)
+    with pytest.raises(ValueError, match=r"dinp has shape \(4, 5\), expected \(4, 6\)"):
+        nb.softmax_backward(dout, out, dinp[:, :5].copy(), version="v1")
+    with pytest.raises(ValueError, match=r"out has shape \(6, 4\), expected \(4, 6\)"):
+        nb.softmax_backward(dout, out.T.copy(), dinp, version="v1")
+    with pytest.raises(TypeError, match="out must be float32, got dtype float64"):
+        nb.softmax_backward(dout, out.astype(np.float64), dinp, version="v1")
+    with pytest.raises(ValueError, match=r"dout must be 2-D, got shape \(24,\)"):
+        nb.softmax_backward(dout.ravel(), out.ravel(), dinp.ravel(), version="v1")
+    with pytest.raises(TypeError, match="dinp must be an array"):
+        nb.softmax_backward(dout, out, dinp.tolist(), version="v1")
+    with pytest.raises(ValueError, match="version='v9' is not one of v1, v2, v3, v4"):
+        nb.softmax_backward(dout, out, dinp, version="v9")
+    with pytest.raises(ValueError, match="power-of-two threads, got 48"):
+        nb.softmax_backward(dout, out, dinp, version="v2", threads=48)
+    with pytest.raises(ValueError, match=r"threads=2048 must be in \[1, 1024\]"):
+        nb.softmax_backward(dout, out, dinp, version="v1", threads=2048)
+
+
+def test_hip_wrapper_rejects_unknown_versions_without_a_gpu():
+    from gpullm_lessons.backends import _hip_softmax
+    dout, out, _ = inputs(2, 3)
+    with pytest.raises(ValueError, match="version='v0' is not one of v1, v2, v3, v4"):
+        _hip_softmax.softmax_backward(dout, out, np.empty_like(out), version="v0")
+
+
+# ---- (c) GPU: every version, both backends, large and awkward sizes ------------------------------------------------
+
+@needs_numba_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("version", list(nb.KERNELS))
+def test_numba_on_gpu(version, size):
+    r = check_softmax_backward(lambda *a: nb.softmax_backward(*a, version=version), arrays="numba", size=size)
+    assert r.passed, r.message
+
+
+@needs_numba_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("version,threads", [("v1", 32), ("v1", 1024), ("v2", 32), ("v2", 1024), ("v3", 32),
+                                             ("v3", 1024), ("v4", 32), ("v4", 1024)])
+def test_numba_on_gpu_other_block_sizes_and_cupy_arrays(version, threads):
+    pytest.importorskip("cupy")
+    r = check_softmax_backward(lambda *a: nb.softmax_backward(*a, version=version, threads=threads),
+                               arrays="cupy", size="large")
+    assert r.passed, r.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+def test_hip_on_gpu(version, size):
+    pytest.importorskip("cupy")
+    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    r = check_softmax_backward(lambda *a: softmax_backward(*a, version=version), arrays="cupy", size=size)
+    assert r.passed, r.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version,threads", [("v1", 1), ("v2", 64), ("v2", 1024), ("v3", 64), ("v3", 1024),
+                                             ("v4", 64), ("v4", 1024)])
+def test_hip_on_gpu_other_block_sizes(version, threads):
+    pytest.importorskip("cupy")
+    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    r = check_softmax_backward(lambda *a: softmax_backward(*a, version=version, threads=threads),
+                               arrays="cupy", size="large")
+    assert r.passed, r.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,n", [(1, 1), (3, 50_001), (1025, 33), (70, 1)])
+@pytest.mark.parametrize("backend", ["numba", "hip"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+def test_awkward_shapes_on_gpu(version, backend, N, n):
+    """A single element, rows far longer than a block, a row count just past a block, rows of length 1."""
+    cp = pytest.importorskip("cupy")
+    if backend == "numba":
+        if not device.numba_on_gpu():
+            pytest.skip("Numba kernels run on NVIDIA GPUs only")
+        fn = nb.softmax_backward
+    else:
+        from gpullm_lessons.backends._hip_softmax import softmax_backward as fn
+    dout, out, expected = inputs(N, n, seed=N + n)
+    dinp = cp.full((N, n), cp.nan, cp.float32)
+    fn(cp.asarray(dout), cp.asarray(out), dinp, version=version)
+    terms = np.abs(out.astype(np.float64) * dout).max()
+    np.testing.assert_allclose(dinp.get(), expected, rtol=1e-5, atol=1e-5 * max(terms, np.abs(expected).max()))
+
+
+@pytest.mark.gpu
+def test_hip_wrapper_validates_inputs_on_gpu():
+    cp = pytest.importorskip("cupy")
+    from gpullm_lessons.backends._hip_softmax import softmax_backward, warp_size
+    dout, out, _ = inputs(4, 6)
+    d, o, di = cp.asarray(dout), cp.asarray(out), cp.empty((4, 6), cp.float32)
+    with pytest.raises(TypeError, match="dout must be a CuPy array"):
+        softmax_backward(dout, o, di)
+    with pytest.raises(TypeError, match="out must be float32, got dtype float64"):
+        softmax_backward(d, o.astype(cp.float64), di)
+    with pytest.raises(ValueError, match=r"dinp has shape \(4, 5\), expected \(4, 6\)"):
+        softmax_backward(d, o, cp.empty((4, 5), cp.float32))
+    with pytest.raises(ValueError, match="dinp must be C-contiguous"):
+        softmax_backward(d, o, cp.empty((6, 4), cp.float32).T)
+    with pytest.raises(ValueError, match="power-of-two threads, got 96"):
+        softmax_backward(d, o, di, version="v2", threads=96)
+    with pytest.raises(ValueError, match="needs whole warps"):
+        softmax_backward(d, o, di, version="v3", threads=warp_size() + 1)
