@@ -147,6 +147,29 @@ def _cases(small: bool) -> list:
              (2 * N * C + 2 * C * 4 * C + N * 4 * C + 4 * C) * 4, 4 * N * C * 4 * C + N * 4 * C, bound="compute",
              torch=lambda t: (t[0] @ t[2].T, t[1].T @ t[0], t[0].sum(0))),
     ]
+    Bt, T, Ve = (4, 256, V) if small else (16, 1024, V)
+    cases.append(Case("encoder", f"B{Bt} T{T} C{C} V{Ve}",
+                      lambda r: (randn(r, Bt, T, C), cp.asarray(r.integers(0, Ve, (Bt, T), dtype=np.int32)),
+                                 cp.empty((Ve, C), f32), cp.empty((T, C), f32)),
+                      (Bt * T * C + Ve * C + T * C) * 4 + Bt * T * 4, 2 * Bt * T * C,
+                      torch=lambda t: (__import__("torch").ops.aten.embedding_dense_backward(t[0], t[1].long(), t[2].shape[0],
+                                                                                              -1, False), t[0].sum(0))))
+    Ba, Ta, nh = (2, 256, 12) if small else (4, 512, 12)
+    hs = C // nh
+
+    def attention_inputs(r):
+        qkv = randn(r, Ba, Ta, 3 * C)
+        q = qkv[:, :, :C].reshape(Ba, Ta, nh, hs).transpose(0, 2, 1, 3)
+        k = qkv[:, :, C:2 * C].reshape(Ba, Ta, nh, hs).transpose(0, 2, 1, 3)
+        s = cp.matmul(q, k.transpose(0, 1, 3, 2)) / np.float32(np.sqrt(hs))
+        s = cp.where(cp.tri(Ta, dtype=bool), s, cp.float32(-cp.inf))
+        e = cp.exp(s - s.max(axis=-1, keepdims=True))
+        att = cp.ascontiguousarray(e / e.sum(axis=-1, keepdims=True))
+        return randn(r, Ba, Ta, C), qkv, att, cp.empty((Ba, Ta, 3 * C), f32), nh
+
+    # FLOPs: four (T x T x hs) products per head, counted in full (the causal kernels skip about half)
+    cases.append(Case("attention", f"B{Ba} T{Ta} nh{nh} C{C}", attention_inputs,
+                      (Ba * Ta * C * 4 + 2 * Ba * nh * Ta * Ta) * 4, 8 * Ba * nh * Ta * Ta * hs, bound="compute"))
     return cases
 
 
