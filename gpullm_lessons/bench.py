@@ -169,7 +169,7 @@ def _cases(small: bool) -> list:
 
     # FLOPs: four (T x T x hs) products per head, counted in full (the causal kernels skip about half)
     cases.append(Case("attention", f"B{Ba} T{Ta} nh{nh} C{C}", attention_inputs,
-                      (Ba * Ta * C * 4 + 2 * Ba * nh * Ta * Ta) * 4, 8 * Ba * nh * Ta * Ta * hs, bound="compute"))
+                      (7 * Ba * Ta * C + 2 * Ba * nh * Ta * Ta) * 4, 8 * Ba * nh * Ta * Ta * hs, bound="compute"))
     return cases
 
 

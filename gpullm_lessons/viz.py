@@ -137,3 +137,509 @@ def plot_roofline(result: dict, path=None, ax=None):
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
+
+
+# ---- lesson 05: causal attention backward, fused cross-entropy -----------------------------------------------------
+def plot_attention_backward_mask(T: int = 8, t: int = 5, s: int = 2, ax=None):
+    """Causal attention backward on one head's (T, T) matrices: which entries the kernels compute and which the
+    mask lets them skip (att = 0 above the diagonal), and which entries feed dq[t] (row t) and dk[s], dv[s]
+    (column s). Rows are query positions t, columns key positions s."""
+    import numpy as np
+    plt = _pyplot()
+    if ax is None:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 5.2))
+    else:
+        axes, fig = ax, ax[0].figure
+    lower = np.tril(np.ones((T, T), dtype=bool))
+    panels = [
+        ("datt = dy v^T, dpre = softmax bwd:\ncomputed for s <= t, skipped above",
+         lower, "tab:blue"),
+        (f"dq[t={t}] = scale * sum over s <= {t} of\ndpre[{t}, s] k[s]   (row t)",
+         lower & (np.arange(T)[:, None] == t), "tab:orange"),
+        (f"dk[{s}] = scale * sum over t >= {s} of dpre[t, {s}] q[t]\n"
+         f"dv[{s}] = sum over t >= {s} of att[t, {s}] dy[t]  (column s)",
+         lower & (np.arange(T)[None, :] == s), "tab:green"),
+    ]
+    for a, (title, used, color) in zip(axes, panels):
+        for i in range(T):
+            for j in range(T):
+                if j > i:      # masked: att = 0, never computed, never read
+                    a.add_patch(plt.Rectangle((j, i), 1, 1, facecolor="0.93", edgecolor="0.75", hatch="//", lw=0.5))
+                else:
+                    a.add_patch(plt.Rectangle((j, i), 1, 1, facecolor=color if used[i, j] else "white",
+                                              alpha=0.75 if used[i, j] else 1.0, edgecolor="0.6", lw=0.5))
+        a.set_xlim(0, T)
+        a.set_ylim(T, 0)
+        a.set_aspect("equal")
+        a.set_xticks(np.arange(T) + 0.5, [str(k) for k in range(T)], fontsize=7)
+        a.set_yticks(np.arange(T) + 0.5, [str(k) for k in range(T)], fontsize=7)
+        a.set_xlabel("key position s")
+        a.set_ylabel("query position t")
+        a.set_title(title, fontsize=9)
+    n_skip = T * (T - 1) // 2
+    fig.suptitle(f"one head, T = {T}: {T * (T + 1) // 2} of {T * T} entries computed; the hatched {n_skip} "
+                 f"(s > t, att = 0) are skipped: {100 * n_skip / (T * T):.0f}% of the (T, T) work "
+                 f"(-> 50% as T grows)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.9))
+    return fig
+
+
+def plot_crossentropy_row_pass(V: int = 16, threads: int = 4, target: int = 6, N: int = 8, seed: int = 0, ax=None):
+    """The fused cross-entropy backward on one row of logits, one block of `threads` threads per row:
+    pass 1, thread k folds logits k, k + threads, ... into a running (max m, sum s) pair (online softmax);
+    the block merges the pairs (a tree); pass 2 reads the row again and writes
+    dlogits_j = (exp(x_j - m) / s - [j == target]) / N directly: the (N, V) probabilities are never stored."""
+    import numpy as np
+    plt = _pyplot()
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.standard_normal(V) * 1.5, 1).astype(np.float32)
+    pairs = []
+    for k in range(threads):                       # pass 1: online softmax per thread slice
+        m, s = -np.inf, 0.0
+        for v in x[k::threads]:
+            if v > m:
+                s, m = s * np.exp(m - v) + 1.0, v
+            else:
+                s += np.exp(v - m)
+        pairs.append((float(m), float(s)))
+    m_row = max(p[0] for p in pairs)
+    s_row = sum(p[1] * np.exp(p[0] - m_row) for p in pairs)   # merge
+    d = (np.exp(x - m_row) / s_row - (np.arange(V) == target)) / N
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(1.0 + 0.75 * V, 16), 5.2))
+    else:
+        fig = ax.figure
+    colors = plt.get_cmap("tab10")
+    y_in, y_pair, y_row, y_out = 4.2, 2.8, 1.6, 0.0
+    for j in range(V):                             # the row of logits, coloured by owner thread
+        ax.add_patch(plt.Rectangle((j, y_in), 0.95, 0.8, color=colors(j % threads), alpha=0.55))
+        ax.text(j + 0.47, y_in + 0.4, f"{x[j]:.1f}", ha="center", va="center", fontsize=7)
+        ax.text(j + 0.47, y_in + 0.95, str(j), ha="center", va="bottom", fontsize=6, color="0.4")
+    ax.text(-0.3, y_in + 0.4, "logits[row, :]\n(read, pass 1)", ha="right", va="center", fontsize=8)
+    w = V / threads
+    for k, (m, s) in enumerate(pairs):             # one (m, s) pair per thread
+        x0 = k * w + 0.1 * w
+        ax.add_patch(plt.Rectangle((x0, y_pair), 0.8 * w, 0.8, color=colors(k), alpha=0.3))
+        ax.text(x0 + 0.4 * w, y_pair + 0.4, f"thread {k}\nm={m:.1f}  s={s:.2f}", ha="center", va="center",
+                fontsize=7)
+        for j in range(k, V, threads):
+            ax.plot([j + 0.47, x0 + 0.4 * w], [y_in, y_pair + 0.8], color=colors(k), lw=0.5, alpha=0.5)
+        ax.plot([x0 + 0.4 * w, V / 2], [y_pair, y_row + 0.8], color="0.4", lw=0.8)
+    ax.text(-0.3, y_pair + 0.4, "online softmax\nper thread", ha="right", va="center", fontsize=8)
+    ax.add_patch(plt.Rectangle((V / 2 - 2.5, y_row), 5, 0.8, color="0.85"))
+    ax.text(V / 2, y_row + 0.4, f"block merge: m = {m_row:.1f}, s = {s_row:.2f}", ha="center", va="center", fontsize=8)
+    ax.text(-0.3, y_row + 0.4, f"merge pairs\n(tree: {int(np.log2(threads))} steps)", ha="right", va="center", fontsize=8)
+    vmax = float(np.abs(d).max())
+    cmap = plt.get_cmap("coolwarm")
+    for j in range(V):                             # pass 2: dlogits written directly
+        ax.add_patch(plt.Rectangle((j, y_out), 0.95, 0.8, color=cmap(0.5 + 0.5 * d[j] / vmax),
+                                   ec="red" if j == target else None, lw=2 if j == target else 0))
+        ax.text(j + 0.47, y_out + 0.4, f"{d[j] * 1000:.0f}", ha="center", va="center", fontsize=7)
+        ax.plot([j + 0.47, j + 0.47], [y_out + 0.8, y_out + 1.25], color=colors(j % threads), lw=0.6)
+    ax.text(-0.3, y_out + 1.05, "owner thread", ha="right", va="center", fontsize=7, color="0.4")
+    ax.text(-0.3, y_out + 0.4, "dlogits[row, :] x 1000\n(written, pass 2)", ha="right", va="center", fontsize=8)
+    ax.text(target + 0.47, y_out - 0.25, "target", ha="center", va="top", fontsize=7, color="red")
+    ax.set_xlim(-3.2, V + 0.2)
+    ax.set_ylim(-0.7, y_in + 1.4)
+    ax.axis("off")
+    ax.set_title(f"one row, V = {V}, one block of {threads} threads (thread k owns logits k, k + {threads}, ...): "
+                 f"dlogits_j = (exp(x_j - m) / s - [j = target]) / N, N = {N}\n"
+                 f"pass 2 re-reads the logits; the probabilities never get their own (N, V) array", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ---- lesson 03: softmax backward (row reductions) ------------------------------------------------------------
+
+def plot_softmax_mapping(N: int = 6, n: int = 12, threads: int = 4, warp: int = 4, rows_per_block: int = 2):
+    """Who owns which element of an (N, n) softmax-backward problem, for the three mappings of lesson 03.
+
+    Left, v1: one thread per row (thread r walks row r). Middle, v2/v3: one block per row (block b owns row b, its
+    threads stride the row: thread t takes columns t, t + threads, ...). Right, v4: one warp per row, several rows
+    per block (`rows_per_block` warps of `warp` lanes). Cell colour: block; label: threadIdx.x (v4: the lane). Outlined cells: what the first warp reads in
+    its first loop step, one load instruction: n elements apart in v1 (uncoalesced), neighbours in v2 and v4
+    (coalesced). Drawn with `warp`-lane warps so it fits (a real warp has 32 lanes, 64 on AMD CDNA)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.55 * N + 2.2))
+    colors = plt.get_cmap("tab10")
+    panels = [
+        ("v1: one thread per row", lambda r, j: (r // threads, r % threads),
+         lambda r, j: j == 0 and r < warp,
+         f"a warp's {warp} threads read column 0 of {warp} rows: addresses n*4 = {4 * n} bytes apart"),
+        ("v2 / v3: one block per row", lambda r, j: (r, j % threads),
+         lambda r, j: r == 0 and j < min(warp, threads),
+         f"thread t takes columns t, t+{threads}, ...: a warp reads {min(warp, threads)} neighbouring floats"),
+        (f"v4: one warp per row, {rows_per_block} rows per block", lambda r, j: (r // rows_per_block, j % warp),
+         lambda r, j: r == 0 and j < warp,
+         f"lane l takes columns l, l+{warp}, ...: a warp reads {warp} neighbouring floats"),
+    ]
+    for ax, (title, owner, first, caption) in zip(axes, panels):
+        for r in range(N):
+            for j in range(n):
+                b, t = owner(r, j)
+                ax.add_patch(plt.Rectangle((j, N - 1 - r), 0.95, 0.9, color=colors(b % 10), alpha=0.55))
+                if first(r, j):
+                    ax.add_patch(plt.Rectangle((j, N - 1 - r), 0.95, 0.9, fill=False, ec="black", lw=2.2))
+                ax.text(j + 0.47, N - 1 - r + 0.45, str(t), ha="center", va="center", fontsize=8)
+            ax.text(-0.3, N - 1 - r + 0.45, f"row {r}", ha="right", va="center", fontsize=8)
+        ax.set_xlim(-2.2, n + 0.2)
+        ax.set_ylim(-1.1, N + 0.1)
+        ax.text(n / 2, -0.6, caption, ha="center", va="center", fontsize=8, wrap=True)
+        ax.set_title(title, fontsize=10)
+        ax.axis("off")
+    fig.suptitle(f"softmax backward, N = {N} rows of n = {n}: colour = block, number = threadIdx.x (v4: lane); "
+                 f"black outline = the first warp's first load", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_block_reduction(threads: int = 8):
+    """How a block adds its threads' partial sums: v2's shared-memory tree (left: at stride s, thread t < s adds
+    partial[t + s]; a __syncthreads() between steps) beside a warp's xor-shuffle butterfly (right: every lane adds
+    lane ^ offset's value; no shared memory, no barrier, and every lane ends with the total)."""
+    plt = _pyplot()
+    steps = max(int(threads).bit_length() - 1, 1)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 7 * (steps + 1.6) / (threads + 7.5) + 0.9))
+    for ax, kind in zip(axes, ("tree", "shuffle")):
+        active = threads
+        for level in range(steps + 1):
+            y = -level
+            for t in range(threads):
+                live = (t < active) if kind == "tree" else True
+                ax.add_patch(plt.Circle((t, y), 0.28, color="tab:blue" if live else "lightgray", alpha=0.8))
+                if level == 0:
+                    ax.text(t, y + 0.45, str(t), ha="center", fontsize=8)
+            if level == 0:
+                ax.text(-0.6, y + 0.45, "thread" if kind == "tree" else "lane", ha="right", fontsize=8)
+            if level == steps:
+                break
+            offset = threads >> (level + 1)
+            for t in range(threads):
+                if kind == "tree":
+                    if t < offset:
+                        ax.annotate("", (t, y - 1 + 0.3), (t + offset, y - 0.3),
+                                    arrowprops=dict(arrowstyle="->", color="tab:orange", lw=1.2))
+                        ax.plot([t, t], [y - 0.3, y - 1 + 0.3], color="tab:blue", lw=1)
+                else:
+                    ax.annotate("", (t, y - 1 + 0.3), (t ^ offset, y - 0.3),
+                                arrowprops=dict(arrowstyle="->", color="tab:green", lw=0.9, alpha=0.8))
+            note = (f"stride {offset}: t < {offset} adds partial[t + {offset}]; __syncthreads()" if kind == "tree"
+                    else f"offset {offset}: v += shfl_xor(v, {offset})")
+            ax.text(threads - 0.2, y - 0.5, note, va="center", fontsize=8)
+            active = offset
+        ax.set_xlim(-2.0, threads + 5.5)
+        ax.set_ylim(-steps - 0.6, 0.9)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.set_title("v2: tree in shared memory (the total ends in partial[0])" if kind == "tree" else
+                     "v3 / v4: warp shuffle butterfly (every lane ends with the total)", fontsize=10)
+    fig.suptitle(f"adding {threads} partial sums in log2({threads}) = {steps} steps", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_version_fractions(result: dict, target: Optional[float] = None, ax=None):
+    """One bar per benchmarked row of `result` (bench.kernel_results): fraction of its ceiling (copy bandwidth for
+    memory-bound ops), labelled backend + version, with an optional target line (e.g. 0.7)."""
+    plt = _pyplot()
+    rows = [r for r in result["rows"] if "error" not in r]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.6))
+    else:
+        fig = ax.figure
+    colors = {"numba": "tab:blue", "hip": "tab:orange", "torch": "tab:red"}
+    labels = [f"{r['op']} {r['backend']} {r['version']}" for r in rows]
+    fracs = [100 * r["fraction_of_ceiling"] for r in rows]
+    ax.barh(range(len(rows)), fracs, color=[colors.get(r["backend"], "gray") for r in rows])
+    for i, r in enumerate(rows):
+        ax.text(fracs[i] + 1, i, f"{r['GB/s']:.0f} GB/s, {r['ms'] * 1e3:.0f} us", va="center", fontsize=8)
+    if target is not None:
+        ax.axvline(100 * target, color="black", ls="--", lw=1)
+        ax.text(100 * target, len(rows) - 0.4, f" target {100 * target:.0f}%", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 115)
+    ax.set_xlabel("% of the measured ceiling (copy bandwidth for memory-bound ops)")
+    ax.set_title(f"{result['card']} ({result['date']})", fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+# ---- lesson 02: linear backward (tiled GEMM, bias-gradient column sum) --------------------------------------------
+
+def plot_tiled_gemm(M: int = 12, P: int = 16, K: int = 12, tile: int = 4, block=(2, 1), step: int = 1,
+                    thread=(2, 1), ax=None):
+    """The tiled GEMM out (M, P) = op(A) (M, K) @ op(B) (K, P) of lesson 02 (kernels/numba/linear.py, v2), drawn
+    in the classic layout: op(A) left of out, op(B) above it, so a row of A lines up with its row of out and a
+    column of B with its column. block = (bx, by) owns the orange tile of out (tile x tile elements, one per thread);
+    it walks along K in steps of `tile`: at step `step` it copies the dark tile of A and the dark tile of B into
+    shared memory (one element per thread each), syncs, and every thread reads a row of the A tile and a column of
+    the B tile from there. Each element copied is used by `tile` threads. thread = (tx, ty) marks one thread's
+    element of out and the shared-memory row and column it reads."""
+    plt = _pyplot()
+    bx, by = block
+    tx, ty = thread
+    steps = (K + tile - 1) // tile
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(11, 8.2))
+    else:
+        fig = ax.figure
+    gap = 1.5
+    i0, j0, k0 = by * tile, bx * tile, step * tile
+
+    def cell(x, y, **kw):
+        ax.add_patch(plt.Rectangle((x, y), 1, 1, lw=0.4, ec="0.7", **kw))
+
+    # op(A): columns k at x = k - K - gap, rows i at y = i
+    for i in range(M):
+        for k in range(K):
+            in_strip = i0 <= i < i0 + tile
+            now = in_strip and k0 <= k < k0 + tile
+            done = in_strip and k < k0
+            color = "tab:blue" if now else ("#cfe0f3" if in_strip else "white")
+            cell(k - K - gap, i, fc=color, alpha=0.85 if now else 1.0, hatch="///" if done else None)
+    # op(B): columns j at x = j, rows k at y = k - K - gap
+    for k in range(K):
+        for j in range(P):
+            in_strip = j0 <= j < j0 + tile
+            now = in_strip and k0 <= k < k0 + tile
+            done = in_strip and k < k0
+            color = "tab:green" if now else ("#d5ecd5" if in_strip else "white")
+            cell(j, k - K - gap, fc=color, alpha=0.85 if now else 1.0, hatch="///" if done else None)
+    # out: one tile per block (tile grid drawn thicker)
+    for i in range(M):
+        for j in range(P):
+            mine = i0 <= i < i0 + tile and j0 <= j < j0 + tile
+            cell(j, i, fc="tab:orange" if mine else "white", alpha=0.6 if mine else 1.0)
+    for r in range(0, M + 1, tile):
+        ax.plot([0, P], [r, r], color="0.3", lw=1.2)
+    for c in range(0, P + 1, tile):
+        ax.plot([c, c], [0, M], color="0.3", lw=1.2)
+    for by_ in range((M + tile - 1) // tile):
+        for bx_ in range((P + tile - 1) // tile):
+            ax.text(bx_ * tile + tile / 2, by_ * tile + tile / 2, f"block\n({bx_}, {by_})", ha="center",
+                    va="center", fontsize=7, color="0.25" if (bx_, by_) != (bx, by) else "black",
+                    weight="bold" if (bx_, by_) == (bx, by) else None)
+    # one thread: its element of out, the row of the A tile and the column of the B tile it reads
+    i, j = i0 + ty, j0 + tx
+    ax.add_patch(plt.Rectangle((j, i), 1, 1, fill=False, ec="red", lw=2.2))
+    ax.add_patch(plt.Rectangle((k0 - K - gap, i), tile, 1, fill=False, ec="red", lw=2.2))
+    ax.add_patch(plt.Rectangle((j, k0 - K - gap), 1, tile, fill=False, ec="red", lw=2.2))
+    ax.annotate(f"thread (tx={tx}, ty={ty}) owns out[{i}, {j}]", (j + 1, i + 0.5), (P + 0.6, i0 + tile + 1.5),
+                fontsize=8, color="red", arrowprops=dict(arrowstyle="->", color="red", lw=1))
+    # labels
+    ax.text(-K / 2 - gap, -0.6, "op(A)  (M, K)", ha="center", fontsize=10)
+    ax.text(P / 2, -K - gap - 0.6, "op(B)  (K, P)", ha="center", fontsize=10)
+    ax.text(P / 2, M + 0.9, "out  (M, P)", ha="center", fontsize=10)
+    ax.text(-K - gap - 0.4, i0 + tile / 2, f"rows {i0}..{i0 + tile - 1}\n(block row by = {by})", ha="right",
+            va="center", fontsize=8)
+    ax.text(j0 + tile / 2, -K - gap - 1.7, f"columns {j0}..{j0 + tile - 1} (bx = {bx})", ha="center", fontsize=8)
+    note = (f"block ({bx}, {by}) walks K in {steps} steps of TILE = {tile}.  Step {step} (k = {k0}..{k0 + tile - 1}): "
+            f"its {tile * tile} threads copy the dark {tile}x{tile} tile of op(A) and of op(B)\n"
+            f"into shared memory (one element each), syncthreads(), then each thread adds {tile} products "
+            f"sa[ty, kk] * sb[kk, tx]; syncthreads() again before the next step.\n"
+            f"Hatched: steps already done. Every element copied is read by {tile} threads: "
+            f"global-memory loads drop {tile}x compared with v1 (real TILE = 16: 16x).")
+    ax.text(-K - gap, M + 2.2, note, fontsize=8.5, va="top")
+    ax.text(k0 - K - gap + tile / 2, i0 - 0.25, "-> sa (shared)", ha="center", va="bottom", fontsize=8,
+            color="tab:blue", weight="bold")
+    ax.text(j0 + tile + 0.3, k0 - K - gap + tile / 2, "-> sb (shared)", ha="left", va="center", fontsize=8,
+            color="tab:green", weight="bold")
+    ax.set_xlim(-K - gap - 6.5, P + 7.5)
+    ax.set_ylim(M + 5.2, -K - gap - 2.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"tiled GEMM (v2): out = op(A) @ op(B), M = {M}, P = {P}, K = {K}, TILE = {tile} "
+                 f"(one block = TILE x TILE threads = one tile of out)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_dbias_columns(N: int = 6, OC: int = 12, threads: int = 4, warp: int = 4, ax=None):
+    """dbias = dout.sum(axis=0), one thread per output column o (kernels/numba/linear.py dbias_v1): thread o walks
+    down column o adding the N rows. Colour: block; label: threadIdx.x. In loop step n the threads of a warp read
+    row n's neighbouring columns together (outlined: one load instruction, coalesced)."""
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(0.75 * OC + 3, 15), 0.55 * N + 2.6))
+    else:
+        fig = ax.figure
+    colors = plt.get_cmap("tab10")
+    for n in range(N):
+        for o in range(OC):
+            b, t = divmod(o, threads)
+            ax.add_patch(plt.Rectangle((o, n), 0.95, 0.9, color=colors(b % 10), alpha=0.45))
+            ax.text(o + 0.47, n + 0.45, f"t{t}" if n == 0 else "", ha="center", va="center", fontsize=7)
+        ax.text(-0.3, n + 0.45, f"n = {n}", ha="right", va="center", fontsize=8)
+    ax.add_patch(plt.Rectangle((0, 0), min(warp, OC) - 0.05, 0.9, fill=False, ec="black", lw=2.2))
+    for o in range(OC):
+        ax.annotate("", (o + 0.47, N + 0.55), (o + 0.47, 0.75),
+                    arrowprops=dict(arrowstyle="->", color=colors((o // threads) % 10), lw=1, alpha=0.8))
+        ax.add_patch(plt.Rectangle((o, N + 0.6), 0.95, 0.9, color=colors((o // threads) % 10), alpha=0.85))
+        ax.text(o + 0.47, N + 1.05, str(o), ha="center", va="center", fontsize=7, color="white")
+    ax.text(-0.3, N + 1.05, "dbias[o]", ha="right", va="center", fontsize=8)
+    ax.text(OC / 2, -0.5, f"dout (N = {N}, OC = {OC}); colour = block of {threads} threads, t = threadIdx.x",
+            ha="center", fontsize=9)
+    ax.text(OC / 2, N + 2.1, f"thread o adds dout[0, o] + dout[1, o] + ... + dout[{N - 1}, o] (a loop over rows, "
+            f"no communication between threads).\nBlack outline: what one warp of {warp} threads reads in loop step "
+            f"n = 0, neighbouring addresses = one coalesced load.", ha="center", va="top", fontsize=8)
+    ax.set_xlim(-1.6, OC + 0.2)
+    ax.set_ylim(N + 3.2, -1.0)
+    ax.axis("off")
+    ax.set_title("bias gradient: a column reduction, one thread per output channel", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_linear_rates(result: dict, ax=None):
+    """Bars of achieved TFLOP/s for each linear_backward row of a kernel benchmark (bench.kernel_results), with the
+    fp32 matmul ceiling measured in the same run as a dashed line; labels give ms and % of that ceiling."""
+    plt = _pyplot()
+    rows = [r for r in result["rows"] if r["op"] == "linear" and "error" not in r]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8.5, 0.42 * len(rows) + 1.8))
+    else:
+        fig = ax.figure
+    peak = result["ceilings"]["matmul_fp32"]["TFLOP/s"]
+    colors = {"numba": "tab:blue", "hip": "tab:orange", "torch": "tab:red"}
+    ax.barh(range(len(rows)), [r["TFLOP/s"] for r in rows], color=[colors.get(r["backend"], "gray") for r in rows])
+    for k, r in enumerate(rows):
+        ax.text(r["TFLOP/s"] + 0.01 * peak, k, f"{r['ms']:.2f} ms, {100 * r['TFLOP/s'] / peak:.0f}%",
+                va="center", fontsize=8)
+    ax.axvline(peak, color="black", ls="--", lw=1)
+    ax.set_yticks(range(len(rows)), [f"{r['backend']} {r['version']}" for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * peak)
+    ax.set_xlabel("achieved TFLOP/s (4 N C OC + N OC flops per call)")
+    shape = rows[0]["shape"] if rows else ""
+    ax.set_title(f"linear backward {shape} on {result['card']} ({result['date']})\n"
+                 f"dashed: the fp32 matmul ceiling measured in the same run, {peak:.1f} TFLOP/s", fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+# ---- lesson 04: LayerNorm backward ------------------------------------------------------------------------------
+
+def plot_layernorm_dinp_mapping(N: int = 4, C: int = 12, threads: int = 4, ax=None):
+    """LayerNorm backward dinp, one block per row (kernels v2/v3): each cell of the (N, C) array is labelled with the
+    thread that owns it (thread t: channels t, t + blockDim.x, ...), coloured by its block (= its row). Below: the
+    shared-memory tree that turns the block's per-thread partial sums of g and g*xhat into the two row means."""
+    plt = _pyplot()
+    if ax is None:
+        fig, (ax, ax_tree) = plt.subplots(2, 1, figsize=(min(0.55 * C + 6, 16), 0.5 * N + 3.2),
+                                          gridspec_kw={"height_ratios": [N + 1.2, 3.2]})
+    else:
+        fig, ax_tree = ax.figure, None
+    colors = plt.get_cmap("tab10")
+    for row in range(N):
+        y = N - 1 - row
+        for c in range(C):
+            ax.add_patch(plt.Rectangle((c, y), 0.95, 0.9, color=colors(row % 10), alpha=0.65))
+            ax.text(c + 0.47, y + 0.45, f"t{c % threads}", ha="center", va="center", fontsize=7)
+        ax.text(-0.3, y + 0.45, f"block {row}\n(row {row})", ha="right", va="center", fontsize=8)
+        ax.annotate("", xy=(C + 1.2, y + 0.45), xytext=(C + 0.1, y + 0.45),
+                    arrowprops=dict(arrowstyle="->", color="gray"))
+        ax.text(C + 1.3, y + 0.45, "sum g, sum g*xhat (tree) -> mean(g), mean(g*xhat) -> write dinp[row, :]",
+                va="center", fontsize=7.5)
+    for c in range(C):
+        ax.text(c + 0.47, N + 0.1, str(c), ha="center", va="bottom", fontsize=7, color="gray")
+    ax.text(C / 2, N + 0.65, f"channel c  (thread t owns c = t, t + {threads}, ...: neighbouring threads read "
+            f"neighbouring addresses)", ha="center", fontsize=8, color="gray")
+    ax.set_xlim(-2.4, C + 13)
+    ax.set_ylim(-0.3, N + 1.2)
+    ax.axis("off")
+    ax.set_title(f"dinp: one block of {threads} threads per row, N = {N} rows, C = {C} channels", fontsize=10)
+    if ax_tree is not None:
+        # tree for one block: level 0 = per-thread partial sums, each level the lower half adds the upper half
+        u = C / threads                                    # the tree spans the row's width
+        levels = []
+        n = threads
+        while n >= 1:
+            levels.append(n)
+            n //= 2
+        for li, n in enumerate(levels):
+            y = len(levels) - 1 - li
+            for t in range(n):
+                ax_tree.add_patch(plt.Rectangle((t * u, y), 0.9 * u, 0.7, color=colors(0), alpha=0.35 + 0.15 * li))
+                label = f"t{t}: own sum" if li == 0 else (f"t{t}" if n > 1 else "total (buf[0])")
+                ax_tree.text(t * u + 0.45 * u, y + 0.35, label, ha="center", va="center", fontsize=7)
+                if li > 0:
+                    for src in (t, t + n):
+                        ax_tree.plot([src * u + 0.45 * u, t * u + 0.45 * u], [y + 1.0, y + 0.7], color="gray", lw=0.8)
+            ax_tree.text(-0.3, y + 0.35, "partials" if li == 0 else f"stride {n}", ha="right", va="center",
+                         fontsize=7.5)
+        ax_tree.text(C + 0.5, len(levels) / 2,
+                     f"block 0's tree in shared memory: {len(levels) - 1} steps of (buf[t] += buf[t + stride]; "
+                     f"syncthreads)\ndone twice side by side (g and g*xhat); v3 does the same sums with warp shuffles",
+                     va="center", fontsize=8)
+        ax_tree.set_xlim(-2.4, C + 13)
+        ax_tree.set_ylim(-0.2, len(levels) + 0.1)
+        ax_tree.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def plot_column_reduction(N: int = 12, C: int = 8, threads: int = 4, rows_per_chunk: int = 4, ax=None):
+    """dweight/dbias by the two-stage column reduction (kernels v2_partials + v2_reduce): block (bx, by) owns a
+    column block and a chunk of rows; each thread sums its column over the chunk into the partials (n_chunks, C);
+    then one thread per column adds the n_chunks partials, always in the same order (deterministic)."""
+    plt = _pyplot()
+    n_chunks = (N + rows_per_chunk - 1) // rows_per_chunk
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(1.6 * C + 6, 17), 0.42 * N + 2.2))
+    else:
+        fig = ax.figure
+    colors = plt.get_cmap("tab10")
+    # the (N, C) inputs dout and xhat, coloured by chunk
+    for row in range(N):
+        k = row // rows_per_chunk
+        y = N - 1 - row
+        for c in range(C):
+            ax.add_patch(plt.Rectangle((c, y), 0.95, 0.9, color=colors(k % 10), alpha=0.55))
+            if row % rows_per_chunk == 0:
+                ax.text(c + 0.47, y + 0.45, f"t{c % threads}", ha="center", va="center", fontsize=6.5)
+    for cb in range(1, (C + threads - 1) // threads):
+        ax.plot([cb * threads - 0.03] * 2, [-0.2, N + 0.1], color="black", lw=1.5)
+    if n_chunks > 1 and C > threads:                      # outline one block: column block 1, chunk 1
+        y_lo = N - min(N, 2 * rows_per_chunk)
+        ax.add_patch(plt.Rectangle((threads - 0.05, y_lo - 0.05), min(threads, C - threads) + 0.05,
+                                   min(N, 2 * rows_per_chunk) - rows_per_chunk + 0.05, fill=False, lw=2.2,
+                                   edgecolor="black", ls="--"))
+        ax.text(threads + min(threads, C - threads) / 2, y_lo + 0.45, "block (1, 1)", ha="center", va="center",
+                fontsize=8, fontweight="bold")
+    for k in range(n_chunks):
+        y_mid = N - (k * rows_per_chunk + min(N, (k + 1) * rows_per_chunk)) / 2
+        ax.text(-0.3, y_mid, f"chunk {k}\n(blockIdx.y = {k})", ha="right", va="center", fontsize=7.5)
+    ax.text(C / 2, N + 0.35, "dout, xhat (N, C): column blocks (blockIdx.x) split by black lines", ha="center",
+            fontsize=8)
+    # stage 1 -> partials (n_chunks, C)
+    x0 = C + 3
+    top = N - 1 - (N - n_chunks) / 2
+    for k in range(n_chunks):
+        y = top - k
+        for c in range(C):
+            ax.add_patch(plt.Rectangle((x0 + c, y), 0.95, 0.9, color=colors(k % 10), alpha=0.85))
+        ax.text(x0 + C + 0.2, y + 0.45, f"partial[{k}, :]", va="center", fontsize=7)
+    ax.annotate("", xy=(x0 - 0.3, N / 2), xytext=(C + 0.3, N / 2), arrowprops=dict(arrowstyle="->", lw=1.5))
+    ax.text((C + x0) / 2 - 0.2, N / 2 + 0.6, "stage 1\neach thread: its\ncolumn over\none chunk", ha="center",
+            va="bottom", fontsize=7.5)
+    ax.text(x0 + C / 2, top + 1.3, f"partials (n_chunks = {n_chunks}, C)", ha="center", fontsize=8)
+    # stage 2 -> (C,)
+    x1 = x0 + C + 5
+    y = N / 2 - 0.45
+    for c in range(C):
+        ax.add_patch(plt.Rectangle((x1 + c, y), 0.95, 0.9, color="dimgray", alpha=0.8))
+        ax.text(x1 + c + 0.47, y + 0.45, f"c{c}", ha="center", va="center", fontsize=6.5, color="white")
+    ax.annotate("", xy=(x1 - 0.3, N / 2), xytext=(x0 + C + 2.2, N / 2), arrowprops=dict(arrowstyle="->", lw=1.5))
+    ax.text(x0 + C + 2.7, N / 2 - 0.9, "stage 2\none thread per\ncolumn, chunks\nin order", ha="center", va="top",
+            fontsize=7.5)
+    ax.text(x1 + C / 2, y + 1.3, "dweight, dbias (C,)", ha="center", fontsize=8)
+    ax.set_xlim(-3.2, x1 + C + 0.5)
+    ax.set_ylim(-0.4, N + 1.0)
+    ax.axis("off")
+    ax.set_title(f"dweight, dbias: two-stage column reduction (N = {N}, C = {C}, {threads} threads per block, "
+                 f"{rows_per_chunk} rows per chunk)", fontsize=10)
+    fig.tight_layout()
+    return fig
