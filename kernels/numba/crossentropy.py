@@ -59,13 +59,18 @@ def crossentropy_backward_v1(logits, targets, dlogits):
         return
     m = numba.float32(EMPTY)                      # running max of the row
     s = numba.float32(0.0)                        # running sum of exp(x - m)
+    c = numba.float32(0.0)                        # Kahan compensation: the low bits s lost so far
     for j in range(V):                            # online softmax: one read of the row
         x = logits[row, j]
-        if x > m:
-            s = s * math.exp(m - x) + numba.float32(1.0)
-            m = x
+        if x > m:                                 # new max: rescale what was summed (and its compensation)
+            r = math.exp(m - x)
+            s, c, m, y = s * r, c * r, x, numba.float32(1.0)
         else:
-            s += math.exp(x - m)
+            y = math.exp(x - m)
+        y -= c                                    # one thread adds up to V = 50k terms: a plain float32 sum
+        t = s + y                                 # drifts by ~1e-4 relative, so v1 compensates (Kahan)
+        c = (t - s) - y
+        s = t
     inv_s = numba.float32(1.0) / s
     inv_n = numba.float32(1.0) / numba.float32(N)
     t = targets[row]
@@ -85,13 +90,18 @@ def crossentropy_forward_v1(logits, targets, losses):
         return
     m = numba.float32(EMPTY)
     s = numba.float32(0.0)
-    for j in range(V):                            # online softmax
+    c = numba.float32(0.0)
+    for j in range(V):                            # online softmax with a compensated sum, as in v1 backward
         x = logits[row, j]
         if x > m:
-            s = s * math.exp(m - x) + numba.float32(1.0)
-            m = x
+            r = math.exp(m - x)
+            s, c, m, y = s * r, c * r, x, numba.float32(1.0)
         else:
-            s += math.exp(x - m)
+            y = math.exp(x - m)
+        y -= c
+        t = s + y
+        c = (t - s) - y
+        s = t
     losses[row] = m + math.log(s) - logits[row, targets[row]]
 
 
