@@ -87,9 +87,28 @@ def load(name: str, options: tuple = ()):
     return _load(name, expanded_source(name), tuple(options))
 
 
+_KERNELS: dict = {}
+
+
+def _stamp(name: str) -> tuple:
+    folder = kernel_dir()
+    return tuple(os.stat(p).st_mtime_ns for p in (source_path(name), folder / "portable.h"))
+
+
 def kernel(name: str, function: str, options: tuple = ()):
-    """One ``extern "C"`` entry point of ``kernels/hip/<name>.cu`` as a ``cupy.RawKernel``-like function."""
-    return load(name, options).get_function(function)
+    """One ``extern "C"`` entry point of ``kernels/hip/<name>.cu`` as a launchable CuPy kernel.
+
+    Cached per process: a launch costs two stat() calls (an edited .cu or portable.h is recompiled), not a
+    re-read of the source, so launchers can call this on every launch.
+    """
+    key = (name, function, tuple(options))
+    stamp = _stamp(name)
+    hit = _KERNELS.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    fn = load(name, options).get_function(function)
+    _KERNELS[key] = (stamp, fn)
+    return fn
 
 
 def kernel_from_source(text: str, function: str, options: tuple = ()):
