@@ -14,7 +14,7 @@ SETUP  := $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed-$(EXTRAS),)
 PYTEST := OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} $(PY) -m pytest -p no:cacheprovider
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=900
 
-.PHONY: help setup train test unit notebooks gpu-test lab doctor exercises grade grade-solutions clean clean-notebooks
+.PHONY: help setup train test unit notebooks gpu-test bench lab doctor exercises grade grade-solutions clean clean-notebooks
 
 help:
 	@sed -n 's/^## //p' $(MAKEFILE_LIST)
@@ -50,6 +50,11 @@ gpu-test: $(SETUP)
 	$(PY) -m gpullm_lessons doctor
 	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make gpu-test')"
 	$(PYTEST) -q -rs $(NBVAL) tests notebooks solutions
+
+## bench       GPU: every kernel version beside PyTorch -> runs/bench_kernels.json and runs/roofline.png
+bench: $(SETUP)
+	mkdir -p runs
+	$(PY) -m gpullm_lessons.bench kernels --json runs/bench_kernels.json --plot runs/roofline.png
 
 ## lab         open the lessons in JupyterLab
 lab: $(SETUP)
