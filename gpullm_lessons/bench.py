@@ -193,6 +193,8 @@ def _backends():
     """(name, module) for each kernel backend that imports here."""
     out = []
     for name in ("numba", "hip"):
+        if name == "numba" and not device.numba_on_gpu():
+            continue  # on ROCm Numba kernels run in the simulator: nothing to time
         try:
             out.append((name, importlib.import_module(f"gpullm_lessons.backends.{name}")))
         except ImportError:
