@@ -143,7 +143,7 @@ def test_numba_on_gpu(version, size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", ["small", "large"])
-@pytest.mark.parametrize("version", ce.VERSIONS)
+@pytest.mark.parametrize("version", list(ce.VERSIONS) + ["v4"])   # v4: HIP only
 def test_hip_on_gpu(version, size):
     from gpullm_lessons.backends import _hip_crossentropy as hce
     for threads in (64, 256, 1024):
@@ -178,3 +178,38 @@ def test_forward_on_gpu(backend, version):
     np.testing.assert_allclose(ours, _row_losses(logits, targets), rtol=1e-5, atol=1e-5)
     loss, _ = reference.crossentropy_forward(logits.astype(np.float64), targets)
     assert abs(ours.astype(np.float64).mean() - loss) <= 1e-5 * abs(loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,V,offset", [(300, 50304, 0), (7, 4, 0), (9, 1000, 0), (100, 50304, 1), (5, 50257, 0)])
+@pytest.mark.parametrize("threads", [64, 256, 1024])
+def test_hip_v4_float4_path_on_gpu(N, V, offset, threads):
+    """v4's float4 path (V % 4 == 0: GPT-2's padded vocabulary 50304), targets at both ends of a row; arrays starting
+    4 * offset bytes past 16-byte alignment, or V % 4 != 0, take the scalar path. Against float64."""
+    cp = pytest.importorskip("cupy")
+    from gpullm_lessons.backends import _hip_crossentropy as hce
+    logits, targets = _inputs(N, V, seed=N + V)
+    targets[0] = V - 1
+    targets[-1] = 0
+
+    def placed(a):   # a C-contiguous view that starts `offset` floats into its buffer
+        buf = cp.full(a.size + offset, cp.nan, cp.float32)
+        view = buf[offset:].reshape(a.shape)
+        view[...] = cp.asarray(a)
+        return view
+    dlogits = placed(np.full((N, V), np.nan, np.float32))
+    hce.crossentropy_backward(placed(logits), cp.asarray(targets), dlogits, version="v4", threads=threads)
+    _, cache = reference.crossentropy_forward(logits.astype(np.float64), targets)
+    expected = reference.crossentropy_backward(1.0, cache)
+    got = dlogits.get()
+    assert np.isfinite(got).all()
+    assert np.abs(got - expected).max() <= 1e-5 / N
+
+
+@pytest.mark.gpu
+def test_hip_v4_is_backward_only():
+    cp = pytest.importorskip("cupy")
+    from gpullm_lessons.backends import _hip_crossentropy as hce
+    logits = cp.zeros((3, 8), cp.float32)
+    with pytest.raises(ValueError, match="version='v4', expected one of v1, v2, v3"):
+        hce.crossentropy_forward(logits, cp.zeros(3, cp.int32), cp.zeros(3, cp.float32), version="v4")

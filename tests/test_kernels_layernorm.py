@@ -171,6 +171,25 @@ def test_validation_errors(module):
         mod.layernorm_forward(*args)
 
 
+def test_hip_v4_validation_without_gpu():
+    """v4 is backward-only, and its blocks are whole warps on either vendor (a multiple of 64 threads)."""
+    with pytest.raises(ValueError, match="version='v4' is not one of v1, v2, v3"):
+        _hip().layernorm_forward(*_fwd_args(), version="v4")
+    with pytest.raises(ValueError, match="threads=96 must be a multiple of 64 for v4"):
+        _hip().layernorm_backward(*_bwd_args(), version="v4", threads=96)
+
+
+def test_hip_v4_grid_heuristic():
+    """v4's grid: as many blocks as fit at once by register count (H200: 132 SMs, 170 registers, 256 threads: one
+    block per SM); a kernel without num_regs keeps the guess of 2 per SM."""
+    from types import SimpleNamespace
+    props = {"multiProcessorCount": 132, "warpSize": 32, "regsPerMultiprocessor": 65536,
+             "maxThreadsPerMultiProcessor": 2048}
+    assert _hip()._resident_blocks(SimpleNamespace(num_regs=170), 256, props) == 132
+    assert _hip()._resident_blocks(SimpleNamespace(num_regs=32), 256, props) == 132 * 8
+    assert _hip()._resident_blocks(object(), 256, props) == 264
+
+
 def test_hip_wrapper_wants_cupy_arrays():
     with pytest.raises(TypeError, match="dout must be a CuPy array"):
         _hip().layernorm_backward(*_bwd_args())
@@ -219,7 +238,7 @@ def test_numba_forward_on_gpu(version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", _hip().VERSIONS)
+@pytest.mark.parametrize("version", _hip().FORWARD_VERSIONS)
 def test_hip_forward_on_gpu(version):
     hipln = _hip_or_skip()
     for N, C in AWKWARD:
@@ -246,4 +265,46 @@ def test_backward_dparams_deterministic_on_gpu(backend):
         results.append([to_numpy(o) for o in outs])
     for other in results[1:]:
         for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,offset", [(4099, 768, 0), (1000, 1024, 0), (37, 771, 0), (300, 768, 1), (5, 4, 0),
+                                        (1, 1, 0), (64, 2052, 0)])
+@pytest.mark.parametrize("threads", [64, 256, 1024])
+def test_hip_v4_paths_and_determinism_on_gpu(N, C, offset, threads):
+    """v4's float4 path (C % 4 == 0, aligned), its scalar path (C = 771, or arrays starting 4 * offset bytes past
+    16-byte alignment), rows too wide for it (C = 2052 > 32 * 32: v3 on NVIDIA); against float64, and bit-identical
+    dweight/dbias over three runs (no atomics)."""
+    cp = pytest.importorskip("cupy")
+    hipln = _hip_or_skip()
+    rng = np.random.default_rng(N + C)
+    inp = (rng.standard_normal((N, C)) + rng.standard_normal((N, 1))).astype(np.float32)
+    mean, rstd = (x.astype(np.float32) for x in reference.layernorm_stats(inp))
+    dout = rng.standard_normal((N, C)).astype(np.float32)
+    weight = rng.normal(1.0, 0.5, C).astype(np.float32)
+    _, cache = reference.layernorm_forward(inp.astype(np.float64), weight.astype(np.float64), np.zeros(C))
+    cache["mean"], cache["rstd"] = mean.astype(np.float64), rstd.astype(np.float64)
+    expected = reference.layernorm_backward(dout.astype(np.float64), cache)
+
+    def placed(a):   # a C-contiguous view that starts `offset` floats into its buffer
+        buf = cp.full(a.size + offset, cp.nan, cp.float32)
+        view = buf[offset:].reshape(a.shape)
+        view[...] = cp.asarray(a)
+        return view
+    args = [placed(x) for x in (dout, inp, weight)] + [cp.asarray(mean), cp.asarray(rstd)]
+    runs = []
+    for _ in range(3):
+        outs = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
+        hipln.layernorm_backward(*args, *outs, version="v4", threads=threads)
+        runs.append([o.get() for o in outs])
+    for name, got, e in zip(("dinp", "dweight", "dbias"), runs[0], expected):
+        assert np.isfinite(got).all(), f"{name}: NaN/unwritten elements"
+        # judged against the size of the terms: dinp's rstd * dout * weight, the sums' dout * sqrt(N)
+        terms = (np.abs(rstd).max() * np.abs(dout * weight).max() if name == "dinp"
+                 else np.abs(dout).max() * np.sqrt(N))
+        scale = max(np.abs(e).max(), terms)
+        assert np.abs(got - e).max() <= 2e-5 * scale, f"{name}: max err {np.abs(got - e).max():.3g}, scale {scale:.3g}"
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
             np.testing.assert_array_equal(a, b)

@@ -107,7 +107,7 @@ def test_numba_wrapper_validates_inputs():
 def test_hip_wrapper_rejects_unknown_versions_without_a_gpu():
     from gpullm_lessons.backends import _hip_softmax
     dout, out, _ = inputs(2, 3)
-    with pytest.raises(ValueError, match="version='v0' is not one of v1, v2, v3, v4"):
+    with pytest.raises(ValueError, match="version='v0' is not one of v1, v2, v3, v4, v5"):
         _hip_softmax.softmax_backward(dout, out, np.empty_like(out), version="v0")
 
 
@@ -135,7 +135,7 @@ def test_numba_on_gpu_other_block_sizes_and_cupy_arrays(version, threads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", ["small", "large"])
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
 def test_hip_on_gpu(version, size):
     pytest.importorskip("cupy")
     from gpullm_lessons.backends._hip_softmax import softmax_backward
@@ -145,7 +145,7 @@ def test_hip_on_gpu(version, size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("version,threads", [("v1", 1), ("v2", 64), ("v2", 1024), ("v3", 64), ("v3", 1024),
-                                             ("v4", 64), ("v4", 1024)])
+                                             ("v4", 64), ("v4", 1024), ("v5", 64), ("v5", 1024)])
 def test_hip_on_gpu_other_block_sizes(version, threads):
     pytest.importorskip("cupy")
     from gpullm_lessons.backends._hip_softmax import softmax_backward
@@ -157,11 +157,13 @@ def test_hip_on_gpu_other_block_sizes(version, threads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,n", [(1, 1), (3, 50_001), (1025, 33), (70, 1)])
 @pytest.mark.parametrize("backend", ["numba", "hip"])
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
 def test_awkward_shapes_on_gpu(version, backend, N, n):
     """A single element, rows far longer than a block, a row count just past a block, rows of length 1."""
     cp = pytest.importorskip("cupy")
     if backend == "numba":
+        if version not in nb.KERNELS:
+            pytest.skip(f"{version} is a HIP-only version")
         if not device.numba_on_gpu():
             pytest.skip("Numba kernels run on NVIDIA GPUs only")
         fn = nb.softmax_backward
@@ -170,6 +172,28 @@ def test_awkward_shapes_on_gpu(version, backend, N, n):
     dout, out, expected = inputs(N, n, seed=N + n)
     dinp = cp.full((N, n), cp.nan, cp.float32)
     fn(cp.asarray(dout), cp.asarray(out), dinp, version=version)
+    terms = np.abs(out.astype(np.float64) * dout).max()
+    np.testing.assert_allclose(dinp.get(), expected, rtol=1e-5, atol=1e-5 * max(terms, np.abs(expected).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,n,offset", [(1000, 1024, 0), (33, 2052, 0), (5, 4, 0), (70, 1024, 1), (9, 64, 3)])
+@pytest.mark.parametrize("threads", [64, 256, 1024])
+def test_hip_v5_float4_path_on_gpu(N, n, offset, threads):
+    """v5's float4 path (n % 4 == 0): rows of exactly the register cache on 32-lane warps (1024), rows longer than
+    it (2052: a tail read again), tiny rows; offset > 0 starts the arrays 4 * offset bytes past 16-byte alignment,
+    which must take the scalar path and still be right."""
+    cp = pytest.importorskip("cupy")
+    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    dout, out, expected = inputs(N, n, seed=N + n)
+
+    def placed(a):   # a C-contiguous (N, n) view that starts `offset` floats into its buffer
+        buf = cp.full(a.size + offset, cp.nan, cp.float32)
+        view = buf[offset:].reshape(a.shape)
+        view[...] = cp.asarray(a)
+        return view
+    dinp = placed(np.full((N, n), np.nan, np.float32))
+    softmax_backward(placed(dout), placed(out), dinp, version="v5", threads=threads)
     terms = np.abs(out.astype(np.float64) * dout).max()
     np.testing.assert_allclose(dinp.get(), expected, rtol=1e-5, atol=1e-5 * max(terms, np.abs(expected).max()))
 

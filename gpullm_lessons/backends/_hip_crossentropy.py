@@ -5,12 +5,16 @@ Same names, signatures and versions as kernels/numba/crossentropy.py (its docstr
     crossentropy_backward(logits (N,V), targets (N,) int32, dlogits (N,V), version=)   dloss = 1, mean over N
     crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2")     one launch, both outputs
 v1: one thread per row. v2: one block per row, shared-memory tree. v3: v2 with warp shuffles.
+v4 (backward only, HIP only): v3 with float4 loads/stores when V % 4 == 0 and the arrays are 16-byte aligned (else
+v3's scalar loops in the same kernel), 1024 threads per block by default.
 """
 from __future__ import annotations
 
 import numpy as np
 
-VERSIONS = ("v1", "v2", "v3")
+VERSIONS = ("v1", "v2", "v3", "v4")
+FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4 is a backward kernel only
+DEFAULT_THREADS = {"v4": 1024}         # others: the threads= default of each function
 MAX_THREADS = 1024
 
 
@@ -39,7 +43,7 @@ def _check_inputs(fn, logits, targets, **outputs):
 
 
 def _launch_shape(fn, version, N, threads, allowed=VERSIONS):
-    """(grid, block): v1 a thread per row; v2, v3 a block per row (v2: a power of 2, v3: a multiple of 64,
+    """(grid, block): v1 a thread per row; v2, v3, v4 a block per row (v2: a power of 2, v3, v4: a multiple of 64,
     which is a whole number of warps on NVIDIA (32) and AMD (64))."""
     if version not in allowed:
         raise ValueError(f"{fn}: version={version!r}, expected one of {', '.join(allowed)}")
@@ -57,9 +61,12 @@ def _kernel(name):
     return hip.kernel("crossentropy", name)
 
 
-def crossentropy_backward(logits, targets, dlogits, version="v2", threads=256):
-    """dlogits (N,V) = (softmax(logits) - onehot(targets)) / N, for dloss = 1 and the mean loss over N rows."""
+def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
+    """dlogits (N,V) = (softmax(logits) - onehot(targets)) / N, for dloss = 1 and the mean loss over N rows.
+
+    threads: per block; None: 1024 for v4, 256 otherwise."""
     N, V = _check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits)
+    threads = DEFAULT_THREADS.get(version, 256) if threads is None else int(threads)
     grid, block = _launch_shape("crossentropy_backward", version, N, threads)
     if N:
         _kernel(f"crossentropy_backward_{version}")((grid,), (block,),
@@ -70,7 +77,7 @@ def crossentropy_backward(logits, targets, dlogits, version="v2", threads=256):
 def crossentropy_forward(logits, targets, losses, version="v2", threads=256):
     """losses (N,) = -log softmax(logits)[target] per row (the mean loss is losses.mean())."""
     N, V = _check_inputs("crossentropy_forward", logits, targets, losses=losses)
-    grid, block = _launch_shape("crossentropy_forward", version, N, threads)
+    grid, block = _launch_shape("crossentropy_forward", version, N, threads, allowed=FORWARD_VERSIONS)
     if N:
         _kernel(f"crossentropy_forward_{version}")((grid,), (block,),
                                                   (logits, targets, losses, np.int32(N), np.int32(V)))

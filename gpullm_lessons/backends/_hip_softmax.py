@@ -1,7 +1,9 @@
 """softmax_backward through the portable kernels of kernels/hip/softmax.cu, launched with CuPy (NVIDIA or AMD).
 
 Same name, signature and versions as kernels/numba/softmax.py (v1 one thread per row, v2 one block per row with a
-shared-memory tree, v3 one block per row with warp shuffles, v4 one warp per row). Arrays are CuPy arrays.
+shared-memory tree, v3 one block per row with warp shuffles, v4 one warp per row). HIP only:
+v5: v4 with float4 loads and the row held in registers between the two passes (n % 4 == 0 and 16-byte aligned
+arrays; otherwise v4's scalar loop inside the same kernel). Arrays are CuPy arrays.
 """
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import functools
 
 import numpy as np
 
-VERSIONS = ("v1", "v2", "v3", "v4")
-DEFAULT_THREADS = {"v1": 128, "v2": 256, "v3": 256, "v4": 256}
+VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+DEFAULT_THREADS = {"v1": 128, "v2": 256, "v3": 256, "v4": 256, "v5": 256}
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +44,8 @@ def check_cupy_args(fn, names, arrays, ndim):
 def softmax_backward(dout, out, dinp, version="v3", threads=None):
     """dinp[:] = out * (dout - sum_row(out * dout)); dout, out, dinp float32 (N, n) CuPy arrays.
 
-    threads: per block (v2: a power of two; v3, v4: a multiple of the warp size; at most 1024); None: default.
+    threads: per block (v2: a power of two; v3, v4, v5: a multiple of the warp size; at most 1024); None: default.
+    v5 lowers threads to what its register use allows (its kernel's max_threads_per_block).
     """
     from gpullm_lessons import hip
     fn = "softmax_backward"
@@ -59,15 +62,19 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None):
         return
     if N >= 2**31 or n >= 2**31:
         raise ValueError(f"{fn}: N={N} and n={n} must each fit in an int32")
-    ws = warp_size(dout.device.id) if version in ("v3", "v4") else 1
+    ws = warp_size(dout.device.id) if version in ("v3", "v4", "v5") else 1
     if threads % ws:
         raise ValueError(f"{fn}: {version} needs whole warps, threads a multiple of {ws}, got {threads}")
+    k = hip.kernel("softmax", f"softmax_backward_{version}")
+    if version == "v5":
+        # v5 holds its rows in registers (~100 per thread on sm_90): the GPU runs at most max_threads_per_block
+        # threads of it per block (about 640 on NVIDIA), so a larger threads= is lowered to whole warps below that
+        threads = min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws)
     if version == "v1":
         blocks = (N + threads - 1) // threads                      # one thread per row
-    elif version == "v4":
+    elif version in ("v4", "v5"):
         rows_per_block = threads // ws                              # one warp per row
         blocks = (N + rows_per_block - 1) // rows_per_block
     else:
         blocks = N                                                  # one block per row
-    k = hip.kernel("softmax", f"softmax_backward_{version}")
     k((blocks,), (threads,), (dout, out, dinp, np.int32(N), np.int32(n)))

@@ -6,6 +6,9 @@
 //   v1: one thread per row.  v2: one block per row, (max, sum) pairs merged in shared memory (tree; blockDim a
 //   power of 2).  v3: v2 with warp shuffles first (blockDim a multiple of warpSize: 32 NVIDIA, 64 AMD CDNA).
 //   crossentropy_forward_backward_v2: both outputs in one launch.
+//   v4: v3 with float4 (16-byte) loads and stores when V % 4 == 0 and the arrays are 16-byte aligned (else v3's
+//   scalar loops); meant for 1024 threads per block: more bytes in flight per block, and fewer rows in flight
+//   per GPU, so the second read of each row tends to hit L2.
 #include "portable.h"
 
 // A thread that got no element holds (CE_EMPTY, 0). Finite, so merging two empty pairs gives exp(0) * 0 = 0,
@@ -175,4 +178,50 @@ extern "C" __global__ void crossentropy_forward_v3(const float* __restrict__ log
     slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
     block_stats_shfl(sh_m, sh_s, m, s);
     if (threadIdx.x == 0) losses[row] = m + logf(s) - x[targets[row]];
+}
+
+// ---- v4: v3 with float4 loads; block `row` owns logits[row, :], thread tid the float4 tid, tid + blockDim, ... -----
+__device__ __forceinline__ bool ce_aligned16(const void* p) { return ((unsigned long long)p) % 16 == 0; }
+
+// Fold four logits into (m, s): one rescale for the group's max, then four exps.
+__device__ __forceinline__ void online_update4(float& m, float& s, float4 v) {
+    float m4 = fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w));
+    if (m4 > m) { s *= expf(m - m4); m = m4; }          // m = CE_EMPTY, s = 0 at the start: 0 * exp(..) = 0
+    s += expf(v.x - m) + expf(v.y - m) + expf(v.z - m) + expf(v.w - m);
+}
+
+extern "C" __global__ void crossentropy_backward_v4(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                   float* __restrict__ dlogits, int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];   // one pair per warp
+    int row = blockIdx.x;
+    if (row >= N) return;                                 // the whole block leaves together
+    const float* x = logits + (long long)row * V;
+    float* d = dlogits + (long long)row * V;
+    int t = targets[row];
+    if (V % 4 != 0 || !ce_aligned16(logits) || !ce_aligned16(dlogits)) {   // v3's scalar loops
+        float m, s;
+        slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+        block_stats_shfl(sh_m, sh_s, m, s);
+        write_dlogits(x, t, d, V, N, m, s, threadIdx.x, blockDim.x);
+        return;
+    }
+    const float4* x4 = reinterpret_cast<const float4*>(x);   // the row as V/4 float4
+    float4* d4 = reinterpret_cast<float4*>(d);
+    int V4 = V / 4;
+    float m = CE_EMPTY, s = 0.0f;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) online_update4(m, s, x4[j]);
+    block_stats_shfl(sh_m, sh_s, m, s);                   // every thread: the row's (max, sum)
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        float4 v = x4[j];                                 // second read of the row (L2 if it is still there)
+        float4 p = make_float4(expf(v.x - m) * inv_s, expf(v.y - m) * inv_s, expf(v.z - m) * inv_s,
+                               expf(v.w - m) * inv_s);
+        if (j == t / 4) {                                 // the float4 holding the target: subtract the one-hot 1
+            int e = t % 4;
+            if (e == 0) p.x -= 1.0f; else if (e == 1) p.y -= 1.0f; else if (e == 2) p.z -= 1.0f; else p.w -= 1.0f;
+        }
+        d4[j] = make_float4(p.x * inv_n, p.y * inv_n, p.z * inv_n, p.w * inv_n);
+    }
 }

@@ -7,6 +7,12 @@
 // v2: one block per row with shared-memory tree sums (blockDim.x a power of two, at most 1024); dweight/dbias by a
 //     deterministic two-stage column reduction (partial sums per chunk of rows into scratch, then a sum per column).
 // v3: v2 with warp-shuffle sums (warp_sum from portable.h; blockDim.x a multiple of warpSize: 64 on AMD CDNA).
+// v4: one pass (llm.c's approach): a grid of about as many blocks as fit on the GPU at once, one warp per row, each
+//     warp loops over many rows; it writes dinp and keeps its dweight/dbias partials for its own columns in
+//     registers (float4 loads when C % 4 == 0 and the arrays are 16-byte aligned); the warps of a block add their
+//     partials in warp order in shared memory, the block writes one partial row (n_blocks, C), and
+//     layernorm_backward_v4_reduce adds those rows per column in a fixed order. dout and inp are read from
+//     memory once (the second pass over a row hits L1). Needs C <= LN_V4_COLS * warpSize (1024 on NVIDIA).
 // No atomics: atomicAdd into dweight would be one kernel, but the float sum order (and so the last bits of the
 // result) would change from run to run.
 #include "portable.h"
@@ -231,4 +237,138 @@ extern "C" __global__ void layernorm_backward_v2_reduce(const float* __restrict_
     }
     dweight[c] = dw;
     dbias[c] = db;
+}
+
+// ---- v4: one warp per row, dinp and the dweight/dbias partials in one pass ------------------------------------------
+// Lane `lane` of a warp owns the same columns in every row it visits: with W columns per load (4: float4, 1: float)
+// load k (k < LN_V4_COLS / W) covers columns W * (lane + k * warpSize) + 0 .. W-1. So the lane can keep its columns'
+// dweight/dbias partials (LN_V4_COLS of each) in registers over all its rows, without atomics.
+#define LN_V4_COLS 32        // columns owned per lane: C <= LN_V4_COLS * warpSize
+#define LN_V4_WARP_MAX 64    // the widest warp (AMD CDNA): sizes the shared partial row below
+
+// W consecutive floats at p into v[0 .. W-1] (one 16-byte load when W == 4: p must be 16-byte aligned)
+template <int W>
+__device__ __forceinline__ void ln_load(const float* p, float* v) {
+    if (W == 4) { float4 t = *reinterpret_cast<const float4*>(p); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; }
+    else        { v[0] = p[0]; }
+}
+
+template <int W>
+__device__ __forceinline__ void ln_store(float* p, const float* v) {
+    if (W == 4) *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    else        p[0] = v[0];
+}
+
+template <int W>
+__device__ __forceinline__ void layernorm_backward_v4_body(
+        const float* __restrict__ dout, const float* __restrict__ inp, const float* __restrict__ weight,
+        const float* __restrict__ mean, const float* __restrict__ rstd, float* __restrict__ dinp,
+        float* __restrict__ dweight_part, float* __restrict__ dbias_part, int N, int C, float* sh_w, float* sh_b) {
+    const int K = LN_V4_COLS / W;                     // loads per lane per row and array
+    int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, n_warps = blockDim.x / warpSize;
+    float aw[LN_V4_COLS], ab[LN_V4_COLS];             // this lane's dweight, dbias partials: column c0(k) + e at k*W+e
+#pragma unroll
+    for (int i = 0; i < LN_V4_COLS; i++) { aw[i] = 0.0f; ab[i] = 0.0f; }
+    for (int row = blockIdx.x * n_warps + warp; row < N; row += gridDim.x * n_warps) {   // warp-uniform
+        const float* d = dout + (long long)row * C;
+        const float* x = inp + (long long)row * C;
+        float m = mean[row], r = rstd[row];
+        float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; k++) {                 // pass 1: the row sums, and the dweight/dbias partials
+            int c0 = W * (lane + k * warpSize);
+            if (c0 < C) {                             // C % W == 0: the whole group of W columns is in the row
+                float dv[4], xv[4], wv[4];
+                ln_load<W>(d + c0, dv); ln_load<W>(x + c0, xv); ln_load<W>(weight + c0, wv);
+#pragma unroll
+                for (int e = 0; e < W; e++) {
+                    float xhat = (xv[e] - m) * r, g = dv[e] * wv[e];
+                    sg += g;
+                    sgx += g * xhat;
+                    aw[k * W + e] += dv[e] * xhat;
+                    ab[k * W + e] += dv[e];
+                }
+            }
+        }
+        float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;   // every lane: mean(g), mean(g * xhat)
+        float* di = dinp + (long long)row * C;
+#pragma unroll
+        for (int k = 0; k < K; k++) {                 // pass 2: dinp (the row was just read: L1 hits)
+            int c0 = W * (lane + k * warpSize);
+            if (c0 < C) {
+                float dv[4], xv[4], wv[4], ov[4];
+                ln_load<W>(d + c0, dv); ln_load<W>(x + c0, xv); ln_load<W>(weight + c0, wv);
+#pragma unroll
+                for (int e = 0; e < W; e++) ov[e] = r * (dv[e] * wv[e] - mg - (xv[e] - m) * r * mgx);
+                ln_store<W>(di + c0, ov);
+            }
+        }
+    }
+    // The block's partial row: warp 0 stores its partials, then warps 1, 2, ... add theirs, one warp at a time
+    // (a fixed order: the same bits every run). Each column is owned by one lane of each warp: no races.
+    for (int w = 0; w < n_warps; w++) {
+        if (warp == w) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                int c0 = W * (lane + k * warpSize);
+                if (c0 < C) {
+#pragma unroll
+                    for (int e = 0; e < W; e++) {
+                        sh_w[c0 + e] = (w == 0 ? 0.0f : sh_w[c0 + e]) + aw[k * W + e];
+                        sh_b[c0 + e] = (w == 0 ? 0.0f : sh_b[c0 + e]) + ab[k * W + e];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {           // coalesced write of row blockIdx.x of (n_blocks, C)
+        dweight_part[(long long)blockIdx.x * C + c] = sh_w[c];
+        dbias_part[(long long)blockIdx.x * C + c] = sh_b[c];
+    }
+}
+
+// v4 stage 1: grid of n_blocks (any number), blockDim whole warps; dweight_part, dbias_part (gridDim.x, C) scratch.
+extern "C" __global__ void layernorm_backward_v4(const float* __restrict__ dout, const float* __restrict__ inp,
+                                                 const float* __restrict__ weight, const float* __restrict__ mean,
+                                                 const float* __restrict__ rstd, float* __restrict__ dinp,
+                                                 float* __restrict__ dweight_part, float* __restrict__ dbias_part,
+                                                 int N, int C) {
+    __shared__ float sh_w[LN_V4_COLS * LN_V4_WARP_MAX], sh_b[LN_V4_COLS * LN_V4_WARP_MAX];   // the block's row
+    unsigned long long a = (unsigned long long)dout | (unsigned long long)inp | (unsigned long long)weight |
+                           (unsigned long long)dinp;
+    if (C % 4 == 0 && a % 16 == 0)                    // float4 path: every row starts 16-byte aligned
+        layernorm_backward_v4_body<4>(dout, inp, weight, mean, rstd, dinp, dweight_part, dbias_part, N, C, sh_w, sh_b);
+    else
+        layernorm_backward_v4_body<1>(dout, inp, weight, mean, rstd, dinp, dweight_part, dbias_part, N, C, sh_w, sh_b);
+}
+
+// v4 stage 2: block b adds the n_parts partial rows for columns [b * warpSize, (b + 1) * warpSize) (grid-stride).
+// Lane = column (coalesced reads of each partial row), warp g of G sums partial rows g, g + G, ...; then the G
+// sums of a column are added by warp 0 in warp order. Fixed order throughout: deterministic. blockDim whole warps.
+extern "C" __global__ void layernorm_backward_v4_reduce(const float* __restrict__ dweight_part,
+                                                        const float* __restrict__ dbias_part,
+                                                        float* __restrict__ dweight, float* __restrict__ dbias,
+                                                        int n_parts, int C) {
+    __shared__ float sh_w[1024], sh_b[1024];          // one pair of sums per thread
+    int lane = threadIdx.x % warpSize, g = threadIdx.x / warpSize, G = blockDim.x / warpSize;
+    for (int tile = blockIdx.x * warpSize; tile < C; tile += gridDim.x * warpSize) {   // block-uniform loop
+        int c = tile + lane;
+        float dw = 0.0f, db = 0.0f;
+        if (c < C) {
+            for (int k = g; k < n_parts; k += G) {
+                dw += dweight_part[(long long)k * C + c];
+                db += dbias_part[(long long)k * C + c];
+            }
+        }
+        sh_w[threadIdx.x] = dw; sh_b[threadIdx.x] = db;
+        __syncthreads();
+        if (g == 0 && c < C) {
+            dw = 0.0f; db = 0.0f;
+            for (int h = 0; h < G; h++) { dw += sh_w[h * warpSize + lane]; db += sh_b[h * warpSize + lane]; }
+            dweight[c] = dw;
+            dbias[c] = db;
+        }
+        __syncthreads();                              // sh_w read before the next tile overwrites it
+    }
 }

@@ -5,6 +5,8 @@
 //   v2: one block per row, threads stride the row, tree reduction in shared memory (blockDim a power of two).
 //   v3: one block per row, warp_sum shuffles inside each warp + one shared slot per warp (blockDim whole warps).
 //   v4: one warp per row, several rows per block, shuffles only (blockDim whole warps).
+//   v5: v4 with float4 loads and the row kept in registers (read once from memory; n % 4 == 0 and 16-byte
+//       aligned arrays, else v4's scalar loop).
 // Never assume 32 lanes: warpSize is 64 on AMD CDNA; shared buffers are sized with MAX_WARPS_PER_BLOCK.
 #include "portable.h"
 
@@ -68,4 +70,59 @@ extern "C" __global__ void softmax_backward_v4(const float* __restrict__ dout, c
     for (int j = lane; j < n; j += warpSize) s += out[base + j] * dout[base + j];
     s = warp_sum(s);
     for (int j = lane; j < n; j += warpSize) dinp[base + j] = out[base + j] * (dout[base + j] - s);
+}
+
+// v5: v4 with 16-byte (float4) loads, and the first SMX_V5_CACHE float4 of each lane kept in registers between
+// the two passes, so dout and out are read from memory once and many loads are in flight per lane.
+// Lane `lane` of the warp owning row `row` holds float4 number j = lane + k * warpSize of the row (elements
+// 4j .. 4j+3) in oc[k], dc[k]; a row longer than SMX_V5_CACHE * warpSize float4 re-reads its tail in pass 2.
+// Used when n % 4 == 0 and all three pointers are 16-byte aligned (so every row starts aligned); otherwise the
+// warp runs v4's scalar loop.
+#define SMX_V5_CACHE 8   // float4 per lane and per array held in registers: 1024 floats per row on 32-lane warps
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p) % 16 == 0; }
+
+extern "C" __global__ void softmax_backward_v5(const float* __restrict__ dout, const float* __restrict__ out,
+                                               float* __restrict__ dinp, int N, int n) {
+    int lane = threadIdx.x % warpSize;
+    int row = blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize;
+    if (row >= N) return;                       // whole warps leave together
+    long long base = (long long)row * n;
+    float s = 0.0f;
+    if (n % 4 != 0 || !aligned16(dout) || !aligned16(out) || !aligned16(dinp)) {   // v4's scalar loop
+        for (int j = lane; j < n; j += warpSize) s += out[base + j] * dout[base + j];
+        s = warp_sum(s);
+        for (int j = lane; j < n; j += warpSize) dinp[base + j] = out[base + j] * (dout[base + j] - s);
+        return;
+    }
+    const float4* o4 = reinterpret_cast<const float4*>(out + base);    // the row as n/4 float4
+    const float4* d4 = reinterpret_cast<const float4*>(dout + base);
+    float4* di4 = reinterpret_cast<float4*>(dinp + base);
+    int n4 = n / 4;
+    float4 oc[SMX_V5_CACHE], dc[SMX_V5_CACHE];  // registers: the loop is unrolled, k is a compile-time index
+#pragma unroll
+    for (int k = 0; k < SMX_V5_CACHE; k++) {    // pass 1a: all loads issued before the adds need them
+        int j = lane + k * warpSize;
+        if (j < n4) { oc[k] = o4[j]; dc[k] = d4[j]; }
+    }
+#pragma unroll
+    for (int k = 0; k < SMX_V5_CACHE; k++) {
+        int j = lane + k * warpSize;
+        if (j < n4) s += oc[k].x * dc[k].x + oc[k].y * dc[k].y + oc[k].z * dc[k].z + oc[k].w * dc[k].w;
+    }
+    for (int j = lane + SMX_V5_CACHE * warpSize; j < n4; j += warpSize) {   // pass 1b: the uncached tail
+        float4 o = o4[j], d = d4[j];
+        s += o.x * d.x + o.y * d.y + o.z * d.z + o.w * d.w;
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int k = 0; k < SMX_V5_CACHE; k++) {    // pass 2a: from registers
+        int j = lane + k * warpSize;
+        if (j < n4) di4[j] = make_float4(oc[k].x * (dc[k].x - s), oc[k].y * (dc[k].y - s),
+                                         oc[k].z * (dc[k].z - s), oc[k].w * (dc[k].w - s));
+    }
+    for (int j = lane + SMX_V5_CACHE * warpSize; j < n4; j += warpSize) {   // pass 2b: the tail, read again
+        float4 o = o4[j], d = d4[j];
+        di4[j] = make_float4(o.x * (d.x - s), o.y * (d.y - s), o.z * (d.z - s), o.w * (d.w - s));
+    }
 }
