@@ -12,34 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.numba.crossentropy import check_inputs   # the Numba wrapper's checks; cupy=True: CuPy arrays only
+
 VERSIONS = ("v1", "v2", "v3", "v4")
 FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4 is a backward kernel only
 DEFAULT_THREADS = {"v4": 1024}         # others: the threads= default of each function
 MAX_THREADS = 1024
-
-
-def _check_array(fn, name, a, shape, dtype):
-    """ValueError/TypeError naming the argument, the shape/dtype it has and the one expected."""
-    if not (type(a).__module__ or "").startswith("cupy"):
-        raise TypeError(f"{fn}: {name} must be a CuPy array (the HIP kernels run on the GPU), "
-                        f"got {type(a).__module__}.{type(a).__name__}")
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-    if str(a.dtype) != dtype:
-        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{fn}: {name} must be C-contiguous (cupy.ascontiguousarray)")
-
-
-def _check_inputs(fn, logits, targets, **outputs):
-    if not hasattr(logits, "shape") or len(logits.shape) != 2:
-        raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {getattr(logits, 'shape', None)}")
-    N, V = logits.shape
-    _check_array(fn, "logits", logits, (N, V), "float32")
-    _check_array(fn, "targets", targets, (N,), "int32")
-    for name, a in outputs.items():
-        _check_array(fn, name, a, (N,) if name == "losses" else (N, V), "float32")
-    return N, V
 
 
 def _launch_shape(fn, version, N, threads, allowed=VERSIONS):
@@ -65,7 +43,7 @@ def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
     """dlogits (N,V) = (softmax(logits) - onehot(targets)) / N, for dloss = 1 and the mean loss over N rows.
 
     threads: per block; None: 1024 for v4, 256 otherwise."""
-    N, V = _check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits)
+    N, V = check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits, cupy=True)
     threads = DEFAULT_THREADS.get(version, 256) if threads is None else int(threads)
     grid, block = _launch_shape("crossentropy_backward", version, N, threads)
     if N:
@@ -76,7 +54,7 @@ def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
 
 def crossentropy_forward(logits, targets, losses, version="v2", threads=256):
     """losses (N,) = -log softmax(logits)[target] per row (the mean loss is losses.mean())."""
-    N, V = _check_inputs("crossentropy_forward", logits, targets, losses=losses)
+    N, V = check_inputs("crossentropy_forward", logits, targets, losses=losses, cupy=True)
     grid, block = _launch_shape("crossentropy_forward", version, N, threads, allowed=FORWARD_VERSIONS)
     if N:
         _kernel(f"crossentropy_forward_{version}")((grid,), (block,),
@@ -86,7 +64,7 @@ def crossentropy_forward(logits, targets, losses, version="v2", threads=256):
 
 def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2", threads=256):
     """Both in one launch: losses (N,) per row and dlogits (N,V) = (softmax - onehot) / N."""
-    N, V = _check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits)
+    N, V = check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits, cupy=True)
     grid, block = _launch_shape("crossentropy_forward_backward", version, N, threads, allowed=("v2",))
     if N:
         _kernel("crossentropy_forward_backward_v2")((grid,), (block,),

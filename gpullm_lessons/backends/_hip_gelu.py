@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._args import check_threads, check_version
 from ._hip_softmax import check_cupy_args
 
 VERSIONS = ("v1",)
@@ -15,12 +16,9 @@ MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride l
 
 def _launch(fn, name, version, threads, names, arrays):
     from gpullm_lessons import hip
-    if version not in VERSIONS:
-        raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(VERSIONS)}")
+    check_version(fn, version, VERSIONS)
     check_cupy_args(fn, names, arrays, ndim=1)
-    threads = int(threads)
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"{fn}: threads={threads} must be in [1, 1024]")
+    threads = check_threads(fn, threads)
     n = arrays[0].shape[0]
     if n == 0:
         return

@@ -16,56 +16,33 @@ from __future__ import annotations
 import numpy as np
 
 from .. import hip
+# the shape/dtype/threads checks are the Numba wrappers' (cupy=True: CuPy arrays, cupy in the hints)
+from ..kernels.numba.layernorm import check_array, check_block, check_rows
+from ._args import check_version, is_cupy
 
 VERSIONS = ("v1", "v2", "v3", "v4")
 FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4 is a backward kernel only
 LN_V4_COLS = 32        # v4: columns each lane owns (LN_V4_COLS in layernorm.cu): C <= LN_V4_COLS * warp size
 V4_THREADS = 256       # v4's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
-MAX_THREADS = 1024
 WARP_MAX = 64          # v3 blocks are whole warps on either vendor (32 lanes on NVIDIA, 64 on AMD CDNA)
 ROWS_PER_CHUNK = 32    # rows summed by one thread in stage 1 of the dweight/dbias reduction
-
-
-def _check_array(fn, name, x, shape):
-    """ValueError/TypeError naming the argument, the shape/dtype got and the one expected."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "flags")):
-        raise TypeError(f"{fn}: {name} must be a CuPy array, got {type(x).__name__}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{fn}: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-    if np.dtype(x.dtype) != np.float32:
-        raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected float32 (these kernels compute in float32)")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous (cupy.ascontiguousarray)")
 
 
 def _check_on_gpu(fn, named):
     """Every array must live in GPU memory: a CuPy array."""
     for name, x in named:
-        if not (type(x).__module__ or "").startswith("cupy"):
+        if not is_cupy(x):
             raise TypeError(f"{fn}: {name} must be a CuPy array (GPU memory), got {type(x).__module__}."
                             f"{type(x).__name__}: move it with cupy.asarray(...)")
 
 
-def _check_rows(fn, inp):
-    if not hasattr(inp, "shape"):
-        raise TypeError(f"{fn}: inp must be a CuPy array, got {type(inp).__name__}")
-    if len(inp.shape) != 2 or inp.shape[0] < 1 or inp.shape[1] < 1:
-        raise ValueError(f"{fn}: inp has shape {tuple(inp.shape)}, expected (N, C) with N, C >= 1 "
-                         f"(flatten (B, T, C) to (B*T, C))")
-    return int(inp.shape[0]), int(inp.shape[1])
-
-
 def _check_launch(fn, version, threads):
-    if version not in VERSIONS:
-        raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(VERSIONS)}")
-    if not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"{fn}: threads={threads!r}, expected an int in 1..{MAX_THREADS}")
-    if version == "v2" and threads & (threads - 1):
-        raise ValueError(f"{fn}: threads={threads} must be a power of two for v2 (tree reduction)")
+    check_version(fn, version, VERSIONS)
+    threads = check_block(fn, version, threads)
     if version in ("v3", "v4") and threads % WARP_MAX:
         raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP_MAX} for {version} (whole warps on "
                          f"NVIDIA and AMD)")
-    return int(threads)
+    return threads
 
 
 def _device_props(x):
@@ -92,13 +69,12 @@ def _resident_blocks(kernel, threads, props):
 def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2", threads=128):
     """inp (N, C), weight (C,), bias (C,) -> writes out (N, C), mean (N,), rstd (N,)."""
     fn = "layernorm_forward"
-    N, C = _check_rows(fn, inp)
+    N, C = check_rows(fn, inp, cupy=True)
     named = (("inp", inp, (N, C)), ("weight", weight, (C,)), ("bias", bias, (C,)),
              ("out", out, (N, C)), ("mean", mean, (N,)), ("rstd", rstd, (N,)))
     for name, x, shape in named:
-        _check_array(fn, name, x, shape)
-    if version not in FORWARD_VERSIONS:
-        raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(FORWARD_VERSIONS)}")
+        check_array(fn, name, x, shape, cupy=True)
+    check_version(fn, version, FORWARD_VERSIONS)
     threads = _check_launch(fn, version, threads)
     _check_on_gpu(fn, [(name, x) for name, x, _ in named])
     blocks = (N + threads - 1) // threads if version == "v1" else N   # v1: a thread per row; v2, v3: a block
@@ -114,11 +90,11 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
     threads: per block; None: 256 for v4, 128 otherwise. v4 lowers threads to what its register use allows
     (its kernel's max_threads_per_block: about 384 on NVIDIA)."""
     fn = "layernorm_backward"
-    N, C = _check_rows(fn, inp)
+    N, C = check_rows(fn, inp, cupy=True)
     named = (("dout", dout, (N, C)), ("inp", inp, (N, C)), ("weight", weight, (C,)), ("mean", mean, (N,)),
              ("rstd", rstd, (N,)), ("dinp", dinp, (N, C)), ("dweight", dweight, (C,)), ("dbias", dbias, (C,)))
     for name, x, shape in named:
-        _check_array(fn, name, x, shape)
+        check_array(fn, name, x, shape, cupy=True)
     if threads is None:
         threads = V4_THREADS if version == "v4" else 128
     threads = _check_launch(fn, version, threads)

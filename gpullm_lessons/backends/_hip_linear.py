@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import hip
+from ..kernels.numba.linear import validate
+from ._args import is_cupy
+from ._args import shape_of as _shape_of
 
 VERSIONS = ("v1", "v2", "v3", "cublas")
 TILE = 16           # v1, v2: one 16x16 block per 16x16 tile of out
@@ -24,34 +27,13 @@ DBIAS_THREADS = 256
 MAX_GRID_Y = 65535  # the hardware limit on gridDim.y (rows of tiles)
 
 
-def _shape_of(x):
-    return tuple(int(s) for s in x.shape)
-
-
 def _validate(dout, inp, weight, dinp, dweight, dbias, version, fn="linear_backward"):
-    """Version, dtypes, shapes, then that every array is a C-contiguous CuPy array. Returns (N, C, OC)."""
-    if version not in VERSIONS:
-        raise ValueError(f"{fn}: unknown version={version!r}; use one of {', '.join(repr(v) for v in VERSIONS)}")
+    """Version, dtypes, shapes (the Numba wrapper's checks), then that every array is a C-contiguous CuPy array.
+    Returns (N, C, OC)."""
+    N, C, OC = validate(dout, inp, weight, dinp, dweight, dbias, version, fn=fn, versions=VERSIONS, xp="cupy")
     args = {"dout": dout, "inp": inp, "weight": weight, "dinp": dinp, "dweight": dweight, "dbias": dbias}
     for name, x in args.items():
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}")
-        if np.dtype(x.dtype) != np.float32:
-            raise TypeError(f"{fn}: {name} must be float32, got dtype {np.dtype(x.dtype)} (these kernels compute in "
-                            f"float32; convert with .astype(cupy.float32))")
-    for name in ("dout", "inp", "weight"):
-        if len(args[name].shape) != 2:
-            raise ValueError(f"{fn}: {name} must be 2-D, got shape {_shape_of(args[name])} (flatten the rows: "
-                             f"N = B*T)")
-    N, OC = _shape_of(dout)
-    C = _shape_of(inp)[1]
-    expected = {"inp": (N, C), "weight": (C, OC), "dinp": (N, C), "dweight": (C, OC), "dbias": (OC,)}
-    for name, shape in expected.items():
-        if _shape_of(args[name]) != shape:
-            raise ValueError(f"{fn}: {name} has shape {_shape_of(args[name])}, expected {shape} "
-                             f"(from dout (N, OC) = {(N, OC)} and inp (N, C) = {(N, C)}; weight is stored (C, OC))")
-    for name, x in args.items():
-        if not (type(x).__module__ or "").startswith("cupy"):
+        if not is_cupy(x):
             raise TypeError(f"{fn}: {name} must be a CuPy array (HIP kernels run on the GPU), got "
                             f"{type(x).__module__}.{type(x).__name__}; move it with cupy.asarray(...)")
         if not x.flags.c_contiguous:

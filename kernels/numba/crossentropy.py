@@ -32,6 +32,7 @@ import numba
 from numba import cuda
 
 from gpullm_lessons import device
+from gpullm_lessons.backends._args import check_array
 
 MAX_THREADS = 1024               # the largest block: size of the shared arrays of v2
 WARP = 32                        # Numba CUDA runs on NVIDIA GPUs only: 32 lanes per warp
@@ -353,26 +354,16 @@ VERSIONS = ("v1", "v2", "v3")     # what `version=` accepts (v2_fused is crossen
 
 
 # ---- launch wrappers ------------------------------------------------------------------------------------------------
-def _check_array(fn, name, a, shape, dtype):
-    """ValueError/TypeError naming the argument, the shape/dtype it has and the one expected."""
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(a).__name__}")
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{fn}: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-    if str(a.dtype) != dtype:
-        raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {dtype}")
-    if not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(f"{fn}: {name} must be C-contiguous (np.ascontiguousarray)")
-
-
-def _check_inputs(fn, logits, targets, **outputs):
+def check_inputs(fn, logits, targets, *, cupy=False, **outputs):
+    """logits (N, V) float32, targets (N,) int32, outputs losses (N,) / dlogits (N, V) float32, all C-contiguous;
+    returns (N, V). cupy=True: CuPy arrays only (the HIP wrappers)."""
     if not hasattr(logits, "shape") or len(logits.shape) != 2:
         raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {getattr(logits, 'shape', None)}")
     N, V = logits.shape
-    _check_array(fn, "logits", logits, (N, V), "float32")
-    _check_array(fn, "targets", targets, (N,), "int32")
+    check_array(fn, "logits", logits, (N, V), "float32", cupy=cupy)
+    check_array(fn, "targets", targets, (N,), "int32", cupy=cupy)
     for name, a in outputs.items():
-        _check_array(fn, name, a, (N,) if name == "losses" else (N, V), "float32")
+        check_array(fn, name, a, (N,) if name == "losses" else (N, V), "float32", cupy=cupy)
     return N, V
 
 
@@ -398,7 +389,7 @@ def _grid(version, N, threads):
 
 def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
     """dlogits (N,V) = (softmax(logits) - onehot(targets)) / N, for dloss = 1 and the mean loss over N rows."""
-    N, _ = _check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits)
+    N, _ = check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits)
     threads = _pick("crossentropy_backward", version, threads)
     if N:
         KERNELS[version][_grid(version, N, threads), threads](logits, targets, dlogits)
@@ -407,7 +398,7 @@ def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
 
 def crossentropy_forward(logits, targets, losses, version="v2", threads=None):
     """losses (N,) = -log softmax(logits)[target] per row (the mean loss is losses.mean())."""
-    N, _ = _check_inputs("crossentropy_forward", logits, targets, losses=losses)
+    N, _ = check_inputs("crossentropy_forward", logits, targets, losses=losses)
     threads = _pick("crossentropy_forward", version, threads)
     if N:
         KERNELS[version + "_forward"][_grid(version, N, threads), threads](logits, targets, losses)
@@ -416,7 +407,7 @@ def crossentropy_forward(logits, targets, losses, version="v2", threads=None):
 
 def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2", threads=None):
     """Both in one launch (v2_fused): losses (N,) per row and dlogits (N,V) = (softmax - onehot) / N."""
-    N, _ = _check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits)
+    N, _ = check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits)
     threads = _pick("crossentropy_forward_backward", version, threads, allowed=("v2",))
     if N:
         KERNELS["v2_fused"][N, threads](logits, targets, losses, dlogits)

@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons import arrays, device
+from gpullm_lessons.backends._args import check_array
 
 MAX_THREADS = 1024
 
@@ -97,21 +98,8 @@ GPU_ONLY = set()
 VERSIONS = ("v1", "v2")
 
 
-def _check_array(name, a, shape, dtype):
-    """ValueError/TypeError naming the argument, the shape/dtype it has and the one expected."""
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        raise TypeError(f"encoder_backward: {name} must be an array (NumPy, CuPy or Numba device array), "
-                        f"got {type(a).__name__}")
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"encoder_backward: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-    if str(a.dtype) != dtype:
-        raise TypeError(f"encoder_backward: {name} has dtype {a.dtype}, expected {dtype}")
-    if not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(f"encoder_backward: {name} must be C-contiguous (np.ascontiguousarray)")
-
-
-def check_inputs(dout, idx, dwte, dwpe):
-    """Validate shapes and dtypes; returns (B, T, C, V, maxT)."""
+def check_inputs(dout, idx, dwte, dwpe, cupy=False):
+    """Validate shapes and dtypes; returns (B, T, C, V, maxT). cupy=True: CuPy arrays only (the HIP wrapper)."""
     if not hasattr(dout, "shape") or len(dout.shape) != 3:
         raise ValueError(f"encoder_backward: dout must be 3-D (B, T, C), got shape {getattr(dout, 'shape', None)}")
     B, T, C = dout.shape
@@ -119,10 +107,10 @@ def check_inputs(dout, idx, dwte, dwpe):
         if not hasattr(a, "shape") or len(a.shape) != 2:
             raise ValueError(f"encoder_backward: {name} must be 2-D, got shape {getattr(a, 'shape', None)}")
     V, maxT = dwte.shape[0], dwpe.shape[0]
-    _check_array("dout", dout, (B, T, C), "float32")
-    _check_array("idx", idx, (B, T), "int32")
-    _check_array("dwte", dwte, (V, C), "float32")
-    _check_array("dwpe", dwpe, (maxT, C), "float32")
+    check_array("encoder_backward", "dout", dout, (B, T, C), "float32", cupy=cupy)
+    check_array("encoder_backward", "idx", idx, (B, T), "int32", cupy=cupy)
+    check_array("encoder_backward", "dwte", dwte, (V, C), "float32", cupy=cupy)
+    check_array("encoder_backward", "dwpe", dwpe, (maxT, C), "float32", cupy=cupy)
     if maxT < T:
         raise ValueError(f"encoder_backward: dwpe has shape {tuple(dwpe.shape)}: it needs maxT >= T = {T} rows")
     return B, T, C, V, maxT

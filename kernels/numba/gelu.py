@@ -19,6 +19,8 @@ import numba
 import numpy as np
 from numba import cuda
 
+from gpullm_lessons.backends._args import check_threads, check_version
+
 GELU_SCALE = numba.float32(math.sqrt(2.0 / math.pi))   # sqrt(2/pi), a float32 constant inside the kernels
 GELU_CUBE = numba.float32(0.044715)
 HALF = numba.float32(0.5)
@@ -85,11 +87,8 @@ def _check_args(fn, names, arrays):
 
 def _launch(fn, prefix, version, threads, arrays):
     """Launch KERNELS[prefix + version] over n = len(arrays[0]) elements with a capped grid."""
-    if version not in VERSIONS:
-        raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(VERSIONS)}")
-    threads = int(threads)
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"{fn}: threads={threads} must be in [1, 1024]")
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
     n = arrays[0].shape[0]
     if n == 0:
         return

@@ -27,6 +27,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from gpullm_lessons.backends._args import check_shape, check_version
+
 MAX_THREADS = 1024              # largest block: the shared-memory tree buffer has one slot per thread
 WARP = 32                       # NVIDIA warp size (Numba CUDA targets NVIDIA only)
 MAX_WARPS = MAX_THREADS // WARP  # one shared slot per warp in the warp-shuffle reductions
@@ -336,51 +338,61 @@ def _c_contiguous(x) -> bool:
     return True
 
 
-def _check_array(fn, name, x, shape):
-    """ValueError/TypeError naming the argument, the shape/dtype got and the one expected."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "strides")):
-        raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(x).__name__}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{fn}: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+def _what(cupy):
+    return "a CuPy array" if cupy else "an array (NumPy, CuPy or Numba device array)"
+
+
+def check_array(fn, name, x, shape, cupy=False):
+    """ValueError/TypeError naming the argument, the shape/dtype got and the one expected.
+    cupy=True: the HIP wrappers' flavour (CuPy arrays: .flags, cupy in the hints)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "flags" if cupy else "strides")):
+        raise TypeError(f"{fn}: {name} must be {_what(cupy)}, got {type(x).__name__}")
+    check_shape(fn, name, x, shape)
     if np.dtype(x.dtype) != np.float32:
         raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected float32 (these kernels compute in float32)")
-    if not _c_contiguous(x):
-        raise ValueError(f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous (np.ascontiguousarray)")
+    if not (x.flags.c_contiguous if cupy else _c_contiguous(x)):
+        raise ValueError(f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous "
+                         f"({'cupy' if cupy else 'np'}.ascontiguousarray)")
 
 
-def _check_rows(fn, inp):
+def check_rows(fn, inp, cupy=False):
     """(N, C) from inp, which must be a non-empty 2-D array."""
     if not hasattr(inp, "shape"):
-        raise TypeError(f"{fn}: inp must be an array (NumPy, CuPy or Numba device array), got {type(inp).__name__}")
+        raise TypeError(f"{fn}: inp must be {_what(cupy)}, got {type(inp).__name__}")
     if len(inp.shape) != 2 or inp.shape[0] < 1 or inp.shape[1] < 1:
         raise ValueError(f"{fn}: inp has shape {tuple(inp.shape)}, expected (N, C) with N, C >= 1 "
                          f"(flatten (B, T, C) to (B*T, C))")
     return int(inp.shape[0]), int(inp.shape[1])
 
 
-def _check_launch(fn, version, threads):
-    if version not in VERSIONS:
-        raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(VERSIONS)}")
-    if version in GPU_ONLY and _simulating():
-        from gpullm_lessons.device import NoGPUError
-        raise NoGPUError(f"{fn}: version {version!r} uses warp shuffles (cuda.shfl_xor_sync), which Numba's CUDA "
-                         f"simulator cannot run: use it on an NVIDIA GPU, or pick v1 / v2 here")
+def check_block(fn, version, threads):
+    """threads per block: an int in 1..MAX_THREADS, a power of two for v2 (tree reduction). Returns it as an int."""
     if not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"{fn}: threads={threads!r}, expected an int in 1..{MAX_THREADS}")
     if version == "v2" and threads & (threads - 1):
         raise ValueError(f"{fn}: threads={threads} must be a power of two for v2 (tree reduction)")
+    return int(threads)
+
+
+def _check_launch(fn, version, threads):
+    check_version(fn, version, VERSIONS)
+    if version in GPU_ONLY and _simulating():
+        from gpullm_lessons.device import NoGPUError
+        raise NoGPUError(f"{fn}: version {version!r} uses warp shuffles (cuda.shfl_xor_sync), which Numba's CUDA "
+                         f"simulator cannot run: use it on an NVIDIA GPU, or pick v1 / v2 here")
+    threads = check_block(fn, version, threads)
     if version == "v3" and threads % WARP:
         raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP} for v3 (whole warps)")
-    return int(threads)
+    return threads
 
 
 def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2", threads=128):
     """inp (N, C), weight (C,), bias (C,) -> writes out (N, C), mean (N,), rstd (N,). float32 arrays."""
     fn = "layernorm_forward"
-    N, C = _check_rows(fn, inp)
+    N, C = check_rows(fn, inp)
     for name, x, shape in (("inp", inp, (N, C)), ("weight", weight, (C,)), ("bias", bias, (C,)),
                            ("out", out, (N, C)), ("mean", mean, (N,)), ("rstd", rstd, (N,))):
-        _check_array(fn, name, x, shape)
+        check_array(fn, name, x, shape)
     threads = _check_launch(fn, version, threads)
     blocks = (N + threads - 1) // threads if version == "v1" else N   # v1: a thread per row; v2, v3: a block
     KERNELS[f"{version}_forward"][blocks, threads](inp, weight, bias, out, mean, rstd, np.float32(eps))
@@ -395,11 +407,11 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
     by the two-stage reduction over chunks of rows_per_chunk rows (scratch allocated here, (n_chunks, C) x 2).
     """
     fn = "layernorm_backward"
-    N, C = _check_rows(fn, inp)
+    N, C = check_rows(fn, inp)
     for name, x, shape in (("dout", dout, (N, C)), ("inp", inp, (N, C)), ("weight", weight, (C,)),
                            ("mean", mean, (N,)), ("rstd", rstd, (N,)), ("dinp", dinp, (N, C)),
                            ("dweight", dweight, (C,)), ("dbias", dbias, (C,))):
-        _check_array(fn, name, x, shape)
+        check_array(fn, name, x, shape)
     threads = _check_launch(fn, version, threads)
     if not isinstance(rows_per_chunk, (int, np.integer)) or rows_per_chunk < 1:
         raise ValueError(f"{fn}: rows_per_chunk={rows_per_chunk!r}, expected a positive int")

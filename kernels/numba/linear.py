@@ -34,6 +34,7 @@ import numpy as np
 from numba import cuda, float32
 
 from gpullm_lessons import device
+from gpullm_lessons.backends._args import shape_of as _shape_of
 
 TILE = 16          # v2: block = TILE x TILE threads = one TILE x TILE tile of out
 REG = 4            # v3: each thread owns REG x REG elements of out
@@ -191,12 +192,10 @@ def matmul(a, b, out, trans_a=False, trans_b=False, version="v2"):
     return out
 
 
-def _shape_of(x):
-    return tuple(int(s) for s in x.shape)
+def validate(dout, inp, weight, dinp, dweight, dbias, version, fn="linear_backward", versions=VERSIONS, xp="np"):
+    """Shapes, dtypes and version; raises ValueError / TypeError naming the argument. Returns (N, C, OC).
 
-
-def _validate(dout, inp, weight, dinp, dweight, dbias, version, fn="linear_backward", versions=VERSIONS):
-    """Shapes, dtypes and version; raises ValueError / TypeError naming the argument. Returns (N, C, OC)."""
+    versions: what version= accepts; xp: the array module named in hints ("cupy" from the HIP wrapper)."""
     if version not in versions:
         raise ValueError(f"{fn}: unknown version={version!r}; use one of {', '.join(repr(v) for v in versions)}")
     args = {"dout": dout, "inp": inp, "weight": weight, "dinp": dinp, "dweight": dweight, "dbias": dbias}
@@ -205,7 +204,7 @@ def _validate(dout, inp, weight, dinp, dweight, dbias, version, fn="linear_backw
             raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}")
         if np.dtype(x.dtype) != np.float32:
             raise TypeError(f"{fn}: {name} must be float32, got dtype {np.dtype(x.dtype)} (these kernels compute in "
-                            f"float32; convert with .astype(np.float32))")
+                            f"float32; convert with .astype({xp}.float32))")
     for name in ("dout", "inp", "weight"):
         if len(args[name].shape) != 2:
             raise ValueError(f"{fn}: {name} must be 2-D, got shape {_shape_of(args[name])} (flatten the rows: "
@@ -227,7 +226,7 @@ def linear_backward(dout, inp, weight, dinp, dweight, dbias, version="v2"):
     shared memory), "v3" (shared memory + 4x4 register tiles). Arrays: Numba device arrays or CuPy arrays on a GPU,
     NumPy / simulator device arrays under the simulator. Writes every element of the outputs; returns nothing.
     """
-    N, C, OC = _validate(dout, inp, weight, dinp, dweight, dbias, version)
+    N, C, OC = validate(dout, inp, weight, dinp, dweight, dbias, version)
     if version in GPU_ONLY and not device.numba_on_gpu():
         raise RuntimeError(f"linear_backward: version={version!r} uses GPU-only features the CUDA simulator "
                            f"cannot run; use one of {', '.join(v for v in VERSIONS if v not in GPU_ONLY)}")
