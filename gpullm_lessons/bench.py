@@ -114,6 +114,10 @@ class Case:
     flops: int
     torch: Optional[Callable] = None  # (args as torch tensors) -> runs PyTorch's kernel for the same op
     bound: str = "memory"  # which ceiling judges it: "memory" (copy GB/s) or "compute" (fp32 matmul TFLOP/s)
+    launcher: str = ""  # the backends' launcher name; "" means f"{op}_backward" (adamw: "adamw_step")
+
+    def launcher_name(self) -> str:
+        return self.launcher or f"{self.op}_backward"
 
 
 def _cases(small: bool) -> list:
@@ -176,7 +180,32 @@ def _cases(small: bool) -> list:
     # FLOPs: four (T x T x hs) products per head, counted in full (the causal kernels skip about half)
     cases.append(Case("attention", f"B{Ba} T{Ta} nh{nh} C{C}", attention_inputs,
                       (7 * Ba * Ta * C + 2 * Ba * nh * Ta * Ta) * 4, 8 * Ba * nh * Ta * Ta * hs, bound="compute"))
+
+    # AdamW step over one flat fp32 buffer (GPT-2 124M: ~124M parameters). Bytes per parameter that the fused kernel
+    # moves: reads p, g, m, v (16) + writes p, m, v (12) + writes the zeroed g (4) = 32. PyTorch's fused AdamW
+    # does not zero the gradient (28 bytes; zero_grad is a separate pass), so its GB/s here counts 4 bytes it skips.
+    # Hyperparameters after the buffers: lr, beta1, beta2, eps, weight_decay, step (a late step: bias corrections ~1).
+    Np = 1_000_000 if small else 124_000_000
+    cases.append(Case("adamw", f"{Np}", lambda r: (randn(r, Np), randn(r, Np), randn(r, Np) * 0.01,
+                                                   cp.abs(randn(r, Np)) * 1e-4, 6e-4, 0.9, 0.95, 1e-8, 0.1, 1000),
+                      32 * Np, 16 * Np, torch=_torch_adamw(), launcher="adamw_step"))
     return cases
+
+
+def _torch_adamw():
+    """PyTorch's fused AdamW step over one flat Parameter viewing the same CuPy buffers (built on the first call)."""
+    state = {}
+
+    def run(t):
+        import torch
+        if "opt" not in state:
+            p = torch.nn.Parameter(t[0])          # shares memory with the CuPy params (torch.as_tensor)
+            p.grad = t[1]
+            opt = torch.optim.AdamW([p], lr=t[4], betas=(t[5], t[6]), eps=t[7], weight_decay=t[8], fused=True)
+            opt.step()                            # creates the state (exp_avg, exp_avg_sq) on the first call
+            state["opt"] = opt
+        state["opt"].step()
+    return run
 
 
 def _torch_crossentropy_backward(t):
@@ -219,7 +248,7 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
         args = case.make(rng)
         runs = []
         for bname, mod in _backends():
-            fn = getattr(mod, f"{case.op}_backward", None)
+            fn = getattr(mod, case.launcher_name(), None)
             for version in (mod.versions(case.op) if fn is not None else []):
                 runs.append((bname, version, lambda fn=fn, version=version: fn(*args, version=version)))
         if torch is not None and case.torch is not None:

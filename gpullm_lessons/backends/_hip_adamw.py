@@ -2,6 +2,8 @@
 
 Same name, signature, versions and decay table as kernels/numba/adamw.py (read its docstring):
 v1 unfused (five elementwise kernels, ~60 bytes per parameter), v2 fused (one pass, 32 bytes per parameter).
+HIP only: v3, v2 with float4 loads and stores (4 elements per thread per step); it needs n % 4 == 0 and 16-byte
+aligned buffers and runs v2 otherwise.
 params, grads, m, v are 1-D float32 CuPy arrays of one length n (the flat parameter buffer and its companions).
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from gpullm_lessons.kernels.numba.adamw import (HALF_NONE, check_buffers, check_
 from ._args import check_array, check_threads, check_version
 
 __all__ = ["adamw_step", "decay_table", "VERSIONS"]
-VERSIONS = ("v1", "v2")
+VERSIONS = ("v1", "v2", "v3")
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 _DEFAULT_TABLES = {}   # (device id, n) -> the "decay everything" table ([0, n], [1]) on that GPU
 
@@ -65,7 +67,15 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min((n + threads - 1) // threads, MAX_BLOCKS)
     grid, block, nn, mode = (blocks,), (threads,), np.int64(n), np.int32(half_mode)
-    if version == "v2":
+    if version == "v3" and (n % 4 != 0 or any(a.data.ptr % 16 for a in (params, grads, m, v))):
+        version = "v2"   # float4 needs whole, aligned groups of 4: the scalar kernel does the same work
+    if version == "v3":
+        blocks4 = min((n // 4 + threads - 1) // threads, MAX_BLOCKS)
+        hip.kernel("adamw", "adamw_step_v3")((blocks4,), block, (
+            params, grads, m, v, bounds, flags, half_bits, mode, nn, s["lr"], s["lr_wd"], s["beta1"],
+            s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"],
+            s["grad_scale"]))
+    elif version == "v2":
         hip.kernel("adamw", "adamw_step_v2")(grid, block, (
             params, grads, m, v, bounds, flags, half_bits, mode, nn, s["lr"], s["lr_wd"], s["beta1"],
             s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"],

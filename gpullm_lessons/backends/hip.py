@@ -12,6 +12,6 @@ __all__ = sorted(_LAUNCHERS) + ["versions"]
 
 
 def versions(op: str) -> list:
-    """Versions of `op`'s backward (e.g. 'softmax'), in order."""
-    mod = _OWNERS.get(f"{op}_backward")
+    """Versions of `op`'s backward (e.g. 'softmax'; or its step: 'adamw'), in order."""
+    mod = _OWNERS.get(f"{op}_backward") or _OWNERS.get(f"{op}_step")   # adamw: adamw_step
     return list(getattr(mod, "VERSIONS", ())) if mod is not None else []

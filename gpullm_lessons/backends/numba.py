@@ -12,8 +12,8 @@ __all__ = sorted(_LAUNCHERS) + ["versions"]
 
 
 def versions(op: str) -> list:
-    """Versions of `op`'s backward (e.g. 'softmax') runnable on this machine, in order."""
-    mod = _OWNERS.get(f"{op}_backward")
+    """Versions of `op`'s backward (e.g. 'softmax'; or its step: 'adamw') runnable on this machine, in order."""
+    mod = _OWNERS.get(f"{op}_backward") or _OWNERS.get(f"{op}_step")   # adamw: adamw_step
     if mod is None:
         return []
     names = numbered(getattr(mod, "VERSIONS", None) or mod.KERNELS)

@@ -1,0 +1,141 @@
+// adamw.cu: the AdamW optimizer step over ONE flat fp32 parameter buffer; portable (NVRTC on NVIDIA, hiprtc/hipcc
+// on AMD). Same math and versions as kernels/numba/adamw.py (read its docstring for the decay table):
+//   g = grad_scale g;  p = p - lr wd p (decaying tensors only);  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+//   p = p - lr (m / bias1) / (sqrt(v / bias2) + eps)  with bias1 = 1 - b1^t, bias2 = 1 - b2^t (from the host);
+//   g = 0;  optionally half_out = p in float16 or bfloat16 bits (round to nearest even).
+// Arrays: params, grads, m, v (n,); bounds (ntensors + 1,) tensor boundaries, flags (ntensors,) 1 = decays.
+//   v1: unfused, five kernels one after the other (decay, m, v, update, zero): about 60 bytes per parameter.
+//   v2: fused, one grid-stride pass: reads p, g, m, v and writes p, m, v, g once: 32 bytes per parameter.
+//   v3 (HIP only): v2 with float4 (16-byte) loads and stores, 4 elements per thread (n % 4 == 0, aligned).
+#include "portable.h"
+
+// The half-precision copy of p into half_out[i] (half_mode 0: none, 1: float16, 2: bfloat16 bits).
+__device__ __forceinline__ void store_half(unsigned short* __restrict__ half_out, long long i, float p, int half_mode) {
+    if (half_mode == 1) {
+        half_out[i] = __half_as_ushort(__float2half_rn(p));
+    } else if (half_mode == 2) {
+        unsigned int bits = __float_as_uint(p);
+        if (p != p) {   // NaN: a quiet NaN with the sign kept (as ml_dtypes)
+            half_out[i] = (unsigned short)(((bits >> 16) & 0x8000u) | 0x7FC0u);
+        } else {        // round to nearest even on the 16 bits dropped
+            half_out[i] = (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+// v1_decay: g = grad_scale g; p = p - lr wd p where element i's tensor decays. Thread owns i, i + stride, ...
+// j is the tensor element i lies in, walked forward as i grows (bounds[ntensors] = n stops the walk).
+extern "C" __global__ void adamw_step_v1_decay(float* __restrict__ params, float* __restrict__ grads,
+                                               const long long* __restrict__ bounds,
+                                               const unsigned char* __restrict__ flags, long long n,
+                                               float lr_wd, float grad_scale) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    int j = 0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        while (bounds[j + 1] <= i) j++;
+        grads[i] = grads[i] * grad_scale;
+        if (flags[j] && lr_wd != 0.0f) params[i] = params[i] - lr_wd * params[i];
+    }
+}
+
+// v1_m: m = b1 m + (1 - b1) g
+extern "C" __global__ void adamw_step_v1_m(const float* __restrict__ grads, float* __restrict__ m, long long n,
+                                           float beta1, float one_minus_beta1) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        m[i] = beta1 * m[i] + one_minus_beta1 * grads[i];
+}
+
+// v1_v: v = b2 v + (1 - b2) g^2
+extern "C" __global__ void adamw_step_v1_v(const float* __restrict__ grads, float* __restrict__ v, long long n,
+                                           float beta2, float one_minus_beta2) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float g = grads[i];
+        v[i] = beta2 * v[i] + one_minus_beta2 * (g * g);
+    }
+}
+
+// v1_update: p = p - lr mhat / (sqrt(vhat) + eps), and the optional half copy
+extern "C" __global__ void adamw_step_v1_update(float* __restrict__ params, const float* __restrict__ m,
+                                                const float* __restrict__ v, unsigned short* __restrict__ half_out,
+                                                int half_mode, long long n, float lr, float bias1, float bias2,
+                                                float eps) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float denom = sqrtf(v[i] / bias2) + eps;
+        float p = params[i] - (lr * (m[i] / bias1)) / denom;
+        params[i] = p;
+        store_half(half_out, i, p, half_mode);
+    }
+}
+
+// v1_zero: g = 0 for the next accumulation
+extern "C" __global__ void adamw_step_v1_zero(float* __restrict__ grads, long long n) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) grads[i] = 0.0f;
+}
+
+// v2: fused. Thread owns elements i, i + stride, ...: reads p, g, m, v once, keeps them in registers, writes once.
+extern "C" __global__ void adamw_step_v2(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
+                                         float* __restrict__ v, const long long* __restrict__ bounds,
+                                         const unsigned char* __restrict__ flags,
+                                         unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                         float lr, float lr_wd, float beta1, float one_minus_beta1, float beta2,
+                                         float one_minus_beta2, float bias1, float bias2, float eps,
+                                         float grad_scale) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    int j = 0;   // the tensor element i lies in, walked forward
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        while (bounds[j + 1] <= i) j++;
+        float g = grads[i] * grad_scale;
+        float p = params[i];
+        if (flags[j] && lr_wd != 0.0f) p = p - lr_wd * p;      // decoupled weight decay (none for wd = 0)
+        float mi = beta1 * m[i] + one_minus_beta1 * g;
+        float vi = beta2 * v[i] + one_minus_beta2 * (g * g);
+        p = p - (lr * (mi / bias1)) / (sqrtf(vi / bias2) + eps);
+        params[i] = p;
+        m[i] = mi;
+        v[i] = vi;
+        grads[i] = 0.0f;
+        store_half(half_out, i, p, half_mode);
+    }
+}
+
+// v3 (HIP only): v2 with float4 loads and stores, each thread owning 4 consecutive elements per grid-stride step
+// (i4, i4 + stride, ... count float4s: elements 4 i4 .. 4 i4 + 3). Needs n % 4 == 0 and 16-byte aligned buffers:
+// the launcher falls back to v2 otherwise. The 4 elements may straddle a tensor boundary: j is walked per element.
+extern "C" __global__ void adamw_step_v3(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
+                                         float* __restrict__ v, const long long* __restrict__ bounds,
+                                         const unsigned char* __restrict__ flags,
+                                         unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                         float lr, float lr_wd, float beta1, float one_minus_beta1, float beta2,
+                                         float one_minus_beta2, float bias1, float bias2, float eps,
+                                         float grad_scale) {
+    long long n4 = n / 4;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    int j = 0;
+    for (long long i4 = (long long)blockIdx.x * blockDim.x + threadIdx.x; i4 < n4; i4 += stride) {
+        float4 p4 = reinterpret_cast<float4*>(params)[i4];
+        float4 g4 = reinterpret_cast<float4*>(grads)[i4];
+        float4 m4 = reinterpret_cast<float4*>(m)[i4];
+        float4 v4 = reinterpret_cast<float4*>(v)[i4];
+        float pv[4] = {p4.x, p4.y, p4.z, p4.w}, gv[4] = {g4.x, g4.y, g4.z, g4.w};
+        float mv[4] = {m4.x, m4.y, m4.z, m4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w};
+        for (int k = 0; k < 4; k++) {
+            long long i = 4 * i4 + k;
+            while (bounds[j + 1] <= i) j++;
+            float g = gv[k] * grad_scale;
+            float p = pv[k];
+            if (flags[j] && lr_wd != 0.0f) p = p - lr_wd * p;
+            mv[k] = beta1 * mv[k] + one_minus_beta1 * g;
+            vv[k] = beta2 * vv[k] + one_minus_beta2 * (g * g);
+            pv[k] = p - (lr * (mv[k] / bias1)) / (sqrtf(vv[k] / bias2) + eps);
+            store_half(half_out, i, pv[k], half_mode);
+        }
+        reinterpret_cast<float4*>(params)[i4] = make_float4(pv[0], pv[1], pv[2], pv[3]);
+        reinterpret_cast<float4*>(m)[i4] = make_float4(mv[0], mv[1], mv[2], mv[3]);
+        reinterpret_cast<float4*>(v)[i4] = make_float4(vv[0], vv[1], vv[2], vv[3]);
+        reinterpret_cast<float4*>(grads)[i4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}

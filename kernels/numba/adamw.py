@@ -1,0 +1,356 @@
+"""The AdamW optimizer step over ONE flat fp32 parameter buffer (params.ParamBuffer.flat): Numba CUDA kernels.
+
+Exactly the reference gpullm_lessons.optim.AdamW (= torch.optim.AdamW), for the step count t >= 1 (after increment):
+
+    g = grad_scale * g                         # undo the loss scale of mixed precision (1.0: nothing to undo)
+    p = p - lr * wd * p                        # decoupled weight decay, only for the tensors that decay
+    m = b1 * m + (1 - b1) * g                  # first moment
+    v = b2 * v + (1 - b2) * g^2                # second moment
+    p = p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+    g = 0                                      # the gradient buffer is zeroed for the next accumulation
+
+Element i of every buffer depends on element i only: one thread per element (grid-stride), nothing shared. The
+bias corrections 1 - b1^t and 1 - b2^t are computed once on the host (in float64, passed as float32).
+
+Which tensors decay: the decay table
+------------------------------------
+The flat buffer holds ~16 named tensors one after the other; only some decay (optim.DECAY_NAMES). The table is
+`(bounds, flags)`: bounds int64 (k + 1,) the tensor boundaries [0, stop_0, stop_1, ..., n] and flags uint8 (k,),
+1 where tensor j (elements bounds[j] .. bounds[j+1]-1) decays. `decay_table(param_buffer)` builds it. Each thread
+keeps the index j of the tensor it is in and walks it forward as its grid-stride loop moves to higher elements
+(`while bounds[j + 1] <= i: j += 1`): a few cached reads per thread, no second launch, no per-element mask in
+memory. decay_bounds=None decays everything (table [0, n], [1]).
+
+Optional half-precision copy of the updated weights (half_out, n elements) in the same pass: float16 (round to
+nearest even) or bfloat16 stored as uint16 bits (round to nearest even on the float32 bits, NaN kept as a quiet NaN
+with its sign: the same bits as ml_dtypes.bfloat16). Bits are read with libdevice (float_as_int, float2half_rn), not
+with device functions, so the kernels compile to PTX without a driver; under the simulator a NumPy stand-in is used.
+
+Memory traffic per parameter (float32, no half_out):
+  v2 reads p, g, m, v (16 B) and writes p, m, v and the zeroed g (16 B): 32 B (+ 2 B with half_out).
+  v1 reads/writes them once per kernel: decay (r p, g; w p, g: 16) + m (r m, g; w m: 12) + v (r v, g; w v: 12)
+     + update (r p, m, v; w p: 16) + zero (w g: 4) = 60 B, nearly twice v2, and five launches.
+
+Versions (KERNELS keys; the wrapper takes version="v1" or "v2"):
+v1: unfused, five elementwise kernels one after the other: v1_decay (grad scale + weight decay), v1_m (first
+    moment), v1_v (second moment), v1_update (bias-corrected step + half copy), v1_zero (zero the gradient).
+v2: fused, one grid-stride pass that reads each buffer once and writes each once.
+No version is GPU-only: all of them run in Numba's CUDA simulator.
+"""
+import math
+
+import numba
+import numpy as np
+from numba import config, cuda
+
+from gpullm_lessons.backends._args import check_threads, check_version
+
+if config.ENABLE_CUDASIM:
+    class libdevice:  # noqa: N801 - the simulator's stand-in for numba.cuda.libdevice (NumPy does the rounding)
+        @staticmethod
+        def float_as_int(x):
+            return np.float32(x).view(np.uint32)      # the float32 bits (unsigned here; cast to uint32 anyway)
+
+        @staticmethod
+        def float2half_rn(x):
+            with np.errstate(over="ignore"):                  # beyond 65504 rounds to inf, as on the GPU
+                return np.float16(np.float32(x)).view(np.uint16)   # round to nearest even, as the GPU
+else:
+    from numba.cuda import libdevice
+
+ZERO = numba.float32(0.0)
+MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
+HALF_NONE, HALF_FP16, HALF_BF16 = 0, 1, 2   # half_mode: which half-precision copy to write
+
+
+# v1_decay: g = grad_scale * g; p = p - lr*wd*p where the thread's tensor decays. Thread i owns i, i + stride, ...
+@cuda.jit
+def adamw_v1_decay(params, grads, bounds, flags, lr_wd, grad_scale):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    j = 0                                   # index of the tensor element i lies in (walked forward)
+    for i in range(start, params.shape[0], stride):
+        while bounds[j + 1] <= i:
+            j += 1
+        grads[i] = grads[i] * grad_scale
+        if flags[j] != 0 and lr_wd != ZERO:   # (wd = 0: no decay at all, as the reference)
+            p = params[i]
+            params[i] = p - lr_wd * p
+
+
+# v1_m: m = b1 m + (1 - b1) g
+@cuda.jit
+def adamw_v1_m(grads, m, beta1, one_minus_beta1):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, m.shape[0], stride):
+        m[i] = beta1 * m[i] + one_minus_beta1 * grads[i]
+
+
+# v1_v: v = b2 v + (1 - b2) g^2
+@cuda.jit
+def adamw_v1_v(grads, v, beta2, one_minus_beta2):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, v.shape[0], stride):
+        g = grads[i]
+        v[i] = beta2 * v[i] + one_minus_beta2 * (g * g)
+
+
+# v1_update: p = p - lr mhat / (sqrt(vhat) + eps), and the optional half copy of p
+@cuda.jit
+def adamw_v1_update(params, m, v, half_out, half_mode, lr, bias1, bias2, eps):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, params.shape[0], stride):
+        denom = numba.float32(math.sqrt(v[i] / bias2)) + eps
+        p = params[i] - (lr * (m[i] / bias1)) / denom
+        params[i] = p
+        if half_mode == 1:                  # float16 bits, round to nearest even
+            half_out[i] = libdevice.float2half_rn(p)
+        elif half_mode == 2:                # bfloat16 bits: keep the top 16 bits of float32, rounded
+            bits = numba.uint32(libdevice.float_as_int(p))
+            if p != p:                      # NaN: a quiet NaN with the sign kept
+                half_out[i] = numba.uint16(((bits >> numba.uint32(16)) & numba.uint32(0x8000)) | numba.uint32(0x7FC0))
+            else:                           # add 0x7FFF + (lowest kept bit): ties go to even
+                rounded = bits + numba.uint32(0x7FFF) + ((bits >> numba.uint32(16)) & numba.uint32(1))
+                half_out[i] = numba.uint16(rounded >> numba.uint32(16))
+
+
+# v1_zero: g = 0, ready for the next backward pass to accumulate into
+@cuda.jit
+def adamw_v1_zero(grads):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, grads.shape[0], stride):
+        grads[i] = ZERO
+
+
+# v2: everything in one pass. Thread i owns elements i, i + stride, ... of params, grads, m, v (n,) (and half_out);
+# it reads each once, keeps the values in registers, and writes each once.
+@cuda.jit
+def adamw_v2(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+             beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    j = 0                                   # index of the tensor element i lies in (walked forward)
+    for i in range(start, params.shape[0], stride):
+        while bounds[j + 1] <= i:
+            j += 1
+        g = grads[i] * grad_scale           # unscaled gradient
+        p = params[i]
+        if flags[j] != 0 and lr_wd != ZERO:
+            p = p - lr_wd * p               # decoupled weight decay (skipped for wd = 0, as the reference)
+        mi = beta1 * m[i] + one_minus_beta1 * g
+        vi = beta2 * v[i] + one_minus_beta2 * (g * g)
+        denom = numba.float32(math.sqrt(vi / bias2)) + eps
+        p = p - (lr * (mi / bias1)) / denom
+        params[i] = p
+        m[i] = mi
+        v[i] = vi
+        grads[i] = ZERO
+        if half_mode == 1:                  # float16 bits, round to nearest even
+            half_out[i] = libdevice.float2half_rn(p)
+        elif half_mode == 2:                # bfloat16 bits (see v1_update)
+            bits = numba.uint32(libdevice.float_as_int(p))
+            if p != p:
+                half_out[i] = numba.uint16(((bits >> numba.uint32(16)) & numba.uint32(0x8000)) | numba.uint32(0x7FC0))
+            else:
+                rounded = bits + numba.uint32(0x7FFF) + ((bits >> numba.uint32(16)) & numba.uint32(1))
+                half_out[i] = numba.uint16(rounded >> numba.uint32(16))
+
+
+KERNELS = {"v1_decay": adamw_v1_decay, "v1_m": adamw_v1_m, "v1_v": adamw_v1_v, "v1_update": adamw_v1_update,
+           "v1_zero": adamw_v1_zero, "v2": adamw_v2}
+_F = "float32[::1]"
+SIGNATURES = {
+    "v1_decay": f"void({_F}, {_F}, int64[::1], uint8[::1], float32, float32)",   # params, grads, bounds, flags, ...
+    "v1_m": f"void({_F}, {_F}, float32, float32)",                                # grads, m, b1, 1-b1
+    "v1_v": f"void({_F}, {_F}, float32, float32)",                                # grads, v, b2, 1-b2
+    "v1_update": f"void({_F}, {_F}, {_F}, uint16[::1], int32, float32, float32, float32, float32)",
+    "v1_zero": f"void({_F})",
+    "v2": f"void({_F}, {_F}, {_F}, {_F}, int64[::1], uint8[::1], uint16[::1], int32, "
+          + ", ".join(["float32"] * 10) + ")",
+}
+GPU_ONLY = set()
+VERSIONS = ("v1", "v2")
+
+
+# ---- the decay table --------------------------------------------------------------------------------------------
+
+def decay_table(param_buffer, decay_names=None, arrays=None):
+    """(bounds int64 (k+1,), flags uint8 (k,)) for the tensors of a ParamBuffer, in buffer order.
+
+    bounds[j] .. bounds[j+1] are tensor j's elements of param_buffer.flat; flags[j] = 1 when its name is in
+    decay_names (default gpullm_lessons.optim.DECAY_NAMES, nanoGPT's rule). arrays: where to put them ("numpy",
+    "numba", "cupy"); None: NumPy for a NumPy buffer, CuPy for a CuPy one. Build it once, pass it every step.
+    """
+    from gpullm_lessons.optim import DECAY_NAMES
+    decay_names = DECAY_NAMES if decay_names is None else tuple(decay_names)
+    unknown = set(decay_names) - set(param_buffer.offsets)
+    if unknown:
+        raise ValueError(f"decay_table: decay_names has names the buffer does not: {sorted(unknown)}")
+    stops = [param_buffer.offsets[name][1] for name in param_buffer.names]
+    bounds = np.array([0] + stops, dtype=np.int64)
+    flags = np.array([name in decay_names for name in param_buffer.names], dtype=np.uint8)
+    if arrays is None:
+        arrays = "cupy" if getattr(param_buffer.xp, "__name__", "numpy") == "cupy" else "numpy"
+    if arrays == "numpy":
+        return bounds, flags
+    from gpullm_lessons.arrays import to_backend
+    return to_backend(bounds, arrays), to_backend(flags, arrays)
+
+
+# ---- the launch wrapper -----------------------------------------------------------------------------------------
+
+def is_numpy(a) -> bool:
+    return isinstance(a, np.ndarray)
+
+
+def check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    """The scalar arguments, as torch.optim.AdamW checks them; ValueError/TypeError naming the argument."""
+    for name, x in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay),
+                    ("grad_scale", grad_scale)):
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{fn}: {name} must be a number, got {type(x).__name__}")
+        if not math.isfinite(float(x)):
+            raise ValueError(f"{fn}: {name} must be finite, got {x}")
+    if lr < 0:
+        raise ValueError(f"{fn}: lr must be >= 0, got {lr}")
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{fn}: {name} must be in [0, 1), got {b}")
+    if eps < 0:
+        raise ValueError(f"{fn}: eps must be >= 0, got {eps}")
+    if weight_decay < 0:
+        raise ValueError(f"{fn}: weight_decay must be >= 0, got {weight_decay}")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"{fn}: step must be an int (the step count t after increment), got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"{fn}: step must be >= 1 (the step count t after increment: 1 on the first step), got {step}")
+
+
+def check_buffers(fn, names, arrays, check_array):
+    """params, grads, m, v: 1-D float32 of one length n (check_array: _args.check_array or a CuPy flavour)."""
+    first = arrays[0]
+    if not hasattr(first, "shape") or len(first.shape) != 1:
+        raise ValueError(f"{fn}: {names[0]} must be 1-D (n,), got shape {tuple(getattr(first, 'shape', ()))}; "
+                         f"use the flat buffer (ParamBuffer.flat)")
+    n = int(first.shape[0])
+    for name, a in zip(names, arrays):
+        check_array(fn, name, a, (n,), "float32")
+    return n
+
+
+def half_mode_of(fn, half_out, half_dtype, n):
+    """(half_mode, the dtype half_out must have) from half_out / half_dtype; errors name the argument."""
+    if half_out is None:
+        if half_dtype is not None:
+            raise ValueError(f"{fn}: half_dtype={half_dtype!r} given without half_out")
+        return HALF_NONE
+    dt = str(half_out.dtype)
+    if half_dtype is None:   # infer it from half_out's dtype where that is unambiguous
+        half_dtype = {"float16": "float16", "bfloat16": "bfloat16"}.get(dt)
+        if half_dtype is None:
+            raise ValueError(f"{fn}: half_out has dtype {dt}: pass half_dtype='float16' or 'bfloat16'")
+    if half_dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"{fn}: half_dtype must be 'float16' or 'bfloat16', got {half_dtype!r}")
+    allowed = ("float16", "uint16") if half_dtype == "float16" else ("bfloat16", "uint16")
+    if dt not in allowed:
+        raise TypeError(f"{fn}: half_out has dtype {dt}, expected {' or '.join(allowed)} for half_dtype={half_dtype!r}")
+    if tuple(half_out.shape) != (n,):
+        raise ValueError(f"{fn}: half_out has shape {tuple(half_out.shape)}, expected {(n,)} (the shape of params)")
+    return HALF_FP16 if half_dtype == "float16" else HALF_BF16
+
+
+def check_table(fn, decay_bounds, n, is_host):
+    """decay_bounds = (bounds (k+1,), flags (k,)); values checked where they are NumPy arrays (no device sync)."""
+    if not (isinstance(decay_bounds, (tuple, list)) and len(decay_bounds) == 2):
+        raise TypeError(f"{fn}: decay_bounds must be None or a pair (bounds, flags) as decay_table() returns, "
+                        f"got {type(decay_bounds).__name__}")
+    bounds, flags = decay_bounds
+    for name, a in (("decay_bounds[0] (bounds)", bounds), ("decay_bounds[1] (flags)", flags)):
+        if not hasattr(a, "shape") or len(a.shape) != 1:
+            raise ValueError(f"{fn}: {name} must be a 1-D array, got shape {tuple(getattr(a, 'shape', ()))}")
+    if int(bounds.shape[0]) != int(flags.shape[0]) + 1 or int(flags.shape[0]) < 1:
+        raise ValueError(f"{fn}: decay_bounds: bounds has shape {tuple(bounds.shape)}, expected "
+                         f"({int(flags.shape[0]) + 1},) (one more than flags {tuple(flags.shape)}, at least 1 tensor)")
+    if is_host(bounds):
+        b = np.asarray(bounds)
+        if not np.issubdtype(b.dtype, np.integer):
+            raise TypeError(f"{fn}: decay_bounds: bounds has dtype {b.dtype}, expected an integer dtype")
+        if b[0] != 0 or b[-1] != n or np.any(np.diff(b) < 0):
+            raise ValueError(f"{fn}: decay_bounds: bounds must rise from 0 to n={n} (the length of params), "
+                             f"got {b[0]} .. {b[-1]}")
+    else:
+        if str(bounds.dtype) != "int64":
+            raise TypeError(f"{fn}: decay_bounds: bounds has dtype {bounds.dtype}, expected int64")
+        if str(flags.dtype) != "uint8":
+            raise TypeError(f"{fn}: decay_bounds: flags has dtype {flags.dtype}, expected uint8")
+
+
+def host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    """The float32 scalars the kernels take; products and bias corrections computed in float64 on the host."""
+    f = np.float32
+    return dict(lr=f(lr), lr_wd=f(lr * weight_decay), beta1=f(beta1), one_minus_beta1=f(1.0 - beta1),
+                beta2=f(beta2), one_minus_beta2=f(1.0 - beta2), bias1=f(1.0 - beta1 ** step),
+                bias2=f(1.0 - beta2 ** step), eps=f(eps), grad_scale=f(grad_scale))
+
+
+_DEFAULT_TABLES = {}   # (array type, n) -> the "decay everything" table on the device ([0, n], [1]); the half stand-in
+
+
+def _device(a, like):
+    """A small NumPy array on the backend of `like` (NumPy stays NumPy; Numba device arrays get a copy)."""
+    if is_numpy(like):
+        return a
+    if (type(like).__module__ or "").startswith("cupy"):
+        import cupy
+        return cupy.asarray(a)
+    return cuda.to_device(a)
+
+
+def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
+               half_out=None, half_dtype=None, version="v2", threads=256):
+    """One AdamW step in place: params, m, v updated, grads zeroed (all float32 (n,)); see the module docstring.
+
+    step: the step count t after increment (1 on the first step). decay_bounds: None (decay every element) or
+    (bounds, flags) from decay_table(). grad_scale multiplies the gradient first. half_out (n,): also receives the
+    updated weights in half precision: float16 (half_dtype="float16") or bfloat16 bits in uint16
+    (half_dtype="bfloat16"; ml_dtypes.bfloat16 arrays are accepted on the host too).
+    """
+    from gpullm_lessons.backends._args import check_array
+    fn = "adamw_step"
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    half_mode = half_mode_of(fn, half_out, half_dtype, n)
+    if decay_bounds is None:
+        key = (type(params).__module__, n)
+        if key not in _DEFAULT_TABLES:
+            _DEFAULT_TABLES[key] = (_device(np.array([0, n], np.int64), params), _device(np.ones(1, np.uint8), params))
+        bounds, flags = _DEFAULT_TABLES[key]
+    else:
+        check_table(fn, decay_bounds, n, is_numpy)
+        bounds, flags = decay_bounds
+        if is_numpy(bounds):
+            bounds = _device(np.ascontiguousarray(bounds, dtype=np.int64), params)
+        if is_numpy(flags):
+            flags = _device(np.ascontiguousarray(np.asarray(flags) != 0, dtype=np.uint8), params)
+    if half_mode == HALF_NONE:   # a one-element stand-in, never written (half_mode 0)
+        key = (type(params).__module__, "half")
+        if key not in _DEFAULT_TABLES:
+            _DEFAULT_TABLES[key] = _device(np.zeros(1, np.uint16), params)
+        half_out = _DEFAULT_TABLES[key]
+    elif str(half_out.dtype) != "uint16":
+        half_out = half_out.view(np.uint16)                  # the kernels write the bits
+    if n == 0:
+        return
+    s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    blocks = min(math.ceil(n / threads), MAX_BLOCKS)
+    mode = np.int32(half_mode)
+    if version == "v2":
+        KERNELS["v2"][blocks, threads](params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"],
+                                       s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
+                                       s["bias1"], s["bias2"], s["eps"], s["grad_scale"])
+    else:  # v1: five launches, each a full pass over its buffers
+        KERNELS["v1_decay"][blocks, threads](params, grads, bounds, flags, s["lr_wd"], s["grad_scale"])
+        KERNELS["v1_m"][blocks, threads](grads, m, s["beta1"], s["one_minus_beta1"])
+        KERNELS["v1_v"][blocks, threads](grads, v, s["beta2"], s["one_minus_beta2"])
+        KERNELS["v1_update"][blocks, threads](params, m, v, half_out, mode, s["lr"], s["bias1"], s["bias2"], s["eps"])
+        KERNELS["v1_zero"][blocks, threads](grads)
