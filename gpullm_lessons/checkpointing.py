@@ -1,0 +1,329 @@
+"""Activation checkpointing: trade compute for memory by recomputing activations during backward.
+
+The backward of every op needs some of its forward inputs (linear needs ``inp`` for ``dweight = inp.T @ dout``,
+attention needs ``qkv`` and ``att``, ...). The reference GPT (reference/gpt.py) keeps all of them, for every block,
+from the forward until that block's backward: that is the *activation memory*, and it grows with B * T * L (and
+with T * T for attention). Checkpointing keeps less and recomputes the rest just before it is needed:
+
+    policy="none"       the plain reference: keep everything (reference gpt_forward / gpt_backward).
+    policy="selective"  drop the tensors that are cheap to recompute: the LayerNorm outputs ln1, ln2 (B, T, C)
+                        and the GELU output (B, T, 4C). Backward rebuilds them with elementwise / per-row ops from
+                        what is kept (the block input x, the LayerNorms' per-row mean and rstd, the fc output).
+                        The matmul outputs and attention (qkv, att) stay: they are the expensive ones.
+    policy="full"       keep only each block's input x (B, T, C). Just before a block's backward, run that
+                        block's whole forward again from x, then its backward, then drop the recomputed cache.
+                        Costs about one extra forward; activation memory is L * (B, T, C) plus ONE block's cache.
+
+Recomputation uses exactly the same reference ops, in the same order and dtype, on the same inputs, so the
+recomputed tensors are bitwise equal to the forward's and the gradients are bitwise equal to the reference.
+
+Also here: ``cache_bytes`` measures the activation memory a cache holds, and ``memory_model`` predicts the
+training memory (parameters, gradients, AdamW state, activations) of a GPT for a policy and precision.
+"""
+import math
+
+import numpy as np
+
+from .params import GPTConfig, num_params
+from .reference.attention import attention_backward, attention_forward
+from .reference.crossentropy import crossentropy_backward, crossentropy_forward
+from .reference.encoder import encoder_backward, encoder_forward
+from .reference.gelu import gelu_forward, gelu_backward
+from .reference.gpt import _check_tensors, gpt_backward, gpt_forward
+from .reference.layernorm import layernorm_backward, layernorm_forward
+from .reference.linear import linear_backward, linear_forward
+from .reference.residual import residual_backward, residual_forward
+
+POLICIES = ("none", "selective", "full")
+PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}   # bytes per element of the compute precision
+INDEX_BYTES = 8                                  # token ids idx, targets: NumPy's default int64
+
+
+def _check_policy(fn, policy):
+    if policy not in POLICIES:
+        raise ValueError(f"{fn}: policy must be one of {', '.join(repr(p) for p in POLICIES)}; got {policy!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One transformer block, forward and backward: the loop bodies of reference gpt_forward / gpt_backward, verbatim.
+# ----------------------------------------------------------------------------------------------------------------
+
+def _block_forward(p, l, x, n_head):
+    """Block l on x (B, T, C) -> (x_out (B, T, C), c) with c the reference per-layer cache."""
+    c = {}
+    ln1, c["ln1"] = layernorm_forward(x, p["ln1w"][l], p["ln1b"][l])          # (B, T, C)
+    qkv, c["qkv"] = linear_forward(ln1, p["qkvw"][l], p["qkvb"][l])           # (B, T, 3C)
+    atty, c["attention"] = attention_forward(qkv, n_head)                     # (B, T, C)
+    attproj, c["attproj"] = linear_forward(atty, p["attprojw"][l], p["attprojb"][l])  # (B, T, C)
+    x, _ = residual_forward(x, attproj)                                       # (B, T, C)
+    ln2, c["ln2"] = layernorm_forward(x, p["ln2w"][l], p["ln2b"][l])          # (B, T, C)
+    fch, c["fc"] = linear_forward(ln2, p["fcw"][l], p["fcb"][l])              # (B, T, 4C)
+    fch_gelu, c["gelu"] = gelu_forward(fch)                                   # (B, T, 4C)
+    fcproj, c["fcproj"] = linear_forward(fch_gelu, p["fcprojw"][l], p["fcprojb"][l])  # (B, T, C)
+    x, _ = residual_forward(x, fcproj)                                        # (B, T, C)
+    return x, c
+
+
+def _block_backward(dx, c, grads, l):
+    """d(block l's output) (B, T, C) -> d(its input); writes layer l's slice of grads."""
+    # MLP block: x_out = x_mid + fcproj(gelu(fc(ln2(x_mid))))
+    dx_mid, dfcproj = residual_backward(dx)                                   # (B, T, C) each
+    dfch_gelu, grads["fcprojw"][l], grads["fcprojb"][l] = linear_backward(dfcproj, c["fcproj"])
+    dfch = gelu_backward(dfch_gelu, c["gelu"])                                # (B, T, 4C)
+    dln2, grads["fcw"][l], grads["fcb"][l] = linear_backward(dfch, c["fc"])   # (B, T, C)
+    dx_ln2, grads["ln2w"][l], grads["ln2b"][l] = layernorm_backward(dln2, c["ln2"])
+    dx = dx_mid + dx_ln2                                                      # both paths into x_mid
+    # attention block: x_mid = x_in + attproj(attention(qkv(ln1(x_in))))
+    dx_in, dattproj = residual_backward(dx)
+    datty, grads["attprojw"][l], grads["attprojb"][l] = linear_backward(dattproj, c["attproj"])
+    dqkv = attention_backward(datty, c["attention"])                          # (B, T, 3C)
+    dln1, grads["qkvw"][l], grads["qkvb"][l] = linear_backward(dqkv, c["qkv"])
+    dx_ln1, grads["ln1w"][l], grads["ln1b"][l] = layernorm_backward(dln1, c["ln1"])
+    return dx_in + dx_ln1                                                     # (B, T, C)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# "selective": what is dropped from a block's cache, and how backward rebuilds it
+# ----------------------------------------------------------------------------------------------------------------
+
+def _drop_selective(c, ln1_bias, ln2_bias):
+    """The reference block cache minus ln1 out, ln2 out (B, T, C) and gelu out (B, T, 4C).
+
+    Those three are the `inp` of the qkv, fc and fcproj linears. Everything else stays: the LayerNorm caches
+    (their inp is the residual stream x, kept anyway, plus per-row mean, rstd (B, T)), the fc output (the GELU's
+    inp), qkv and att (attention), the attention output (attproj's inp).
+    """
+    kept = {name: c[name] for name in ("ln1", "attention", "attproj", "ln2", "gelu")}
+    for name in ("qkv", "fc", "fcproj"):                 # the linear caches without their inp
+        kept[name] = {"weight": c[name]["weight"], "has_bias": c[name]["has_bias"]}
+    kept["ln1_bias"], kept["ln2_bias"] = ln1_bias, ln2_bias  # parameters (views), to recompute the outputs
+    return kept
+
+
+def _layernorm_out(ln_cache, bias):
+    """LayerNorm output from its cache (inp, weight, mean, rstd): the same two lines as layernorm_forward."""
+    inp, weight, mean, rstd = ln_cache["inp"], ln_cache["weight"], ln_cache["mean"], ln_cache["rstd"]
+    xhat = (inp - mean[..., None]) * rstd[..., None]    # (B, T, C)
+    return xhat * weight + bias                         # (B, T, C)
+
+
+def _rebuild_selective(s):
+    """The full reference block cache from a selective one: recompute ln1, ln2 (per-row) and gelu (elementwise)."""
+    c = dict(s)
+    ln1 = _layernorm_out(s["ln1"], s["ln1_bias"])        # (B, T, C)
+    ln2 = _layernorm_out(s["ln2"], s["ln2_bias"])        # (B, T, C)
+    fch_gelu, _ = gelu_forward(s["gelu"]["inp"])         # (B, T, 4C) from the kept fc output
+    c["qkv"] = dict(s["qkv"], inp=ln1)
+    c["fc"] = dict(s["fc"], inp=ln2)
+    c["fcproj"] = dict(s["fcproj"], inp=fch_gelu)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The GPT with checkpointing
+# ----------------------------------------------------------------------------------------------------------------
+
+def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none"):
+    """Like reference gpt_forward, keeping only what `policy` says -> (logits (B, T, V), loss or None, cache).
+
+    cache["policy"] says which; cache["params"] refers to the parameters (needed to recompute, and so that
+    cache_bytes does not count them as activations).
+    """
+    _check_policy("gpt_forward_ckpt", policy)
+    if policy == "none":                                  # the plain reference
+        logits, loss, cache = gpt_forward(params, cfg, idx, targets)
+        return logits, loss, dict(cache, policy="none", params=params)
+
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"gpt_forward_ckpt: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    _check_tensors("gpt_forward_ckpt", "params", params, cfg)
+    idx = np.asarray(idx)
+    if idx.ndim != 2:
+        raise ValueError(f"gpt_forward_ckpt: idx must be (B, T), got shape {idx.shape}")
+    if idx.shape[1] > cfg.block_size:
+        raise ValueError(f"gpt_forward_ckpt: T={idx.shape[1]} is longer than block_size={cfg.block_size}")
+    p = params
+
+    x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                   # (B, T, C)
+    layers = []
+    for l in range(cfg.n_layer):
+        x_in = x                                                              # (B, T, C) block input
+        x, c = _block_forward(p, l, x_in, cfg.n_head)
+        if policy == "full":
+            layers.append(x_in)                   # only the block input; c is dropped here
+        else:
+            layers.append(_drop_selective(c, p["ln1b"][l], p["ln2b"][l]))
+    lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])               # (B, T, C)
+    logits, head_cache = linear_forward(lnf, p["wte"].T)                      # (B, T, V)
+    loss, ce_cache = None, None
+    if targets is not None:
+        loss, ce_cache = crossentropy_forward(logits, targets)
+    cache = {"cfg": cfg, "policy": policy, "params": params, "encoder": enc_cache, "layers": layers,
+             "lnf": lnf_cache, "head": head_cache, "crossentropy": ce_cache}
+    return logits, loss, cache
+
+
+def gpt_backward_ckpt(cache, grads):
+    """Gradients of the loss into grads (overwritten), bitwise equal to reference gpt_backward. Returns None."""
+    policy = cache.get("policy")
+    _check_policy("gpt_backward_ckpt", policy)
+    if policy == "none":
+        return gpt_backward(cache, grads)
+
+    cfg, p = cache["cfg"], cache["params"]
+    if cache["crossentropy"] is None:
+        raise ValueError("gpt_backward_ckpt: the cache has no loss; call gpt_forward_ckpt with targets first")
+    _check_tensors("gpt_backward_ckpt", "grads", grads, cfg)
+
+    dlogits = crossentropy_backward(1.0, cache["crossentropy"])               # (B, T, V)
+    dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])              # (B, T, C), (C, V)
+    dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])
+    for l in reversed(range(cfg.n_layer)):
+        if policy == "full":
+            _, c = _block_forward(p, l, cache["layers"][l], cfg.n_head)       # recompute the whole block
+        else:
+            c = _rebuild_selective(cache["layers"][l])                        # recompute ln1, ln2, gelu
+        dx = _block_backward(dx, c, grads, l)
+        del c                                                                 # at most one block's cache alive
+    dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])          # (V, C), (maxT, C)
+    grads["wte"][...] = dwte + dwte_head.T                                    # weight tying
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring and predicting memory
+# ----------------------------------------------------------------------------------------------------------------
+
+def _param_arrays(params):
+    if params is None:
+        return []
+    if isinstance(params, np.ndarray):
+        return [params]
+    if hasattr(params, "flat") and isinstance(getattr(params, "flat"), np.ndarray):   # ParamBuffer
+        return [params.flat]
+    if hasattr(params, "values"):                                                     # dict name -> array
+        return [a for a in params.values() if isinstance(a, np.ndarray)]
+    return [a for a in params if isinstance(a, np.ndarray)]
+
+
+def cache_bytes(cache, params=None) -> int:
+    """Bytes of activation memory held by the arrays in `cache` (dicts / lists / tuples walked recursively).
+
+    Each ndarray counts its nbytes once (by id: the same array cached by two ops is one allocation).
+    Parameters are not activations: arrays sharing memory with `params` (default: cache["params"], which
+    gpt_forward_ckpt stores) are skipped, e.g. the weight views the linear and LayerNorm caches hold.
+    A plain reference cache has no "params": pass them, or the weights are counted too.
+    """
+    if params is None and isinstance(cache, dict):
+        params = cache.get("params")
+    weights = _param_arrays(params)
+    seen, total = set(), 0
+    stack = [cache]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, np.ndarray):
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if not any(np.may_share_memory(obj, w) for w in weights):
+                total += int(obj.nbytes)
+        elif isinstance(obj, dict):
+            stack.extend(v for k, v in obj.items() if k != "params")
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return total
+
+
+def _kept_per_block(cfg, B, T, policy):
+    """(name, shape) of every activation one block keeps for backward under `policy` (not counting what the
+    next block or the final LayerNorm keeps anyway: block l's output is block l+1's input)."""
+    C, nh = cfg.d_model, cfg.n_head
+    x_in = ("x: block input, ln1 inp (residual stream)", (B, T, C))
+    if policy == "full":
+        return [x_in]
+    ln_stats = [("ln1 mean", (B, T)), ("ln1 rstd", (B, T))]
+    selective = [x_in, *ln_stats,
+                 ("qkv (attention inp)", (B, T, 3 * C)),
+                 ("att (softmax probabilities)", (B, nh, T, T)),
+                 ("attention out (attproj inp)", (B, T, C)),
+                 ("x_mid: residual after attention, ln2 inp", (B, T, C)),
+                 ("ln2 mean", (B, T)), ("ln2 rstd", (B, T)),
+                 ("fc out (gelu inp)", (B, T, 4 * C))]
+    if policy == "selective":
+        return selective
+    return selective + [("ln1 out (qkv inp)", (B, T, C)),
+                        ("ln2 out (fc inp)", (B, T, C)),
+                        ("gelu out (fcproj inp)", (B, T, 4 * C))]
+
+
+def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
+    """Predicted training memory in bytes of a GPT with config `cfg` on a (B, T) batch.
+
+    Terms (P = num_params(cfg), e = bytes per element of the compute precision: 4 fp32, 2 fp16 / bf16):
+
+    params         P * 4   the fp32 master parameters (the flat ParamBuffer the optimizer updates).
+    params_half    P * e   the half-precision copy the forward/backward compute with (0 for fp32).
+    grads          P * 4   one fp32 gradient per parameter (the gradient flat buffer the optimizer reads).
+    adamw          P * 8   AdamW's m and v, fp32 each.
+    activations    what the forward keeps for the backward, under `policy`, each tensor e bytes per element:
+                   L * (the per-block list in `kept_per_block`) + the tensors outside the blocks (`kept_top`):
+                   the final block's output (lnf inp), lnf mean / rstd, lnf out (the head's inp), the logits and
+                   the softmax probabilities (B, T, V) of the cross-entropy, and the token ids idx and targets
+                   (counted as int64, 8 bytes, as NumPy creates them; on a GPU they would be int32).
+                   The per-row LayerNorm stats (mean, rstd) are counted in the compute precision, as the NumPy
+                   reference keeps them (mixed-precision kernels usually keep them fp32: a (B, T) difference).
+    recompute_peak the extra bytes alive during backward while one block is recomputed: under "full" that
+                   block's whole dropped cache (everything in the "none" list but x); under "selective" its
+                   ln1, ln2 and gelu outputs. 0 for "none". (Only one block at a time: it is dropped after its
+                   backward.)
+    total          the sum of all the above.
+
+    Not counted: the gradient activations of the backward (dx, dlogits, ...: transient, about one block's
+    worth), temporaries inside ops, and allocator overhead. For fp32 `activations` equals cache_bytes of the
+    actual gpt_forward_ckpt cache (with int64 token ids); tests check within 10%.
+    """
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"memory_model: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    _check_policy("memory_model", policy)
+    if precision not in PRECISIONS:
+        raise ValueError(f"memory_model: precision must be one of {', '.join(repr(p) for p in PRECISIONS)}; "
+                         f"got {precision!r}")
+    for name, value in (("B", B), ("T", T)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"memory_model: {name} must be a positive int, got {value!r}")
+    if T > cfg.block_size:
+        raise ValueError(f"memory_model: T={T} is longer than block_size={cfg.block_size}")
+    e = PRECISIONS[precision]
+    C, V, L = cfg.d_model, cfg.vocab_size, cfg.n_layer
+    P = num_params(cfg)
+
+    per_block = _kept_per_block(cfg, B, T, policy)
+    top = [("x: last block output, lnf inp", (B, T, C)), ("lnf mean", (B, T)), ("lnf rstd", (B, T)),
+           ("lnf out (head inp)", (B, T, C)), ("logits", (B, T, V)), ("probs (crossentropy)", (B, T, V))]
+    ids = [("idx", (B, T)), ("targets", (B, T))]
+    block_bytes = sum(math.prod(shape) for _, shape in per_block) * e
+    activations = (L * block_bytes + sum(math.prod(shape) for _, shape in top) * e
+                   + sum(math.prod(shape) for _, shape in ids) * INDEX_BYTES)
+
+    full_block = sum(math.prod(shape) for _, shape in _kept_per_block(cfg, B, T, "none")) * e
+    if policy == "full":
+        recompute_peak = full_block - B * T * C * e           # everything but the kept x
+    elif policy == "selective":
+        recompute_peak = full_block - block_bytes             # ln1, ln2, gelu outputs
+    else:
+        recompute_peak = 0
+
+    out = {
+        "params": P * 4,
+        "params_half": P * e if e != 4 else 0,
+        "grads": P * 4,
+        "adamw": P * 8,
+        "activations": activations,
+        "activations_per_block": block_bytes,
+        "recompute_peak": recompute_peak,
+        "kept_per_block": per_block,
+        "kept_top": top + ids,
+    }
+    out["total"] = (out["params"] + out["params_half"] + out["grads"] + out["adamw"]
+                    + activations + recompute_peak)
+    return out
