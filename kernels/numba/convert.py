@@ -1,0 +1,209 @@
+"""Mixed precision on the GPU: float32 <-> bfloat16 / float16 conversion and the inf/NaN count of the gradients.
+
+Every kernel is elementwise over a 1-D buffer of n elements: thread i owns elements i, i + stride, ... (a
+grid-stride loop, so a capped grid covers any n). The rounding is the NumPy reference gpullm_lessons.precision
+(read its docstring), done on the float32 bits:
+
+    f32 -> bf16: bits + 0x7FFF + (lowest kept bit), keep the top 16 bits (round to nearest even);
+                 NaN -> the quiet NaN 0x7FC0 with the sign kept (bit-exact with ml_dtypes.bfloat16)
+    bf16 -> f32: the 16 bits shifted to the top (exact)
+    f32 -> f16:  libdevice float2half_rn (the hardware's round to nearest even, overflow to inf, subnormals kept);
+                 NaN done by hand as NumPy does: sign, exponent all ones, the top 10 mantissa bits (at least 1)
+    nonfinite:   inf and NaN are exactly the floats whose 8 exponent bits are all ones: one mask and compare
+
+Bits are read with libdevice (float_as_int, int_as_float), not with device functions, so the kernels compile to
+PTX without a driver; under the simulator a NumPy stand-in does the same (as kernels/numba/adamw.py).
+
+Versions (KERNELS keys; the wrappers take version="v1"):
+f32_to_bf16_v1: float32 (n,) -> bfloat16 bits uint16 (n,), one thread per element, grid-stride.
+bf16_to_f32_v1: bfloat16 bits uint16 (n,) -> float32 (n,), the same loop.
+f32_to_f16_v1: float32 (n,) -> float16 bits uint16 (n,), the same loop.
+nonfinite_count_v1: count the inf/NaN of a float32 (n,) buffer into out (1,): each thread counts in a register
+    over its grid-stride elements, then one atomic add per thread that found any (finite data: no atomics at all).
+nonfinite_zero_v1: out[0] = 0, one thread; launched before nonfinite_count_v1 (the count only adds).
+No version is GPU-only: all of them run in Numba's CUDA simulator.
+"""
+import math
+
+import numba
+import numpy as np
+from numba import config, cuda
+
+from gpullm_lessons.backends._args import check_array, check_threads, check_version
+
+if config.ENABLE_CUDASIM:
+    class libdevice:  # noqa: N801 - the simulator's stand-in for numba.cuda.libdevice (NumPy does the bits)
+        @staticmethod
+        def float_as_int(x):
+            return np.float32(x).view(np.uint32)      # the float32 bits (unsigned here; cast to uint32 anyway)
+
+        @staticmethod
+        def int_as_float(x):
+            return np.uint32(x).view(np.float32)      # the float32 with these bits
+
+        @staticmethod
+        def float2half_rn(x):
+            with np.errstate(over="ignore"):          # beyond 65504 rounds to inf, as on the GPU
+                return np.float16(np.float32(x)).view(np.uint16)   # round to nearest even, as the GPU
+else:
+    from numba.cuda import libdevice
+
+MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
+U16 = numba.uint32(16)
+U13 = numba.uint32(13)
+ONE = numba.uint32(1)
+ROUND = numba.uint32(0x7FFF)          # added before dropping 16 bits: rounds to nearest
+SIGN16 = numba.uint32(0x8000)         # the sign bit of a 16-bit float
+ABS = numba.uint32(0x7FFFFFFF)        # all float32 bits but the sign
+EXP = numba.uint32(0x7F800000)        # the float32 exponent bits: all ones = inf or NaN
+BF16_QNAN = numba.uint32(0x7FC0)      # bfloat16 quiet NaN (positive)
+F16_EXP = numba.uint32(0x7C00)        # float16 exponent bits all ones
+F16_MANT = numba.uint32(0x3FF)        # float16 mantissa bits
+ZERO_COUNT = numba.int32(0)
+
+
+# f32_to_bf16_v1: thread i owns elements i, i + stride, ... of src float32 (n,) and dst uint16 (n,).
+@cuda.jit
+def f32_to_bf16_v1(src, dst):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.shape[0], stride):
+        bits = numba.uint32(libdevice.float_as_int(src[i]))
+        if (bits & ABS) > EXP:                # NaN (exponent all ones, mantissa not 0): quiet NaN, sign kept
+            dst[i] = numba.uint16(((bits >> U16) & SIGN16) | BF16_QNAN)
+        else:                                 # add 0x7FFF + (lowest kept bit): ties go to even
+            dst[i] = numba.uint16((bits + ROUND + ((bits >> U16) & ONE)) >> U16)
+
+
+# bf16_to_f32_v1: thread i owns elements i, i + stride, ... of src uint16 (n,) and dst float32 (n,).
+@cuda.jit
+def bf16_to_f32_v1(src, dst):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.shape[0], stride):
+        dst[i] = libdevice.int_as_float(numba.uint32(src[i]) << U16)   # the bf16 bits on top, 16 zero bits below
+
+
+# f32_to_f16_v1: thread i owns elements i, i + stride, ... of src float32 (n,) and dst uint16 (n,) (float16 bits).
+@cuda.jit
+def f32_to_f16_v1(src, dst):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, dst.shape[0], stride):
+        x = src[i]
+        bits = numba.uint32(libdevice.float_as_int(x))
+        if (bits & ABS) > EXP:                # NaN: sign, all-ones exponent, top 10 mantissa bits (never 0 = inf)
+            mant = (bits >> U13) & F16_MANT
+            if mant == numba.uint32(0):
+                mant = ONE
+            dst[i] = numba.uint16(((bits >> U16) & SIGN16) | F16_EXP | mant)
+        else:                                 # the hardware conversion: round to nearest even
+            dst[i] = numba.uint16(libdevice.float2half_rn(x))
+
+
+# nonfinite_count_v1: thread i looks at elements i, i + stride, ... of flat float32 (n,), counts the inf/NaN in a
+# register and adds its count to out[0] (int32 (1,), zeroed before) with one atomic add, only if it found any.
+@cuda.jit
+def nonfinite_count_v1(flat, out):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    count = 0
+    for i in range(start, flat.shape[0], stride):
+        bits = numba.uint32(libdevice.float_as_int(flat[i]))
+        if (bits & EXP) == EXP:               # exponent all ones: inf or NaN
+            count += 1
+    if count > 0:
+        cuda.atomic.add(out, 0, numba.int32(count))
+
+
+# nonfinite_zero_v1: out[0] = 0 (one thread), so that nonfinite_count_v1 counts from zero on every call.
+@cuda.jit
+def nonfinite_zero_v1(out):
+    if cuda.grid(1) == 0:
+        out[0] = ZERO_COUNT
+
+
+KERNELS = {"f32_to_bf16_v1": f32_to_bf16_v1, "bf16_to_f32_v1": bf16_to_f32_v1, "f32_to_f16_v1": f32_to_f16_v1,
+           "nonfinite_count_v1": nonfinite_count_v1, "nonfinite_zero_v1": nonfinite_zero_v1}
+SIGNATURES = {"f32_to_bf16_v1": "void(float32[::1], uint16[::1])",      # src, dst
+              "bf16_to_f32_v1": "void(uint16[::1], float32[::1])",      # src, dst
+              "f32_to_f16_v1": "void(float32[::1], uint16[::1])",       # src, dst (float16 bits)
+              "nonfinite_count_v1": "void(float32[::1], int32[::1])",   # flat, out (1,)
+              "nonfinite_zero_v1": "void(int32[::1])"}                  # out (1,)
+GPU_ONLY = set()
+VERSIONS = ("v1",)
+
+
+# ---- the launch wrappers ----------------------------------------------------------------------------------------
+
+def check_pair(fn, src, dst, src_dtypes, dst_dtypes, check=check_array):
+    """src 1-D of one of src_dtypes, dst of src's shape and one of dst_dtypes, both C-contiguous; returns n.
+
+    The first dtype of each tuple is the one the kernel takes; the others (float16, ml_dtypes' bfloat16) have the
+    same 16 bits and are viewed as uint16. `check` is _args.check_array (cupy=True for the HIP wrappers)."""
+    for name, a, dtypes in (("src", src, src_dtypes), ("dst", dst, dst_dtypes)):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), "
+                            f"got {type(a).__name__}")
+        if str(a.dtype) not in dtypes:
+            raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {' or '.join(dtypes)}")
+    if len(src.shape) != 1:
+        raise ValueError(f"{fn}: src must be 1-D (n,), got shape {tuple(src.shape)}; flatten it first")
+    n = int(src.shape[0])
+    check(fn, "src", src, (n,), str(src.dtype))
+    check(fn, "dst", dst, (n,), str(dst.dtype))
+    return n
+
+
+def as_uint16(a):
+    """The same memory as uint16 (float16 / bfloat16 arrays are viewed; uint16 is returned as is)."""
+    return a if str(a.dtype) == "uint16" else a.view(np.uint16)
+
+
+def _launch(fn, name, version, threads, n, args):
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    if n == 0:
+        return
+    blocks = min(math.ceil(n / threads), MAX_BLOCKS)
+    KERNELS[f"{name}_{version}"][blocks, threads](*args)
+
+
+def f32_to_bf16(src, dst, version="v1", threads=256):
+    """dst[:] = src rounded to bfloat16 (nearest even), as bits; src float32 (n,), dst uint16 (n,) (or bfloat16)."""
+    n = check_pair("f32_to_bf16", src, dst, ("float32",), ("uint16", "bfloat16"))
+    _launch("f32_to_bf16", "f32_to_bf16", version, threads, n, (src, as_uint16(dst)))
+
+
+def bf16_to_f32(src, dst, version="v1", threads=256):
+    """dst[:] = the float32 value of the bfloat16 bits src (exact); src uint16 (n,) (or bfloat16), dst float32."""
+    n = check_pair("bf16_to_f32", src, dst, ("uint16", "bfloat16"), ("float32",))
+    _launch("bf16_to_f32", "bf16_to_f32", version, threads, n, (as_uint16(src), dst))
+
+
+def f32_to_f16(src, dst, version="v1", threads=256):
+    """dst[:] = src rounded to float16 (nearest even, as NumPy's cast); src float32 (n,), dst float16 or uint16."""
+    n = check_pair("f32_to_f16", src, dst, ("float32",), ("float16", "uint16"))
+    _launch("f32_to_f16", "f32_to_f16", version, threads, n, (src, as_uint16(dst)))
+
+
+def check_count_args(fn, flat, out, check=check_array):
+    """flat float32 1-D, out int32 (1,); errors name the argument."""
+    if not (hasattr(flat, "shape") and hasattr(flat, "dtype")):
+        raise TypeError(f"{fn}: flat must be an array (NumPy, CuPy or Numba device array), got {type(flat).__name__}")
+    if len(flat.shape) != 1:
+        raise ValueError(f"{fn}: flat must be 1-D (n,), got shape {tuple(flat.shape)}; use the flat gradient buffer")
+    check(fn, "flat", flat, (int(flat.shape[0]),), "float32")
+    check(fn, "out", out, (1,), "int32")
+    return int(flat.shape[0])
+
+
+def nonfinite_count(flat, out, version="v1", threads=256):
+    """out[0] = how many elements of flat (float32 (n,), the flat gradient buffer) are inf or NaN; out int32 (1,).
+
+    One pass over flat; 0 means every gradient is finite (the optimizer step may be taken)."""
+    fn = "nonfinite_count"
+    n = check_count_args(fn, flat, out)
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    KERNELS[f"nonfinite_zero_{version}"][1, 1](out)
+    if n == 0:
+        return
+    blocks = min(math.ceil(n / threads), MAX_BLOCKS)
+    KERNELS[f"nonfinite_count_{version}"][blocks, threads](flat, out)
