@@ -25,14 +25,12 @@ import math
 import numpy as np
 
 from .params import GPTConfig, num_params
-from .reference.attention import attention_backward, attention_forward
 from .reference.crossentropy import crossentropy_backward, crossentropy_forward
 from .reference.encoder import encoder_backward, encoder_forward
-from .reference.gelu import gelu_forward, gelu_backward
-from .reference.gpt import _check_tensors, gpt_backward, gpt_forward
+from .reference.gelu import gelu_forward
+from .reference.gpt import _check_tensors, block_backward, block_forward, check_inputs, gpt_backward, gpt_forward
 from .reference.layernorm import layernorm_backward, layernorm_forward
 from .reference.linear import linear_backward, linear_forward
-from .reference.residual import residual_backward, residual_forward
 
 POLICIES = ("none", "selective", "full")
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}   # bytes per element of the compute precision
@@ -42,44 +40,6 @@ INDEX_BYTES = 8                                  # token ids idx, targets: NumPy
 def _check_policy(fn, policy):
     if policy not in POLICIES:
         raise ValueError(f"{fn}: policy must be one of {', '.join(repr(p) for p in POLICIES)}; got {policy!r}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One transformer block, forward and backward: the loop bodies of reference gpt_forward / gpt_backward, verbatim.
-# ----------------------------------------------------------------------------------------------------------------
-
-def _block_forward(p, l, x, n_head):
-    """Block l on x (B, T, C) -> (x_out (B, T, C), c) with c the reference per-layer cache."""
-    c = {}
-    ln1, c["ln1"] = layernorm_forward(x, p["ln1w"][l], p["ln1b"][l])          # (B, T, C)
-    qkv, c["qkv"] = linear_forward(ln1, p["qkvw"][l], p["qkvb"][l])           # (B, T, 3C)
-    atty, c["attention"] = attention_forward(qkv, n_head)                     # (B, T, C)
-    attproj, c["attproj"] = linear_forward(atty, p["attprojw"][l], p["attprojb"][l])  # (B, T, C)
-    x, _ = residual_forward(x, attproj)                                       # (B, T, C)
-    ln2, c["ln2"] = layernorm_forward(x, p["ln2w"][l], p["ln2b"][l])          # (B, T, C)
-    fch, c["fc"] = linear_forward(ln2, p["fcw"][l], p["fcb"][l])              # (B, T, 4C)
-    fch_gelu, c["gelu"] = gelu_forward(fch)                                   # (B, T, 4C)
-    fcproj, c["fcproj"] = linear_forward(fch_gelu, p["fcprojw"][l], p["fcprojb"][l])  # (B, T, C)
-    x, _ = residual_forward(x, fcproj)                                        # (B, T, C)
-    return x, c
-
-
-def _block_backward(dx, c, grads, l):
-    """d(block l's output) (B, T, C) -> d(its input); writes layer l's slice of grads."""
-    # MLP block: x_out = x_mid + fcproj(gelu(fc(ln2(x_mid))))
-    dx_mid, dfcproj = residual_backward(dx)                                   # (B, T, C) each
-    dfch_gelu, grads["fcprojw"][l], grads["fcprojb"][l] = linear_backward(dfcproj, c["fcproj"])
-    dfch = gelu_backward(dfch_gelu, c["gelu"])                                # (B, T, 4C)
-    dln2, grads["fcw"][l], grads["fcb"][l] = linear_backward(dfch, c["fc"])   # (B, T, C)
-    dx_ln2, grads["ln2w"][l], grads["ln2b"][l] = layernorm_backward(dln2, c["ln2"])
-    dx = dx_mid + dx_ln2                                                      # both paths into x_mid
-    # attention block: x_mid = x_in + attproj(attention(qkv(ln1(x_in))))
-    dx_in, dattproj = residual_backward(dx)
-    datty, grads["attprojw"][l], grads["attprojb"][l] = linear_backward(dattproj, c["attproj"])
-    dqkv = attention_backward(datty, c["attention"])                          # (B, T, 3C)
-    dln1, grads["qkvw"][l], grads["qkvb"][l] = linear_backward(dqkv, c["qkv"])
-    dx_ln1, grads["ln1w"][l], grads["ln1b"][l] = layernorm_backward(dln1, c["ln1"])
-    return dx_in + dx_ln1                                                     # (B, T, C)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,21 +94,14 @@ def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none"):
         logits, loss, cache = gpt_forward(params, cfg, idx, targets)
         return logits, loss, dict(cache, policy="none", params=params)
 
-    if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"gpt_forward_ckpt: cfg must be a GPTConfig, got {type(cfg).__name__}")
-    _check_tensors("gpt_forward_ckpt", "params", params, cfg)
-    idx = np.asarray(idx)
-    if idx.ndim != 2:
-        raise ValueError(f"gpt_forward_ckpt: idx must be (B, T), got shape {idx.shape}")
-    if idx.shape[1] > cfg.block_size:
-        raise ValueError(f"gpt_forward_ckpt: T={idx.shape[1]} is longer than block_size={cfg.block_size}")
+    idx = check_inputs("gpt_forward_ckpt", params, cfg, idx)
     p = params
 
     x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                   # (B, T, C)
     layers = []
     for l in range(cfg.n_layer):
         x_in = x                                                              # (B, T, C) block input
-        x, c = _block_forward(p, l, x_in, cfg.n_head)
+        x, c = block_forward(p, l, x_in, cfg.n_head)
         if policy == "full":
             layers.append(x_in)                   # only the block input; c is dropped here
         else:
@@ -180,10 +133,10 @@ def gpt_backward_ckpt(cache, grads):
     dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])
     for l in reversed(range(cfg.n_layer)):
         if policy == "full":
-            _, c = _block_forward(p, l, cache["layers"][l], cfg.n_head)       # recompute the whole block
+            _, c = block_forward(p, l, cache["layers"][l], cfg.n_head)       # recompute the whole block
         else:
             c = _rebuild_selective(cache["layers"][l])                        # recompute ln1, ln2, gelu
-        dx = _block_backward(dx, c, grads, l)
+        dx = block_backward(dx, c, grads, l)
         del c                                                                 # at most one block's cache alive
     dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])          # (V, C), (maxT, C)
     grads["wte"][...] = dwte + dwte_head.T                                    # weight tying

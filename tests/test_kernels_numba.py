@@ -17,7 +17,7 @@ import gpullm_lessons.kernels.numba as numba_kernels
 from gpullm_lessons import device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = sorted(m.name for m in pkgutil.iter_modules(numba_kernels.__path__))
+MODULES = sorted(m.name for m in pkgutil.iter_modules(numba_kernels.__path__) if not m.name.startswith("_"))
 
 
 def test_every_module_declares_versions_and_signatures():
@@ -33,7 +33,7 @@ import importlib, json, pkgutil, sys
 import gpullm_lessons.kernels.numba as pkg
 from numba import cuda
 out = {}
-for m in pkgutil.iter_modules(pkg.__path__):
+for m in (m for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")):
     mod = importlib.import_module(f"gpullm_lessons.kernels.numba.{m.name}")
     for version, kern in mod.KERNELS.items():
         key = f"{m.name}.{version}"

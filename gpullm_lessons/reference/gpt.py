@@ -45,33 +45,63 @@ def _check_tensors(fn, what, tensors, cfg):
     return dtype
 
 
+def check_inputs(fn, params, cfg, idx):
+    """cfg a GPTConfig, every parameter tensor present, idx (B, T) with T <= block_size. Returns idx as an array."""
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"{fn}: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    _check_tensors(fn, "params", params, cfg)
+    idx = np.asarray(idx)
+    if idx.ndim != 2:
+        raise ValueError(f"{fn}: idx must be (B, T), got shape {idx.shape}")
+    if idx.shape[1] > cfg.block_size:
+        raise ValueError(f"{fn}: T={idx.shape[1]} is longer than block_size={cfg.block_size}")
+    return idx
+
+
+def block_forward(p, l, x, n_head):
+    """Transformer block l on x (B, T, C) -> (x_out (B, T, C), c): c is the block's cache for block_backward."""
+    c = {}
+    ln1, c["ln1"] = layernorm_forward(x, p["ln1w"][l], p["ln1b"][l])          # (B, T, C)
+    qkv, c["qkv"] = linear_forward(ln1, p["qkvw"][l], p["qkvb"][l])           # (B, T, 3C)
+    atty, c["attention"] = attention_forward(qkv, n_head)                     # (B, T, C)
+    attproj, c["attproj"] = linear_forward(atty, p["attprojw"][l], p["attprojb"][l])  # (B, T, C)
+    x, _ = residual_forward(x, attproj)                                       # (B, T, C)
+    ln2, c["ln2"] = layernorm_forward(x, p["ln2w"][l], p["ln2b"][l])          # (B, T, C)
+    fch, c["fc"] = linear_forward(ln2, p["fcw"][l], p["fcb"][l])              # (B, T, 4C)
+    fch_gelu, c["gelu"] = gelu_forward(fch)                                   # (B, T, 4C)
+    fcproj, c["fcproj"] = linear_forward(fch_gelu, p["fcprojw"][l], p["fcprojb"][l])  # (B, T, C)
+    x, _ = residual_forward(x, fcproj)                                        # (B, T, C)
+    return x, c
+
+
+def block_backward(dx, c, grads, l):
+    """d(block l's output) (B, T, C) -> d(its input); writes layer l's slice of each gradient tensor in place."""
+    # MLP block: x_out = x_mid + fcproj(gelu(fc(ln2(x_mid))))
+    dx_mid, dfcproj = residual_backward(dx)                                   # (B, T, C) each
+    dfch_gelu, grads["fcprojw"][l], grads["fcprojb"][l] = linear_backward(dfcproj, c["fcproj"])
+    dfch = gelu_backward(dfch_gelu, c["gelu"])                                # (B, T, 4C)
+    dln2, grads["fcw"][l], grads["fcb"][l] = linear_backward(dfch, c["fc"])   # (B, T, C)
+    dx_ln2, grads["ln2w"][l], grads["ln2b"][l] = layernorm_backward(dln2, c["ln2"])
+    dx = dx_mid + dx_ln2                                                      # both paths into x_mid
+    # attention block: x_mid = x_in + attproj(attention(qkv(ln1(x_in))))
+    dx_in, dattproj = residual_backward(dx)
+    datty, grads["attprojw"][l], grads["attprojb"][l] = linear_backward(dattproj, c["attproj"])
+    dqkv = attention_backward(datty, c["attention"])                          # (B, T, 3C)
+    dln1, grads["qkvw"][l], grads["qkvb"][l] = linear_backward(dqkv, c["qkv"])
+    dx_ln1, grads["ln1w"][l], grads["ln1b"][l] = layernorm_backward(dln1, c["ln1"])
+    return dx_in + dx_ln1                                                     # (B, T, C)
+
+
 def gpt_forward(params, cfg, idx, targets=None):
     """params (ParamBuffer or dict name -> array), cfg GPTConfig, idx (B, T) int, targets (B, T) int or None
     -> (logits (B, T, V), loss (scalar) or None, cache)."""
-    if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"gpt_forward: cfg must be a GPTConfig, got {type(cfg).__name__}")
-    _check_tensors("gpt_forward", "params", params, cfg)
-    idx = np.asarray(idx)
-    if idx.ndim != 2:
-        raise ValueError(f"gpt_forward: idx must be (B, T), got shape {idx.shape}")
-    if idx.shape[1] > cfg.block_size:
-        raise ValueError(f"gpt_forward: T={idx.shape[1]} is longer than block_size={cfg.block_size}")
+    idx = check_inputs("gpt_forward", params, cfg, idx)
     p = params
 
     x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                       # (B, T, C)
     layers = []
     for l in range(cfg.n_layer):
-        c = {}
-        ln1, c["ln1"] = layernorm_forward(x, p["ln1w"][l], p["ln1b"][l])          # (B, T, C)
-        qkv, c["qkv"] = linear_forward(ln1, p["qkvw"][l], p["qkvb"][l])           # (B, T, 3C)
-        atty, c["attention"] = attention_forward(qkv, cfg.n_head)                 # (B, T, C)
-        attproj, c["attproj"] = linear_forward(atty, p["attprojw"][l], p["attprojb"][l])  # (B, T, C)
-        x, _ = residual_forward(x, attproj)                                       # (B, T, C)
-        ln2, c["ln2"] = layernorm_forward(x, p["ln2w"][l], p["ln2b"][l])          # (B, T, C)
-        fch, c["fc"] = linear_forward(ln2, p["fcw"][l], p["fcb"][l])              # (B, T, 4C)
-        fch_gelu, c["gelu"] = gelu_forward(fch)                                   # (B, T, 4C)
-        fcproj, c["fcproj"] = linear_forward(fch_gelu, p["fcprojw"][l], p["fcprojb"][l])  # (B, T, C)
-        x, _ = residual_forward(x, fcproj)                                        # (B, T, C)
+        x, c = block_forward(p, l, x, cfg.n_head)                                 # (B, T, C)
         layers.append(c)
     lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])                   # (B, T, C)
     logits, head_cache = linear_forward(lnf, p["wte"].T)                          # (B, T, V) weight (C, V)
@@ -98,21 +128,7 @@ def gpt_backward(cache, grads):
     dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])  # dx (B, T, C)
 
     for l in reversed(range(cfg.n_layer)):
-        c = cache["layers"][l]
-        # MLP block: x_out = x_mid + fcproj(gelu(fc(ln2(x_mid))))
-        dx_mid, dfcproj = residual_backward(dx)                                   # (B, T, C) each
-        dfch_gelu, grads["fcprojw"][l], grads["fcprojb"][l] = linear_backward(dfcproj, c["fcproj"])
-        dfch = gelu_backward(dfch_gelu, c["gelu"])                                # (B, T, 4C)
-        dln2, grads["fcw"][l], grads["fcb"][l] = linear_backward(dfch, c["fc"])   # (B, T, C)
-        dx_ln2, grads["ln2w"][l], grads["ln2b"][l] = layernorm_backward(dln2, c["ln2"])
-        dx = dx_mid + dx_ln2                                                      # both paths into x_mid
-        # attention block: x_mid = x_in + attproj(attention(qkv(ln1(x_in))))
-        dx_in, dattproj = residual_backward(dx)
-        datty, grads["attprojw"][l], grads["attprojb"][l] = linear_backward(dattproj, c["attproj"])
-        dqkv = attention_backward(datty, c["attention"])                          # (B, T, 3C)
-        dln1, grads["qkvw"][l], grads["qkvb"][l] = linear_backward(dqkv, c["qkv"])
-        dx_ln1, grads["ln1w"][l], grads["ln1b"][l] = layernorm_backward(dln1, c["ln1"])
-        dx = dx_in + dx_ln1                                                       # (B, T, C)
+        dx = block_backward(dx, cache["layers"][l], grads, l)                     # (B, T, C)
 
     dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])              # (V, C), (maxT, C)
     grads["wte"][...] = dwte + dwte_head.T                                        # weight tying: both uses

@@ -27,26 +27,11 @@ import math
 
 import numba
 import numpy as np
-from numba import config, cuda
+from numba import cuda
 
 from gpullm_lessons.backends._args import check_array, check_threads, check_version
 
-if config.ENABLE_CUDASIM:
-    class libdevice:  # noqa: N801 - the simulator's stand-in for numba.cuda.libdevice (NumPy does the bits)
-        @staticmethod
-        def float_as_int(x):
-            return np.float32(x).view(np.uint32)      # the float32 bits (unsigned here; cast to uint32 anyway)
-
-        @staticmethod
-        def int_as_float(x):
-            return np.uint32(x).view(np.float32)      # the float32 with these bits
-
-        @staticmethod
-        def float2half_rn(x):
-            with np.errstate(over="ignore"):          # beyond 65504 rounds to inf, as on the GPU
-                return np.float16(np.float32(x)).view(np.uint16)   # round to nearest even, as the GPU
-else:
-    from numba.cuda import libdevice
+from gpullm_lessons.kernels.numba._libdevice import libdevice
 
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 U16 = numba.uint32(16)
