@@ -1,8 +1,8 @@
-"""Gather a backend's launchers (every public `*_forward` / `*_backward` / `*_step` function) from its op modules."""
+"""Gather a backend's launchers (every public `*_forward` / `*_backward` / `*_step` function, plus any a module lists in LAUNCHERS) from its op modules."""
 import importlib
 import re
 
-OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "adamw")
+OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "adamw", "convert")
 _VERSION = re.compile(r"^v\d+$")
 
 
@@ -17,7 +17,8 @@ def collect(package: str, prefix: str = "") -> tuple[dict, dict]:
                 continue  # this op has no kernels on this backend yet
             raise
         for name in dir(mod):
-            if name.endswith(("_forward", "_backward", "_step")) and not name.startswith("_"):
+            listed = name in getattr(mod, "LAUNCHERS", ())   # launchers not named *_forward/_backward/_step
+            if (listed or name.endswith(("_forward", "_backward", "_step"))) and not name.startswith("_"):
                 fn = getattr(mod, name)
                 if callable(fn) and getattr(fn, "__module__", None) == mod.__name__:
                     launchers[name] = fn

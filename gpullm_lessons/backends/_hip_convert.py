@@ -35,6 +35,9 @@ def _launch(fn, name, version, threads, n, args):
     hip.kernel("convert", f"{name}_{version}")((blocks,), (threads,), (*args, np.int64(n)))
 
 
+LAUNCHERS = ("f32_to_bf16", "bf16_to_f32", "f32_to_f16", "nonfinite_count")  # gathered by backends/_collect.py
+
+
 def f32_to_bf16(src, dst, version="v1", threads=256):
     """dst[:] = src rounded to bfloat16 (nearest even), as bits; src float32 (n,), dst uint16 (n,) CuPy arrays."""
     n = check_pair("f32_to_bf16", src, dst, ("float32",), ("uint16",), check=_check_cupy)

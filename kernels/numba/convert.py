@@ -150,6 +150,9 @@ def _launch(fn, name, version, threads, n, args):
     KERNELS[f"{name}_{version}"][blocks, threads](*args)
 
 
+LAUNCHERS = ("f32_to_bf16", "bf16_to_f32", "f32_to_f16", "nonfinite_count")  # gathered by backends/_collect.py
+
+
 def f32_to_bf16(src, dst, version="v1", threads=256):
     """dst[:] = src rounded to bfloat16 (nearest even), as bits; src float32 (n,), dst uint16 (n,) (or bfloat16)."""
     n = check_pair("f32_to_bf16", src, dst, ("float32",), ("uint16", "bfloat16"))
