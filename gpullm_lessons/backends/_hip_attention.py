@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .. import hip
-from ..kernels.numba.attention import check_attention_args
+from ..kernels.numba.attention import check_attention_args, check_softmax_rows
 
 VERSIONS = ("v1", "cublas")
 
@@ -44,3 +44,33 @@ def attention_backward(dout, qkv, att, dqkv, n_head, version="cublas"):
     dv = cp.matmul(att.transpose(0, 1, 3, 2), dy)
     for i, part in enumerate((dq, dk, dv)):
         dqkv[:, :, i * C:(i + 1) * C] = part.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+
+def _check_cupy(fn, arrays):
+    import cupy as cp
+    for name, a in arrays:
+        if not isinstance(a, cp.ndarray):
+            raise TypeError(f"{fn}: {name} must be a CuPy array (HIP backend), got {type(a).__module__}."
+                            f"{type(a).__name__}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{fn}: {name} must be C-contiguous")
+
+
+def attention_softmax_forward(pre, att, scale, threads=256):
+    """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place)."""
+    pairs = (("pre", pre), ("att", att))
+    rows, T = check_softmax_rows("attention_softmax_forward", pairs)
+    _check_cupy("attention_softmax_forward", pairs)
+    if rows:
+        hip.kernel("attention", "attention_softmax_fwd")((rows,), (min(threads, max(32, T)),),
+                                                          (pre, att, np.int32(T), np.float32(scale)))
+
+
+def attention_softmax_backward(att, datt, dpre, scale, threads=256):
+    """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T."""
+    triples = (("att", att), ("datt", datt), ("dpre", dpre))
+    rows, T = check_softmax_rows("attention_softmax_backward", triples)
+    _check_cupy("attention_softmax_backward", triples)
+    if rows:
+        hip.kernel("attention", "attention_dpre")((rows,), (min(threads, max(32, T)),),
+                                                   (att, datt, dpre, np.int32(T), np.float32(scale)))

@@ -67,3 +67,35 @@ extern "C" __global__ void attention_dqkv_v1(const float* __restrict__ dout, con
     }
     dqkv[i] = acc;
 }
+
+// Forward (the training loop): causal softmax of the scaled scores, one block per (b, h, t) row of pre (rows, T):
+// att[s] = exp(scale*pre[s] - max) / sum_{s'<=t} exp(scale*pre[s'] - max) for s <= t, else 0. Row t of a (T, T)
+// block is query position t = row % T. Each thread reads and writes only its own columns, so att may be pre
+// (in place). Two block reductions (max, then sum): warp shuffles, then one shared slot per warp.
+extern "C" __global__ void attention_softmax_fwd(const float* __restrict__ pre, float* __restrict__ att,
+                                                int T, float scale) {
+    __shared__ float partial[MAX_WARPS_PER_BLOCK];
+    long long row = blockIdx.x;
+    int t = (int)(row % T);
+    const float* p = pre + row * T;
+    float* out = att + row * T;
+    int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
+    int n_warps = (blockDim.x + warpSize - 1) / warpSize;
+    float mx = -3.402823466e38f;             // the lowest float (t >= 0: every row has at least s = 0)
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) mx = fmaxf(mx, scale * p[s]);
+    mx = warp_max(mx);
+    if (lane == 0) partial[warp] = mx;
+    __syncthreads();
+    mx = partial[0];
+    for (int w = 1; w < n_warps; w++) mx = fmaxf(mx, partial[w]);
+    __syncthreads();                          // everyone has read the maxima before the slots are reused
+    float sum = 0.0f;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) sum += expf(scale * p[s] - mx);
+    sum = warp_sum(sum);
+    if (lane == 0) partial[warp] = sum;
+    __syncthreads();
+    sum = 0.0f;
+    for (int w = 0; w < n_warps; w++) sum += partial[w];
+    float inv = 1.0f / sum;
+    for (int s = threadIdx.x; s < T; s += blockDim.x) out[s] = s <= t ? expf(scale * p[s] - mx) * inv : 0.0f;
+}

@@ -14,6 +14,11 @@ which halves the work (the causal mask is a saving in backward too).
 
 v1: naive, one thread per output element, every sum a loop over global memory (the steps above, literally):
     kernels v1 (datt), v1_dpre (causal softmax backward) and v1_dqkv (dq, dk, dv). Runs in the simulator. The HIP backend adds a cuBLAS version (batched matmuls through CuPy) beside it.
+
+For the training loop (gpullm_lessons.engine), which does the matmuls through cuBLAS and keeps att (B*nh*T, T):
+    v1_softmax_fwd                   causal softmax of the scaled scores, one thread per row (launcher
+                                     attention_softmax_forward); the HIP twin is attention_softmax_fwd (block per row)
+    attention_softmax_backward       the launcher of v1_dpre on (B*nh*T, T) rows (HIP: attention_dpre)
 """
 import math
 
@@ -79,12 +84,34 @@ def attention_dqkv_v1(dout, qkv, att, dpre, dqkv, n_head):
     dqkv[b, t, c] = acc
 
 
-KERNELS = {"v1": attention_datt_v1, "v1_dpre": attention_dpre_v1, "v1_dqkv": attention_dqkv_v1}
+# Forward (the training loop): causal softmax of the scaled scores; one thread per (b, h, t) row of pre (rows, T),
+# query position t = row % T. att may be pre (each thread reads its row before writing it).
+@cuda.jit
+def attention_softmax_fwd_v1(pre, att, scale):
+    rows, T = pre.shape
+    row = cuda.grid(1)
+    if row >= rows:
+        return
+    t = row % T
+    mx = scale * pre[row, 0]
+    for s in range(1, t + 1):
+        mx = max(mx, scale * pre[row, s])
+    total = float32(0.0)
+    for s in range(t + 1):
+        total += math.exp(scale * pre[row, s] - mx)
+    inv = float32(1.0) / total
+    for s in range(T):
+        att[row, s] = math.exp(scale * pre[row, s] - mx) * inv if s <= t else float32(0.0)
+
+
+KERNELS = {"v1": attention_datt_v1, "v1_dpre": attention_dpre_v1, "v1_dqkv": attention_dqkv_v1,
+           "v1_softmax_fwd": attention_softmax_fwd_v1}
 SIGNATURES = {
     "v1": "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64)",
     "v1_dpre": "void(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32)",
     "v1_dqkv": "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], "
                "float32[:, :, ::1], int64)",
+    "v1_softmax_fwd": "void(float32[:, ::1], float32[:, ::1], float32)",
 }
 GPU_ONLY = set()
 VERSIONS = ("v1",)
@@ -128,3 +155,38 @@ def attention_backward(dout, qkv, att, dqkv, n_head, version="v1"):
     attention_dpre_v1[(rows + 127) // 128, 128](att, datt, dpre, np.float32(1.0 / math.sqrt(C // nh)))
     n = B * T * 3 * C
     attention_dqkv_v1[(n + 255) // 256, 256](dout, qkv, att, dpre, dqkv, nh)
+
+
+def check_softmax_rows(fn, arrays, T=None):
+    """(name, array) pairs: float32, 2-D (rows, T), all the same shape, rows a multiple of T. Returns (rows, T)."""
+    shape = None
+    for name, a in arrays:
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
+        if len(_shape(a)) != 2:
+            raise ValueError(f"{fn}: {name} must be 2-D (B*nh*T, T), got shape {_shape(a)}")
+        if np.dtype(a.dtype) != np.float32:
+            raise TypeError(f"{fn}: {name} must be float32, got {np.dtype(a.dtype)}")
+        if shape is not None and _shape(a) != shape:
+            raise ValueError(f"{fn}: {name} is {_shape(a)} but the first array is {shape}")
+        shape = _shape(a)
+    rows, T = shape
+    if T == 0 or rows % T:
+        raise ValueError(f"{fn}: rows = {rows} must be a multiple of T = {T} (B*nh blocks of T query rows)")
+    return rows, T
+
+
+def attention_softmax_forward(pre, att, scale):
+    """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place)."""
+    rows, T = check_softmax_rows("attention_softmax_forward", (("pre", pre), ("att", att)))
+    if rows:
+        attention_softmax_fwd_v1[(rows + 127) // 128, 128](pre, att, np.float32(scale))
+
+
+def attention_softmax_backward(att, datt, dpre, scale):
+    """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T."""
+    rows, T = check_softmax_rows("attention_softmax_backward", (("att", att), ("datt", datt), ("dpre", dpre)))
+    if rows:
+        shape4 = (1, rows // T, T, T)
+        attention_dpre_v1[(rows + 127) // 128, 128](att.reshape(shape4), datt.reshape(shape4),
+                                                     dpre.reshape(shape4), np.float32(scale))

@@ -1,0 +1,564 @@
+"""The training engine: one GPT, its flat buffers and one optimizer step, on a backend.
+
+    eng = build(cfg, backend="hip", precision="bf16", policy="none", seed=0)   # or "numba", "numpy"
+    out = eng.train_step(x, y, lr=1e-3, weight_decay=0.1, grad_clip=1.0)    # {"loss", "grad_norm", "skipped", ...}
+    eng.eval_loss(x, y); eng.next_logits(context); eng.state_dict(); eng.load_state_dict(state)
+
+Backends
+    numpy  the NumPy reference (reference.gpt_forward / gpt_backward through checkpointing.gpt_forward_ckpt, and
+           optim.AdamW) on the CPU, fp32 only.
+    hip    the course's HIP kernels through CuPy (kernels/hip), a GPU required.
+    numba  the course's Numba kernels (kernels/numba): on a GPU with CuPy arrays, or in the CUDA simulator with
+           NumPy arrays (tiny models only: the simulator runs ~1e5 thread-steps per second).
+Both kernel backends run the same Python code below (GPUEngine); only the launcher module differs. The matrix
+products go through cuBLAS / hipBLAS (gpullm_lessons.blas.gemm), as lesson 02 concludes; everything else is the
+course's own kernels: LayerNorm forward/backward, GELU forward/backward, causal softmax forward/backward, the
+fused softmax + cross-entropy, the embedding backward, the fused AdamW and the precision kernels.
+
+Memory layout (DESIGN.md §3): parameters, gradients, m and v are flat fp32 buffers with named views
+(params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer.
+
+Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precision the AdamW pass also writes a half
+copy of the weights, the input of every matrix product is converted to half (our conversion kernels: bf16 by
+round-to-nearest-even into uint16 bits) and cuBLAS multiplies half x half with fp32 accumulation and an fp32
+result. Activations between the products, LayerNorm statistics, softmax and the loss stay fp32, and the tensors
+kept for backward that only feed matrix products (the LayerNorm outputs, the attention output, the GELU output, the
+attention probabilities) are kept in half. fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits
+is multiplied by the scale before it is rounded to fp16, the step is skipped when the one-pass non-finite count of
+the gradient buffer is not 0, and AdamW divides by the scale in its gradient read (grad_scale).
+
+Activation checkpointing (policy, as checkpointing.py): "none" keeps every block's cache; "selective" drops the
+LayerNorm outputs and the GELU output and recomputes them (one LayerNorm forward / one GELU forward) in backward;
+"full" keeps only each block's input and reruns the block's forward just before its backward.
+
+One training step: forward (loss), backward (every gradient written, none accumulated), the global gradient norm
+(one reduction over the flat gradient buffer), clipping and 1/loss-scale folded into AdamW's grad_scale, AdamW.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .params import GPTConfig, ParamBuffer, init_params, num_params
+
+BACKENDS = ("numpy", "numba", "hip")
+PRECISIONS = ("fp32", "bf16", "fp16")
+POLICIES = ("none", "selective", "full")
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+class EngineError(ValueError):
+    """A backend / precision / policy / machine combination that cannot run; the message names the problem."""
+
+
+def check_backend(backend: str) -> str:
+    """The backend name to use ("auto": hip on a GPU, else numpy); raises EngineError when the machine lacks it."""
+    from . import device
+
+    if backend == "auto":
+        return "hip" if device.has_gpu() and _has_cupy() else "numpy"
+    if backend not in BACKENDS:
+        raise EngineError(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}")
+    if backend == "hip":
+        if not device.has_gpu():
+            raise EngineError(f"backend 'hip' needs a GPU and this machine has none ({device.describe()}); "
+                              f"use --backend numpy (or numba, in the CUDA simulator, for tiny models)")
+        if not _has_cupy():
+            raise EngineError("backend 'hip' launches its kernels through CuPy, which is not installed: "
+                              "make setup GPU=cuda13 (or cuda12 / rocm)")
+    if backend == "numba" and device.has_gpu() and not _has_cupy():
+        raise EngineError("backend 'numba' on a GPU keeps its arrays in CuPy, which is not installed: "
+                          "make setup GPU=cuda13 (or cuda12 / rocm)")
+    return backend
+
+
+def _has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build(cfg: GPTConfig, backend="auto", precision="fp32", policy="none", seed=0, betas=BETAS, eps=EPS,
+          versions=None):
+    """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed)."""
+    backend = check_backend(backend)
+    if precision not in PRECISIONS:
+        raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if policy not in POLICIES:
+        raise EngineError(f"unknown checkpointing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    if backend == "numpy":
+        if precision != "fp32":
+            raise EngineError(f"precision {precision!r} needs a kernel backend (--backend hip or numba); the NumPy "
+                              f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)")
+        return NumpyEngine(cfg, policy, seed, betas, eps)
+    return GPUEngine(cfg, backend, precision, policy, seed, betas, eps, versions)
+
+
+class Engine:
+    """What every backend provides. Buffers: params (ParamBuffer, fp32 master), grads, m, v (flat); t = steps taken."""
+
+    backend = "?"
+
+    def __init__(self, cfg, precision, policy, seed, betas, eps):
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"engine: cfg must be a GPTConfig, got {type(cfg).__name__}")
+        self.cfg, self.precision, self.policy, self.seed = cfg, precision, policy, seed
+        self.betas, self.eps = tuple(float(b) for b in betas), float(eps)
+        self.t = 0
+        self.scaler = None
+
+    # ---- checks shared by all backends --------------------------------------------------------------------------
+    def _check_batch(self, fn, x, y=None):
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+            raise ValueError(f"{fn}: x must be a (B, T) array of token ids, got shape {x.shape}")
+        if x.shape[1] > self.cfg.block_size:
+            raise ValueError(f"{fn}: sequence length T={x.shape[1]} is longer than block_size={self.cfg.block_size}")
+        if not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"{fn}: x must hold integer token ids, got dtype {x.dtype}")
+        if x.size and (x.min() < 0 or x.max() >= self.cfg.vocab_size):
+            raise ValueError(f"{fn}: token ids must be in [0, {self.cfg.vocab_size}), got {x.min()}..{x.max()}")
+        if y is not None:
+            y = np.asarray(y)
+            if y.shape != x.shape:
+                raise ValueError(f"{fn}: targets y {y.shape} must have the shape of x {x.shape}")
+            if y.size and (y.min() < 0 or y.max() >= self.cfg.vocab_size):
+                raise ValueError(f"{fn}: targets must be in [0, {self.cfg.vocab_size}), got {y.min()}..{y.max()}")
+            y = y.astype(np.int32)
+        return x.astype(np.int32), y
+
+    # ---- state ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Host copies of everything a resumed run needs: params, m, v (flat fp32), t, the loss scaler."""
+        out = {"params": self._host(self.params.flat), "m": self._host(self.m), "v": self._host(self.v),
+               "t": self.t, "precision": self.precision}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        n = num_params(self.cfg)
+        for key in ("params", "m", "v"):
+            if key not in state:
+                raise ValueError(f"load_state_dict: the state has no {key!r}")
+            if np.asarray(state[key]).shape != (n,):
+                raise ValueError(f"load_state_dict: {key} has shape {np.asarray(state[key]).shape}, this model "
+                                 f"needs ({n},): the checkpoint is from a different model config")
+        self.params.flat[...] = self._dev(np.asarray(state["params"], np.float32))
+        self.m[...] = self._dev(np.asarray(state["m"], np.float32))
+        self.v[...] = self._dev(np.asarray(state["v"], np.float32))
+        self.t = int(state["t"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self._params_changed()
+
+    def _host(self, a):
+        return np.array(a, dtype=np.float32, copy=True)
+
+    def _dev(self, a):
+        return a
+
+    def _params_changed(self):
+        pass
+
+
+class NumpyEngine(Engine):
+    """The NumPy reference on the CPU (fp32)."""
+
+    backend = "numpy"
+
+    def __init__(self, cfg, policy, seed, betas, eps):
+        from .optim import AdamW, decay_mask_for
+
+        super().__init__(cfg, "fp32", policy, seed, betas, eps)
+        self.params = init_params(cfg, seed=seed, dtype=np.float32)
+        self.grads = ParamBuffer(cfg, dtype=np.float32)
+        self.opt = AdamW(self.params.flat, lr=1.0, betas=self.betas, eps=self.eps, weight_decay=0.0,
+                         decay_mask=decay_mask_for(cfg))
+        self.m, self.v = self.opt.m, self.opt.v
+
+    def forward(self, x, y=None):
+        from .checkpointing import gpt_forward_ckpt
+
+        x, y = self._check_batch("forward", x, y)
+        logits, loss, self._cache = gpt_forward_ckpt(self.params.views, self.cfg, x, y, policy=self.policy)
+        return logits, (float(loss) if loss is not None else None)
+
+    def backward(self):
+        from .checkpointing import gpt_backward_ckpt
+
+        gpt_backward_ckpt(self._cache, self.grads.views)
+        self._cache = None
+
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+        from .optim import clip_grad_norm
+
+        _, loss = self.forward(x, y)
+        self.backward()
+        norm = clip_grad_norm(self.grads.flat, grad_clip) if grad_clip > 0 else \
+            float(np.sqrt(np.sum(np.square(self.grads.flat, dtype=np.float64))))
+        self.opt.weight_decay = float(weight_decay)
+        self.opt.t = self.t
+        self.opt.step(self.grads.flat, lr=lr)
+        self.t = self.opt.t
+        return {"loss": loss, "grad_norm": norm, "skipped": False}
+
+    def eval_loss(self, x, y) -> float:
+        from .reference import gpt_forward
+
+        x, y = self._check_batch("eval_loss", x, y)
+        return float(gpt_forward(self.params.views, self.cfg, x, y)[1])
+
+    def next_logits(self, context) -> np.ndarray:
+        from .reference import gpt_forward
+
+        x, _ = self._check_batch("next_logits", np.asarray(context)[None, :])
+        return gpt_forward(self.params.views, self.cfg, x, None)[0][0, -1].astype(np.float64)
+
+    def _params_changed(self):
+        self.opt.t = self.t
+
+
+class GPUEngine(Engine):
+    """The course's kernels (backend "hip" or "numba") composed into the GPT; see the module docstring."""
+
+    # the kernel version each op runs with (the fastest simulator-safe one for numba, the fastest for hip)
+    DEFAULT_VERSIONS = {
+        "hip": {"layernorm_forward": "v2", "layernorm_backward": "v3", "gelu": "v1", "crossentropy": "v2",
+                "encoder": "v2", "adamw": "v3", "convert": "v1"},
+        "numba": {"layernorm_forward": "v2", "layernorm_backward": "v2", "gelu": "v1", "crossentropy": "v2",
+                  "encoder": "v2", "adamw": "v2", "convert": "v1"},
+        # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
+        # one-thread-per-row versions are ~50x faster there than the block-per-row ones
+        "numba-sim": {"layernorm_forward": "v1", "layernorm_backward": "v1", "gelu": "v1", "crossentropy": "v2",
+                      "encoder": "v2", "adamw": "v2", "convert": "v1"},
+    }
+
+    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None):
+        from . import device
+
+        super().__init__(cfg, precision, policy, seed, betas, eps)
+        self.backend = backend
+        if backend == "hip":
+            from .backends import hip as K
+        else:
+            from .backends import numba as K
+        self.K = K
+        self.on_gpu = device.has_gpu()
+        if self.on_gpu:
+            import cupy as xp
+        else:
+            xp = np                      # numba in the CUDA simulator: NumPy arrays
+        self.xp = xp
+        self.ver = dict(self.DEFAULT_VERSIONS[backend if self.on_gpu else "numba-sim"])
+        if versions:
+            unknown = set(versions) - set(self.ver)
+            if unknown:
+                raise EngineError(f"versions: unknown op(s) {sorted(unknown)}; known: {sorted(self.ver)}")
+            self.ver.update(versions)
+        if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
+            self.ver["adamw"] = "v2"     # v3 reads float4: the buffer length must be a multiple of 4
+        host = init_params(cfg, seed=seed, dtype=np.float32)
+        self.params = ParamBuffer(cfg, np.float32, xp)
+        self.params.flat[...] = xp.asarray(host.flat)
+        self.grads = ParamBuffer(cfg, np.float32, xp)
+        n = num_params(cfg)
+        self.m, self.v = xp.zeros(n, xp.float32), xp.zeros(n, xp.float32)
+        from .kernels.numba.adamw import decay_table
+
+        self.decay = decay_table(self.params, arrays="cupy" if self.on_gpu else "numpy")
+        self.fmt = precision                                           # gemm input format
+        self.half = None
+        if precision != "fp32":
+            self.half = xp.zeros(n, xp.uint16)                         # the half copy of the weights (bits)
+            self.half_views = {k: self.half[a:b].reshape(self.params.shapes[k])
+                               for k, (a, b) in self.params.offsets.items()}
+            self._params_changed()
+        if precision == "fp16":
+            from .precision import DynamicLossScaler
+
+            self.scaler = DynamicLossScaler()
+        self._count = xp.zeros(1, xp.int32)
+        self._cache = None
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _host(self, a):
+        return np.array(self.xp.asnumpy(a) if self.on_gpu else a, dtype=np.float32, copy=True)
+
+    def _dev(self, a):
+        return self.xp.asarray(a)
+
+    def _params_changed(self):
+        """Refresh the half copy of the weights from the fp32 master (after init or a load)."""
+        if self.half is not None:
+            self._to_half(self.params.flat, self.half)
+
+    def _to_half(self, src, dst=None):
+        """src float32 (contiguous) -> its half bits (uint16, same shape) through our conversion kernels."""
+        xp = self.xp
+        src = xp.ascontiguousarray(src)
+        if dst is None:
+            dst = xp.empty(src.shape, xp.uint16)
+        fn = self.K.f32_to_bf16 if self.precision == "bf16" else self.K.f32_to_f16
+        fn(src.reshape(-1), dst.reshape(-1), version=self.ver["convert"])
+        return dst
+
+    def _mm_in(self, a):
+        """A matmul input in the run's format: the fp32 array itself, or its half bits."""
+        return a if self.half is None else self._to_half(a)
+
+    def _w(self, name, l=None):
+        """A weight in the gemm format (fp32 master view, or the half copy's view)."""
+        src = self.params.views if self.half is None else self.half_views
+        return src[name] if l is None else src[name][l]
+
+    def _gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+        from .blas import gemm
+
+        fmt = self.fmt
+        if fmt == "fp16":
+            a, b = a.view(self.xp.float16), b.view(self.xp.float16)
+        return gemm(a, b, out, trans_a, trans_b, alpha, beta, fmt)
+
+    def _linear(self, inp_mm, name_w, name_b, l, out_features):
+        """(N, C_in) matmul input -> (N, C_out) fp32 = inp @ W + b."""
+        out = self.xp.empty((inp_mm.shape[0], out_features), self.xp.float32)
+        self._gemm(inp_mm, self._w(name_w, l), out)
+        out += self.params[name_b][l]
+        return out
+
+    def _linear_backward(self, dout_mm, dout_f32, inp_mm, name_w, name_b, l, in_features):
+        """dinp (N, C_in) fp32; writes grads[name_w][l] (C_in, C_out) and grads[name_b][l] (C_out,)."""
+        xp = self.xp
+        dinp = xp.empty((dout_mm.shape[0], in_features), xp.float32)
+        self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)       # dinp = dout @ W.T
+        self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
+        self.grads[name_b][l][...] = dout_f32.sum(axis=0)
+        return dinp
+
+    def _layernorm(self, x, name_w, name_b, l):
+        xp, N = self.xp, x.shape[0]
+        C = self.cfg.d_model
+        w = self.params[name_w] if l is None else self.params[name_w][l]
+        b = self.params[name_b] if l is None else self.params[name_b][l]
+        out, mean, rstd = xp.empty((N, C), xp.float32), xp.empty(N, xp.float32), xp.empty(N, xp.float32)
+        self.K.layernorm_forward(x, w, b, out, mean, rstd, version=self.ver["layernorm_forward"])
+        return out, mean, rstd
+
+    def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l):
+        xp = self.xp
+        w = self.params[name_w] if l is None else self.params[name_w][l]
+        dw = self.grads[name_w] if l is None else self.grads[name_w][l]
+        db = self.grads[name_b] if l is None else self.grads[name_b][l]
+        dx = xp.empty_like(x)
+        self.K.layernorm_backward(dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"])
+        return dx
+
+    def _heads(self, a, B, T):
+        """(B*T, C) fp32 -> (B*nh, T, hs) contiguous (fp32)."""
+        nh, C = self.cfg.n_head, self.cfg.d_model
+        return self.xp.ascontiguousarray(a.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)).reshape(B * nh, T, C // nh)
+
+    def _merge(self, a, B, T):
+        """(B*nh, T, hs) -> (B*T, C) contiguous."""
+        nh, C = self.cfg.n_head, self.cfg.d_model
+        return self.xp.ascontiguousarray(a.reshape(B, nh, T, C // nh).transpose(0, 2, 1, 3)).reshape(B * T, C)
+
+    # ---- one block ----------------------------------------------------------------------------------------------
+    def _block_forward(self, x, l, B, T, keep):
+        """x (B*T, C) -> x_out, cache dict; keep: which policy decides what the cache holds."""
+        xp, cfg = self.xp, self.cfg
+        C, nh = cfg.d_model, cfg.n_head
+        hs = C // nh
+        c = {"x": x}
+        ln1, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
+        ln1_mm = self._mm_in(ln1)
+        qkv = self._linear(ln1_mm, "qkvw", "qkvb", l, 3 * C)                      # (B*T, 3C)
+        q, k, v = (self._mm_in(self._heads(qkv[:, i * C:(i + 1) * C], B, T)) for i in range(3))
+        att = xp.empty((B * nh, T, T), xp.float32)
+        self._gemm(q, k, att, trans_b=True)                                       # raw scores q @ k.T
+        self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), 1.0 / math.sqrt(hs))
+        att_mm = self._mm_in(att)
+        y = xp.empty((B * nh, T, hs), xp.float32)
+        self._gemm(att_mm, v, y)                                                  # att @ v
+        atty_mm = self._mm_in(self._merge(y, B, T))
+        x1 = x + self._linear(atty_mm, "attprojw", "attprojb", l, C)
+        ln2, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
+        ln2_mm = self._mm_in(ln2)
+        fc = self._linear(ln2_mm, "fcw", "fcb", l, 4 * C)
+        gelu = xp.empty_like(fc)
+        self.K.gelu_forward(fc.reshape(-1), gelu.reshape(-1), version=self.ver["gelu"])
+        gelu_mm = self._mm_in(gelu)
+        x2 = x1 + self._linear(gelu_mm, "fcprojw", "fcprojb", l, C)
+        if keep == "none":
+            c.update(ln1_mm=ln1_mm, q=q, k=k, v=v, att=att, att_mm=att_mm, atty_mm=atty_mm, x1=x1,
+                     ln2_mm=ln2_mm, fc=fc, gelu_mm=gelu_mm)
+        elif keep == "selective":     # LayerNorm and GELU outputs are rebuilt in backward
+            c.update(q=q, k=k, v=v, att=att, att_mm=att_mm, atty_mm=atty_mm, x1=x1, fc=fc)
+        # "full": only x (the caller keeps it; the rest is recomputed)
+        return x2, c
+
+    def _rebuild(self, c, l):
+        """Selective recompute: the LayerNorm outputs from x / x1 and the GELU output from fc."""
+        xp = self.xp
+        c["ln1_mm"] = self._mm_in(self._layernorm(c["x"], "ln1w", "ln1b", l)[0])
+        c["ln2_mm"] = self._mm_in(self._layernorm(c["x1"], "ln2w", "ln2b", l)[0])
+        gelu = xp.empty_like(c["fc"])
+        self.K.gelu_forward(c["fc"].reshape(-1), gelu.reshape(-1), version=self.ver["gelu"])
+        c["gelu_mm"] = self._mm_in(gelu)
+
+    def _block_backward(self, dx, c, l, B, T):
+        """d(block output) (B*T, C) -> d(block input); writes layer l's gradients."""
+        xp, cfg = self.xp, self.cfg
+        C, nh = cfg.d_model, cfg.n_head
+        hs = C // nh
+        # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
+        dx_mm = self._mm_in(dx)
+        dgelu = self._linear_backward(dx_mm, dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
+        dfc = xp.empty_like(dgelu)
+        self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
+        dln2 = self._linear_backward(self._mm_in(dfc), dfc, c["ln2_mm"], "fcw", "fcb", l, C)
+        dx1 = dx + self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l)
+        # attention: x1 = x + attproj(attention(qkv(ln1(x))))
+        dx1_mm = self._mm_in(dx1)
+        datty = self._linear_backward(dx1_mm, dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
+        dy = self._mm_in(self._heads(datty, B, T))                                # (B*nh, T, hs)
+        dv = xp.empty((B * nh, T, hs), xp.float32)
+        self._gemm(c["att_mm"], dy, dv, trans_a=True)                             # dv = att.T @ dy
+        datt = xp.empty((B * nh, T, T), xp.float32)
+        self._gemm(dy, c["v"], datt, trans_b=True)                                # datt = dy @ v.T
+        dpre = datt                                                               # in place: each row reads first
+        self.K.attention_softmax_backward(c["att"].reshape(-1, T), datt.reshape(-1, T), dpre.reshape(-1, T),
+                                          1.0 / math.sqrt(hs))                    # scale folded in
+        dpre_mm = self._mm_in(dpre)
+        dqkv = xp.empty((B * T, 3 * C), xp.float32)
+        for i, (a, b, ta) in enumerate(((dpre_mm, c["k"], False), (dpre_mm, c["q"], True))):
+            part = xp.empty((B * nh, T, hs), xp.float32)
+            self._gemm(a, b, part, trans_a=ta)                                    # dq = dpre @ k, dk = dpre.T @ q
+            dqkv[:, i * C:(i + 1) * C] = self._merge(part, B, T)
+        dqkv[:, 2 * C:] = self._merge(dv, B, T)
+        dln1 = self._linear_backward(self._mm_in(dqkv), dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
+        return dx1 + self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l)
+
+    # ---- the model ----------------------------------------------------------------------------------------------
+    def _embed(self, x):
+        xp = self.xp
+        B, T = x.shape
+        idx = xp.asarray(x)
+        return (self.params["wte"][idx] + self.params["wpe"][:T]).reshape(B * T, self.cfg.d_model), idx
+
+    def forward(self, x, y=None):
+        """Logits (B, T, V) fp32 and, with targets, the mean loss; keeps what backward needs (the policy's cache)."""
+        x, y = self._check_batch("forward", x, y)
+        return self._forward(x, y, keep=self.policy)
+
+    def _forward(self, x, y, keep):
+        xp, cfg = self.xp, self.cfg
+        B, T = x.shape
+        V, C = cfg.vocab_size, cfg.d_model
+        h, idx = self._embed(x)
+        blocks = []
+        for l in range(cfg.n_layer):
+            x_in = h
+            h, c = self._block_forward(h, l, B, T, "none" if keep == "none" else
+                                       ("selective" if keep == "selective" else "full"))
+            blocks.append(c if keep != "full" else {"x": x_in})
+        lnf, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
+        lnf_mm = self._mm_in(lnf)
+        logits = xp.empty((B * T, V), xp.float32)
+        self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)                  # tied head: lnf @ wte.T
+        loss = None
+        if y is not None:
+            targets = xp.asarray(y).reshape(-1)
+            losses = xp.empty(B * T, xp.float32)
+            dlogits = xp.empty_like(logits)
+            self.K.crossentropy_forward_backward(logits, targets, losses, dlogits, version=self.ver["crossentropy"])
+            loss = float(losses.mean())
+            self._cache = dict(B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm,
+                               dlogits=dlogits)
+        return logits.reshape(B, T, V), loss
+
+    def backward(self, loss_scale=1.0):
+        """Every gradient of the last forward's loss (times loss_scale) written into self.grads."""
+        xp, cfg = self.xp, self.cfg
+        c = self._cache
+        if c is None:
+            raise RuntimeError("backward: call forward(x, y) with targets first")
+        self._cache = None
+        B, T = c["B"], c["T"]
+        dlogits = c["dlogits"]
+        if self.precision == "fp16":      # scale before rounding to fp16: that is what keeps small values alive
+            dl_mm = (dlogits * np.float32(loss_scale)).astype(xp.float16).view(xp.uint16)
+            alpha = 1.0
+        else:
+            dl_mm, alpha = self._mm_in(dlogits), loss_scale
+        del dlogits, c["dlogits"]
+        dlnf = xp.empty((B * T, cfg.d_model), xp.float32)
+        self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)                      # dlnf = dlogits @ wte
+        self._gemm(dl_mm, c["lnf_mm"], self.grads["wte"], trans_a=True, alpha=alpha)  # dwte (head) = dlogits.T @ lnf
+        del dl_mm
+        dx = self._layernorm_backward(dlnf, c["h"], c["meanf"], c["rstdf"], "lnfw", "lnfb", None)
+        for l in reversed(range(cfg.n_layer)):
+            blk = c["blocks"][l]
+            if self.policy == "full":
+                _, blk = self._block_forward(blk["x"], l, B, T, "none")
+            elif self.policy == "selective":
+                self._rebuild(blk, l)
+            dx = self._block_backward(dx, blk, l, B, T)
+            c["blocks"][l] = None                                                 # free the block's cache
+        dwte_enc = xp.empty_like(self.grads["wte"])
+        self.K.encoder_backward(dx.reshape(B, T, cfg.d_model), c["idx"], dwte_enc, self.grads["wpe"][:T],
+                                version=self.ver["encoder"])
+        if T < cfg.block_size:
+            self.grads["wpe"][T:] = 0
+        self.grads["wte"] += dwte_enc
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the flat gradient buffer (one reduction over it)."""
+        g = self.grads.flat
+        return float(math.sqrt(float(self.xp.dot(g, g))))
+
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+        """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off."""
+        xp = self.xp
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        _, loss = self.forward(x, y)
+        self.backward(loss_scale=scale)
+        skipped = False
+        if self.scaler is not None:
+            self.K.nonfinite_count(self.grads.flat, self._count)                 # one pass over the gradients
+            found_inf = int(self._count[0]) > 0
+            skipped = self.scaler.update(found_inf)
+            if skipped:
+                self.grads.flat[...] = 0
+                return {"loss": loss, "grad_norm": float("nan"), "skipped": True, "scale": scale}
+        norm = self.grad_norm() / scale
+        coef = grad_clip / (norm + 1e-6) if grad_clip > 0 and grad_clip / (norm + 1e-6) < 1.0 else 1.0
+        self.t += 1
+        self.K.adamw_step(self.params.flat, self.grads.flat, self.m, self.v, lr, self.betas[0], self.betas[1],
+                          self.eps, weight_decay, self.t, decay_bounds=self.decay,
+                          grad_scale=float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef),
+                          half_out=self.half if self.half is not None else None,
+                          half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision),
+                          version=self.ver["adamw"])
+        out = {"loss": loss, "grad_norm": norm, "skipped": skipped}
+        if self.scaler is not None:
+            out["scale"] = scale
+        del xp
+        return out
+
+    def eval_loss(self, x, y) -> float:
+        x, y = self._check_batch("eval_loss", x, y)
+        _, loss = self._forward(x, y, keep="full")
+        self._cache = None
+        return loss
+
+    def next_logits(self, context) -> np.ndarray:
+        x, _ = self._check_batch("next_logits", np.asarray(context)[None, :])
+        logits, _ = self._forward(x, None, keep="full")
+        last = logits[0, -1]
+        return np.asarray(self.xp.asnumpy(last) if self.on_gpu else last, dtype=np.float64)

@@ -1,0 +1,247 @@
+"""The training engine (gpullm_lessons.engine): the kernel backends against the NumPy reference.
+
+In the CUDA simulator (CI) the Numba backend runs a toy GPT; on a GPU (`make gpu-test`) both kernel backends run a
+small but realistic one for 10 steps against the reference loop, in fp32, bf16 and fp16, with every policy.
+"""
+import numpy as np
+import pytest
+
+from gpullm_lessons import device, engine
+from gpullm_lessons.blas import gemm
+from gpullm_lessons.params import GPTConfig
+from gpullm_lessons.precision import bf16_bits_to_f32, f32_to_bf16_bits
+
+TOY = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16)
+SMALL = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=128)
+
+
+def batch(cfg, B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+            rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
+
+
+def host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def grads_of(eng, x, y, loss_scale=1.0):
+    _, loss = eng.forward(x, y)
+    eng.backward(loss_scale) if eng.backend != "numpy" else eng.backward()
+    return loss, {k: host(eng.grads[k]).copy() for k in eng.grads.names}
+
+
+def max_rel(got, ref):
+    """Largest |difference| of each tensor relative to that tensor's largest |value|, over all tensors."""
+    return max(float(np.abs(got[k] - ref[k]).max() / max(float(np.abs(ref[k]).max()), 1e-30)) for k in ref)
+
+
+@pytest.fixture(scope="module")
+def toy_reference():
+    x, y = batch(TOY, 2, 8)
+    loss, g = grads_of(engine.build(TOY, "numpy"), x, y)
+    return x, y, loss, g
+
+
+# ---- gemm --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_numpy_path_transposes_alpha_beta(ta, tb):
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((5, 7), dtype=np.float32)
+    Bm = rng.standard_normal((7, 3), dtype=np.float32)
+    a = np.ascontiguousarray(A.T) if ta else A
+    b = np.ascontiguousarray(Bm.T) if tb else Bm
+    out = rng.standard_normal((5, 3), dtype=np.float32)
+    want = 0.5 * (A @ Bm) + 2.0 * out
+    gemm(a, b, out, ta, tb, alpha=0.5, beta=2.0)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gemm_bf16_bits_multiply_the_rounded_values():
+    rng = np.random.default_rng(2)
+    A, Bm = rng.standard_normal((4, 6, 5), dtype=np.float32), rng.standard_normal((4, 5, 3), dtype=np.float32)
+    out = np.empty((4, 6, 3), np.float32)
+    gemm(f32_to_bf16_bits(A), f32_to_bf16_bits(Bm), out, fmt="bf16")
+    want = bf16_bits_to_f32(f32_to_bf16_bits(A)) @ bf16_bits_to_f32(f32_to_bf16_bits(Bm))
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(out, A @ Bm, rtol=1e-4, atol=0)         # the inputs really were rounded
+
+
+def test_gemm_errors_name_the_problem():
+    a, b = np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32)
+    with pytest.raises(ValueError, match="do not chain"):
+        gemm(a, b, np.zeros((2, 5), np.float32))
+    with pytest.raises(TypeError, match="fp32.*float32"):
+        gemm(a.astype(np.float16), np.zeros((3, 5), np.float32), np.zeros((2, 5), np.float32))
+    with pytest.raises(TypeError, match="out must be float32"):
+        gemm(a, np.zeros((3, 5), np.float32), np.zeros((2, 5), np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gemm(np.zeros((3, 2), np.float32).T, np.zeros((3, 5), np.float32), np.zeros((2, 5), np.float32))
+
+
+# ---- build errors ------------------------------------------------------------------------------------------------
+def test_build_errors_name_the_problem():
+    with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
+        engine.build(TOY, "cuda")
+    with pytest.raises(engine.EngineError, match="unknown precision 'fp8'"):
+        engine.build(TOY, "numpy", precision="fp8")
+    with pytest.raises(engine.EngineError, match="unknown checkpointing policy"):
+        engine.build(TOY, "numpy", policy="some")
+    with pytest.raises(engine.EngineError, match="needs a kernel backend"):
+        engine.build(TOY, "numpy", precision="bf16")
+    with pytest.raises(TypeError, match="GPTConfig"):
+        engine.build({"n_layer": 1}, "numpy")
+
+
+@pytest.mark.skipif(device.has_gpu(), reason="this machine has a GPU")
+def test_hip_without_gpu_says_so():
+    with pytest.raises(engine.EngineError, match="backend 'hip' needs a GPU"):
+        engine.build(TOY, "hip")
+    assert engine.check_backend("auto") == "numpy"
+
+
+def test_bad_batches_are_refused():
+    eng = engine.build(TOY, "numpy")
+    x, y = batch(TOY, 2, 8)
+    with pytest.raises(ValueError, match="longer than block_size"):
+        eng.forward(np.zeros((2, 9), np.int32))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
+        eng.forward(x + 64)
+    with pytest.raises(ValueError, match="shape of x"):
+        eng.forward(x, y[:, :4])
+    with pytest.raises(TypeError, match="integer token ids"):
+        eng.forward(x.astype(np.float32))
+
+
+def test_state_dict_round_trip_continues_the_same_run():
+    x, y = batch(TOY, 2, 8)
+    a = engine.build(TOY, "numpy", seed=3)
+    for _ in range(2):
+        a.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
+    state = a.state_dict()
+    b = engine.build(TOY, "numpy", seed=99)                       # other init: everything must come from state
+    b.load_state_dict(state)
+    la = a.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)["loss"]
+    lb = b.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)["loss"]
+    assert la == lb and np.array_equal(a.params.flat, b.params.flat)
+    other = engine.build(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16), "numpy")
+    with pytest.raises(ValueError, match="different model config"):
+        other.load_state_dict(state)
+
+
+# ---- the Numba backend in the simulator (or on a GPU) against the reference ---------------------------------------
+def test_numba_gradients_match_the_reference(toy_reference):
+    x, y, loss_ref, g_ref = toy_reference
+    loss, g = grads_of(engine.build(TOY, "numba"), x, y)
+    assert abs(loss - loss_ref) <= 1e-5 * loss_ref
+    assert max_rel(g, g_ref) < 1e-4
+
+
+def test_a_wrong_gradient_would_be_caught(toy_reference):
+    """The comparison above can fail: the same engine with LayerNorm's dweight left out is far off."""
+    x, y, _, g_ref = toy_reference
+    eng = engine.build(TOY, "numba")
+    _, g = grads_of(eng, x, y)
+    g["ln2w"] = np.zeros_like(g["ln2w"])
+    assert max_rel(g, g_ref) > 0.5
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_checkpointing_policies_give_bitwise_equal_gradients(toy_reference, policy):
+    x, y, _, _ = toy_reference
+    _, g_none = grads_of(engine.build(TOY, "numba", policy="none"), x, y)
+    _, g = grads_of(engine.build(TOY, "numba", policy=policy), x, y)
+    assert all(np.array_equal(g[k], g_none[k]) for k in g)
+
+
+@pytest.mark.parametrize("precision, tol", [("bf16", 3e-2), ("fp16", 5e-3)])
+def test_half_precision_gradients_are_close_but_rounded(toy_reference, precision, tol):
+    """Half inputs to every matmul: gradients within `tol` (relative to each tensor's largest value) of fp32,
+    and not equal to them (the rounding really happens)."""
+    x, y, loss_ref, g_ref = toy_reference
+    loss, g = grads_of(engine.build(TOY, "numba", precision=precision), x, y)
+    assert abs(loss - loss_ref) < 1e-3 * loss_ref
+    err = max_rel(g, g_ref)
+    assert 1e-6 < err < tol
+
+
+def test_train_steps_match_the_numpy_engine():
+    x, y = batch(TOY, 2, 8, seed=5)
+    ref, eng = engine.build(TOY, "numpy"), engine.build(TOY, "numba")
+    for step in range(2):
+        a = ref.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
+        b = eng.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"], step
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+    # normwise: the key bias gets a gradient that is 0 in exact arithmetic (softmax ignores a per-row shift) and
+    # rounding noise ~1e-12 in each implementation, which AdamW's m / (sqrt(v) + eps) turns into different tiny steps
+    diff = host(eng.params.flat) - ref.params.flat
+    assert np.linalg.norm(diff) <= 1e-5 * np.linalg.norm(ref.params.flat)
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off():
+    x, y = batch(TOY, 2, 8)
+    eng = engine.build(TOY, "numba", precision="fp16")
+    eng.scaler.scale = 2.0 ** 127                      # the scaled gradients overflow fp32 -> inf
+    before = [host(a).copy() for a in (eng.params.flat, eng.m, eng.v, eng.half)]
+    out = eng.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
+    assert out["skipped"] and eng.t == 0 and eng.scaler.scale == 2.0 ** 126
+    after = [host(a) for a in (eng.params.flat, eng.m, eng.v, eng.half)]
+    assert all(np.array_equal(u, w) for u, w in zip(before, after))
+    assert not np.any(host(eng.grads.flat))            # the skipped step's gradients are dropped
+
+
+# ---- on a GPU: both kernel backends, 10 steps, realistic-ish sizes ------------------------------------------------
+def reference_losses(cfg, batches, steps):
+    eng = engine.build(cfg, "numpy")
+    return [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in batches[:steps]]
+
+
+@pytest.fixture(scope="module")
+def gpu_batches():
+    return [batch(SMALL, 8, 64, seed=s) for s in range(10)]
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(gpu_batches):
+    return reference_losses(SMALL, gpu_batches, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+def test_gpu_fp32_first_10_steps_match_the_reference(backend, gpu_batches, gpu_reference):
+    eng = engine.build(SMALL, backend)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 1e-4, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpu_half_precision_tracks_fp32(backend, precision, gpu_batches, gpu_reference):
+    eng = engine.build(SMALL, backend, precision=precision)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_policies_bitwise_equal(backend, precision, gpu_batches):
+    x, y = gpu_batches[0]
+    _, g_none = grads_of(engine.build(SMALL, backend, precision=precision), x, y)
+    for policy in ("selective", "full"):
+        _, g = grads_of(engine.build(SMALL, backend, precision=precision, policy=policy), x, y)
+        assert all(np.array_equal(g[k], g_none[k]) for k in g), policy
+
+
+@pytest.mark.gpu
+def test_gpu_fp16_overflow_skips_on_hip():
+    x, y = batch(SMALL, 8, 64)
+    eng = engine.build(SMALL, "hip", precision="fp16")
+    eng.scaler.scale = 2.0 ** 127
+    p0 = host(eng.params.flat).copy()
+    out = eng.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
+    assert out["skipped"] and np.array_equal(host(eng.params.flat), p0) and eng.scaler.scale == 2.0 ** 126
