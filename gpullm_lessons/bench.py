@@ -6,6 +6,7 @@ Without a GPU, lessons show a stored measurement instead (``stored_ceilings()``,
 
     python -m gpullm_lessons.bench ceilings [--json PATH]
     python -m gpullm_lessons.bench kernels [--ops softmax,layernorm] [--json PATH] [--plot roofline.png]
+    python -m gpullm_lessons.bench train | checkpointing [--presets course,gpt2]   (gpullm_lessons/bench_train.py)
 """
 from __future__ import annotations
 
@@ -300,7 +301,10 @@ def format_kernels(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels"], help="what to measure")
+    ap.add_argument("what", choices=["ceilings", "kernels", "train", "checkpointing"], help="what to measure")
+    ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets")
+    ap.add_argument("--precisions", default=None,
+                    help="`train`: fp32,bf16 (default); `checkpointing`: fp32 (default)")
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
     ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
     ap.add_argument("--json", help="write the result as JSON here")
@@ -310,6 +314,17 @@ def main(argv=None) -> int:
         if args.what == "ceilings":
             result = ceilings(small=args.small)
             print(format_ceilings(result))
+        elif args.what in ("train", "checkpointing"):
+            from . import bench_train as bt
+            presets = tuple(args.presets.split(","))
+            if args.what == "train":
+                precs = tuple((args.precisions or "fp32,bf16").split(","))
+                result = bt.bench_train(presets, precs)
+                print(bt.format_train(result))
+            else:
+                precs = tuple((args.precisions or "fp32").split(","))
+                result = bt.bench_checkpointing(presets, precs)
+                print(bt.format_checkpointing(result))
         else:
             result = bench_kernels(ops=args.ops.split(",") if args.ops else None, small=args.small)
             print(format_kernels(result))

@@ -412,37 +412,55 @@ class GPUEngine(Engine):
         c["gelu_mm"] = self._mm_in(gelu)
 
     def _block_backward(self, dx, c, l, B, T):
-        """d(block output) (B*T, C) -> d(block input); writes layer l's gradients."""
+        """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
+
+        Temporaries are dropped (del) as soon as they are used up, so that the backward's working set stays one
+        or two (B, T, 4C) tensors plus one (B, nh, T, T): engine_memory() counts the same live sets."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
         # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
         dx_mm = self._mm_in(dx)
         dgelu = self._linear_backward(dx_mm, dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
+        del dx_mm
         dfc = xp.empty_like(dgelu)
         self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
+        del dgelu
         dln2 = self._linear_backward(self._mm_in(dfc), dfc, c["ln2_mm"], "fcw", "fcb", l, C)
-        dx1 = dx + self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l)
+        del dfc
+        dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l)
+        del dln2
+        dx1 += dx
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
         dx1_mm = self._mm_in(dx1)
         datty = self._linear_backward(dx1_mm, dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
+        del dx1_mm
         dy = self._mm_in(self._heads(datty, B, T))                                # (B*nh, T, hs)
+        del datty
         dv = xp.empty((B * nh, T, hs), xp.float32)
         self._gemm(c["att_mm"], dy, dv, trans_a=True)                             # dv = att.T @ dy
         datt = xp.empty((B * nh, T, T), xp.float32)
         self._gemm(dy, c["v"], datt, trans_b=True)                                # datt = dy @ v.T
-        dpre = datt                                                               # in place: each row reads first
-        self.K.attention_softmax_backward(c["att"].reshape(-1, T), datt.reshape(-1, T), dpre.reshape(-1, T),
-                                          1.0 / math.sqrt(hs))                    # scale folded in
-        dpre_mm = self._mm_in(dpre)
+        del dy
+        self.K.attention_softmax_backward(c["att"].reshape(-1, T), datt.reshape(-1, T), datt.reshape(-1, T),
+                                          1.0 / math.sqrt(hs))                    # dpre, in place, scale folded in
+        dpre_mm = self._mm_in(datt)
+        del datt
         dqkv = xp.empty((B * T, 3 * C), xp.float32)
-        for i, (a, b, ta) in enumerate(((dpre_mm, c["k"], False), (dpre_mm, c["q"], True))):
-            part = xp.empty((B * nh, T, hs), xp.float32)
-            self._gemm(a, b, part, trans_a=ta)                                    # dq = dpre @ k, dk = dpre.T @ q
-            dqkv[:, i * C:(i + 1) * C] = self._merge(part, B, T)
         dqkv[:, 2 * C:] = self._merge(dv, B, T)
+        del dv
+        for i, (b, ta) in enumerate(((c["k"], False), (c["q"], True))):
+            part = xp.empty((B * nh, T, hs), xp.float32)
+            self._gemm(dpre_mm, b, part, trans_a=ta)                              # dq = dpre @ k, dk = dpre.T @ q
+            dqkv[:, i * C:(i + 1) * C] = self._merge(part, B, T)
+            del part
+        del dpre_mm
         dln1 = self._linear_backward(self._mm_in(dqkv), dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
-        return dx1 + self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l)
+        del dqkv
+        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l)
+        del dln1
+        dx0 += dx1
+        return dx0
 
     # ---- the model ----------------------------------------------------------------------------------------------
     def _embed(self, x):
@@ -510,6 +528,7 @@ class GPUEngine(Engine):
                 self._rebuild(blk, l)
             dx = self._block_backward(dx, blk, l, B, T)
             c["blocks"][l] = None                                                 # free the block's cache
+            del blk                                                               # (before the next recompute)
         dwte_enc = xp.empty_like(self.grads["wte"])
         self.K.encoder_backward(dx.reshape(B, T, cfg.d_model), c["idx"], dwte_enc, self.grads["wpe"][:T],
                                 version=self.ver["encoder"])
@@ -562,3 +581,65 @@ class GPUEngine(Engine):
         logits, _ = self._forward(x, None, keep="full")
         last = logits[0, -1]
         return np.asarray(self.xp.asnumpy(last) if self.on_gpu else last, dtype=np.float64)
+
+
+def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none") -> dict:
+    """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
+
+    checkpointing.memory_model describes the NumPy reference's cache (every tensor in one precision); this function
+    follows the engine's own choices, tensor by tensor (module docstring): fp32 master weights, grads, m, v and the
+    half copy; per block the kept tensors of the policy (fp32 residual stream, LayerNorm statistics, attention
+    probabilities and GELU input; half copies of the matmul inputs); the tensors kept outside the blocks (last
+    block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working set of any
+    phase of the step: the forward of a block (its locals live until it returns), the head (logits + dlogits), the
+    start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
+    recompute under "full" / "selective"). Returns the terms and "total" = model + activations + peak working set.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"engine_memory: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"engine_memory: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    f, e = 4, (4 if precision == "fp32" else 2)
+    half = e == 2
+    h = e if half else 0                       # bytes of a half copy that exists only in half precision
+    C, nh, L, V = cfg.d_model, cfg.n_head, cfg.n_layer, cfg.vocab_size
+    N, P, TT = B * T, num_params(cfg), B * nh * T * T
+    model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": 2 * P * f}
+    # what one block keeps, per policy
+    base = N * C * f + 4 * N * f                                        # x, mean1, rstd1, mean2, rstd2
+    sel = 3 * N * C * e + TT * f + TT * h + N * C * e + N * C * f + 4 * N * C * f   # q,k,v att att_mm atty x1 fc
+    rebuilt = N * C * e + N * C * e + 4 * N * C * e                     # ln1_mm, ln2_mm, gelu_mm
+    full_cache = base + sel + rebuilt
+    kept_block = {"none": full_cache, "selective": base + sel, "full": N * C * f}[policy]
+    top = N * C * f + 2 * N * f + N * C * e + N * V * f + N * 4            # h, meanf, rstdf, lnf_mm, dlogits, idx
+    activations = L * kept_block + top
+    # forward: a block's locals beyond its cache (qkv, y, merged y, fp32 LayerNorm/GELU outputs in half, a linear
+    # output before its residual add), and under selective the half inputs that are not kept
+    fwd_block = (3 * N * C * f + N * C * f + N * C * f * half + (N * C * f + N * C * f + 4 * N * C * f) * half
+                 + N * C * f + (rebuilt if policy == "selective" else 0))
+    if policy == "full":                     # the whole cache is a local of the forward, dropped on return
+        fwd_block += full_cache - N * C * f
+    head = N * V * f + N * f + N * 4 + N * C * f * half                # logits, losses, targets, fp32 lnf
+    # backward: the stages of _block_backward on top of the incoming dx (N*C f)
+    stages = [N * C * h + 4 * N * C * f,
+              8 * N * C * f,
+              4 * N * C * f + 4 * N * C * h + N * C * f,
+              2 * N * C * f,
+              N * C * f + N * C * h + N * C * f,
+              3 * N * C * f + N * C * h,
+              N * C * f + N * C * e + N * C * f + TT * f,
+              N * C * f + N * C * f + TT * f + TT * h,
+              N * C * f + 3 * N * C * f + N * C * f + N * C * f + TT * e,
+              N * C * f + 3 * N * C * f + TT * e + 2 * N * C * f,
+              N * C * f + 3 * N * C * f + 3 * N * C * h + N * C * f,
+              3 * N * C * f]
+    recompute = {"none": 0, "selective": rebuilt, "full": full_cache - N * C * f}[policy]
+    bwd_block = N * C * f + max(stages) + recompute
+    if policy == "full":                     # the recompute's own forward locals, before the backward stages
+        bwd_block = max(bwd_block, N * C * f + fwd_block)
+    scale_tmp = N * V * f if precision == "fp16" else 0                   # dlogits * scale before the fp16 cast
+    bwd_head = N * V * h + scale_tmp + N * C * f
+    peak_set = max(fwd_block, head, bwd_head, bwd_block)
+    out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
+    out["total"] = sum(model.values()) + activations + peak_set
+    return out

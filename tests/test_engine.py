@@ -245,3 +245,26 @@ def test_gpu_fp16_overflow_skips_on_hip():
     p0 = host(eng.params.flat).copy()
     out = eng.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
     assert out["skipped"] and np.array_equal(host(eng.params.flat), p0) and eng.scaler.scale == 2.0 ** 126
+
+
+# ---- memory ------------------------------------------------------------------------------------------------------
+def test_engine_memory_orders_the_policies_and_counts_the_weights():
+    from gpullm_lessons.params import num_params
+    m = {p: engine.engine_memory(SMALL, 8, 64, "fp32", p) for p in engine.POLICIES}
+    assert m["full"]["activations"] < m["selective"]["activations"] < m["none"]["activations"]
+    P = num_params(SMALL)
+    assert m["none"]["params"] + m["none"]["grads"] + m["none"]["adamw"] == 16 * P
+    assert engine.engine_memory(SMALL, 8, 64, "bf16")["params_half"] == 2 * P
+    with pytest.raises(ValueError, match="policy"):
+        engine.engine_memory(SMALL, 8, 64, "fp32", "some")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_gpu_engine_memory_within_10_percent_of_the_pool_peak(precision, policy):
+    from gpullm_lessons.bench_train import measure_engine
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
+    r = measure_engine(cfg, 32, 256, precision, policy, steps=2)
+    predicted = engine.engine_memory(cfg, 32, 256, precision, policy)["total"]
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])

@@ -1,0 +1,235 @@
+"""Benchmarks of the whole training step on a GPU: our engine beside PyTorch, and the checkpointing trade-off.
+
+    python -m gpullm_lessons.bench train [--presets course,gpt2] [--precisions fp32,bf16] [--json PATH]
+    python -m gpullm_lessons.bench checkpointing [--presets course,gpt2] [--json PATH] [--plot PATH]
+
+`train`: for each preset and precision, the median time of a full training step (forward, backward, global-norm
+clip, AdamW) after warm-up, tokens/s, model FLOPs per step (every matrix product, x3 for forward + backward,
+attention counted without the causal half), achieved TFLOP/s and MFU against the matmul rate measured in the same
+run in that precision, and the peak memory of CuPy's memory pool. With torch installed the same architecture in
+PyTorch (eager, scaled_dot_product_attention, fused AdamW, bf16 autocast for bf16) is timed on the same shapes.
+
+`checkpointing`: per preset and policy (none / selective / full), the step time and the measured peak memory
+beside checkpointing.memory_model's prediction.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import time
+
+import numpy as np
+
+from . import device
+
+SHAPES = {"course": 64, "gpt2": 16}        # batch size per preset (T = the preset's block size)
+
+
+def _cfg(preset):
+    from .params import GPTConfig
+    from .train import PRESETS
+
+    p = dict(PRESETS[preset])
+    B = p.pop("batch_size")
+    p.pop("lr")
+    return GPTConfig(**p), B
+
+
+def step_flops(cfg, B, T) -> float:
+    """Model FLOPs of one training step: 3 x (2 x multiply-adds of every matrix product in the forward)."""
+    C, L, V = cfg.d_model, cfg.n_layer, cfg.vocab_size
+    per_token = 2 * L * (C * 3 * C + C * C + C * 4 * C + 4 * C * C) + 2 * C * V + 2 * L * 2 * T * C
+    return 3.0 * per_token * B * T
+
+
+def _batches(cfg, B, T, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+             rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)) for _ in range(n)]
+
+
+def _time_steps(step, batches, warmup=3):
+    """Median seconds of step(x, y) over the batches after `warmup` steps (each step synchronised)."""
+    import cupy as cp
+
+    for x, y in batches[:warmup]:
+        step(x, y)
+    cp.cuda.Device().synchronize()
+    times = []
+    for x, y in batches[warmup:]:
+        t0 = time.perf_counter()
+        step(x, y)
+        cp.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", steps=10, versions=None) -> dict:
+    """Step time and CuPy-pool peak bytes of our engine on random tokens."""
+    import cupy as cp
+
+    from . import engine
+
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions)
+    model_bytes = pool.total_bytes()                 # params, grads, m, v (+ the half copy): before any step
+    batches = _batches(cfg, B, T, steps + 3)
+    step = lambda x, y: eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)  # noqa: E731
+    sec = _time_steps(step, batches)
+    peak = pool.total_bytes()                        # the pool only grows when no freed block fits: its high water
+    del eng
+    pool.free_all_blocks()
+    return {"step_ms": 1e3 * sec, "peak_bytes": int(peak), "model_bytes": int(model_bytes)}
+
+
+def measure_torch(cfg, B, T, precision="fp32", steps=10) -> dict:
+    """The same GPT in PyTorch eager: SDPA causal attention, fused AdamW, bf16 autocast for bf16."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    C, nh = cfg.d_model, cfg.n_head
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            self.fc, self.fcproj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+        def forward(self, x):
+            Bb, Tt, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+            q, k, v = (t.view(Bb, Tt, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(Bb, Tt, C)
+            x = x + self.proj(y)
+            return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(cfg.vocab_size, C), nn.Embedding(cfg.block_size, C)
+            self.blocks = nn.ModuleList(Block() for _ in range(cfg.n_layer))
+            self.lnf = nn.LayerNorm(C)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for blk in self.blocks:
+                x = blk(x)
+            logits = F.linear(self.lnf(x), self.wte.weight)           # tied head
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+    torch.manual_seed(0)
+    model = GPT().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def step(x, y):
+        x, y = torch.from_numpy(x).long().cuda(), torch.from_numpy(y).long().cuda()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    batches = _batches(cfg, B, T, steps + 3)
+    for x, y in batches[:3]:
+        step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for x, y in batches[3:]:
+        t0 = time.perf_counter()
+        step(x, y)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"step_ms": 1e3 * float(np.median(times)), "peak_bytes": int(peak), "version": torch.__version__}
+
+
+def _card():
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+
+
+def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=10, backend="hip",
+                with_torch=True) -> dict:
+    device.require_gpu("benchmarking the training step")
+    from . import bench
+
+    rates = {p: bench.matmul_rate(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[p])
+             for p in precisions}
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with_torch = False
+    rows = []
+    for preset in presets:
+        cfg, B = _cfg(preset)
+        T = cfg.block_size
+        flops = step_flops(cfg, B, T)
+        for prec in precisions:
+            runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps))]
+            if with_torch:
+                r = measure_torch(cfg, B, T, prec, steps=steps)
+                runs.append(("pytorch", r.pop("version"), r))
+            for who, version, r in runs:
+                tflops = flops / (r["step_ms"] / 1e3) / 1e12
+                rows.append({"preset": preset, "B": B, "T": T, "precision": prec, "who": who, "version": version,
+                             **r, "tokens_per_s": B * T / (r["step_ms"] / 1e3), "TFLOP/s": tflops,
+                             "MFU": tflops / rates[prec]["TFLOP/s"]})
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows}
+
+
+def format_train(result) -> str:
+    lines = [f"training step on {result['card']} ({result['date']}); MFU against the measured matmul rate: "
+             + ", ".join(f"{p} {r['TFLOP/s']:.0f} TFLOP/s" for p, r in result["matmul_rates"].items()),
+             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<9}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+             f"{'MFU':>7}{'peak GiB':>10}"]
+    for r in result["rows"]:
+        lines.append(f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<9}{r['step_ms']:9.2f}"
+                     f"{r['tokens_per_s']:11,.0f}{r['TFLOP/s']:9.1f}{100 * r['MFU']:6.1f}%"
+                     f"{r['peak_bytes'] / 2**30:10.2f}")
+    return "\n".join(lines)
+
+
+def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), policies=("none", "selective", "full"),
+                        steps=6, backend="hip") -> dict:
+    device.require_gpu("benchmarking activation checkpointing")
+    from .checkpointing import memory_model
+    from .engine import engine_memory
+
+    rows = []
+    for preset in presets:
+        cfg, B = _cfg(preset)
+        T = cfg.block_size
+        for prec in precisions:
+            for policy in policies:
+                r = measure_engine(cfg, B, T, prec, policy, backend=backend, steps=steps)
+                mm = memory_model(cfg, B, T, precision=prec, policy=policy)
+                em = engine_memory(cfg, B, T, precision=prec, policy=policy)
+                rows.append({"preset": preset, "policy": policy, "batch": B, "T": T, "precision": prec, **r,
+                             "activation_bytes_measured": r["peak_bytes"] - r["model_bytes"],
+                             "activation_bytes_model": mm["activations"] + mm["recompute_peak"],
+                             "total_bytes_model": mm["total"], "total_bytes_engine_model": em["total"],
+                             "activation_bytes_engine_model": em["activations"] + em["working_set"]})
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "rows": rows}
+
+
+def format_checkpointing(result) -> str:
+    lines = [f"activation checkpointing on {result['card']} ({result['date']})",
+             "peak = CuPy memory pool high water; engine_memory = the engine's own tensors (gpullm_lessons.engine);",
+             "memory_model = the NumPy reference's cache in one precision (gpullm_lessons.checkpointing)",
+             f"{'preset':<8}{'prec':<6}{'policy':<10}{'ms/step':>9}{'peak GiB':>10}{'weights+opt':>12}"
+             f"{'engine_memory':>15}{'ratio':>7}{'memory_model':>14}{'ratio':>7}"]
+    for r in result["rows"]:
+        lines.append(f"{r['preset']:<8}{r['precision']:<6}{r['policy']:<10}{r['step_ms']:9.2f}"
+                     f"{r['peak_bytes'] / 2**30:10.2f}{r['model_bytes'] / 2**30:12.2f}"
+                     f"{r['total_bytes_engine_model'] / 2**30:15.2f}{r['total_bytes_engine_model'] / r['peak_bytes']:7.3f}"
+                     f"{r['total_bytes_model'] / 2**30:14.2f}{r['total_bytes_model'] / r['peak_bytes']:7.3f}")
+    return "\n".join(lines)
