@@ -280,3 +280,161 @@ def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
     out["total"] = (out["params"] + out["params_half"] + out["grads"] + out["adamw"]
                     + activations + recompute_peak)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# For lesson 08: the per-tensor breakdown, the live-memory timeline, CPU measurements, what fits on a card
+# ----------------------------------------------------------------------------------------------------------------
+
+RESULTS_H200 = "results/checkpointing_h200.json"   # the lead's H200 benchmark, relative to this package
+
+
+def activation_breakdown(cfg, B, T, precision="fp32") -> list:
+    """One row per activation tensor the forward can keep for the backward, for a (B, T) batch:
+    {"where": "per block" | "top", "tensor", "shape", "bytes", "none", "selective", "full"} (the last three: does
+    that policy keep it). Per-block bytes are for ONE block (memory_model multiplies by n_layer); token ids count
+    8 bytes per element (int64), everything else the precision's element size."""
+    e = PRECISIONS[precision]
+    kept = {policy: {name for name, _ in _kept_per_block(cfg, B, T, policy)} for policy in POLICIES}
+    rows = []
+    for name, shape in _kept_per_block(cfg, B, T, "none"):
+        rows.append({"where": "per block", "tensor": name, "shape": shape, "bytes": math.prod(shape) * e,
+                     **{policy: name in kept[policy] for policy in POLICIES}})
+    for name, shape in memory_model(cfg, B, T, precision, "none")["kept_top"]:
+        size = INDEX_BYTES if name in ("idx", "targets") else e
+        rows.append({"where": "top", "tensor": name, "shape": shape, "bytes": math.prod(shape) * size,
+                     **{policy: True for policy in POLICIES}})
+    return rows
+
+
+def format_breakdown(cfg, B, T, precision="fp32") -> str:
+    """activation_breakdown as a text table, with per-policy totals (n_layer blocks + the top tensors)."""
+    rows = activation_breakdown(cfg, B, T, precision)
+    mark = {True: "kept", False: "recomp."}
+    lines = [f"{'tensor':44s} {'shape':>20s} {'bytes':>12s}  {'none':>7s} {'selective':>9s} {'full':>7s}"]
+    for r in rows:
+        lines.append(f"{r['tensor']:44s} {str(r['shape']):>20s} {r['bytes']:>12,}  {mark[r['none']]:>7s} "
+                     f"{mark[r['selective']]:>9s} {mark[r['full']]:>7s}")
+    totals = {p: memory_model(cfg, B, T, precision, p) for p in POLICIES}
+    lines.append(f"{'one block keeps':44s} {'':>20s} {'':>12s}  "
+                 + " ".join(f"{_mib(totals[p]['activations_per_block']):>{w}s}" for p, w in
+                            zip(POLICIES, (7, 9, 7))))
+    lines.append(f"{'all activations (x ' + str(cfg.n_layer) + ' blocks + top)':44s} {'':>20s} {'':>12s}  "
+                 + " ".join(f"{_mib(totals[p]['activations']):>{w}s}" for p, w in zip(POLICIES, (7, 9, 7))))
+    lines.append(f"{'+ one block recomputed in backward':44s} {'':>20s} {'':>12s}  "
+                 + " ".join(f"{_mib(totals[p]['recompute_peak']):>{w}s}" for p, w in zip(POLICIES, (7, 9, 7))))
+    return "\n".join(lines)
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:.1f}M" if n >= 2**20 else f"{n / 2**10:.1f}K"
+
+
+def activation_timeline(cfg, B, T, precision="fp32", policy="none") -> list:
+    """Live activation bytes through one forward + backward, block by block: a list of (label, bytes).
+
+    This is what an engine holds that frees every tensor after its last use (a GPU engine; the NumPy reference
+    keeps its whole cache dict until gpt_backward returns). Points: the token ids; during and after each block's
+    forward (during: the block's whole cache exists while it is built, and under selective/full the dropped part
+    is freed at the block's end); after the head (+ lnf, logits, probabilities); after the head's backward (those
+    freed); during and after each block's backward (during: + the recomputed part, recompute_peak; after: that
+    block's kept tensors freed). Gradient activations (dx, dlogits) and op temporaries are not counted, as in
+    memory_model. The maximum is <= memory_model's activations + recompute_peak (which also counts the top
+    tensors during the first block's recompute: an upper bound)."""
+    _check_policy("activation_timeline", policy)
+    m = memory_model(cfg, B, T, precision, policy)
+    none_block = memory_model(cfg, B, T, precision, "none")["activations_per_block"]
+    per_block, L = m["activations_per_block"], cfg.n_layer
+    ids = 2 * B * T * INDEX_BYTES
+    top = m["activations"] - L * per_block - ids                 # lnf inp/out, stats, logits, probs
+    points = [("start", ids)]
+    for l in range(L):
+        points.append((f"fwd {l}", ids + l * per_block + none_block))
+        points.append((f"fwd {l} end", ids + (l + 1) * per_block))
+    points.append(("head + loss", ids + L * per_block + top))
+    points.append(("bwd head", ids + L * per_block))
+    for l in reversed(range(L)):
+        points.append((f"bwd {l}", ids + (l + 1) * per_block + m["recompute_peak"]))
+        points.append((f"bwd {l} end", ids + l * per_block))
+    return points
+
+
+def measure_policies(cfg, B, T, repeats=5, seed=0, dtype=np.float32, policies=POLICIES) -> list:
+    """CPU measurement with the NumPy reference: per policy, the median time of forward + backward
+    (gpt_forward_ckpt + gpt_backward_ckpt, no optimizer) over `repeats` runs after one warm-up, and the activation
+    bytes its cache holds (cache_bytes) beside memory_model's prediction. The policies take turns (one run of each
+    per round), so a busy machine slows them alike. Rows shaped like the H200 file's:
+    {"preset": "cpu", "policy", "batch", "T", "precision", "step_ms", "activation_bytes_measured",
+    "activation_bytes_model"}."""
+    import time
+    from .params import init_params
+    params = init_params(cfg, seed=seed, dtype=dtype)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, cfg.vocab_size, (B, T))
+    targets = rng.integers(0, cfg.vocab_size, (B, T))
+    grads = params.zeros_like()
+    precision = "fp32" if np.dtype(dtype) == np.float32 else np.dtype(dtype).name
+
+    def step(policy):
+        cache = gpt_forward_ckpt(params, cfg, idx, targets, policy=policy)[2]
+        gpt_backward_ckpt(cache, grads)
+
+    measured, times = {}, {policy: [] for policy in policies}
+    for policy in policies:
+        step(policy)                                                          # warm-up
+        measured[policy] = cache_bytes(gpt_forward_ckpt(params, cfg, idx, targets, policy=policy)[2])
+    for _ in range(repeats):
+        for policy in policies:
+            t0 = time.perf_counter()
+            step(policy)
+            times[policy].append((time.perf_counter() - t0) * 1e3)
+    return [{"preset": "cpu", "policy": policy, "batch": B, "T": T, "precision": precision,
+             "step_ms": float(np.median(times[policy])), "activation_bytes_measured": measured[policy],
+             "activation_bytes_model": memory_model(cfg, B, T, "fp32", policy)["activations"]}
+            for policy in policies]
+
+
+def relative_to_none(rows) -> dict:
+    """{group: {policy: (activation bytes / none's, step time / none's)}} for rows shaped like measure_policies'
+    (or the H200 file's), grouped by (preset, batch, T, precision); groups without a "none" row are left out.
+    The group's name is "preset B=.. T=.. precision"."""
+    groups = {}
+    for r in rows:
+        key = f"{r['preset']} B={r['batch']} T={r['T']} {r['precision']}"
+        groups.setdefault(key, {})[r["policy"]] = r
+    out = {}
+    for key, by_policy in groups.items():
+        base = by_policy.get("none")
+        if base is None:
+            continue
+        out[key] = {p: (r["activation_bytes_measured"] / base["activation_bytes_measured"],
+                        r["step_ms"] / base["step_ms"]) for p, r in by_policy.items()}
+    return out
+
+
+def load_h200(path=None):
+    """The stored H200 checkpointing benchmark (dict with "card", "date", "rows"), or None if not stored yet."""
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parent / RESULTS_H200 if path is None else Path(path)
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def max_batch(cfg, T, capacity_bytes, precision="fp32", policy="none", limit=1 << 20) -> int:
+    """The largest batch size B whose memory_model total fits in capacity_bytes (0 if not even B = 1 fits).
+    The total grows linearly with B, so a doubling then a bisection finds it."""
+    def fits(B):
+        return memory_model(cfg, B, T, precision, policy)["total"] <= capacity_bytes
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

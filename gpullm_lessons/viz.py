@@ -747,3 +747,220 @@ def plot_adamw_bytes(copy_gbps: Optional[float] = None, n_params: int = 124_000_
     ax.set_title("AdamW: bytes moved per fp32 parameter", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_activation_timeline(timelines: dict, title: str = "", ax=None):
+    """Live activation memory through one forward + backward, one line per policy.
+
+    timelines: {policy: [(label, bytes), ...]} as checkpointing.activation_timeline returns (the same points for
+    every policy). The forward grows the memory block by block, the backward frees it block by block (the
+    sawtooth); "full" keeps only each block's input plus, briefly, one block's recomputed cache."""
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(11, 3.8))
+    else:
+        fig = ax.figure
+    colors = {"none": "tab:red", "selective": "tab:orange", "full": "tab:green"}
+    labels = None
+    for policy, points in timelines.items():
+        labels = [lab for lab, _ in points]
+        mib = [b / 2**20 for _, b in points]
+        ax.step(range(len(points)), mib, where="post", lw=2, color=colors.get(policy), label=policy)
+        peak = max(range(len(mib)), key=mib.__getitem__)
+        ax.annotate(f"peak {mib[peak]:.1f} MiB", (peak, mib[peak]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8, color=colors.get(policy))
+    turn = labels.index("head + loss")
+    ax.axvspan(-0.5, turn + 0.5, color="tab:blue", alpha=0.05)
+    ax.text(turn / 2, ax.get_ylim()[1] * 0.97, "forward", ha="center", va="top", fontsize=9, color="tab:blue")
+    ax.text((turn + len(labels)) / 2, ax.get_ylim()[1] * 0.97, "backward", ha="center", va="top", fontsize=9)
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_ylabel("live activations (MiB)")
+    ax.set_title(title or "activation memory during one training step", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
+    """Memory vs compute of the checkpointing policies: x = step time relative to policy "none", y = activation
+    bytes relative to "none", one marker per policy, one colour per source.
+
+    sources: {name: {policy: (memory_rel, time_rel)}} (checkpointing.relative_to_none gives this per group).
+    claim: (memory_rel, (time_lo, time_hi)) drawn as a shaded box, the claim being tested (about half the memory
+    for 30-40% more compute); None for no box."""
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+    else:
+        fig = ax.figure
+    markers = {"none": "o", "selective": "s", "full": "^"}
+    cmap = plt.get_cmap("tab10")
+    if claim is not None:
+        mem, (lo, hi) = claim
+        ax.add_patch(plt.Rectangle((lo, mem - 0.1), hi - lo, 0.2, color="gray", alpha=0.2))
+        ax.text(lo, mem + 0.11, f"claim: ~{mem:.0%} memory for +{lo - 1:.0%}..{hi - 1:.0%} time", fontsize=8,
+                color="dimgray")
+    for k, (name, points) in enumerate(sources.items()):
+        for policy, (mem_rel, time_rel) in points.items():
+            ax.scatter(time_rel, mem_rel, marker=markers.get(policy, "x"), s=60, color=cmap(k % 10),
+                       label=name if policy == "none" else None, zorder=3)
+            ax.annotate(policy, (time_rel, mem_rel), textcoords="offset points", xytext=(5, -3), fontsize=7)
+    for policy, m in markers.items():
+        ax.scatter([], [], marker=m, color="gray", label=policy)
+    ax.set_xlabel("step time relative to no checkpointing")
+    ax.set_ylabel("activation memory relative to none")
+    ax.set_ylim(0, 1.15)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("activation checkpointing: memory saved vs time paid", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---- lesson 07: mixed precision ------------------------------------------------------------------------------------
+
+def plot_float_formats(ax=None):
+    """The bit layouts of fp32, fp16 and bf16 (sign, exponent, mantissa boxes, one per bit) with each format's
+    largest value, smallest normal and subnormal, and machine epsilon."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch, Rectangle
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(11, 3.2))
+    else:
+        fig = ax.figure
+    fmts = [("fp32", 8, 23), ("fp16", 5, 10), ("bf16", 8, 7)]
+    colors = {"sign": "tab:red", "exponent": "tab:green", "mantissa": "tab:blue"}
+    for row, (name, e, m) in enumerate(fmts):
+        y = -row * 1.2
+        kinds = ["sign"] + ["exponent"] * e + ["mantissa"] * m
+        for i, kind in enumerate(kinds):
+            ax.add_patch(Rectangle((i, y), 0.92, 0.8, color=colors[kind], alpha=0.75))
+        bias = 2 ** (e - 1) - 1
+        largest = (2 - 2.0 ** -m) * 2.0 ** bias
+        info = (f"{name}: 1 + {e} + {m} bits | max {largest:.4g} | min normal 2^{1 - bias} = {2.0 ** (1 - bias):.2g} | "
+                f"min subnormal 2^{1 - bias - m} = {2.0 ** (1 - bias - m):.2g} | eps 2^-{m} = {2.0 ** -m:.2g}")
+        ax.text(0, y + 0.88, info, fontsize=8.5, va="bottom")
+    ax.legend(handles=[Patch(color=c, alpha=0.75, label=k) for k, c in colors.items()], loc="lower right",
+              fontsize=8, ncol=3)
+    ax.set_xlim(-0.5, 33)
+    ax.set_ylim(-2.6, 1.4)
+    ax.axis("off")
+    ax.set_title("fp32, fp16, bf16: bf16 keeps fp32's 8 exponent bits (its range), fp16 keeps more mantissa "
+                 "(its precision)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def float_formats_widget(value: float = 0.1):
+    """An ipywidgets box: type a value (or move the slider, log10 of |value|) and see its fp32, fp16 and bf16 bits,
+    the value each format stores and the relative error (precision.format_table). Needs a widget frontend."""
+    import html
+
+    import ipywidgets as widgets
+
+    from .precision import format_table
+
+    box = widgets.FloatText(value=value, description="value", step=0.1)
+    exp = widgets.FloatSlider(value=0.0, min=-9.0, max=6.0, step=0.05, description="or 10^",
+                              continuous_update=True, readout_format=".2f")
+    out = widgets.HTML()
+
+    def show(*_):
+        out.value = f"<pre>{html.escape(format_table(box.value))}</pre>"
+
+    def from_slider(change):
+        box.value = float(f"{10.0 ** change['new']:.6g}")
+
+    box.observe(show, names="value")
+    exp.observe(from_slider, names="value")
+    show()
+    return widgets.VBox([widgets.HBox([box, exp]), out])
+
+
+def plot_grad_histogram(grads, scale: float = 2.0 ** 16, ax=None):
+    """Histogram of log2|g| of a gradient (nonzero elements), unscaled and multiplied by `scale`, with the fp16
+    limits marked: 2^-24 (smallest subnormal: below about half of it a value rounds to 0), 2^-14 (smallest
+    normal: below it precision drops), 65504 (largest: above it inf). The legend gives the fraction of the nonzero
+    elements that round to 0 in fp16, without and with the scale."""
+    import numpy as np
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 3.8))
+    else:
+        fig = ax.figure
+    g = np.asarray(grads, dtype=np.float32).ravel()
+    g = g[g != 0]
+    with np.errstate(over="ignore"):
+        flushed = float(np.mean(g.astype(np.float16) == 0))
+        flushed_s = float(np.mean((g * np.float32(scale)).astype(np.float16) == 0))
+        over_s = float(np.mean(~np.isfinite((g * np.float32(scale)).astype(np.float16))))
+    lg = np.log2(np.abs(g).astype(np.float64))
+    bins = np.arange(np.floor(lg.min()) - 1, np.ceil(lg.max() + np.log2(scale)) + 2, 0.5)
+    ax.hist(lg, bins=bins, alpha=0.6, color="tab:blue",
+            label=f"g (unscaled): {100 * flushed:.2f}% round to 0 in fp16")
+    ax.hist(lg + np.log2(scale), bins=bins, alpha=0.5, color="tab:orange",
+            label=f"g x 2^{np.log2(scale):.0f}: {100 * flushed_s:.4f}% round to 0, {100 * over_s:.4f}% overflow")
+    ax.axvspan(bins[0], -25, color="tab:red", alpha=0.12)
+    for x, text in ((-24, "2^-24 smallest subnormal"), (-14, "2^-14 smallest normal"),
+                    (np.log2(65504.0), "65504 largest fp16")):
+        ax.axvline(x, color="tab:red", ls="--", lw=1)
+        ax.text(x + 0.2, ax.get_ylim()[1] * 0.95, text, rotation=90, va="top", fontsize=8, color="tab:red")
+    ax.set_xlabel("log2 |gradient|")
+    ax.set_ylabel("elements")
+    ax.set_title("gradient magnitudes against fp16's range (shaded: rounds to zero)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss_scale(scales, skipped=(), ax=None):
+    """The loss scale used at each step (log2 axis), overflowing steps (skipped, then the scale halves) marked."""
+    import numpy as np
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 3))
+    else:
+        fig = ax.figure
+    steps = np.arange(1, len(scales) + 1)
+    ax.step(steps, np.log2(scales), where="post", color="tab:purple", label="log2 scale")
+    sk = [s for s in skipped if 1 <= s <= len(scales)]
+    if sk:
+        ax.plot(sk, [np.log2(scales[s - 1]) for s in sk], "rx", ms=8, label=f"overflow: step skipped ({len(sk)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("log2(loss scale)")
+    ax.set_title("dynamic loss scaling: halve on overflow, double after growth_interval clean steps", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_precision_losses(result: dict, rtol: Optional[float] = None, reference: str = "fp32"):
+    """Top: the training loss per step of each run of precision.compare_precisions(...). Bottom: each run's
+    (loss - reference loss) / reference loss, with the band +-rtol (the tracking tolerance)."""
+    import numpy as np
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    ref = np.asarray(result[reference]["loss"], dtype=np.float64)
+    steps = np.arange(1, len(ref) + 1)
+    for i, (name, run) in enumerate(result.items()):
+        loss = np.asarray(run["loss"], dtype=np.float64)
+        label = name + (f" ({len(run['skipped'])} skipped)" if run.get("skipped") else "")
+        top.plot(steps, loss, lw=1.2, color=f"C{i}", label=label)
+        if name != reference:
+            bottom.plot(steps, (loss - ref) / ref, lw=1, color=f"C{i}", label=name)
+    if rtol is not None:
+        bottom.axhspan(-rtol, rtol, color="tab:green", alpha=0.12, label=f"tolerance +-{rtol:g}")
+        bottom.set_ylim(-3 * rtol, 3 * rtol)
+    top.set_ylabel("loss (nats per byte)")
+    top.set_title("the same model, init and batches under each matmul precision", fontsize=10)
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel(f"relative to {reference}")
+    bottom.legend(fontsize=8, ncol=4)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
