@@ -30,7 +30,7 @@ def main(argv=None) -> int:
         return exercises.main(rest)
     if cmd == "train":
         from . import train
-        train.main(rest)
+        train.cli(rest)
         return 0
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -233,3 +233,33 @@ def format_checkpointing(result) -> str:
                      f"{r['total_bytes_engine_model'] / 2**30:15.2f}{r['total_bytes_engine_model'] / r['peak_bytes']:7.3f}"
                      f"{r['total_bytes_model'] / 2**30:14.2f}{r['total_bytes_model'] / r['peak_bytes']:7.3f}")
     return "\n".join(lines)
+
+
+def profile_step(preset="course", precision="bf16", steps=5, backend="hip") -> dict:
+    """Per-op time of training steps (engine.OpProfiler: CUDA events around every launcher and matrix product)."""
+    device.require_gpu("profiling the training step")
+    from . import engine
+
+    cfg, B = _cfg(preset)
+    T = cfg.block_size
+    eng = engine.build(cfg, backend, precision=precision)
+    batches = _batches(cfg, B, T, steps + 2)
+    for x, y in batches[:2]:                                             # warm-up: compilation, pool growth
+        eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)
+    prof = eng.enable_profiling()
+    for x, y in batches[2:]:
+        prof.step(eng.train_step, x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)
+    rows = prof.report()
+    for r in rows:
+        r["ms_per_step"] = r["ms"] / steps
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "preset": preset, "precision": precision,
+            "backend": backend, "B": B, "T": T, "steps": steps, "step_ms": 1e3 * prof.wall / steps, "rows": rows}
+
+
+def format_profile(result) -> str:
+    lines = [f"{result['preset']} B{result['B']} T{result['T']} {result['precision']} {result['backend']} on "
+             f"{result['card']} ({result['date']}): {result['step_ms']:.2f} ms per step",
+             f"{'op':<40}{'calls/step':>11}{'ms/step':>9}{'share':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['op']:<40}{r['calls'] / result['steps']:11.1f}{r['ms_per_step']:9.3f}{100 * r['share']:7.1f}%")
+    return "\n".join(lines)

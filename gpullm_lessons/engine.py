@@ -68,6 +68,12 @@ def check_backend(backend: str) -> str:
         if not _has_cupy():
             raise EngineError("backend 'hip' launches its kernels through CuPy, which is not installed: "
                               "make setup GPU=cuda13 (or cuda12 / rocm)")
+    if backend == "numba" and device.kind() == "rocm":
+        raise EngineError("backend 'numba' needs an NVIDIA GPU or the CUDA simulator: Numba CUDA does not run on "
+                          "AMD GPUs; use --backend hip (the same kernels' HIP twins)")
+    if backend == "numba" and not device.has_gpu() and device.kind() != "sim":
+        raise EngineError(f"backend 'numba' needs a GPU or the CUDA simulator, and this machine has neither "
+                          f"({device.describe()}); unset NUMBA_ENABLE_CUDASIM=0 or use --backend numpy")
     if backend == "numba" and device.has_gpu() and not _has_cupy():
         raise EngineError("backend 'numba' on a GPU keeps its arrays in CuPy, which is not installed: "
                           "make setup GPU=cuda13 (or cuda12 / rocm)")
@@ -188,24 +194,33 @@ class NumpyEngine(Engine):
         logits, loss, self._cache = gpt_forward_ckpt(self.params.views, self.cfg, x, y, policy=self.policy)
         return logits, (float(loss) if loss is not None else None)
 
-    def backward(self):
+    def backward(self, loss_scale=1.0):
         from .checkpointing import gpt_backward_ckpt
 
         gpt_backward_ckpt(self._cache, self.grads.views)
+        if loss_scale != 1.0:
+            self.grads.flat *= np.float32(loss_scale)
         self._cache = None
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
-        from .optim import clip_grad_norm
-
         _, loss = self.forward(x, y)
         self.backward()
-        norm = clip_grad_norm(self.grads.flat, grad_clip) if grad_clip > 0 else \
-            float(np.sqrt(np.sum(np.square(self.grads.flat, dtype=np.float64))))
+        return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
+
+    def grad_norm(self) -> float:
+        return float(np.sqrt(np.sum(np.square(self.grads.flat, dtype=np.float64))))
+
+    def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
+        """Clip (global norm; `grad_norm` given: use it, e.g. after an all-reduce) and one AdamW step."""
+        norm = self.grad_norm() if grad_norm is None else float(grad_norm)
+        coef = grad_clip / (norm + 1e-6)                   # as torch.nn.utils.clip_grad_norm_ and optim.clip_grad_norm
+        if grad_clip > 0 and coef < 1.0:
+            self.grads.flat *= np.float32(coef)
         self.opt.weight_decay = float(weight_decay)
         self.opt.t = self.t
         self.opt.step(self.grads.flat, lr=lr)
         self.t = self.opt.t
-        return {"loss": loss, "grad_norm": norm, "skipped": False}
+        return {"grad_norm": norm, "skipped": False}
 
     def eval_loss(self, x, y) -> float:
         from .reference import gpt_forward
@@ -221,6 +236,84 @@ class NumpyEngine(Engine):
 
     def _params_changed(self):
         self.opt.t = self.t
+
+
+class OpProfiler:
+    """Time every launcher call and matrix product of a GPUEngine: CUDA events on a GPU, wall clock in the simulator.
+
+    eng.enable_profiling(); eng.train_step(...); rows = eng.profiler.report()  -> per op: calls, ms, share of the
+    step. What no event covers (CuPy's own elementwise kernels, copies, Python between launches) is the row
+    "other (CuPy ops, copies, Python)" = wall time of the profiled steps minus the sum of the timed ops.
+    """
+
+    def __init__(self, on_gpu):
+        self.on_gpu = on_gpu
+        self.records = []          # (name, start, stop): events or perf_counter floats
+        self.wall = 0.0
+
+    def wrap(self, name, fn):
+        import time
+
+        def timed(*args, **kwargs):
+            if self.on_gpu:
+                import cupy as cp
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                out = fn(*args, **kwargs)
+                stop.record()
+            else:
+                start = time.perf_counter()
+                out = fn(*args, **kwargs)
+                stop = time.perf_counter()
+            self.records.append((name, start, stop))
+            return out
+        return timed
+
+    def step(self, fn, *args, **kwargs):
+        """Run fn (e.g. eng.train_step) and add its wall time (synchronised on a GPU)."""
+        import time
+
+        if self.on_gpu:
+            import cupy as cp
+            cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if self.on_gpu:
+            cp.cuda.Device().synchronize()
+        self.wall += time.perf_counter() - t0
+        return out
+
+    def report(self) -> list:
+        """[{"op", "calls", "ms", "share"}] sorted by time, plus the "other" row; ms summed over the profiled steps."""
+        totals, calls = {}, {}
+        for name, start, stop in self.records:
+            if self.on_gpu:
+                import cupy as cp
+                stop.synchronize()
+                ms = cp.cuda.get_elapsed_time(start, stop)
+            else:
+                ms = 1e3 * (stop - start)
+            totals[name] = totals.get(name, 0.0) + ms
+            calls[name] = calls.get(name, 0) + 1
+        wall_ms = 1e3 * self.wall
+        rows = [{"op": k, "calls": calls[k], "ms": v} for k, v in sorted(totals.items(), key=lambda kv: -kv[1])]
+        if wall_ms:
+            rows.append({"op": "other (CuPy ops, copies, Python)", "calls": 0,
+                         "ms": max(wall_ms - sum(totals.values()), 0.0)})
+        for r in rows:
+            r["share"] = r["ms"] / wall_ms if wall_ms else float("nan")
+        return rows
+
+
+class _TimedLaunchers:
+    """The launcher module with every call timed by an OpProfiler."""
+
+    def __init__(self, module, profiler):
+        self._module, self._profiler = module, profiler
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        return self._profiler.wrap(name, fn) if callable(fn) else fn
 
 
 class GPUEngine(Engine):
@@ -284,6 +377,7 @@ class GPUEngine(Engine):
             self.scaler = DynamicLossScaler()
         self._count = xp.zeros(1, xp.int32)
         self._cache = None
+        self.profiler = None
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _host(self, a):
@@ -316,12 +410,20 @@ class GPUEngine(Engine):
         src = self.params.views if self.half is None else self.half_views
         return src[name] if l is None else src[name][l]
 
+    def enable_profiling(self) -> OpProfiler:
+        """Time every launcher and matrix product from now on (see OpProfiler); returns the profiler."""
+        self.profiler = OpProfiler(self.on_gpu)
+        self.K = _TimedLaunchers(self.K if not isinstance(self.K, _TimedLaunchers) else self.K._module, self.profiler)
+        return self.profiler
+
     def _gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         from .blas import gemm
 
         fmt = self.fmt
         if fmt == "fp16":
             a, b = a.view(self.xp.float16), b.view(self.xp.float16)
+        if self.profiler is not None:
+            return self.profiler.wrap(f"gemm {fmt} (cuBLAS)", gemm)(a, b, out, trans_a, trans_b, alpha, beta, fmt)
         return gemm(a, b, out, trans_a, trans_b, alpha, beta, fmt)
 
     def _linear(self, inp_mm, name_w, name_b, l, out_features):
@@ -543,19 +645,24 @@ class GPUEngine(Engine):
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
         """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off."""
-        xp = self.xp
         scale = self.scaler.scale if self.scaler is not None else 1.0
         _, loss = self.forward(x, y)
         self.backward(loss_scale=scale)
-        skipped = False
+        return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
+
+    def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
+        """After backward(loss_scale=self.scaler.scale or 1): the overflow check (fp16), clipping, fused AdamW.
+
+        grad_norm: the norm of the scaled gradients when the caller already has it (data parallel: after the
+        all-reduce); None computes it here. Returns {"grad_norm" (unscaled), "skipped", "scale" (fp16)}."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.K.nonfinite_count(self.grads.flat, self._count)                 # one pass over the gradients
-            found_inf = int(self._count[0]) > 0
-            skipped = self.scaler.update(found_inf)
+            skipped = self.scaler.update(int(self._count[0]) > 0)
             if skipped:
                 self.grads.flat[...] = 0
-                return {"loss": loss, "grad_norm": float("nan"), "skipped": True, "scale": scale}
-        norm = self.grad_norm() / scale
+                return {"grad_norm": float("nan"), "skipped": True, "scale": scale}
+        norm = (self.grad_norm() if grad_norm is None else float(grad_norm)) / scale
         coef = grad_clip / (norm + 1e-6) if grad_clip > 0 and grad_clip / (norm + 1e-6) < 1.0 else 1.0
         self.t += 1
         self.K.adamw_step(self.params.flat, self.grads.flat, self.m, self.v, lr, self.betas[0], self.betas[1],
@@ -564,10 +671,9 @@ class GPUEngine(Engine):
                           half_out=self.half if self.half is not None else None,
                           half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision),
                           version=self.ver["adamw"])
-        out = {"loss": loss, "grad_norm": norm, "skipped": skipped}
+        out = {"grad_norm": norm, "skipped": False}
         if self.scaler is not None:
             out["scale"] = scale
-        del xp
         return out
 
     def eval_loss(self, x, y) -> float:

@@ -27,7 +27,7 @@ def host(a):
 
 def grads_of(eng, x, y, loss_scale=1.0):
     _, loss = eng.forward(x, y)
-    eng.backward(loss_scale) if eng.backend != "numpy" else eng.backward()
+    eng.backward(loss_scale)
     return loss, {k: host(eng.grads[k]).copy() for k in eng.grads.names}
 
 
@@ -268,3 +268,16 @@ def test_gpu_engine_memory_within_10_percent_of_the_pool_peak(precision, policy)
     r = measure_engine(cfg, 32, 256, precision, policy, steps=2)
     predicted = engine.engine_memory(cfg, 32, 256, precision, policy)["total"]
     assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
+
+
+def test_profiler_times_every_kernel_of_a_step():
+    x, y = batch(TOY, 2, 8)
+    eng = engine.build(TOY, "numba")
+    prof = eng.enable_profiling()
+    prof.step(eng.train_step, x, y, lr=1e-3)
+    rows = {r["op"]: r for r in prof.report()}
+    for op in ("layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "adamw_step",
+               "crossentropy_forward_backward", "attention_softmax_forward", "encoder_backward", "gemm fp32 (cuBLAS)"):
+        assert rows[op]["calls"] >= 1 and rows[op]["ms"] > 0, op
+    assert rows["layernorm_forward"]["calls"] == 2 * TOY.n_layer + 1
+    assert abs(sum(r["share"] for r in rows.values()) - 1.0) < 1e-6
