@@ -179,6 +179,48 @@ def test_hip_v4_validation_without_gpu():
         _hip().layernorm_backward(*_bwd_args(), version="v4", threads=96)
 
 
+def test_hip_v5_validation_without_gpu():
+    """v5 is backward-only, whole warps on either vendor; its grid settings are checked before any GPU work."""
+    with pytest.raises(ValueError, match="version='v5' is not one of v1, v2, v3"):
+        _hip().layernorm_forward(*_fwd_args(), version="v5")
+    with pytest.raises(ValueError, match="threads=96 must be a multiple of 64 for v5"):
+        _hip().layernorm_backward(*_bwd_args(), version="v5", threads=96)
+    with pytest.raises(ValueError, match="blocks_per_sm= sets v5's grid; version 'v3' does not take it"):
+        _hip().layernorm_backward(*_bwd_args(), version="v3", blocks_per_sm=2)
+    with pytest.raises(ValueError, match="grid=0, expected a positive int"):
+        _hip().layernorm_backward(*_bwd_args(), version="v5", grid=0)
+    with pytest.raises(ValueError, match="blocks_per_sm=1.5, expected a positive int"):
+        _hip().layernorm_backward(*_bwd_args(), version="v5", blocks_per_sm=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        _hip().layernorm_backward(*_bwd_args(), version="v5", blocks_per_sm=2, grid=10)
+    with pytest.raises(TypeError, match="dout must be a CuPy array"):   # valid settings: on to the GPU checks
+        _hip().layernorm_backward(*_bwd_args(), version="v5", blocks_per_sm=2)
+
+
+def test_hip_v5_entry_point_choice():
+    """The smallest register budget that covers C; float4 only for C % 4 == 0 and aligned arrays; None above
+    32 floats per lane (the launcher runs v3 then)."""
+    pick = _hip().v5_entry_point
+    assert pick(768, 32, True) == "layernorm_backward_v5_w4_k6"       # GPT-2 small on NVIDIA: 6 float4 per lane
+    assert pick(768, 64, True) == "layernorm_backward_v5_w4_k3"       # ... on AMD CDNA (64 lanes)
+    assert pick(1024, 32, True) == "layernorm_backward_v5_w4_k8"
+    assert pick(1028, 32, True) is None and pick(2052, 64, True) is None
+    assert pick(1028, 64, True) == "layernorm_backward_v5_w4_k6"
+    assert pick(4, 32, True) == "layernorm_backward_v5_w4_k1"
+    assert pick(768, 32, False) == "layernorm_backward_v5_w1_k32"     # misaligned: scalar loads
+    assert pick(771, 32, True) == "layernorm_backward_v5_w1_k32"      # C % 4 != 0: scalar loads
+    assert pick(1, 32, True) == "layernorm_backward_v5_w1_k1"
+    assert pick(100, 32, False) == "layernorm_backward_v5_w1_k4"
+    assert pick(1025, 32, False) is None and pick(2048, 64, False) == "layernorm_backward_v5_w1_k32"
+    # every name it can return is an entry point of layernorm.cu
+    from gpullm_lessons import hip
+    src = hip.source_path("layernorm").read_text()
+    for k in _hip().V5_F4_K:
+        assert f"LN_V5_ENTRY(4, {k}," in src
+    for k in _hip().V5_F1_K:
+        assert f"LN_V5_ENTRY(1, {k}," in src
+
+
 def test_hip_v4_grid_heuristic():
     """v4's grid: as many blocks as fit at once by register count (H200: 132 SMs, 170 registers, 256 threads: one
     block per SM); a kernel without num_regs keeps the guess of 2 per SM."""
@@ -246,9 +288,9 @@ def test_hip_forward_on_gpu(version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["numba", "hip"])
-def test_backward_dparams_deterministic_on_gpu(backend):
-    """The two-stage reduction (no atomics) gives bit-identical dweight/dbias run after run."""
+@pytest.mark.parametrize("backend,version", [("numba", "v3")] + [("hip", v) for v in _hip().VERSIONS])
+def test_backward_dparams_deterministic_on_gpu(backend, version):
+    """The two-stage reductions (no atomics) give bit-identical dweight/dbias run after run, every HIP version."""
     if backend == "numba" and not device.numba_on_gpu():
         pytest.skip("Numba kernels run on NVIDIA GPUs only")
     mod, arrays = (nb, "numba") if backend == "numba" else (_hip_or_skip(), "cupy")
@@ -261,21 +303,16 @@ def test_backward_dparams_deterministic_on_gpu(backend):
     results = []
     for _ in range(3):
         outs = [to_backend(np.full(s, np.nan, np.float32), arrays) for s in ((N, C), (C,), (C,))]
-        mod.layernorm_backward(*(to_backend(x, arrays) for x in host), *outs, version="v3")
+        mod.layernorm_backward(*(to_backend(x, arrays) for x in host), *outs, version=version)
         results.append([to_numpy(o) for o in outs])
     for other in results[1:]:
         for a, b in zip(results[0], other):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,C,offset", [(4099, 768, 0), (1000, 1024, 0), (37, 771, 0), (300, 768, 1), (5, 4, 0),
-                                        (1, 1, 0), (64, 2052, 0)])
-@pytest.mark.parametrize("threads", [64, 256, 1024])
-def test_hip_v4_paths_and_determinism_on_gpu(N, C, offset, threads):
-    """v4's float4 path (C % 4 == 0, aligned), its scalar path (C = 771, or arrays starting 4 * offset bytes past
-    16-byte alignment), rows too wide for it (C = 2052 > 32 * 32: v3 on NVIDIA); against float64, and bit-identical
-    dweight/dbias over three runs (no atomics)."""
+def _check_v4_v5(N, C, offset, runs_kwargs):
+    """Run the HIP backward with each kwargs of runs_kwargs three times on one input (arrays starting `offset`
+    floats into their buffers, outputs NaN-filled); each must match float64 and give bit-identical results."""
     cp = pytest.importorskip("cupy")
     hipln = _hip_or_skip()
     rng = np.random.default_rng(N + C)
@@ -293,18 +330,50 @@ def test_hip_v4_paths_and_determinism_on_gpu(N, C, offset, threads):
         view[...] = cp.asarray(a)
         return view
     args = [placed(x) for x in (dout, inp, weight)] + [cp.asarray(mean), cp.asarray(rstd)]
-    runs = []
-    for _ in range(3):
-        outs = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
-        hipln.layernorm_backward(*args, *outs, version="v4", threads=threads)
-        runs.append([o.get() for o in outs])
-    for name, got, e in zip(("dinp", "dweight", "dbias"), runs[0], expected):
-        assert np.isfinite(got).all(), f"{name}: NaN/unwritten elements"
-        # judged against the size of the terms: dinp's rstd * dout * weight, the sums' dout * sqrt(N)
-        terms = (np.abs(rstd).max() * np.abs(dout * weight).max() if name == "dinp"
-                 else np.abs(dout).max() * np.sqrt(N))
-        scale = max(np.abs(e).max(), terms)
-        assert np.abs(got - e).max() <= 2e-5 * scale, f"{name}: max err {np.abs(got - e).max():.3g}, scale {scale:.3g}"
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
-            np.testing.assert_array_equal(a, b)
+    for kwargs in runs_kwargs:
+        runs = []
+        for _ in range(3):
+            outs = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
+            hipln.layernorm_backward(*args, *outs, **kwargs)
+            runs.append([o.get() for o in outs])
+        for name, got, e in zip(("dinp", "dweight", "dbias"), runs[0], expected):
+            assert np.isfinite(got).all(), f"{kwargs}: {name}: NaN/unwritten elements"
+            # judged against the size of the terms: dinp's rstd * dout * weight, the sums' dout * sqrt(N)
+            terms = (np.abs(rstd).max() * np.abs(dout * weight).max() if name == "dinp"
+                     else np.abs(dout).max() * np.sqrt(N))
+            scale = max(np.abs(e).max(), terms)
+            assert np.abs(got - e).max() <= 2e-5 * scale, \
+                f"{kwargs}: {name}: max err {np.abs(got - e).max():.3g}, scale {scale:.3g}"
+        for other in runs[1:]:
+            for a, b in zip(runs[0], other):
+                np.testing.assert_array_equal(a, b, err_msg=f"{kwargs}: not bit-identical run to run")
+
+
+V4_V5_SHAPES = [(4099, 768, 0), (1000, 1024, 0), (37, 771, 0), (300, 768, 1), (5, 4, 0), (1, 1, 0), (64, 2052, 0),
+                (33, 1028, 0), (129, 4, 0), (70, 100, 0), (17, 2048, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,offset", V4_V5_SHAPES)
+@pytest.mark.parametrize("threads", [64, 256, 1024])
+@pytest.mark.parametrize("version", ["v4", "v5"])
+def test_hip_v4_v5_paths_and_determinism_on_gpu(version, N, C, offset, threads):
+    """v4/v5's float4 path (C % 4 == 0, aligned; C = 100: lanes past the row's end), their scalar path (C = 771,
+    or arrays starting 4 * offset bytes past 16-byte alignment), rows too wide for them (C = 2052 > 32 * 32 on
+    NVIDIA, > 32 * 64 on AMD: v3; C = 1028 and 2048: v3 on NVIDIA, float4 on AMD), N not a multiple of the block's
+    rows; against float64, and bit-identical dweight/dbias over three runs (no atomics). threads=1024 is lowered to
+    what the kernel allows."""
+    _check_v4_v5(N, C, offset, [dict(version=version, threads=threads)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,offset", [(16384, 768, 0), (4099, 768, 0), (1000, 1024, 0), (37, 771, 0),
+                                        (300, 768, 1), (3, 8, 0)])
+def test_hip_v5_tunables_on_gpu(N, C, offset):
+    """v5 over the sweep's grid of settings: a single block doing every row, a few blocks (rows per warp not a
+    whole number), more blocks than rows (capped), 1..8 blocks per SM, 64..512 threads; each right and
+    deterministic."""
+    settings = [dict(grid=1), dict(grid=7), dict(grid=100_000)]
+    settings += [dict(threads=t, blocks_per_sm=b) for t in (64, 128, 256, 512) for b in (1, 3, 8)]
+    settings += [dict(threads=t) for t in (128, 512)]
+    _check_v4_v5(N, C, offset, [dict(version="v5", **s) for s in settings])

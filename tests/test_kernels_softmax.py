@@ -13,6 +13,8 @@ from gpullm_lessons.kernels.numba import softmax as nb
 from gpullm_lessons.reference import softmax_backward as ref_softmax_backward, softmax_forward
 
 SIM_VERSIONS = [v for v in nb.KERNELS if v not in nb.GPU_ONLY]
+# the HIP launcher's versions (importing it needs neither cupy nor a GPU)
+from gpullm_lessons.backends._hip_softmax import VERSIONS as HIP_VERSIONS  # noqa: E402
 needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),
                                      reason=f"needs Numba on an NVIDIA GPU (this machine: {device.kind()})")
 
@@ -111,6 +113,57 @@ def test_hip_wrapper_rejects_unknown_versions_without_a_gpu():
         _hip_softmax.softmax_backward(dout, out, np.empty_like(out), version="v0")
 
 
+def test_hip_v6_v7_settings_validated_without_a_gpu():
+    from gpullm_lessons.backends import _hip_softmax as hs
+    dout, out, _ = inputs(2, 4)
+    with pytest.raises(ValueError, match="rows_per_block= is a v6 setting; version 'v5'"):
+        hs.softmax_backward(dout, out, np.empty_like(out), version="v5", rows_per_block=2)
+    with pytest.raises(ValueError, match="blocks_per_sm= is a v6/v7 setting; version 'v4'"):
+        hs.softmax_backward(dout, out, np.empty_like(out), version="v4", blocks_per_sm=2)
+    with pytest.raises(ValueError, match=r"blocks_per_sm=-1, expected an int >= 0"):
+        hs.softmax_backward(dout, out, np.empty_like(out), version="v7", blocks_per_sm=-1)
+    with pytest.raises(ValueError, match=r"blocks_per_sm=True"):
+        hs.softmax_backward(dout, out, np.empty_like(out), version="v6", blocks_per_sm=True)
+
+
+def test_hip_v6_v7_plans():
+    """Which entry point (K float4 per thread), block and rows per block v6/v7 launch, computed without a GPU."""
+    from gpullm_lessons.backends._hip_softmax import v6_plan, v7_plan
+    fn = "softmax_backward"
+    assert v6_plan(fn, 1024, 32) == (4, 256, 4)             # default: 2 warps per row, 4 rows per block
+    assert v6_plan(fn, 1024, 64) == (4, 256, 4)             # AMD: one wavefront per row
+    assert v6_plan(fn, 1024, 32, threads=512) == (4, 512, 8)
+    assert v6_plan(fn, 1024, 32, threads=64) == (4, 64, 1)
+    assert v6_plan(fn, 1024, 32, threads=256, rows_per_block=8) == (8, 256, 8)    # one warp per row
+    assert v6_plan(fn, 1024, 32, threads=256, rows_per_block=1) == (1, 256, 1)    # 8 warps per row
+    assert v6_plan(fn, 1024, 32, rows_per_block=2) == (4, 128, 2)
+    assert v6_plan(fn, 768, 32) == (4, 256, 4)              # 768 <= 4 * 4 * 64
+    assert v6_plan(fn, 4, 32) == (1, 256, 8)
+    assert v6_plan(fn, 16384, 32) == (4, 1024, 1)
+    assert v6_plan(fn, 16388, 32) is None                   # longer rows: the launcher runs v5
+    with pytest.raises(ValueError, match="whole warps"):
+        v6_plan(fn, 1024, 32, threads=256, rows_per_block=3)
+    with pytest.raises(ValueError, match="at most 32 floats per thread"):
+        v6_plan(fn, 2048, 32, threads=256, rows_per_block=8)
+    with pytest.raises(ValueError, match="at most 512 threads"):
+        v6_plan(fn, 1024, 32, threads=1024, rows_per_block=32)
+    with pytest.raises(ValueError, match="rows_per_block=0"):
+        v6_plan(fn, 1024, 32, rows_per_block=0)
+    assert v7_plan(fn, 1024, 32) == (8, 128)
+    assert v7_plan(fn, 1024, 64) == (4, 128)
+    assert v7_plan(fn, 1028, 32) is None and v7_plan(fn, 100, 32) == (1, 128)
+    with pytest.raises(ValueError, match="at most 256 threads"):
+        v7_plan(fn, 1024, 32, threads=512)
+    # every entry point a plan can name exists in softmax.cu, with the block limit the launcher assumes
+    from gpullm_lessons import hip
+    from gpullm_lessons.backends._hip_softmax import V6_MAX_THREADS, V7_MAX_THREADS
+    src = hip.source_path("softmax").read_text()
+    for k, lb in V6_MAX_THREADS.items():
+        assert f"SMX_V6_ENTRY({k}, {lb})" in src
+    for k, lb in V7_MAX_THREADS.items():
+        assert f"SMX_V7_ENTRY({k}, {lb})" in src
+
+
 # ---- (c) GPU: every version, both backends, large and awkward sizes ------------------------------------------------
 
 @needs_numba_gpu
@@ -135,7 +188,7 @@ def test_numba_on_gpu_other_block_sizes_and_cupy_arrays(version, threads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", ["small", "large"])
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
+@pytest.mark.parametrize("version", HIP_VERSIONS)
 def test_hip_on_gpu(version, size):
     pytest.importorskip("cupy")
     from gpullm_lessons.backends._hip_softmax import softmax_backward
@@ -145,7 +198,8 @@ def test_hip_on_gpu(version, size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("version,threads", [("v1", 1), ("v2", 64), ("v2", 1024), ("v3", 64), ("v3", 1024),
-                                             ("v4", 64), ("v4", 1024), ("v5", 64), ("v5", 1024)])
+                                             ("v4", 64), ("v4", 1024), ("v5", 64), ("v5", 1024), ("v6", 64),
+                                             ("v6", 1024), ("v7", 64), ("v7", 256)])
 def test_hip_on_gpu_other_block_sizes(version, threads):
     pytest.importorskip("cupy")
     from gpullm_lessons.backends._hip_softmax import softmax_backward
@@ -157,7 +211,7 @@ def test_hip_on_gpu_other_block_sizes(version, threads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,n", [(1, 1), (3, 50_001), (1025, 33), (70, 1)])
 @pytest.mark.parametrize("backend", ["numba", "hip"])
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4", "v5"])
+@pytest.mark.parametrize("version", HIP_VERSIONS)
 def test_awkward_shapes_on_gpu(version, backend, N, n):
     """A single element, rows far longer than a block, a row count just past a block, rows of length 1."""
     cp = pytest.importorskip("cupy")
@@ -216,3 +270,64 @@ def test_hip_wrapper_validates_inputs_on_gpu():
         softmax_backward(d, o, di, version="v2", threads=96)
     with pytest.raises(ValueError, match="needs whole warps"):
         softmax_backward(d, o, di, version="v3", threads=warp_size() + 1)
+
+
+V6_V7_SHAPES = [(16384, 1024, 0), (1000, 1024, 0), (4099, 768, 0), (33, 2052, 0), (5, 4, 0), (70, 1024, 1),
+                (9, 64, 3), (3, 16384, 0), (2, 20000, 0), (31, 1028, 0), (7, 1030, 0), (1, 8, 0)]
+
+
+def _check_placed(N, n, offset, runs_kwargs):
+    """softmax_backward with each kwargs on (N, n) arrays starting `offset` floats into their buffers (offset > 0:
+    not 16-byte aligned), dinp NaN-filled, against float64."""
+    cp = pytest.importorskip("cupy")
+    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    dout, out, expected = inputs(N, n, seed=N + n)
+
+    def placed(a):
+        buf = cp.full(a.size + offset, cp.nan, cp.float32)
+        view = buf[offset:].reshape(a.shape)
+        view[...] = cp.asarray(a)
+        return view
+    d, o = placed(dout), placed(out)
+    atol = 1e-5 * max(np.abs(out.astype(np.float64) * dout).max(), np.abs(expected).max())
+    exp_gpu = cp.asarray(expected)
+    for kwargs in runs_kwargs:
+        dinp = placed(np.full((N, n), np.nan, np.float32))
+        softmax_backward(d, o, dinp, **kwargs)
+        # on the GPU first (fast for many settings); NaN (unwritten) fails the <= test
+        ok = bool((cp.abs(dinp.astype(cp.float64) - exp_gpu) <= 1e-5 * cp.abs(exp_gpu) + atol).all())
+        if not ok:
+            np.testing.assert_allclose(dinp.get(), expected, rtol=1e-5, atol=atol, err_msg=str(kwargs))
+            raise AssertionError(f"{kwargs}: wrong on the GPU check")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,n,offset", V6_V7_SHAPES)
+@pytest.mark.parametrize("version", ["v6", "v7"])
+def test_hip_v6_v7_paths_on_gpu(version, N, n, offset):
+    """v6/v7 default settings: the GPT-2 size, N not a multiple of the rows per block, rows longer than v7's
+    registers (1028, 2052 on NVIDIA) or v6's (20000: both run v5), n % 4 != 0 (1030) and unaligned arrays (v5),
+    tiny rows, one row."""
+    _check_placed(N, n, offset, [dict(version=version)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,n", [(16384, 1024), (4099, 1024), (37, 768), (1000, 2048)])
+def test_hip_v6_v7_tunables_on_gpu(N, n):
+    """The sweep's settings: threads 64..1024, 1..16 rows per block (1..8 warps per row, or one warp per row with
+    K = 8), persistent grids of 1..8 blocks per SM and one row tile per block (blocks_per_sm=0)."""
+    from gpullm_lessons.backends._hip_softmax import v6_plan, warp_size
+    ws = warp_size()
+    settings = []
+    for threads in (64, 128, 256, 512, 1024):
+        for rows in (1, 2, 4, 8, 16):
+            try:
+                v6_plan("t", n, ws, threads, rows)
+            except ValueError:
+                continue    # not a valid v6 shape for this n and warp size
+            settings += [dict(version="v6", threads=threads, rows_per_block=rows, blocks_per_sm=b)
+                         for b in (None, 0, 1, 8)]
+    assert settings
+    for threads in (ws, 2 * ws, 4 * ws):
+        settings += [dict(version="v7", threads=threads, blocks_per_sm=b) for b in (None, 0, 1, 8)]
+    _check_placed(N, n, 0, settings)

@@ -9,9 +9,27 @@ dweight/dbias by a two-stage deterministic column reduction through scratch allo
 warp-shuffle sums. v4 (backward only, HIP only): one pass, one warp per row over a grid of about as many blocks as
 fit on the GPU at once; each block writes dinp for its rows and one row of dweight/dbias partials, and a small
 second kernel adds those rows per column in a fixed order (deterministic); rows wider than 32 * warpSize columns
-(1024 on NVIDIA) go through v3. All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
+(1024 on NVIDIA) go through v3.
+v5 (backward only, HIP only): v4's one-pass plan rebuilt around a register budget. One warp per row, grid-stride over
+rows; each lane loads its columns of dout and inp ONCE (float4 when C % 4 == 0 and dout, inp, weight, dinp are
+16-byte aligned, else scalar), turns them in place into g = weight * dout and xhat, and writes dinp from registers:
+per row it moves exactly 3C floats (dout, inp in; dinp out), the minimum, where v3 reads each row twice. Its
+dweight/dbias partials stay in registers over all its rows. The number of float4 (or floats) each lane holds is a
+compile-time K per entry point, picked here as the smallest that covers C: C = 768 on 32-lane warps takes K = 6
+float4, ~128 registers, 16 warps (16 rows in flight, ~96 KB of loads) per SM, where v4 spent 170 registers on a
+fixed 1024-column budget. A block adds its warps' partials in warp order in shared memory (<= 16 KB) and writes one
+row of (grid, 2C) scratch; layernorm_backward_v5_reduce sums it per column in a fixed order (deterministic, same
+bits every run on a given GPU and launch configuration). The grid is about as many blocks as fit on the GPU at once
+(the CUDA/HIP occupancy API, or the register heuristic), tunable with blocks_per_sm= or grid=. Rows wider than
+32 * warpSize columns (1024 on NVIDIA, 2048 on AMD CDNA) go through v3.
+dweight and dbias are overwritten (not accumulated into) by every version.
+Device properties are read once per device and cached: cudaGetDeviceProperties can cost far more than the kernel
+(a likely part of v4's 1.47 ms on the H200, measured before this cache existed).
+All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -20,12 +38,17 @@ from .. import hip
 from ..kernels.numba.layernorm import check_array, check_block, check_rows
 from ._args import check_version, is_cupy
 
-VERSIONS = ("v1", "v2", "v3", "v4")
-FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4 is a backward kernel only
+VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4, v5 are backward kernels only
 LN_V4_COLS = 32        # v4: columns each lane owns (LN_V4_COLS in layernorm.cu): C <= LN_V4_COLS * warp size
 V4_THREADS = 256       # v4's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
 WARP_MAX = 64          # v3 blocks are whole warps on either vendor (32 lanes on NVIDIA, 64 on AMD CDNA)
 ROWS_PER_CHUNK = 32    # rows summed by one thread in stage 1 of the dweight/dbias reduction
+V5_THREADS = 256       # v5's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
+V5_BLOCKS_PER_SM = None          # v5's default grid: None = as many blocks as fit at once (occupancy API)
+V5_F4_K = (1, 2, 3, 4, 6, 8)     # v5 entry points layernorm_backward_v5_w4_k{K}: K float4 per lane per array
+V5_F1_K = (1, 4, 8, 16, 32)      # v5 entry points layernorm_backward_v5_w1_k{K}: K floats per lane (scalar path)
+V5_REDUCE_THREADS = 512          # v5 stage 2: 32 columns x 16 row groups per block (fixes its summation order)
 
 
 def _check_on_gpu(fn, named):
@@ -39,15 +62,22 @@ def _check_on_gpu(fn, named):
 def _check_launch(fn, version, threads):
     check_version(fn, version, VERSIONS)
     threads = check_block(fn, version, threads)
-    if version in ("v3", "v4") and threads % WARP_MAX:
+    if version in ("v3", "v4", "v5") and threads % WARP_MAX:
         raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP_MAX} for {version} (whole warps on "
                          f"NVIDIA and AMD)")
     return threads
 
 
-def _device_props(x):
+@functools.lru_cache(maxsize=None)
+def _props_of(device_id: int) -> dict:
+    """cudaGetDeviceProperties / hipGetDeviceProperties, once per device: the call reads every property (some
+    through the driver) and can take longer than the kernels launched after it."""
     import cupy
-    return cupy.cuda.runtime.getDeviceProperties(x.device.id)
+    return dict(cupy.cuda.runtime.getDeviceProperties(device_id))
+
+
+def _device_props(x):
+    return _props_of(int(x.device.id))
 
 
 def _resident_blocks(kernel, threads, props):
@@ -64,6 +94,86 @@ def _resident_blocks(kernel, threads, props):
     except Exception:  # noqa: BLE001 - an attribute this CuPy/driver does not report: keep the guess
         pass
     return sms * max(1, per_sm)
+
+
+_OCCUPANCY: dict = {}
+
+
+def _blocks_per_sm(kernel, threads, props):
+    """Blocks of `threads` threads of `kernel` that fit on one SM (CU) at once: the driver's occupancy calculator
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor / its HIP twin, through CuPy), else _resident_blocks' register
+    estimate. Cached per kernel and block size."""
+    key = (int(getattr(kernel, "ptr", id(kernel))), int(threads))
+    hit = _OCCUPANCY.get(key)
+    if hit is not None:
+        return hit
+    sms = int(props.get("multiProcessorCount", 0)) or 108
+    try:
+        import cupy
+        per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, int(threads), 0))
+    except Exception:  # noqa: BLE001 - no occupancy API in this CuPy/ROCm build: the register estimate
+        per_sm = _resident_blocks(kernel, threads, props) // sms
+    _OCCUPANCY[key] = max(1, per_sm)
+    return _OCCUPANCY[key]
+
+
+def _check_v5_tunables(fn, version, blocks_per_sm, grid):
+    """v5's grid settings: None or a positive int each, not both; only v5 takes them."""
+    for name, v in (("blocks_per_sm", blocks_per_sm), ("grid", grid)):
+        if v is None:
+            continue
+        if version != "v5":
+            raise ValueError(f"{fn}: {name}= sets v5's grid; version {version!r} does not take it")
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{fn}: {name}={v!r}, expected a positive int (or None: as many blocks as fit)")
+    if blocks_per_sm is not None and grid is not None:
+        raise ValueError(f"{fn}: give blocks_per_sm= or grid=, not both (grid= is the total number of blocks)")
+
+
+def v5_entry_point(C: int, warp: int, vector: bool):
+    """The v5 kernel for rows of C columns on `warp`-lane warps: the float4 entry point (vector=True: C % 4 == 0 and
+    16-byte aligned arrays) or the scalar one with the smallest K that covers C; None when C > 32 * warp (v3 then)."""
+    if vector and C % 4 == 0:
+        for k in V5_F4_K:
+            if C <= 4 * k * warp:
+                return f"layernorm_backward_v5_w4_k{k}"
+        return None
+    for k in V5_F1_K:
+        if C <= k * warp:
+            return f"layernorm_backward_v5_w1_k{k}"
+    return None
+
+
+def _aligned16(*arrays) -> bool:
+    return all(int(a.data.ptr) % 16 == 0 for a in arrays)
+
+
+def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid):
+    """v5's two launches; returns False (nothing launched) when C is too wide for it."""
+    import cupy
+    N, C = inp.shape
+    props = _device_props(dout)
+    ws = int(props["warpSize"])
+    name = v5_entry_point(C, ws, _aligned16(dout, inp, weight, dinp))
+    if name is None:
+        return False
+    k = hip.kernel("layernorm", name)
+    # the big-K entry points are compiled for smaller blocks (__launch_bounds__): lower threads to whole warps below
+    threads = max(ws, min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws))
+    warps = threads // ws
+    blocks = (N + warps - 1) // warps                     # enough blocks to give every warp a row
+    if grid is not None:
+        blocks = min(blocks, int(grid))
+    else:
+        blocks_per_sm = V5_BLOCKS_PER_SM if blocks_per_sm is None else blocks_per_sm
+        per_sm = int(blocks_per_sm) if blocks_per_sm is not None else _blocks_per_sm(k, threads, props)
+        blocks = min(blocks, per_sm * (int(props.get("multiProcessorCount", 0)) or 108))
+    part = cupy.empty((blocks, 2 * C), dtype=cupy.float32)   # one (dweight | dbias) row per block, all written
+    n, c = np.int32(N), np.int32(C)
+    k((blocks,), (threads,), (dout, inp, weight, mean, rstd, dinp, part, n, c))
+    hip.kernel("layernorm", "layernorm_backward_v5_reduce")(
+        ((2 * C + 31) // 32,), (V5_REDUCE_THREADS,), (part, dweight, dbias, np.int32(blocks), c))
+    return True
 
 
 def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2", threads=128):
@@ -84,11 +194,14 @@ def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2"
 
 
 def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version="v2", threads=None,
-                       rows_per_chunk=ROWS_PER_CHUNK):
+                       rows_per_chunk=ROWS_PER_CHUNK, blocks_per_sm=None, grid=None):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,).
 
-    threads: per block; None: 256 for v4, 128 otherwise. v4 lowers threads to what its register use allows
-    (its kernel's max_threads_per_block: about 384 on NVIDIA)."""
+    threads: per block; None: 256 for v4 and v5, 128 otherwise. v4 and v5 lower threads to what their register use
+    allows (the kernel's max_threads_per_block: about 384 for v4 on NVIDIA; 512 or 256 for v5's wide entry points).
+    v5 only: blocks_per_sm= (blocks per SM, times the SM count) or grid= (total blocks) sets its grid, capped at
+    one row per warp; None: as many blocks as fit on the GPU at once. dweight/dbias are bit-identical run after run
+    for a given GPU and launch configuration; a different grid sums in a different order (last bits differ)."""
     fn = "layernorm_backward"
     N, C = check_rows(fn, inp, cupy=True)
     named = (("dout", dout, (N, C)), ("inp", inp, (N, C)), ("weight", weight, (C,)), ("mean", mean, (N,)),
@@ -96,8 +209,9 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
     for name, x, shape in named:
         check_array(fn, name, x, shape, cupy=True)
     if threads is None:
-        threads = V4_THREADS if version == "v4" else 128
+        threads = {"v4": V4_THREADS, "v5": V5_THREADS}.get(version, 128)
     threads = _check_launch(fn, version, threads)
+    _check_v5_tunables(fn, version, blocks_per_sm, grid)
     if not isinstance(rows_per_chunk, (int, np.integer)) or rows_per_chunk < 1:
         raise ValueError(f"{fn}: rows_per_chunk={rows_per_chunk!r}, expected a positive int")
     _check_on_gpu(fn, [(name, x) for name, x, _ in named])
@@ -110,6 +224,10 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
             (col_blocks,), (threads,), (dout, inp, mean, rstd, dweight, dbias, n, c))
         return dinp, dweight, dbias
     import cupy  # lazily: an optional extra
+    if version == "v5":
+        if _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid):
+            return dinp, dweight, dbias
+        version = "v3"   # rows too wide for v5's per-lane registers (C > 32 * warp size): the two-pass v3
     if version == "v4":
         props = _device_props(dout)
         ws = int(props["warpSize"])

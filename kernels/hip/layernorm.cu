@@ -15,6 +15,16 @@
 //     memory once (the second pass over a row hits L1). Needs C <= LN_V4_COLS * warpSize (1024 on NVIDIA).
 //     MEASURED on the H200 (2026-11-30, 16384 x 768): 1.47 ms, slower than v3 (0.39 ms) and far from the design's
 //     aim. Not yet understood; first suspects: ~170 registers per thread (few warps per SM) and the grid heuristic.
+// v5: v4 rebuilt around a register budget. One warp per row, grid-stride over rows; lane `lane` owns float4 number
+//     j = lane + k * warpSize (k < K) of every row (or float j with the scalar entry points), so it loads its dout
+//     and inp ONCE into registers, turns them in place into g = weight * dout and xhat, and writes dinp from those
+//     registers (no second read of the row, not even from L1). Its dweight/dbias partials (4K + 4K floats) stay in
+//     registers over all its rows. K is a compile-time constant per entry point (layernorm_backward_v5_w4_k{1,2,3,
+//     4,6,8}, ..._w1_k{1,4,8,16,32}) and the launcher picks the smallest that covers C, so a C = 768 row on 32-lane
+//     warps holds 6 float4 per array (about 120 registers) instead of v4's fixed 32-column budget (170 registers,
+//     both paths in one kernel). Each block adds its warps' partials in warp order in shared memory and writes one
+//     partial row (dweight | dbias, 2C floats) to scratch (gridDim.x, 2C); layernorm_backward_v5_reduce adds the
+//     rows per column in a fixed order. Deterministic; C <= 32 * warpSize (1024 on NVIDIA), else the launcher runs v3.
 // No atomics: atomicAdd into dweight would be one kernel, but the float sum order (and so the last bits of the
 // result) would change from run to run.
 #include "portable.h"
@@ -372,5 +382,144 @@ extern "C" __global__ void layernorm_backward_v4_reduce(const float* __restrict_
             dbias[c] = db;
         }
         __syncthreads();                              // sh_w read before the next tile overwrites it
+    }
+}
+
+// ---- v5: one warp per row, the row and the dweight/dbias partials in registers --------------------------------------
+// W columns per load (4: float4, needs C % 4 == 0 and 16-byte aligned arrays; 1: scalar), K loads per lane per array:
+// lane `lane` owns columns c0(k) + e, c0(k) = W * (lane + k * warpSize), e < W, k < K, in every row it visits.
+// Registers per lane: g and xhat of the current row (2 * W * K), the partials aw, ab (2 * W * K), plus ~20.
+#define LN_V5_WARP_MAX 64     // the widest warp (AMD CDNA): sizes the shared partial row (C <= W * K * warpSize)
+
+template <int W, int K>
+__device__ __forceinline__ void layernorm_backward_v5_body(
+        const float* __restrict__ dout, const float* __restrict__ inp, const float* __restrict__ weight,
+        const float* __restrict__ mean, const float* __restrict__ rstd, float* __restrict__ dinp,
+        float* __restrict__ part, int N, int C, float* sh) {
+    const int P = W * K;                              // floats per lane per row
+    int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, n_warps = blockDim.x / warpSize;
+    float aw[P], ab[P];                               // dweight, dbias partials of column c0(k) + e at k * W + e
+#pragma unroll
+    for (int i = 0; i < P; i++) { aw[i] = 0.0f; ab[i] = 0.0f; }
+    for (int row = blockIdx.x * n_warps + warp; row < N; row += gridDim.x * n_warps) {   // warp-uniform
+        const float* d = dout + (long long)row * C;
+        const float* x = inp + (long long)row * C;
+        float m = mean[row], r = rstd[row];
+        float g[P], xh[P];                            // dout then g; inp then xhat
+#pragma unroll
+        for (int k = 0; k < K; k++) {                 // every load of the row issued before any use
+            int c0 = W * (lane + k * warpSize);
+            if (c0 < C) { ln_load<W>(d + c0, g + k * W); ln_load<W>(x + c0, xh + k * W); }
+        }
+        float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c0 = W * (lane + k * warpSize);
+            if (c0 < C) {
+                float wv[4];
+                ln_load<W>(weight + c0, wv);          // the same C floats for every row: L1/L2 hits
+#pragma unroll
+                for (int e = 0; e < W; e++) {
+                    int i = k * W + e;
+                    float dv = g[i], xhat = (xh[i] - m) * r, gv = dv * wv[e];
+                    ab[i] += dv;
+                    aw[i] += dv * xhat;
+                    sg += gv;
+                    sgx += gv * xhat;
+                    g[i] = gv;
+                    xh[i] = xhat;
+                }
+            }
+        }
+        float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;   // every lane: mean(g), mean(g * xhat)
+        float* di = dinp + (long long)row * C;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c0 = W * (lane + k * warpSize);
+            if (c0 < C) {
+                float ov[4];
+#pragma unroll
+                for (int e = 0; e < W; e++) ov[e] = r * (g[k * W + e] - mg - xh[k * W + e] * mgx);
+                ln_store<W>(di + c0, ov);
+            }
+        }
+    }
+    // The block's partial row in shared memory: sh[0 .. C) dweight, sh[C .. 2C) dbias. Warp 0 stores its partials,
+    // then warps 1, 2, ... add theirs one warp at a time (a fixed order: the same bits every run).
+    for (int w = 0; w < n_warps; w++) {
+        if (warp == w) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                int c0 = W * (lane + k * warpSize);
+                if (c0 < C) {
+#pragma unroll
+                    for (int e = 0; e < W; e++) {
+                        sh[c0 + e] = (w == 0 ? 0.0f : sh[c0 + e]) + aw[k * W + e];
+                        sh[C + c0 + e] = (w == 0 ? 0.0f : sh[C + c0 + e]) + ab[k * W + e];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* out = part + (long long)blockIdx.x * 2 * C;   // row blockIdx.x of (gridDim.x, 2C): coalesced
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) out[c] = sh[c];
+}
+
+// Entry points: grid of any number of blocks (the launcher: about as many as fit on the GPU at once), blockDim
+// whole warps; part is (gridDim.x, 2C) scratch, every element written. __launch_bounds__(LB) caps registers at
+// 65536 / LB per thread on NVIDIA (128 at 512 threads): the big-K entry points allow fewer threads per block.
+#define LN_V5_ENTRY(W, K, LB)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(LB)                                                                  \
+    layernorm_backward_v5_w##W##_k##K(const float* __restrict__ dout, const float* __restrict__ inp,                 \
+                                      const float* __restrict__ weight, const float* __restrict__ mean,              \
+                                      const float* __restrict__ rstd, float* __restrict__ dinp,                      \
+                                      float* __restrict__ part, int N, int C) {                                      \
+        __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
+        layernorm_backward_v5_body<W, K>(dout, inp, weight, mean, rstd, dinp, part, N, C, sh);                       \
+    }
+LN_V5_ENTRY(4, 1, 1024)
+LN_V5_ENTRY(4, 2, 1024)
+LN_V5_ENTRY(4, 3, 512)
+LN_V5_ENTRY(4, 4, 512)
+LN_V5_ENTRY(4, 6, 512)
+LN_V5_ENTRY(4, 8, 256)
+LN_V5_ENTRY(1, 1, 1024)
+LN_V5_ENTRY(1, 4, 1024)
+LN_V5_ENTRY(1, 8, 512)
+LN_V5_ENTRY(1, 16, 512)
+LN_V5_ENTRY(1, 32, 256)
+
+// v5 stage 2: part (n_parts, 2C) -> dweight = column sums of part[:, :C], dbias = of part[:, C:]. A block takes
+// tiles of LN_V5_RED_COLS columns (128 bytes of each partial row: coalesced); thread (ty, tx) sums rows ty, ty + G,
+// ... of column tile + tx in four interleaved running sums, then thread (0, tx) adds the G results in order ty = 0,
+// 1, ... The order depends only on n_parts and blockDim.x: deterministic. blockDim.x a multiple of 32, <= 1024.
+#define LN_V5_RED_COLS 32
+extern "C" __global__ void layernorm_backward_v5_reduce(const float* __restrict__ part, float* __restrict__ dweight,
+                                                        float* __restrict__ dbias, int n_parts, int C) {
+    __shared__ float sh[1024];
+    int tx = threadIdx.x % LN_V5_RED_COLS, ty = threadIdx.x / LN_V5_RED_COLS, G = blockDim.x / LN_V5_RED_COLS;
+    int C2 = 2 * C;
+    for (int tile = blockIdx.x * LN_V5_RED_COLS; tile < C2; tile += gridDim.x * LN_V5_RED_COLS) {   // block-uniform
+        int j = tile + tx;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        if (j < C2) {
+            int p = ty;
+            for (; p + 3 * G < n_parts; p += 4 * G) {          // four independent loads in flight
+                a0 += part[(long long)p * C2 + j];
+                a1 += part[(long long)(p + G) * C2 + j];
+                a2 += part[(long long)(p + 2 * G) * C2 + j];
+                a3 += part[(long long)(p + 3 * G) * C2 + j];
+            }
+            for (; p < n_parts; p += G) a0 += part[(long long)p * C2 + j];
+        }
+        sh[threadIdx.x] = (a0 + a1) + (a2 + a3);
+        __syncthreads();
+        if (ty == 0 && j < C2) {
+            float s = 0.0f;
+            for (int h = 0; h < G; h++) s += sh[h * LN_V5_RED_COLS + tx];
+            if (j < C) dweight[j] = s; else dbias[j - C] = s;
+        }
+        __syncthreads();                                       // sh read before the next tile overwrites it
     }
 }
