@@ -10,7 +10,10 @@ run in that precision, and the peak memory of CuPy's memory pool. With torch ins
 PyTorch (eager, scaled_dot_product_attention, fused AdamW, bf16 autocast for bf16) is timed on the same shapes.
 
 `checkpointing`: per preset and policy (none / selective / full), the step time and the measured peak memory
-beside checkpointing.memory_model's prediction.
+beside the predictions of engine.engine_memory (the engine's tensors) and checkpointing.memory_model (the
+reference's cache). Peak = the largest number of bytes in use in CuPy's memory pool at any allocation (an
+allocator hook reads pool.used_bytes() after each malloc); "reserved" = what the pool holds at the end, which adds
+the fragmentation of its free blocks.
 """
 from __future__ import annotations
 
@@ -72,15 +75,27 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
 
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions)
-    model_bytes = pool.total_bytes()                 # params, grads, m, v (+ the half copy): before any step
-    batches = _batches(cfg, B, T, steps + 3)
-    step = lambda x, y: eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)  # noqa: E731
-    sec = _time_steps(step, batches)
-    peak = pool.total_bytes()                        # the pool only grows when no freed block fits: its high water
-    del eng
+    high = [0]
+
+    def tracking_malloc(size):                       # every allocation goes through the pool; note the live peak
+        mem = pool.malloc(size)
+        high[0] = max(high[0], pool.used_bytes())
+        return mem
+
+    cp.cuda.set_allocator(tracking_malloc)
+    try:
+        eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions)
+        model_bytes = pool.used_bytes()              # params, grads, m, v (+ the half copy): before any step
+        batches = _batches(cfg, B, T, steps + 3)
+        step = lambda x, y: eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)  # noqa: E731
+        sec = _time_steps(step, batches)
+        reserved = pool.total_bytes()                # what the pool holds: the live peak plus fragmentation
+        del eng
+    finally:
+        cp.cuda.set_allocator(pool.malloc)
     pool.free_all_blocks()
-    return {"step_ms": 1e3 * sec, "peak_bytes": int(peak), "model_bytes": int(model_bytes)}
+    return {"step_ms": 1e3 * sec, "peak_bytes": int(high[0]), "reserved_bytes": int(reserved),
+            "model_bytes": int(model_bytes)}
 
 
 def measure_torch(cfg, B, T, precision="fp32", steps=10) -> dict:
@@ -223,13 +238,13 @@ def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), polici
 
 def format_checkpointing(result) -> str:
     lines = [f"activation checkpointing on {result['card']} ({result['date']})",
-             "peak = CuPy memory pool high water; engine_memory = the engine's own tensors (gpullm_lessons.engine);",
+             "peak = most bytes in use in CuPy's pool (reserved: + its free blocks); engine_memory = the engine's own tensors (gpullm_lessons.engine);",
              "memory_model = the NumPy reference's cache in one precision (gpullm_lessons.checkpointing)",
-             f"{'preset':<8}{'prec':<6}{'policy':<10}{'ms/step':>9}{'peak GiB':>10}{'weights+opt':>12}"
+             f"{'preset':<8}{'prec':<6}{'policy':<10}{'ms/step':>9}{'peak GiB':>10}{'reserved':>10}{'weights+opt':>12}"
              f"{'engine_memory':>15}{'ratio':>7}{'memory_model':>14}{'ratio':>7}"]
     for r in result["rows"]:
         lines.append(f"{r['preset']:<8}{r['precision']:<6}{r['policy']:<10}{r['step_ms']:9.2f}"
-                     f"{r['peak_bytes'] / 2**30:10.2f}{r['model_bytes'] / 2**30:12.2f}"
+                     f"{r['peak_bytes'] / 2**30:10.2f}{r['reserved_bytes'] / 2**30:10.2f}{r['model_bytes'] / 2**30:12.2f}"
                      f"{r['total_bytes_engine_model'] / 2**30:15.2f}{r['total_bytes_engine_model'] / r['peak_bytes']:7.3f}"
                      f"{r['total_bytes_model'] / 2**30:14.2f}{r['total_bytes_model'] / r['peak_bytes']:7.3f}")
     return "\n".join(lines)

@@ -321,7 +321,7 @@ class GPUEngine(Engine):
 
     # the kernel version each op runs with (the fastest simulator-safe one for numba, the fastest for hip)
     DEFAULT_VERSIONS = {
-        "hip": {"layernorm_forward": "v2", "layernorm_backward": "v3", "gelu": "v1", "crossentropy": "v2",
+        "hip": {"layernorm_forward": "v2", "layernorm_backward": "v5", "gelu": "v1", "crossentropy": "v2",
                 "encoder": "v2", "adamw": "v3", "convert": "v1"},
         "numba": {"layernorm_forward": "v2", "layernorm_backward": "v2", "gelu": "v1", "crossentropy": "v2",
                   "encoder": "v2", "adamw": "v2", "convert": "v1"},
