@@ -964,3 +964,356 @@ def plot_precision_losses(result: dict, rtol: Optional[float] = None, reference:
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+# ---- lesson 09: the full training loop ------------------------------------------------------------------------------
+
+def plot_training_step(n_layer="L", ax=None):
+    """One training step as a pipeline of boxes, each labelled with the lesson that built its kernel: the forward
+    (batch -> embed -> n_layer blocks -> lnf -> head -> fused cross-entropy), one block opened up below it (LN, qkv
+    matmul, attention, proj, LN, fc, GELU, proj), then the backward in reverse order, the global gradient norm and
+    the fused AdamW with its half copy."""
+    plt = _pyplot()
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(13, 5.4))
+    else:
+        fig = ax.figure
+    colors = {"data": "#d9d9d9", "fwd": "#c6dbef", "loss": "#fdd0a2", "bwd": "#fcbba1", "opt": "#c7e9c0"}
+
+    def box(x, y, w, text, kind, lesson="", h=0.62):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08",
+                                    fc=colors[kind], ec="black", lw=0.8))
+        ax.text(x + w / 2, y + h / 2 + (0.07 if lesson else 0), text, ha="center", va="center", fontsize=8.5)
+        if lesson:
+            ax.text(x + w / 2, y + 0.1, lesson, ha="center", va="center", fontsize=6.5, color="dimgray")
+        return (x, y, w, h)
+
+    def arrow(a, b, dy=0.0):
+        ax.add_patch(FancyArrowPatch((a[0] + a[2], a[1] + a[3] / 2 + dy), (b[0], b[1] + b[3] / 2 + dy),
+                                     arrowstyle="-|>", mutation_scale=9, lw=0.8, color="black"))
+
+    # row 1: the forward of the whole model
+    y1 = 4.0
+    row1 = [("batch x, y\n(B, T) int32", "data", "L09 data", 1.5), ("embed\nwte[x] + wpe", "fwd", "L05", 1.4),
+            (f"{n_layer} blocks", "fwd", "below", 1.6), ("lnf\nLayerNorm", "fwd", "L04", 1.3),
+            ("head\nlnf @ wte.T", "fwd", "L02 cuBLAS", 1.5), ("fused CE\nloss, dlogits", "loss", "L05", 1.6)]
+    x, prev, boxes1 = 0.1, None, []
+    for text, kind, lesson, w in row1:
+        b = box(x, y1, w, text, kind, lesson)
+        if prev:
+            arrow(prev, b)
+        prev, x = b, x + w + 0.35
+        boxes1.append(b)
+    ax.text(0.1, y1 + 0.8, "forward, left to right ->", fontsize=8.5, color="tab:blue", va="center")
+    # row 2: one block, opened up
+    y2 = 2.55
+    row2 = [("LN1", "L04", 0.8), ("qkv\nmatmul", "L02", 0.95), ("attention\nq k^T, softmax, @v", "L03 L05", 1.75),
+            ("proj\n+ residual", "L02", 1.1), ("LN2", "L04", 0.8), ("fc\nmatmul", "L02", 0.95),
+            ("GELU", "L05", 0.85), ("proj\n+ residual", "L02", 1.1)]
+    x, prev, first = 0.9, None, None
+    for text, lesson, w in row2:
+        b = box(x, y2, w, text, "fwd", lesson)
+        if prev:
+            arrow(prev, b)
+        first = first or b
+        prev, x = b, x + w + 0.3
+    blk = boxes1[2]
+    ax.plot([blk[0], first[0] - 0.1, first[0] - 0.1], [y1, y1 - 0.35, y2 + 0.62 + 0.1], color="gray", lw=0.8, ls=":")
+    ax.plot([blk[0] + blk[2], prev[0] + prev[2] + 0.1, prev[0] + prev[2] + 0.1],
+            [y1, y1 - 0.35, y2 + 0.62 + 0.1], color="gray", lw=0.8, ls=":")
+    ax.text(prev[0] + prev[2] + 0.25, y2 + 0.31, f"one block, x {n_layer}\n(checkpointing L08:\nrecompute, not keep)",
+            fontsize=7.5, color="dimgray", va="center")
+    first_bwd = None
+    # row 3, right to left: the backward in reverse order, the global norm, AdamW
+    y3 = 1.0
+    row3 = [("backward of CE\n+ head (dlogits)", "bwd", "L05 L02", 1.75),
+            (f"blocks {n_layer} .. 1\nin reverse", "bwd", "L02-L05", 1.6), ("embed backward\ndwte, dwpe", "bwd", "L05", 1.7),
+            ("global norm\n||g||, one reduction", "opt", "L09", 1.9), ("clip coef\nmin(1, c/||g||)", "opt", "L09", 1.6),
+            ("fused AdamW\n(+ half copy)", "opt", "L06 L07", 1.6)]
+    x, prev = 13.55, None
+    for text, kind, lesson, w in row3:
+        x -= w
+        b = box(x, y3, w, text, kind, lesson)
+        if prev:
+            ax.add_patch(FancyArrowPatch((prev[0], y3 + 0.31), (b[0] + b[2], y3 + 0.31), arrowstyle="-|>",
+                                         mutation_scale=9, lw=0.8, color="black"))
+        prev, x = b, x - 0.35
+        if kind == "bwd" and first_bwd is None:
+            first_bwd = b
+    ax.text(prev[0], y3 - 0.28, "<- backward in reverse order, then the update (right to left)", fontsize=8.5,
+            color="tab:red", va="center")
+    ce = boxes1[-1]
+    xr = 13.9
+    ax.plot([ce[0] + ce[2], xr, xr], [y1 + 0.31, y1 + 0.31, y3 + 0.31], color="tab:red", lw=0.9, ls="--")
+    ax.add_patch(FancyArrowPatch((xr, y3 + 0.31), (first_bwd[0] + first_bwd[2], y3 + 0.31), arrowstyle="-|>",
+                                 mutation_scale=9, lw=0.9, color="tab:red", ls="--"))
+    ax.set_xlim(0, 14.2)
+    ax.set_ylim(0.35, 4.95)
+    ax.axis("off")
+    ax.legend(handles=[Patch(fc=c, ec="black", label=k) for k, c in
+                       (("data", colors["data"]), ("forward", colors["fwd"]), ("loss", colors["loss"]),
+                        ("backward", colors["bwd"]), ("optimizer", colors["opt"]))],
+              loc="upper right", bbox_to_anchor=(1.0, 0.08), fontsize=7.5, ncol=5, frameon=False)
+    ax.set_title("one training step, and the lesson (L02..L08) that built each kernel", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+class LiveLossPlot:
+    """A loss plot that redraws in place in a notebook while a loop runs (an IPython display handle).
+
+        live = LiveLossPlot(entropy=h)        # shows an empty figure under the cell
+        live.update(records)                  # redraw with plot_loss(records); call it every k steps
+    Outside IPython (a script, a test) update() only redraws the figure (self.fig), it displays nothing."""
+
+    def __init__(self, entropy: Optional[float] = None, title: str = "GPT training loss (live)"):
+        plt = _pyplot()
+        self.entropy, self.title = entropy, title
+        self.fig, self.ax = plt.subplots(figsize=(7, 4))
+        plt.close(self.fig)                    # not shown again at the end of the cell: the handle shows it
+        self.handle = None
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+            if get_ipython() is not None:
+                self.handle = display(self.fig, display_id=True)
+        except ImportError:
+            pass
+        self.redraws = 0
+
+    def update(self, records) -> None:
+        records = list(records)
+        if not records:
+            return
+        self.ax.clear()
+        plot_loss(records, entropy=self.entropy, ax=self.ax)
+        self.ax.set_title(self.title, fontsize=10)
+        self.redraws += 1
+        if self.handle is not None:
+            self.handle.update(self.fig)
+
+
+def plot_step_profile(result: dict, title: str = "", ax=None):
+    """Where one training step's time goes: horizontal bars of ms per step by op (bench_train.profile_step's dict,
+    or the same built from OpProfiler.report()), largest at the top, the untimed remainder "other (CuPy ops,
+    copies, Python)" highlighted."""
+    plt = _pyplot()
+    rows = sorted(result["rows"], key=lambda r: r["ms_per_step"])
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    else:
+        fig = ax.figure
+    other = [r["op"].startswith("other") for r in rows]
+    colors = ["tab:orange" if o else "tab:blue" for o in other]
+    y = range(len(rows))
+    ax.barh(y, [r["ms_per_step"] for r in rows], color=colors, hatch=None)
+    for i, r in enumerate(rows):
+        ax.text(r["ms_per_step"], i, f" {r['ms_per_step']:.3g} ms ({100 * r['share']:.0f}%)", va="center", fontsize=7)
+    ax.set_yticks(list(y), [r["op"] for r in rows], fontsize=8)
+    for lab, o in zip(ax.get_yticklabels(), other):
+        if o:
+            lab.set_color("tab:orange")
+            lab.set_fontweight("bold")
+    ax.set_xlabel("ms per step")
+    ax.set_xlim(0, 1.3 * max(r["ms_per_step"] for r in rows))
+    ax.set_title(title or f"{result.get('preset', '')} {result.get('precision', '')} on {result.get('card', '?')}: "
+                          f"{result['step_ms']:.3g} ms per step", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_train_bench(result: dict, axes=None):
+    """Step time of our engine beside PyTorch eager (bench_train.bench_train's dict): one panel per preset, a pair
+    of bars per precision, each labelled with its ms and our time / PyTorch's time."""
+    plt = _pyplot()
+    presets = list(dict.fromkeys(r["preset"] for r in result["rows"]))
+    if axes is None:
+        fig, axes = plt.subplots(1, len(presets), figsize=(4.6 * len(presets), 3.8), squeeze=False)
+        axes = axes[0]
+    else:
+        fig = axes[0].figure
+    who_color = {"ours": "tab:blue", "pytorch": "tab:gray"}
+    for ax, preset in zip(axes, presets):
+        rows = [r for r in result["rows"] if r["preset"] == preset]
+        precs = list(dict.fromkeys(r["precision"] for r in rows))
+        whos = list(dict.fromkeys(r["who"] for r in rows))
+        width = 0.8 / len(whos)
+        for j, who in enumerate(whos):
+            for i, p in enumerate(precs):
+                match = [r for r in rows if r["precision"] == p and r["who"] == who]
+                if not match:
+                    continue
+                ms = match[0]["step_ms"]
+                ax.bar(i + (j - (len(whos) - 1) / 2) * width, ms, width, color=who_color.get(who, f"C{j + 2}"),
+                       label=who if i == 0 else None)
+                text = f"{ms:.3g}"
+                torch_rows = [r for r in rows if r["precision"] == p and r["who"] == "pytorch"]
+                if who != "pytorch" and torch_rows:
+                    text += f"\n{ms / torch_rows[0]['step_ms']:.2f}x"
+                ax.text(i + (j - (len(whos) - 1) / 2) * width, ms, text, ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(precs)), precs)
+        ax.set_ylabel("ms per training step")
+        ax.set_title(f"{preset} (B={rows[0]['B']}, T={rows[0]['T']})", fontsize=10)
+        ax.set_ylim(0, 1.25 * max(r["step_ms"] for r in rows))
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"training step: ours vs PyTorch eager, {result.get('card', '?')} ({result.get('date', '?')})",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---- lesson 10: collectives, the ring, all-reduce bandwidth, ZeRO memory ------------------------------------------
+
+def _cells(ax, x0, y0, cells, size=0.9):
+    """Draw a row of cells at (x0, y0): each (color, text) or None (an empty slot)."""
+    from matplotlib.patches import Rectangle
+
+    for i, cell in enumerate(cells):
+        if cell is None:
+            ax.add_patch(Rectangle((x0 + i, y0), size, size, fill=False, ls=":", ec="0.7"))
+            continue
+        color, text = cell
+        ax.add_patch(Rectangle((x0 + i, y0), size, size, fc=color, ec="0.3", lw=0.8))
+        ax.text(x0 + i + size / 2, y0 + size / 2, text, ha="center", va="center", fontsize=7,
+                color="white" if color in ("0.25", "black") else "black")
+
+
+def plot_collectives(N: int = 4, axes=None):
+    """Broadcast, all-reduce, reduce-scatter and all-gather on N ranks: each rank's buffer before and after.
+
+    A buffer is drawn as N chunks; a chunk's color is the rank whose data it holds, dark gray a sum over all ranks
+    (its text: Σ and the chunk index)."""
+    plt = _pyplot()
+    if axes is None:
+        fig, axes = plt.subplots(4, 2, figsize=(8.5, 8.5))
+    fig = axes[0][0].figure
+    col = [f"C{r}" for r in range(N)]
+    SUM = "0.25"
+    own = lambda r: [(col[r], f"r{r}.{c}") for c in range(N)]  # noqa: E731
+    rows = [
+        ("broadcast (root 0)", [own(0)] + [[None] * N for _ in range(1, N)], [own(0) for _ in range(N)],
+         "rank 0's buffer copied to every rank"),
+        ("all-reduce (sum)", [own(r) for r in range(N)], [[(SUM, f"Σ.{c}") for c in range(N)] for _ in range(N)],
+         "every rank ends with the elementwise sum"),
+        ("reduce-scatter (sum)", [own(r) for r in range(N)],
+         [[(SUM, f"Σ.{r}") if c == r else None for c in range(N)] for r in range(N)],
+         "rank r ends with the sum of chunk r only"),
+        ("all-gather", [[(col[r], f"r{r}") if c == r else None for c in range(N)] for r in range(N)],
+         [[(col[c], f"r{c}") for c in range(N)] for _ in range(N)], "every rank ends with every rank's chunk"),
+    ]
+    for (title, before, after, note), (ax_b, ax_a) in zip(rows, axes):
+        for ax, state, when in ((ax_b, before, "before"), (ax_a, after, "after")):
+            for r in range(N):
+                ax.text(-0.3, N - 1 - r + 0.45, f"rank {r}", ha="right", va="center", fontsize=8)
+                _cells(ax, 0, N - 1 - r, state[r])
+            ax.set_xlim(-1.6, N + 0.1)
+            ax.set_ylim(-0.2, N + 0.1)
+            ax.set_aspect("equal")
+            ax.axis("off")
+            ax.set_title(f"{title}: {when}" + (f"\n{note}" if when == "after" else ""), fontsize=9)
+    fig.suptitle(f"the four collectives on {N} ranks (a buffer = {N} chunks; color = whose data, dark = a sum)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ring_steps(N: int, log, ax=None):
+    """The ring all-reduce's chunk bookkeeping: one row per state (start, then after each of the 2(N-1) steps),
+    one group of N chunks per rank. A chunk shows which ranks' data it holds (digits; Σ when all N), darker the more
+    it holds; an outlined chunk is the one its rank sends to the right in the next step."""
+    from matplotlib.patches import Rectangle
+    from .parallel import ring_contributions
+
+    plt = _pyplot()
+    states = ring_contributions(N, log)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(1.2 + 1.15 * N * (N + 1) * 0.5, 0.6 + 0.55 * len(states)))
+    else:
+        fig = ax.figure
+    cmap = plt.get_cmap("Blues")
+    for k, state in enumerate(states):
+        y = -k
+        label = "start" if k == 0 else (f"reduce-scatter {k}" if k <= N - 1 else f"all-gather {k - N + 1}")
+        ax.text(-0.4, y + 0.4, label, ha="right", va="center", fontsize=8)
+        sends = {(src, c) for src, _, c in log[k]} if k < len(log) else set()
+        for r in range(N):
+            x0 = r * (N + 1)
+            for c in range(N):
+                held = state[r][c]
+                frac = len(held) / N
+                ax.add_patch(Rectangle((x0 + c, y), 0.9, 0.8, fc=cmap(0.15 + 0.75 * frac),
+                                       ec="red" if (r, c) in sends else "0.4", lw=2.2 if (r, c) in sends else 0.6))
+                text = "Σ" if len(held) == N else "".join(str(i) for i in sorted(held))
+                ax.text(x0 + c + 0.45, y + 0.4, text, ha="center", va="center", fontsize=7,
+                        color="white" if frac > 0.6 else "black")
+    for r in range(N):
+        ax.text(r * (N + 1) + N / 2 - 0.05, 1.05, f"rank {r}  (chunks 0..{N - 1})", ha="center", fontsize=8)
+    ax.set_xlim(-3.2, N * (N + 1))
+    ax.set_ylim(-len(states) + 0.6, 1.5)
+    ax.axis("off")
+    ax.set_title(f"ring all-reduce, N = {N}: {len(log)} steps = 2(N-1); red outline = the chunk each rank sends to "
+                 f"rank r+1 next", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_allreduce_bandwidth(result: dict, ax=None):
+    """Bus bandwidth (nccl-tests' busbw) against message size for each algorithm of a parallel.bench_result."""
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    else:
+        fig = ax.figure
+    algos = list(dict.fromkeys(r["algo"] for r in result["rows"]))
+    for i, algo in enumerate(algos):
+        rows = [r for r in result["rows"] if r["algo"] == algo]
+        name = {"ring": "ring by hand (sendrecv)", "nccl": "NCCL all-reduce", "mpi": "MPI all-reduce"}.get(algo, algo)
+        ax.plot([r["size_bytes"] for r in rows], [r["busbw_GBps"] for r in rows], "o-", ms=3, label=name,
+                color="tab:orange" if algo == "ring" else "tab:blue")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = [r["size_bytes"] for r in result["rows"] if r["algo"] == algos[0]]
+    names = []
+    for b in ticks:
+        names.append(f"{b // 2**30}G" if b >= 2**30 else f"{b // 2**20}M" if b >= 2**20 else f"{b // 2**10}K"
+                     if b >= 2**10 else f"{b}")
+    ax.set_xticks(ticks, names, fontsize=7)
+    ax.set_xlabel("message size (bytes, float32)")
+    ax.set_ylabel("bus bandwidth GB/s\n= bytes/time x 2(N-1)/N")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(f"all-reduce on {result['world']} ranks, {result['comm']}: {result['where']} ({result['date']})",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_zero_memory(rows, ax=None, unit=2**30):
+    """Per-rank model-state memory, data parallel vs ZeRO-1, per world size (rows from parallel.zero_memory_table)."""
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+    else:
+        fig = ax.figure
+    parts = (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green"))
+    for i, row in enumerate(rows):
+        for j, kind in enumerate(("dp", "zero1")):
+            x, bottom = i + (j - 0.5) * 0.38, 0.0
+            for part, color in parts:
+                v = row[f"{kind}_{part}"] / unit
+                ax.bar(x, v, 0.36, bottom=bottom, color=color, alpha=1.0 if kind == "zero1" else 0.55,
+                       label=part if i == 0 and j == 1 else None)
+                bottom += v
+            ax.text(x, bottom, "DP" if kind == "dp" else "Z1", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), [f"N = {r['world']}" for r in rows])
+    ax.set_ylabel("GiB per rank" if unit == 2**30 else "MiB per rank")
+    ax.set_ylim(0, 1.3 * max(r["dp_total"] for r in rows) / unit)
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title("model state per rank: data parallel (DP, pale) vs ZeRO-1 (Z1): AdamW's m, v shrink as 1/N",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
