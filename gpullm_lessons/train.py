@@ -214,7 +214,16 @@ def describe_backend(eng) -> str:
 
 
 def main(argv=None) -> dict:
-    """Run training with command-line arguments `argv` (None: sys.argv). Returns the summary dict."""
+    """Run training with command-line arguments `argv` (None: sys.argv). Returns the summary dict.
+
+    Started as one of several ranks (python -m gpullm_lessons.launch --nproc N -- ..., or mpirun -n N python -m
+    gpullm_lessons.train ...: WORLD_SIZE / OMPI_COMM_WORLD_SIZE > 1), the run is data parallel:
+    gpullm_lessons.parallel.train_distributed takes over (lesson 10)."""
+    from .comm import env_world
+
+    if env_world()[1] > 1:
+        from .parallel import train_distributed
+        return train_distributed(argv)
     args = build_parser().parse_args(argv)
     try:
         from threadpoolctl import threadpool_limits  # optional, see the note on BLAS threads at the top

@@ -1,0 +1,219 @@
+"""Data parallel and ZeRO-1 (parallel.py): the ring simulated and across MPI ranks, shard bookkeeping, and training
+on 2 MPI ranks against the one-rank run (CI: CPU, NumPy engine); the same on 2 GPUs with NCCL (gpu-marked)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import parallel as P
+from gpullm_lessons.comm import SingleComm
+from gpullm_lessons.params import GPTConfig, ParamBuffer, num_params
+
+from test_comm import ROOT, gpus, run_mpi
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--batch-size", "8",
+        "--steps", "5", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+
+
+def losses(out):
+    return np.array([json.loads(line)["loss"] for line in open(os.path.join(out, "log.jsonl"))])
+
+
+# ---- the ring, simulated ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 5])
+def test_ring_sim_sums_in_2_N_minus_1_steps(N):
+    rng = np.random.default_rng(N)
+    n = 7 * N + 3                                            # not a multiple of N: uneven chunks
+    bufs = [rng.standard_normal(n) for _ in range(N)]
+    results, log = P.ring_allreduce_sim(bufs)
+    assert len(log) == 2 * (N - 1)
+    for r in range(N):
+        np.testing.assert_allclose(results[r], np.sum(bufs, axis=0), rtol=1e-12)
+    for step in log:                                          # every rank sends one chunk to its right neighbour
+        assert sorted(src for src, _, _ in step) == list(range(N))
+        assert all(dst == (src + 1) % N for src, dst, _ in step)
+    final = P.ring_contributions(N, log)[-1]
+    assert all(final[r][c] == frozenset(range(N)) for r in range(N) for c in range(N))
+
+
+def test_chunk_bounds_cover_the_buffer():
+    b = P.chunk_bounds(10, 3)
+    assert b == [(0, 4), (4, 7), (7, 10)]
+    assert P.chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+# ---- ZeRO-1 bookkeeping -------------------------------------------------------------------------------------------
+
+def test_shards_and_their_decay_tables():
+    from gpullm_lessons.kernels.numba.adamw import decay_table
+    from gpullm_lessons.optim import decay_mask_for
+
+    cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=2, n_head=2, d_model=6)
+    n = num_params(cfg)
+    bounds, flags = decay_table(ParamBuffer(cfg), arrays="numpy")
+    full = decay_mask_for(cfg)
+    for W in (1, 2, 3, 5):
+        for align in (1, 64):
+            S = P.shard_size(n, W, align)
+            assert S * W >= n and S % align == 0
+            covered = []
+            for r in range(W):
+                lo, hi = P.shard_bounds(n, W, r, align)
+                covered += list(range(lo, hi))
+                b, f = P.shard_decay_table(bounds, flags, r * S, (r + 1) * S)   # the padded shard, as ZeRO uses it
+                assert b[0] == 0 and b[-1] == S and len(f) == len(b) - 1
+                mask = np.repeat(f.astype(bool), np.diff(b))
+                padded = np.zeros(W * S, bool)
+                padded[:n] = full
+                assert np.array_equal(mask, padded[r * S:(r + 1) * S])
+            assert covered == list(range(n))
+
+
+def test_zero_memory_table():
+    rows = P.zero_memory_table(1000, worlds=(1, 2, 4))
+    assert [r["zero1_optimizer"] for r in rows] == [8000, 4000, 2000]
+    assert all(r["dp_optimizer"] == 8000 for r in rows)
+
+
+# ---- one process: DataParallel with one rank is the engine's own step -------------------------------------------
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_one_rank_data_parallel_equals_the_engine(zero):
+    from gpullm_lessons import engine
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+    ref, eng = engine.build(cfg, "numpy", seed=1), engine.build(cfg, "numpy", seed=1)
+    dp = P.DataParallel(eng, SingleComm(), zero=zero, check_every=1)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, y = rng.integers(0, 32, (4, 8)), rng.integers(0, 32, (4, 8))
+        a = ref.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+        b = dp.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+        assert a["loss"] == b["loss"]
+    np.testing.assert_array_equal(ref.params.flat, eng.params.flat)
+    if zero:
+        assert dp.optimizer_bytes() == 8 * P.shard_size(num_params(cfg), 1, 64)
+
+
+class SplitComm(SingleComm):
+    """A fake two-rank world whose ranks disagree: what check_replicas must catch."""
+
+    def gather_scalars(self, values):
+        v = np.asarray(values, np.float64)
+        return np.stack([v, v + 1.0])
+
+
+def test_replica_mismatch_names_the_ranks():
+    from gpullm_lessons import engine
+
+    cfg = GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=1, d_model=8)
+    dp = P.DataParallel(engine.build(cfg, "numpy"), SingleComm())
+    dp.comm, dp.W = SplitComm(), 2
+    with pytest.raises(P.ReplicaMismatch, match=r"rank\(s\) \[1\] disagree with rank 0"):
+        dp.check_replicas()
+
+
+def test_batch_must_divide_by_the_ranks():
+    from gpullm_lessons.train import ConfigError
+
+    class Three(SingleComm):
+        def __init__(self):
+            super().__init__()
+            self.world_size = 3
+
+    with pytest.raises(ConfigError, match="does not divide by the 3 ranks"):
+        P.train_distributed(["--backend", "numpy"] + TINY, comm=Three())
+
+
+# ---- real ranks: MPI on the CPU -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp") / "one"
+    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.train", "--backend", "numpy", *TINY, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return losses(out)
+
+
+def test_two_ranks_match_one_rank(one_rank, tmp_path):
+    p = run_mpi(2, "gpullm_lessons.parallel", ["train", "--backend", "numpy", *TINY, "--out", str(tmp_path / "dp")])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    two = losses(tmp_path / "dp")
+    np.testing.assert_allclose(two, one_rank, rtol=1e-5)
+    assert "replicas identical" in p.stdout
+
+
+def test_train_py_hands_over_on_several_ranks(one_rank, tmp_path):
+    """mpirun -n 2 python -m gpullm_lessons.train ... is data parallel once train.py calls train_distributed."""
+    p = run_mpi(2, "gpullm_lessons.train", ["--backend", "numpy", *TINY, "--out", str(tmp_path / "dp")])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "dp"), one_rank, rtol=1e-5)
+
+
+def test_zero1_matches_data_parallel_and_halves_the_optimizer(tmp_path):
+    dp = run_mpi(2, "gpullm_lessons.parallel", ["train", "--backend", "numpy", *TINY, "--out", str(tmp_path / "dp")])
+    z = run_mpi(2, "gpullm_lessons.parallel", ["train", "--backend", "numpy", *TINY, "--zero", "--check-every", "2",
+                                               "--out", str(tmp_path / "z")])
+    assert dp.returncode == 0 and z.returncode == 0, z.stdout[-3000:] + z.stderr[-3000:]
+    np.testing.assert_allclose(losses(tmp_path / "z"), losses(tmp_path / "dp"), rtol=1e-6)
+    ratios = [float(v) for v in re.findall(r"rank \d: optimizer state .* unsharded \(([0-9.]+)\)", z.stdout)]
+    assert len(ratios) == 2 and all(abs(r - 0.5) < 0.01 for r in ratios), z.stdout
+    print("\n".join(line for line in z.stdout.splitlines() if "optimizer state" in line))
+
+
+def test_bench_reports_algbw_and_busbw(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run_mpi(2, "gpullm_lessons.parallel", ["bench", "--max-bytes", str(2**16), "--iters", "3", "--json", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {r["algo"] for r in res["rows"]} == {"mpi", "ring"}
+    for r in res["rows"]:
+        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (2 - 1) / 2)
+    assert "busbw" in p.stdout
+
+
+# ---- real ranks: 2 GPUs with NCCL -----------------------------------------------------------------------------------
+
+def _gpu_pair():
+    if gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {gpus()}")
+
+
+GPU_TINY = ["--backend", "hip", "--preset", "tiny", "--batch-size", "16", "--steps", "8", "--eval-every", "0",
+            "--eval-batches", "2", "--sample-tokens", "0", "--no-progress"]
+
+
+def _launch2(args, out, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.launch", "--nproc", "2", "--backend", "nccl", "--module",
+                        "gpullm_lessons.parallel", "--", "train", *args, "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_one_gpu(tmp_path):
+    _gpu_pair()
+    one = subprocess.run([sys.executable, "-m", "gpullm_lessons.train", *GPU_TINY, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert one.returncode == 0, one.stderr[-3000:]
+    _launch2(GPU_TINY, tmp_path / "two")
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_zero1_on_two_gpus_matches_data_parallel(tmp_path):
+    _gpu_pair()
+    _launch2(GPU_TINY, tmp_path / "dp")
+    z = _launch2(GPU_TINY + ["--zero"], tmp_path / "z")
+    np.testing.assert_allclose(losses(tmp_path / "z"), losses(tmp_path / "dp"), rtol=1e-5)
+    assert "(0.50" in z.stdout, z.stdout
