@@ -1016,6 +1016,17 @@ def _validate(op_name, fn, arrays, dtype, size, seed):
     return dt, size
 
 
+def learner_fn_and_seed(name, fn, seed, what="inputs") -> int:
+    """The checks every checker starts with: fn is the learner's callable (not its result), seed a non-negative int
+    or None. Returns the seed to use (a fresh one for None); raises naming the mistake."""
+    if not callable(fn):
+        raise TypeError(f"check_{name}(fn): fn must be your function, got {type(fn).__name__} {fn!r:.60}: pass "
+                        f"the function itself, without calling it")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise TypeError(f"seed={seed!r}: use a non-negative int, or None for fresh random {what}")
+    return secrets.randbelow(1_000_000) if seed is None else int(seed)
+
+
 def _skipped(op: _Op, task, quiet) -> "CheckResult":
     """CuPy/HIP code cannot run without a GPU: say so, record it (the grader leaves it out of the total), go on."""
     msg = (f"{op.name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{_device.kind()}' "

@@ -27,7 +27,6 @@ with layernorm_forward's output.
 """
 from __future__ import annotations
 
-import secrets
 
 import numpy as np
 
@@ -59,12 +58,7 @@ def _dtype(name, dtype):
 
 
 def _validate(name, fn, seed):
-    if not callable(fn):
-        raise TypeError(f"check_{name}(fn): fn must be your function, got {type(fn).__name__} {fn!r:.60}: pass "
-                        f"the function itself, without calling it")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise TypeError(f"seed={seed!r}: use a non-negative int, or None for fresh random inputs")
-    return secrets.randbelow(1_000_000) if seed is None else int(seed)
+    return _checks.learner_fn_and_seed(name, fn, seed, "inputs")
 
 
 def _error(name, exc, extra_hint, seed, task, dt, dims, quiet):

@@ -26,7 +26,6 @@ max_norm / (grad_norm + 1e-6) when that is below 1, else 1.0 (a gradient already
 from __future__ import annotations
 
 import math
-import secrets
 
 import numpy as np
 
@@ -53,12 +52,7 @@ def _result(name, task, status, msg, hint=None, seed=None, dims=None, quiet=Fals
 
 
 def _validate(name, fn, seed):
-    if not callable(fn):
-        raise TypeError(f"check_{name}(fn): fn must be your function, got {type(fn).__name__} {fn!r:.60}: pass "
-                        f"the function itself, without calling it")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise TypeError(f"seed={seed!r}: use a non-negative int, or None for fresh random settings")
-    return secrets.randbelow(1_000_000) if seed is None else int(seed)
+    return _checks.learner_fn_and_seed(name, fn, seed, "settings")
 
 
 def _call(name, fn, args, seed, what):
