@@ -203,7 +203,7 @@ class NumpyEngine(Engine):
         self._cache = None
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
-        _, loss = self.forward(x, y)
+        loss = self.forward(x, y)[1]      # the logits are not kept: (B, T, V) would stay alive through backward
         self.backward()
         return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
 
@@ -646,7 +646,7 @@ class GPUEngine(Engine):
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
         """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off."""
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        _, loss = self.forward(x, y)
+        loss = self.forward(x, y)[1]      # the logits are not kept: (B, T, V) would stay alive through backward
         self.backward(loss_scale=scale)
         return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
 
