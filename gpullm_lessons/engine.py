@@ -22,8 +22,9 @@ Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precis
 copy of the weights, the input of every matrix product is converted to half (our conversion kernels: bf16 by
 round-to-nearest-even into uint16 bits) and cuBLAS multiplies half x half with fp32 accumulation and an fp32
 result. Activations between the products, LayerNorm statistics, softmax and the loss stay fp32, and the tensors
-kept for backward that only feed matrix products (the LayerNorm outputs, the attention output, the GELU output, the
-attention probabilities) are kept in half. fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits
+kept for backward that only feed matrix products (the LayerNorm outputs, q, k, v, the attention output, the GELU
+output) are kept in half; the attention probabilities are kept twice, fp32 for the softmax backward and half for the
+products (engine_memory counts both). fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits
 is multiplied by the scale before it is rounded to fp16, the step is skipped when the one-pass non-finite count of
 the gradient buffer is not 0, and AdamW divides by the scale in its gradient read (grad_scale).
 
