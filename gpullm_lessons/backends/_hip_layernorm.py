@@ -24,7 +24,7 @@ bits every run on a given GPU and launch configuration). The grid is about as ma
 32 * warpSize columns (1024 on NVIDIA, 2048 on AMD CDNA) go through v3.
 dweight and dbias are overwritten (not accumulated into) by every version.
 Device properties are read once per device and cached: cudaGetDeviceProperties can cost far more than the kernel
-(a likely part of v4's 1.47 ms on the H200, measured before this cache existed).
+(v4 measured 1.47 ms on the H200 before this cache existed, 0.153 ms after it).
 All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
 """
 from __future__ import annotations

@@ -13,8 +13,8 @@
 //     partials in warp order in shared memory, the block writes one partial row (n_blocks, C), and
 //     layernorm_backward_v4_reduce adds those rows per column in a fixed order. dout and inp are read from
 //     memory once (the second pass over a row hits L1). Needs C <= LN_V4_COLS * warpSize (1024 on NVIDIA).
-//     MEASURED on the H200 (2026-11-30, 16384 x 768): 1.47 ms, slower than v3 (0.39 ms) and far from the design's
-//     aim. Not yet understood; first suspects: ~170 registers per thread (few warps per SM) and the grid heuristic.
+//     MEASURED on the H200 (2026-11-30, 16384 x 768): first 1.47 ms, then 0.153 ms (23% of copy) once the launcher
+//     stopped calling getDeviceProperties on every launch (that host call, not the kernel, was the 1.47 ms).
 // v5: v4 rebuilt around a register budget. One warp per row, grid-stride over rows; lane `lane` owns float4 number
 //     j = lane + k * warpSize (k < K) of every row (or float j with the scalar entry points), so it loads its dout
 //     and inp ONCE into registers, turns them in place into g = weight * dout and xhat, and writes dinp from those
