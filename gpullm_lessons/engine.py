@@ -72,7 +72,7 @@ def check_backend(backend: str) -> str:
     if backend == "numba" and device.kind() == "rocm":
         raise EngineError("backend 'numba' needs an NVIDIA GPU or the CUDA simulator: Numba CUDA does not run on "
                           "AMD GPUs; use --backend hip (the same kernels' HIP twins)")
-    if backend == "numba" and not device.has_gpu() and device.kind() != "sim":
+    if backend == "numba" and not device.has_gpu() and not device.numba_available():
         raise EngineError(f"backend 'numba' needs a GPU or the CUDA simulator, and this machine has neither "
                           f"({device.describe()}); unset NUMBA_ENABLE_CUDASIM=0 or use --backend numpy")
     if backend == "numba" and device.has_gpu() and not _has_cupy():

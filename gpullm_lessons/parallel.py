@@ -587,34 +587,6 @@ def add_parallel_args(parser):
     return parser
 
 
-def _settings(args):
-    """The run's settings from train.py's flags: the same preset / override / check rules as train.train()."""
-    from . import engine
-    from .train import PRESETS, ConfigError
-
-    preset = dict(PRESETS[args.preset])
-    for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
-        if getattr(args, key, None) is not None:
-            preset[key] = getattr(args, key)
-    B, lr = preset.pop("batch_size"), preset.pop("lr")
-    T = preset["block_size"] if args.seq_len is None else args.seq_len
-    for flag, value in (("--n-layer", preset["n_layer"]), ("--n-head", preset["n_head"]),
-                        ("--d-model", preset["d_model"]), ("--block-size", preset["block_size"]),
-                        ("--seq-len", T), ("--batch-size", B), ("--steps", args.steps),
-                        ("--eval-batches", args.eval_batches)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    if preset["d_model"] % preset["n_head"] != 0:
-        raise ConfigError(f"d_model {preset['d_model']} is not divisible by n_head {preset['n_head']}")
-    if T > preset["block_size"]:
-        raise ConfigError(f"sequence length {T} (--seq-len) is longer than the block size {preset['block_size']}")
-    try:
-        backend = engine.check_backend(args.backend)
-    except engine.EngineError as e:
-        raise ConfigError(str(e)) from e
-    return preset, B, T, lr, backend
-
-
 def train_distributed(argv=None, comm=None) -> dict:
     """The training job of gpullm_lessons.train on every rank of `comm` (default from_env()), data parallel.
 
@@ -632,7 +604,7 @@ def train_distributed(argv=None, comm=None) -> dict:
     from .params import GPTConfig, num_params
 
     args = add_parallel_args(T_.build_parser()).parse_args(argv)
-    preset, B, T, lr, backend = _settings(args)
+    preset, B, T, lr, backend = T_.settings(args)
     comm = comm if comm is not None else from_env("mpi" if backend == "numpy" else None)   # NumPy: CPU ranks
     W, rank = comm.world_size, comm.rank
     say = print if rank == 0 else (lambda *a, **k: None)

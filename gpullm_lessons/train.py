@@ -233,13 +233,11 @@ def main(argv=None) -> dict:
         return train(args)
 
 
-def train(args: argparse.Namespace) -> dict:
-    """The training job, step by step, for parsed arguments. Returns the summary dict."""
-    from .params import GPTConfig, num_params
-    from .viz import plot_loss
+def settings(args: argparse.Namespace) -> tuple:
+    """The preset overridden by the flags, every setting checked before any work (ConfigError names the problem).
 
-    # -------------------------------------------------------------------------
-    # 1. settings: the preset, overridden by flags, checked before any work
+    Returns (preset: GPTConfig fields, B, T, lr, backend with "auto" resolved). Shared by train() and the
+    data-parallel job (parallel.train_distributed)."""
     preset = dict(PRESETS[args.preset])
     for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
         if getattr(args, key) is not None:
@@ -266,17 +264,23 @@ def train(args: argparse.Namespace) -> dict:
                                ("--checkpointing", args.checkpointing, POLICIES)):
         if value not in known:  # argparse refuses these already; this is for train() called with a Namespace
             raise ConfigError(f"unknown {flag} {value!r}: choose one of {', '.join(known)}")
-    # the backend: "auto" resolved, and refused when this machine lacks it (hip with no GPU, no CuPy, ...)
+    # the backend: "auto" resolved, and refused when this machine lacks it (hip with no GPU, no CuPy, numba with
+    # neither an NVIDIA GPU nor the simulator, ...)
     try:
         backend = engine.check_backend(args.backend)
     except engine.EngineError as e:
         raise ConfigError(str(e)) from e
-    if backend == "numba":
-        from . import device
+    return preset, B, T, lr, backend
 
-        if not device.has_gpu() and not device.numba_available():
-            raise ConfigError(f"backend 'numba' needs an NVIDIA GPU or Numba's CUDA simulator, and this machine has "
-                              f"neither ({device.describe()}); unset NUMBA_ENABLE_CUDASIM=0, or use --backend numpy")
+
+def train(args: argparse.Namespace) -> dict:
+    """The training job, step by step, for parsed arguments. Returns the summary dict."""
+    from .params import GPTConfig, num_params
+    from .viz import plot_loss
+
+    # -------------------------------------------------------------------------
+    # 1. settings: the preset, overridden by flags, checked before any work
+    preset, B, T, lr, backend = settings(args)
     cfg = GPTConfig(**preset)
     steps = args.steps
     warmup = steps // 10 if args.warmup is None else args.warmup

@@ -281,3 +281,11 @@ def test_profiler_times_every_kernel_of_a_step():
         assert rows[op]["calls"] >= 1 and rows[op]["ms"] > 0, op
     assert rows["layernorm_forward"]["calls"] == 2 * TOY.n_layer + 1
     assert abs(sum(r["share"] for r in rows.values()) - 1.0) < 1e-6
+
+
+def test_numba_without_gpu_or_simulator_is_refused(monkeypatch):
+    monkeypatch.setattr(device, "has_gpu", lambda: False)
+    monkeypatch.setattr(device, "numba_available", lambda: False)
+    monkeypatch.setattr(device, "kind", lambda: "cpu")
+    with pytest.raises(engine.EngineError, match="backend 'numba' needs a GPU or the CUDA simulator"):
+        engine.check_backend("numba")

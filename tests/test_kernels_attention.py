@@ -54,3 +54,60 @@ def test_every_version_on_gpu_at_large_size(backend, version):
         fn, arrays = _hip_attention.attention_backward, "cupy"
     r = checks.check_attention_backward(lambda *a: fn(*a, version=version), arrays=arrays, size="large", quiet=True)
     assert r.status == "correct", r.message
+
+
+# ---- the training loop's causal softmax forward / backward launchers (engine.py) ----------------------------------
+def _causal_rows(rng, G, T):
+    pre = rng.standard_normal((G * T, T), dtype=np.float32) * 3
+    t = np.arange(G * T) % T
+    mask = np.arange(T)[None, :] <= t[:, None]
+    return pre, mask
+
+
+def _reference_softmax(pre, mask, scale):
+    z = np.where(mask, pre.astype(np.float64) * scale, -np.inf)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _launchers():
+    """(name, launcher module, to device, to host) for every backend this machine runs."""
+    dev = host = np.asarray
+    if device.has_gpu():
+        import cupy as cp
+        from gpullm_lessons.backends import hip
+        dev, host = cp.asarray, cp.asnumpy
+        yield "hip", hip, dev, host
+    if device.numba_available():
+        yield "numba", nb_attention, dev, host
+
+
+@pytest.mark.parametrize("G, T", [(3, 5), (2, 33)])
+def test_causal_softmax_forward_and_backward_match_numpy(G, T):
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, G, T)
+    scale = 0.37
+    att = _reference_softmax(pre, mask, scale)
+    datt = rng.standard_normal(pre.shape)
+    dpre = scale * att * (datt - (att * datt).sum(axis=1, keepdims=True))
+    for name, K, dev, host in _launchers():
+        out = dev(np.full_like(pre, np.nan))
+        K.attention_softmax_forward(dev(pre), out, scale)
+        np.testing.assert_allclose(host(out), att, rtol=1e-5, atol=1e-6, err_msg=name)
+        got = dev(np.full_like(pre, np.nan))
+        K.attention_softmax_backward(dev(att.astype(np.float32)), dev(datt.astype(np.float32)), got, scale)
+        np.testing.assert_allclose(host(got), dpre, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_causal_softmax_reference_would_catch_a_missing_mask():
+    """The comparison above can fail: a softmax over the whole row (no causal mask) is far from it."""
+    pre, mask = _causal_rows(np.random.default_rng(0), 2, 6)
+    assert not np.allclose(_reference_softmax(pre, np.ones_like(mask), 0.37), _reference_softmax(pre, mask, 0.37),
+                           atol=1e-3)
+
+
+def test_causal_softmax_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="multiple of T"):
+        nb_attention.attention_softmax_forward(np.zeros((5, 4), np.float32), np.zeros((5, 4), np.float32), 1.0)
+    with pytest.raises(TypeError, match="float32"):
+        nb_attention.attention_softmax_forward(np.zeros((8, 4)), np.zeros((8, 4), np.float32), 1.0)
