@@ -47,6 +47,66 @@ def time_gpu(fn, warmup: int = 3, iters: int = 20, reps: int = 5) -> float:
     return float(np.median(times))
 
 
+def time_gpu_graph(fn, iters: int = 20, reps: int = 5) -> float:
+    """Seconds per fn() call of GPU time alone: `iters` calls captured once in a CUDA graph (CuPy stream capture,
+    a private memory pool), the graph replayed `reps` times between CUDA events; median / iters.
+
+    time_gpu measures what a Python loop of launches achieves (when Python's launch overhead per call exceeds the
+    kernel's time, the GPU waits for Python and that shows); this measures the kernels themselves, which is what a
+    kernel's fraction of the copy bandwidth is about and what a captured training step pays."""
+    import cupy as cp
+
+    from .blas import prepare_capture
+    prepare_capture()
+    pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        fn()                                                  # compiles, fills the private pool
+        stream.synchronize()
+        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            for _ in range(iters):
+                fn()
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(reps):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters)
+    return float(np.median(times))
+
+
+def time_torch_graph(fn, iters: int = 20, reps: int = 5) -> float:
+    """time_gpu_graph for a PyTorch callable (torch.cuda.CUDAGraph: PyTorch launches on its own streams)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3 / iters)
+    return float(np.median(times))
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """Device-to-device copy: GB/s counted as read + write (2 x nbytes per copy)."""
     device.require_gpu("measuring copy bandwidth")
@@ -257,19 +317,39 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
             runs.append(("torch", torch.__version__, lambda: case.torch(targs)))
         for bname, version, run in runs:
             try:
-                t = time_gpu(run, warmup=3, iters=iters, reps=3)
+                t_launch = time_gpu(run, warmup=3, iters=iters, reps=3)
             except Exception as e:  # noqa: BLE001 - one failing version must not stop the table
                 rows.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version,
                              "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
+            t, timing = _graph_time(run, bname, iters), "graph"
+            if t is None:                              # not capturable (e.g. a host sync inside): the queued time
+                t, timing = t_launch, "queued"
             gbs, tflops = case.bytes / t / 1e9, case.flops / t / 1e12
             frac = gbs / ceil["copy"]["GB/s"] if case.bound == "memory" else tflops / ceil["matmul_fp32"]["TFLOP/s"]
             rows.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version, "ms": t * 1e3,
+                         "ms_launch": t_launch * 1e3, "timing": timing,
                          "bytes": case.bytes, "flops": case.flops, "GB/s": gbs, "TFLOP/s": tflops, "bound": case.bound,
                          "fraction_of_ceiling": frac})
         del args
         cp.get_default_memory_pool().free_all_blocks()
     return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil, "rows": rows}
+
+
+def _graph_time(run, backend, iters):
+    """GPU time per call from a CUDA graph of `iters` calls (time_gpu_graph / time_torch_graph); None when the call
+    cannot be captured (Numba launches on their own stream, a host sync, an allocation PyTorch refuses)."""
+    if backend == "numba":
+        return None
+    try:
+        return (time_torch_graph if backend == "torch" else time_gpu_graph)(run, iters=iters, reps=3)
+    except Exception:  # noqa: BLE001 - not capturable: the caller keeps the queued time
+        import cupy as cp
+        try:
+            cp.cuda.Device().synchronize()
+        except Exception:  # noqa: BLE001 - a failed capture can leave an error behind; the next op reports it
+            pass
+        return None
 
 
 def stored_kernels() -> dict:
@@ -289,12 +369,17 @@ def format_kernels(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"{result['card']} ({result['date']}): copy {c['copy']['GB/s']:.0f} GB/s, "
              f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s",
-             f"{'op':<13}{'shape':<22}{'backend':<8}{'version':<10}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}{'of ceiling':>12}"]
+             "ms: GPU time per call (a CUDA graph of the calls, replayed: 'g'), or queued launches from Python ('q'); "
+             "launch ms: queued launches, Python's launch overhead included",
+             f"{'op':<13}{'shape':<22}{'backend':<8}{'version':<10}{'ms':>10}{'launch ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
+             f"{'of ceiling':>12}"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}  error: {r['error']}")
             continue
-        lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}{r['ms']:9.3f}{r['GB/s']:9.0f}"
+        mark = {"graph": "g", "queued": "q"}.get(r.get("timing"), " ")
+        lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}{r['ms']:9.3f}{mark}"
+                     f"{r.get('ms_launch', r['ms']):10.3f}{r['GB/s']:9.0f}"
                      f"{r['TFLOP/s']:9.2f}{100 * r['fraction_of_ceiling']:11.0f}% ({'copy' if r['bound'] == 'memory' else 'fp32 mm'})")
     return "\n".join(lines)
 

@@ -67,8 +67,13 @@ def _time_steps(step, batches, warmup=3):
     return float(np.median(times))
 
 
-def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", steps=10, versions=None) -> dict:
-    """Step time and CuPy-pool peak bytes of our engine on random tokens."""
+def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", steps=10, versions=None,
+                   graphs="off") -> dict:
+    """Step time and CuPy-pool peak bytes of our engine on random tokens.
+
+    graphs="off": every step launched from Python (the peak is the live peak of CuPy's pool, read at every malloc);
+    "auto" / "on": the step replayed as a CUDA graph (engine._StepGraph); its activations live in the graph's private
+    pool, so the peak is the default pool's peak (weights, optimizer) + the private pool's size."""
     import cupy as cp
 
     from . import engine
@@ -84,18 +89,22 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
 
     cp.cuda.set_allocator(tracking_malloc)
     try:
-        eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions)
+        eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions, graphs=graphs)
         model_bytes = pool.used_bytes()              # params, grads, m, v (+ the half copy): before any step
         batches = _batches(cfg, B, T, steps + 3)
         step = lambda x, y: eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)  # noqa: E731
         sec = _time_steps(step, batches)
         reserved = pool.total_bytes()                # what the pool holds: the live peak plus fragmentation
+        graph_bytes = sum(g.pool_bytes() for g in eng._graphs.values()) if eng.graphs else 0
+        high[0] += graph_bytes
+        reserved += graph_bytes
+        graphed = bool(eng.graphs)
         del eng
     finally:
         cp.cuda.set_allocator(pool.malloc)
     pool.free_all_blocks()
     return {"step_ms": 1e3 * sec, "peak_bytes": int(high[0]), "reserved_bytes": int(reserved),
-            "model_bytes": int(model_bytes)}
+            "model_bytes": int(model_bytes), "cuda_graph": graphed}
 
 
 def measure_torch(cfg, B, T, precision="fp32", steps=10) -> dict:
@@ -189,7 +198,9 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
         T = cfg.block_size
         flops = step_flops(cfg, B, T)
         for prec in precisions:
-            runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps))]
+            runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps)),
+                    ("ours+graph", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
+                                                           graphs="on"))]
             if with_torch:
                 r = measure_torch(cfg, B, T, prec, steps=steps)
                 runs.append(("pytorch", r.pop("version"), r))
@@ -204,10 +215,10 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
 def format_train(result) -> str:
     lines = [f"training step on {result['card']} ({result['date']}); MFU against the measured matmul rate: "
              + ", ".join(f"{p} {r['TFLOP/s']:.0f} TFLOP/s" for p, r in result["matmul_rates"].items()),
-             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<9}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<12}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
              f"{'MFU':>7}{'peak GiB':>10}"]
     for r in result["rows"]:
-        lines.append(f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<9}{r['step_ms']:9.2f}"
+        lines.append(f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<12}{r['step_ms']:9.2f}"
                      f"{r['tokens_per_s']:11,.0f}{r['TFLOP/s']:9.1f}{100 * r['MFU']:6.1f}%"
                      f"{r['peak_bytes'] / 2**30:10.2f}")
     return "\n".join(lines)

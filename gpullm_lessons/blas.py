@@ -94,6 +94,13 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
     lda, ldb = a.shape[-1], b.shape[-1]                 # row length of the stored (row-major) arrays
     op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
     # column-major view: out.T (N, M) = op(b).T (N, K) @ op(a).T (K, M): b goes first
+    stream = cp.cuda.get_current_stream()
+    if not runtime.is_hip and _capturing(stream):
+        # CuPy refuses cuBLAS calls while a stream is being captured; cuBLAS itself supports capture (given a
+        # workspace of its own): call it directly on our own handle
+        return _captured_gemm(stream, op[trans_b], op[trans_a], N, M, K, alpha_h, b, dtype, ldb,
+                              (b.shape[-2] * b.shape[-1]) if b.ndim == 3 else 0, a, lda,
+                              (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0, beta_h, out, G)
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), op[trans_b], op[trans_a], N, M, K,
         alpha_h.ctypes.data,
@@ -102,4 +109,73 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
         beta_h.ctypes.data,
         out.data.ptr, runtime.CUDA_R_32F, N, M * N,
         G, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    return out
+
+
+def _capturing(stream) -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph (the null stream never is)."""
+    return bool(stream.ptr) and bool(stream.is_capturing())
+
+
+# ---- cuBLAS inside a CUDA graph capture -------------------------------------------------------------------------
+WORKSPACE_BYTES = 32 * 2**20     # cuBLAS's workspace for captured calls (NVIDIA recommends 32 MiB on Hopper)
+_CAPTURE = {}                    # device id -> (ctypes library, handle, workspace)
+
+
+def _libcublas():
+    """The libcublas CuPy has loaded (found in /proc/self/maps after CuPy created its handle), through ctypes."""
+    import ctypes
+
+    from cupy.cuda import device
+    device.get_cublas_handle()                                     # makes CuPy load the library
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "/libcublas.so" in line}
+    if not paths:
+        raise RuntimeError("blas: libcublas is not loaded in this process (cuBLAS calls cannot be captured)")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+    lib.cublasSetStream_v2.argtypes = [vp, vp]
+    lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+    lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll,
+                                               i, i, i]
+    return lib
+
+
+def prepare_capture():
+    """Create (once per GPU, outside any capture) the cuBLAS handle and workspace that captured gemm calls use."""
+    import ctypes
+
+    import cupy as cp
+    from cupy.cuda import runtime
+    if runtime.is_hip:
+        return None
+    dev = cp.cuda.Device().id
+    if dev not in _CAPTURE:
+        lib = _libcublas()
+        handle = ctypes.c_void_p()
+        status = lib.cublasCreate_v2(ctypes.byref(handle))
+        if status != 0:
+            raise RuntimeError(f"blas: cublasCreate failed with status {status}")
+        workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        status = lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, WORKSPACE_BYTES)
+        if status != 0:
+            raise RuntimeError(f"blas: cublasSetWorkspace failed with status {status}")
+        _CAPTURE[dev] = (lib, handle, workspace)
+    return _CAPTURE[dev]
+
+
+def _captured_gemm(stream, op_b, op_a, N, M, K, alpha_h, b, dtype, ldb, stride_b, a, lda, stride_a, beta_h, out, G):
+    from cupy.cuda import runtime
+    from cupy_backends.cuda.libs import cublas
+    if cublas is None or runtime.is_hip:
+        raise RuntimeError("blas: captured gemm needs NVIDIA cuBLAS")
+    lib, handle, _ = prepare_capture()
+    lib.cublasSetStream_v2(handle, stream.ptr)
+    status = lib.cublasGemmStridedBatchedEx(
+        handle, op_b, op_a, N, M, K, alpha_h.ctypes.data, b.data.ptr, dtype, ldb, stride_b, a.data.ptr, dtype, lda,
+        stride_a, beta_h.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, N, M * N, G, cublas.CUBLAS_COMPUTE_32F,
+        cublas.CUBLAS_GEMM_DEFAULT)
+    if status != 0:
+        raise RuntimeError(f"blas: cublasGemmStridedBatchedEx failed with status {status} (during capture)")
     return out

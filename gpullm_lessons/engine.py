@@ -13,7 +13,12 @@ Backends
 Both kernel backends run the same Python code below (GPUEngine); only the launcher module differs. The matrix
 products go through cuBLAS / hipBLAS (gpullm_lessons.blas.gemm), as lesson 02 concludes; everything else is the
 course's own kernels: LayerNorm forward/backward, GELU forward/backward, causal softmax forward/backward, the
-fused softmax + cross-entropy, the embedding backward, the fused AdamW and the precision kernels.
+fused softmax + cross-entropy, the embedding backward, the fused AdamW and the precision kernels, and the glue
+kernels between the products (kernels/hip/fused.cu: bias + residual, bias + GELU, head split / merge, bias gradient
++ half copy, LayerNorm with a half output), so that no CuPy elementwise operation runs inside a block.
+
+CUDA graphs (hip backend, fp32 / bf16, on by default): train_step captures the whole step once per batch shape and
+replays it (_StepGraph); see GPUEngine.train_step.
 
 Memory layout (DESIGN.md §3): parameters, gradients, m and v are flat fp32 buffers with named views
 (params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer.
@@ -21,10 +26,10 @@ Memory layout (DESIGN.md §3): parameters, gradients, m and v are flat fp32 buff
 Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precision the AdamW pass also writes a half
 copy of the weights, the input of every matrix product is converted to half (our conversion kernels: bf16 by
 round-to-nearest-even into uint16 bits) and cuBLAS multiplies half x half with fp32 accumulation and an fp32
-result. Activations between the products, LayerNorm statistics, softmax and the loss stay fp32, and the tensors
-kept for backward that only feed matrix products (the LayerNorm outputs, q, k, v, the attention output, the GELU
-output) are kept in half; the attention probabilities are kept twice, fp32 for the softmax backward and half for the
-products (engine_memory counts both). fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits
+result. The residual stream, LayerNorm statistics, the GELU input, the loss and every sum stay fp32; the tensors
+that only feed matrix products (the LayerNorm outputs, q, k, v, the attention probabilities, the attention output,
+the GELU output) are written in half by the kernel that produces them (fused kernels: no fp32 copy, no conversion
+pass) and kept in half; the softmax backward reads the half probabilities and writes dpre in half. fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits
 is multiplied by the scale before it is rounded to fp16, the step is skipped when the one-pass non-finite count of
 the gradient buffer is not 0, and AdamW divides by the scale in its gradient read (grad_scale).
 
@@ -46,6 +51,7 @@ from .params import GPTConfig, ParamBuffer, init_params, num_params
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 POLICIES = ("none", "selective", "full")
+GRAPH_PRECISIONS = ("fp32", "bf16")   # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 
@@ -90,19 +96,30 @@ def _has_cupy() -> bool:
 
 
 def build(cfg: GPTConfig, backend="auto", precision="fp32", policy="none", seed=0, betas=BETAS, eps=EPS,
-          versions=None):
-    """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed)."""
+          versions=None, graphs="auto"):
+    """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed).
+
+    graphs: "auto" (CUDA graphs for train_step where they apply: backend hip on a GPU, fp32 or bf16), "off", or "on"
+    (EngineError where they cannot apply). See GPUEngine.train_step."""
     backend = check_backend(backend)
     if precision not in PRECISIONS:
         raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if policy not in POLICIES:
         raise EngineError(f"unknown checkpointing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    if graphs not in ("auto", "on", "off", True, False):
+        raise EngineError(f"graphs must be 'auto', 'on' or 'off', got {graphs!r}")
+    graphs = {True: "on", False: "off"}.get(graphs, graphs)
+    if graphs == "on" and not (backend == "hip" and precision in GRAPH_PRECISIONS):
+        raise EngineError(f"graphs='on': CUDA graphs replay the hip backend's step in {' or '.join(GRAPH_PRECISIONS)} "
+                          f"(fp16 decides on the host whether to skip a step); got backend {backend!r}, "
+                          f"precision {precision!r}")
     if backend == "numpy":
         if precision != "fp32":
             raise EngineError(f"precision {precision!r} needs a kernel backend (--backend hip or numba); the NumPy "
                               f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)")
         return NumpyEngine(cfg, policy, seed, betas, eps)
-    return GPUEngine(cfg, backend, precision, policy, seed, betas, eps, versions)
+    return GPUEngine(cfg, backend, precision, policy, seed, betas, eps, versions,
+                     graphs=graphs != "off" and backend == "hip" and precision in GRAPH_PRECISIONS)
 
 
 class Engine:
@@ -332,7 +349,7 @@ class GPUEngine(Engine):
                       "encoder": "v2", "adamw": "v2", "convert": "v1"},
     }
 
-    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None):
+    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs=False):
         from . import device
 
         super().__init__(cfg, precision, policy, seed, betas, eps)
@@ -377,8 +394,17 @@ class GPUEngine(Engine):
 
             self.scaler = DynamicLossScaler()
         self._count = xp.zeros(1, xp.int32)
+        self._sumsq = xp.zeros(1, xp.float32)                         # the squared gradient norm (grad_sumsq)
         self._cache = None
         self.profiler = None
+        # train_step replays a CUDA graph: needs AdamW's float4 kernel (n % 4 == 0) and an embedding backward that
+        # does not sort the tokens on the host (v2 does: a graph would replay the capture batch's order): v3
+        # (fixed-point integer atomics: deterministic, no host work)
+        self.graphs = bool(graphs) and self.on_gpu and n % 4 == 0
+        if self.graphs:
+            self.ver["encoder"] = "v3"
+        self._graphs = {}                                              # (B, T) -> _StepGraph
+        self._graphs_required = graphs == "on"
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _host(self, a):
@@ -427,29 +453,50 @@ class GPUEngine(Engine):
             return self.profiler.wrap(f"gemm {fmt} (cuBLAS)", gemm)(a, b, out, trans_a, trans_b, alpha, beta, fmt)
         return gemm(a, b, out, trans_a, trans_b, alpha, beta, fmt)
 
-    def _linear(self, inp_mm, name_w, name_b, l, out_features):
-        """(N, C_in) matmul input -> (N, C_out) fp32 = inp @ W + b."""
+    @property
+    def _half(self):
+        """The fused kernels' output format: None (float32) or "bf16" / "fp16" (uint16 bits)."""
+        return None if self.half is None else self.precision
+
+    def _mm_empty(self, shape):
+        """An uninitialised matmul input in the run's format (float32, or uint16 half bits)."""
+        return self.xp.empty(shape, self.xp.float32 if self.half is None else self.xp.uint16)
+
+    def _matmul(self, inp_mm, name_w, l, out_features):
+        """(N, C_in) matmul input -> (N, C_out) fp32 = inp @ W (the bias is added by the fused kernel after it)."""
         out = self.xp.empty((inp_mm.shape[0], out_features), self.xp.float32)
         self._gemm(inp_mm, self._w(name_w, l), out)
-        out += self.params[name_b][l]
         return out
 
-    def _linear_backward(self, dout_mm, dout_f32, inp_mm, name_w, name_b, l, in_features):
-        """dinp (N, C_in) fp32; writes grads[name_w][l] (C_in, C_out) and grads[name_b][l] (C_out,)."""
+    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features):
+        """dout (N, C_out) fp32 -> dinp (N, C_in) fp32; writes grads[name_w][l] and grads[name_b][l].
+
+        One fused pass over dout (colsum_convert) gives the bias gradient (its column sums, deterministic) and the
+        half copy the two products read."""
         xp = self.xp
-        dinp = xp.empty((dout_mm.shape[0], in_features), xp.float32)
+        if self.half is None:
+            self.K.colsum_convert(dout, self.grads[name_b][l])
+            dout_mm = dout
+        else:
+            dout_mm = self._mm_empty(dout.shape)
+            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half)
+        dinp = xp.empty((dout.shape[0], in_features), xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)       # dinp = dout @ W.T
         self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
-        self.grads[name_b][l][...] = dout_f32.sum(axis=0)
         return dinp
 
     def _layernorm(self, x, name_w, name_b, l):
+        """LayerNorm of x (N, C) fp32 -> (out in the matmul format, mean, rstd): fp32 runs write float32, half
+        precision runs write the half bits directly (layernorm_forward_half: no fp32 copy, no conversion pass)."""
         xp, N = self.xp, x.shape[0]
         C = self.cfg.d_model
         w = self.params[name_w] if l is None else self.params[name_w][l]
         b = self.params[name_b] if l is None else self.params[name_b][l]
-        out, mean, rstd = xp.empty((N, C), xp.float32), xp.empty(N, xp.float32), xp.empty(N, xp.float32)
-        self.K.layernorm_forward(x, w, b, out, mean, rstd, version=self.ver["layernorm_forward"])
+        out, mean, rstd = self._mm_empty((N, C)), xp.empty(N, xp.float32), xp.empty(N, xp.float32)
+        if self.half is None:
+            self.K.layernorm_forward(x, w, b, out, mean, rstd, version=self.ver["layernorm_forward"])
+        else:
+            self.K.layernorm_forward_half(x, w, b, out, mean, rstd, half=self._half)
         return out, mean, rstd
 
     def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l):
@@ -461,58 +508,78 @@ class GPUEngine(Engine):
         self.K.layernorm_backward(dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"])
         return dx
 
-    def _heads(self, a, B, T):
-        """(B*T, C) fp32 -> (B*nh, T, hs) contiguous (fp32)."""
-        nh, C = self.cfg.n_head, self.cfg.d_model
-        return self.xp.ascontiguousarray(a.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)).reshape(B * nh, T, C // nh)
+    def _gelu_mm(self, fc):
+        """GELU of fc (N, 4C) fp32 (bias already in) -> the matmul input (bias_gelu_forward with a zero bias)."""
+        zero = self._zeros(fc.shape[1])
+        out = self._mm_empty(fc.shape)
+        self.K.bias_gelu_forward(fc, zero, fc, out, half=self._half)   # fc + 0 = fc: rewritten unchanged
+        return out
 
-    def _merge(self, a, B, T):
-        """(B*nh, T, hs) -> (B*T, C) contiguous."""
-        nh, C = self.cfg.n_head, self.cfg.d_model
-        return self.xp.ascontiguousarray(a.reshape(B, nh, T, C // nh).transpose(0, 2, 1, 3)).reshape(B * T, C)
+    def _zeros(self, n):
+        z = getattr(self, "_zero_vec", None)
+        if z is None or z.shape[0] < n:
+            z = self._zero_vec = self.xp.zeros(n, self.xp.float32)
+        return z[:n]
 
     # ---- one block ----------------------------------------------------------------------------------------------
     def _block_forward(self, x, l, B, T, keep):
-        """x (B*T, C) -> x_out, cache dict; keep: which policy decides what the cache holds."""
+        """x (B*T, C) -> x_out, cache dict; keep: which policy decides what the cache holds.
+
+        Between the matrix products only fused kernels run (kernels/hip/fused.cu and its Numba twin): LayerNorm
+        writes the matmul input directly; split_heads adds the qkv bias while it moves q, k, v into (B*nh, T, hs)
+        in the matmul format; the causal softmax writes the probabilities in the matmul format (half runs keep no
+        fp32 copy: the softmax backward reads the half one); merge_heads brings the heads back; bias_add adds each
+        projection's bias and the residual in one pass; bias_gelu_forward adds the fc bias (fc is kept for the GELU
+        backward) and writes GELU's output in the matmul format."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
+        half = self._half
         c = {"x": x}
-        ln1, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
-        ln1_mm = self._mm_in(ln1)
-        qkv = self._linear(ln1_mm, "qkvw", "qkvb", l, 3 * C)                      # (B*T, 3C)
-        q, k, v = (self._mm_in(self._heads(qkv[:, i * C:(i + 1) * C], B, T)) for i in range(3))
+        ln1_mm, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
+        qkv = self._matmul(ln1_mm, "qkvw", l, 3 * C)                               # (B*T, 3C), no bias yet
+        qkvb = self.params["qkvb"][l]
+        q, k, v = (self._mm_empty((B * nh, T, hs)) for _ in range(3))
+        for i, dst in enumerate((q, k, v)):
+            self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C:(i + 1) * C], half=half)
+        del qkv
         att = xp.empty((B * nh, T, T), xp.float32)
         self._gemm(q, k, att, trans_b=True)                                       # raw scores q @ k.T
-        self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), 1.0 / math.sqrt(hs))
-        att_mm = self._mm_in(att)
+        scale = 1.0 / math.sqrt(hs)
+        if half is None:
+            self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), scale)
+            att_mm = att
+        else:
+            att_mm = self._mm_empty((B * nh, T, T))
+            self.K.attention_softmax_forward(att.reshape(-1, T), None, scale, att_half=att_mm.reshape(-1, T),
+                                             half=half)
+            del att
         y = xp.empty((B * nh, T, hs), xp.float32)
         self._gemm(att_mm, v, y)                                                  # att @ v
-        atty_mm = self._mm_in(self._merge(y, B, T))
-        x1 = x + self._linear(atty_mm, "attprojw", "attprojb", l, C)
-        ln2, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
-        ln2_mm = self._mm_in(ln2)
-        fc = self._linear(ln2_mm, "fcw", "fcb", l, 4 * C)
-        gelu = xp.empty_like(fc)
-        self.K.gelu_forward(fc.reshape(-1), gelu.reshape(-1), version=self.ver["gelu"])
-        gelu_mm = self._mm_in(gelu)
-        x2 = x1 + self._linear(gelu_mm, "fcprojw", "fcprojb", l, C)
+        atty_mm = self._mm_empty((B * T, C))
+        self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
+        del y
+        x1 = self._matmul(atty_mm, "attprojw", l, C)
+        self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)                # x1 = x + atty @ W + b
+        ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
+        fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
+        gelu_mm = self._mm_empty(fc.shape)
+        self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm, half=half)   # fc += b; gelu(fc)
+        x2 = self._matmul(gelu_mm, "fcprojw", l, C)
+        self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)                # x2 = x1 + gelu @ W + b
         if keep == "none":
-            c.update(ln1_mm=ln1_mm, q=q, k=k, v=v, att=att, att_mm=att_mm, atty_mm=atty_mm, x1=x1,
-                     ln2_mm=ln2_mm, fc=fc, gelu_mm=gelu_mm)
+            c.update(ln1_mm=ln1_mm, q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, ln2_mm=ln2_mm, fc=fc,
+                     gelu_mm=gelu_mm)
         elif keep == "selective":     # LayerNorm and GELU outputs are rebuilt in backward
-            c.update(q=q, k=k, v=v, att=att, att_mm=att_mm, atty_mm=atty_mm, x1=x1, fc=fc)
+            c.update(q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, fc=fc)
         # "full": only x (the caller keeps it; the rest is recomputed)
         return x2, c
 
     def _rebuild(self, c, l):
         """Selective recompute: the LayerNorm outputs from x / x1 and the GELU output from fc."""
-        xp = self.xp
-        c["ln1_mm"] = self._mm_in(self._layernorm(c["x"], "ln1w", "ln1b", l)[0])
-        c["ln2_mm"] = self._mm_in(self._layernorm(c["x1"], "ln2w", "ln2b", l)[0])
-        gelu = xp.empty_like(c["fc"])
-        self.K.gelu_forward(c["fc"].reshape(-1), gelu.reshape(-1), version=self.ver["gelu"])
-        c["gelu_mm"] = self._mm_in(gelu)
+        c["ln1_mm"] = self._layernorm(c["x"], "ln1w", "ln1b", l)[0]
+        c["ln2_mm"] = self._layernorm(c["x1"], "ln2w", "ln2b", l)[0]
+        c["gelu_mm"] = self._gelu_mm(c["fc"])
 
     def _block_backward(self, dx, c, l, B, T):
         """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
@@ -522,43 +589,47 @@ class GPUEngine(Engine):
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
+        half = self._half
         # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
-        dx_mm = self._mm_in(dx)
-        dgelu = self._linear_backward(dx_mm, dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
-        del dx_mm
+        dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
         dfc = xp.empty_like(dgelu)
         self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
         del dgelu
-        dln2 = self._linear_backward(self._mm_in(dfc), dfc, c["ln2_mm"], "fcw", "fcb", l, C)
+        dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
         del dfc
         dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l)
         del dln2
         dx1 += dx
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
-        dx1_mm = self._mm_in(dx1)
-        datty = self._linear_backward(dx1_mm, dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
-        del dx1_mm
-        dy = self._mm_in(self._heads(datty, B, T))                                # (B*nh, T, hs)
+        datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
+        dy = self._mm_empty((B * nh, T, hs))
+        self.K.split_heads(datty, 0, dy, B, T, nh, half=half)                     # (B*nh, T, hs)
         del datty
         dv = xp.empty((B * nh, T, hs), xp.float32)
         self._gemm(c["att_mm"], dy, dv, trans_a=True)                             # dv = att.T @ dy
         datt = xp.empty((B * nh, T, T), xp.float32)
         self._gemm(dy, c["v"], datt, trans_b=True)                                # datt = dy @ v.T
         del dy
-        self.K.attention_softmax_backward(c["att"].reshape(-1, T), datt.reshape(-1, T), datt.reshape(-1, T),
-                                          1.0 / math.sqrt(hs))                    # dpre, in place, scale folded in
-        dpre_mm = self._mm_in(datt)
+        scale = 1.0 / math.sqrt(hs)
+        if half is None:                                                          # dpre, in place, scale folded in
+            self.K.attention_softmax_backward(c["att_mm"].reshape(-1, T), datt.reshape(-1, T), datt.reshape(-1, T),
+                                              scale)
+            dpre_mm = datt
+        else:                                                                     # half probabilities in, half dpre out
+            dpre_mm = self._mm_empty((B * nh, T, T))
+            self.K.attention_softmax_backward(c["att_mm"].reshape(-1, T), datt.reshape(-1, T),
+                                              dpre_mm.reshape(-1, T), scale, half=half)
         del datt
         dqkv = xp.empty((B * T, 3 * C), xp.float32)
-        dqkv[:, 2 * C:] = self._merge(dv, B, T)
+        self.K.merge_heads(dv, dqkv, 2 * C, B, T, nh)
         del dv
         for i, (b, ta) in enumerate(((c["k"], False), (c["q"], True))):
             part = xp.empty((B * nh, T, hs), xp.float32)
             self._gemm(dpre_mm, b, part, trans_a=ta)                              # dq = dpre @ k, dk = dpre.T @ q
-            dqkv[:, i * C:(i + 1) * C] = self._merge(part, B, T)
+            self.K.merge_heads(part, dqkv, i * C, B, T, nh)
             del part
         del dpre_mm
-        dln1 = self._linear_backward(self._mm_in(dqkv), dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
+        dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
         del dqkv
         dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l)
         del dln1
@@ -577,7 +648,7 @@ class GPUEngine(Engine):
         x, y = self._check_batch("forward", x, y)
         return self._forward(x, y, keep=self.policy)
 
-    def _forward(self, x, y, keep):
+    def _forward(self, x, y, keep, device_loss=False):
         xp, cfg = self.xp, self.cfg
         B, T = x.shape
         V, C = cfg.vocab_size, cfg.d_model
@@ -588,8 +659,7 @@ class GPUEngine(Engine):
             h, c = self._block_forward(h, l, B, T, "none" if keep == "none" else
                                        ("selective" if keep == "selective" else "full"))
             blocks.append(c if keep != "full" else {"x": x_in})
-        lnf, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
-        lnf_mm = self._mm_in(lnf)
+        lnf_mm, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
         logits = xp.empty((B * T, V), xp.float32)
         self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)                  # tied head: lnf @ wte.T
         loss = None
@@ -598,7 +668,7 @@ class GPUEngine(Engine):
             losses = xp.empty(B * T, xp.float32)
             dlogits = xp.empty_like(logits)
             self.K.crossentropy_forward_backward(logits, targets, losses, dlogits, version=self.ver["crossentropy"])
-            loss = float(losses.mean())
+            loss = losses.mean() if device_loss else float(losses.mean())
             self._cache = dict(B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm,
                                dlogits=dlogits)
         return logits.reshape(B, T, V), loss
@@ -640,12 +710,33 @@ class GPUEngine(Engine):
         self.grads["wte"] += dwte_enc
 
     def grad_norm(self) -> float:
-        """The global L2 norm of the flat gradient buffer (one reduction over it)."""
-        g = self.grads.flat
-        return float(math.sqrt(float(self.xp.dot(g, g))))
+        """The global L2 norm of the flat gradient buffer: one kernel over it (grad_sumsq, deterministic)."""
+        self.K.grad_sumsq(self.grads.flat, self._sumsq)
+        return float(math.sqrt(float(self._sumsq[0])))
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
-        """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off."""
+        """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off.
+
+        With graphs on (build(graphs=...)), the first step of each batch shape (B, T) captures the whole step as a
+        CUDA graph (_StepGraph) and every step replays it: one launch instead of a few hundred from Python. Results
+        equal the eager step's (the same kernels; lr, the step count and the clip threshold are read by AdamW from
+        GPU memory, adamw_step_device). Profiling turns graphs off (every launch is timed from Python)."""
+        if self.graphs and self.profiler is None:
+            x, y = self._check_batch("train_step", x, y)
+            graph = self._graphs.get(x.shape)
+            if graph is None:
+                try:
+                    graph = self._graphs[x.shape] = _StepGraph(self, *x.shape)
+                except Exception as e:  # noqa: BLE001 - a platform without stream capture: say so, run eagerly
+                    if self._graphs_required:
+                        raise EngineError(f"capturing the training step as a CUDA graph failed: {e}") from e
+                    import warnings
+                    warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); training step by step "
+                                  f"from Python instead", RuntimeWarning, stacklevel=2)
+                    self.graphs = False
+                    graph = None
+            if graph is not None:
+                return graph.step(x, y, lr, weight_decay, grad_clip)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss = self.forward(x, y)[1]      # the logits are not kept: (B, T, V) would stay alive through backward
         self.backward(loss_scale=scale)
@@ -690,15 +781,91 @@ class GPUEngine(Engine):
         return np.asarray(self.xp.asnumpy(last) if self.on_gpu else last, dtype=np.float64)
 
 
+class _StepGraph:
+    """One training step of a GPUEngine (hip backend, fp32 / bf16) for one batch shape, as a CUDA graph.
+
+    Capture (once per shape): static device buffers for the tokens, the targets, AdamW's scalars (hyper) and the
+    result (loss, squared gradient norm); a private CuPy memory pool for everything the step allocates; one eager
+    warm-up step (it compiles every kernel and fills the private pool with the blocks the step needs; the model and
+    optimizer state are saved before it and restored after it, so it leaves no trace); then the same step captured
+    on a side stream (cudaStreamBeginCapture, relaxed mode) and instantiated. The step calls the same launchers as
+    the eager path; only AdamW differs: adamw_step_device reads lr, lr * wd, the bias corrections and the clip
+    threshold from `hyper` and the gradient norm from the grad_sumsq output, because a replay re-runs every launch
+    with the arguments it was captured with.
+    Replay (every step): copy x, y and hyper into the static buffers, launch the graph, read back (loss, sumsq).
+    The private pool is never used by anything else, so the addresses baked into the graph stay valid."""
+
+    def __init__(self, eng, B, T):
+        import cupy as cp
+
+        from .kernels.numba.adamw import adamw_hyper
+
+        self.eng, self.B, self.T = eng, B, T
+        self._hyper_of = adamw_hyper
+        self.x = cp.zeros((B, T), cp.int32)
+        self.y = cp.zeros((B, T), cp.int32)
+        self.hyper = cp.asarray(adamw_hyper(0.0, 0.0, 1, *eng.betas))
+        self.result = cp.zeros(2, cp.float32)
+        self.pool = cp.cuda.MemoryPool()
+        self.stream = cp.cuda.Stream()           # a blocking stream: ordered with work on the default stream
+        from .blas import prepare_capture
+
+        prepare_capture()                        # cuBLAS handle + workspace for captured matrix products
+        state = [eng.params.flat, eng.grads.flat, eng.m, eng.v] + ([eng.half] if eng.half is not None else [])
+        saved = [a.copy() for a in state]
+        try:
+            with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+                self._body()                     # warm-up: compiles kernels, fills the private pool
+                self.stream.synchronize()
+                self.stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    self._body()
+                finally:
+                    self.graph = self.stream.end_capture()
+        finally:
+            eng._cache = None
+            cp.cuda.Device().synchronize()
+            for dst, src in zip(state, saved):   # neither run leaves a trace in the model or the optimizer
+                dst[...] = src
+            cp.cuda.Device().synchronize()
+
+    def _body(self):
+        eng = self.eng
+        _, loss = eng._forward(self.x, self.y, keep=eng.policy, device_loss=True)
+        eng.backward()
+        eng.K.grad_sumsq(eng.grads.flat, eng._sumsq)
+        eng.K.adamw_step_device(eng.params.flat, eng.grads.flat, eng.m, eng.v, self.hyper, eng._sumsq,
+                                eng.betas[0], eng.betas[1], eng.eps, decay_bounds=eng.decay,
+                                half_out=eng.half, half_dtype="bfloat16" if eng.precision == "bf16" else None)
+        self.result[0:1] = loss
+        self.result[1:2] = eng._sumsq
+
+    def step(self, x, y, lr, weight_decay, grad_clip) -> dict:
+        eng = self.eng
+        eng.t += 1
+        hyper = self._hyper_of(lr, weight_decay, eng.t, *eng.betas, clip=float(grad_clip) if grad_clip > 0 else 0.0)
+        with self.stream:
+            self.x.set(x)
+            self.y.set(y)
+            self.hyper.set(hyper)
+            self.graph.launch(self.stream)
+            loss, sumsq = (float(v) for v in self.result.get(stream=self.stream))
+        return {"loss": loss, "grad_norm": math.sqrt(max(sumsq, 0.0)), "skipped": False}
+
+    def pool_bytes(self) -> int:
+        """Bytes the step's private pool holds: its working set (activations and temporaries)."""
+        return int(self.pool.total_bytes())
+
+
 def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none") -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
     checkpointing.memory_model describes the NumPy reference's cache (every tensor in one precision); this function
     follows the engine's own choices, tensor by tensor (module docstring): fp32 master weights, grads, m, v and the
-    half copy; per block the kept tensors of the policy (fp32 residual stream, LayerNorm statistics, attention
-    probabilities and GELU input; half copies of the matmul inputs); the tensors kept outside the blocks (last
-    block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working set of any
-    phase of the step: the forward of a block (its locals live until it returns), the head (logits + dlogits), the
+    half copy; per block the kept tensors of the policy (fp32 residual stream, LayerNorm statistics and GELU input;
+    the matmul inputs, the attention probabilities among them, in the run's format); the tensors kept outside the
+    blocks (last block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working
+    set of any phase of the step: the forward of a block (one temporary at a time), the head (logits + dlogits), the
     start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
     recompute under "full" / "selective"). Returns the terms and "total" = model + activations + peak working set.
     """
@@ -711,41 +878,43 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     h = e if half else 0                       # bytes of a half copy that exists only in half precision
     C, nh, L, V = cfg.d_model, cfg.n_head, cfg.n_layer, cfg.vocab_size
     N, P, TT = B * T, num_params(cfg), B * nh * T * T
+    NC = N * C
     model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": 2 * P * f}
-    # what one block keeps, per policy
-    base = N * C * f + 4 * N * f                                        # x, mean1, rstd1, mean2, rstd2
-    sel = 3 * N * C * e + TT * f + TT * h + N * C * e + N * C * f + 4 * N * C * f   # q,k,v att att_mm atty x1 fc
-    rebuilt = N * C * e + N * C * e + 4 * N * C * e                     # ln1_mm, ln2_mm, gelu_mm
+    # what one block keeps, per policy (GPUEngine._block_forward)
+    base = NC * f + 4 * N * f                                           # x, mean1, rstd1, mean2, rstd2
+    sel = 3 * NC * e + TT * e + NC * e + NC * f + 4 * NC * f            # q, k, v, att_mm, atty_mm, x1, fc
+    rebuilt = NC * e + NC * e + 4 * NC * e                              # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
-    kept_block = {"none": full_cache, "selective": base + sel, "full": N * C * f}[policy]
-    top = N * C * f + 2 * N * f + N * C * e + N * V * f + N * 4            # h, meanf, rstdf, lnf_mm, dlogits, idx
+    kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f}[policy]
+    top = NC * f + 2 * N * f + NC * e + N * V * f + N * 4                 # h, meanf, rstdf, lnf_mm, dlogits, idx
     activations = L * kept_block + top
-    # forward: a block's locals beyond its cache (qkv, y, merged y, fp32 LayerNorm/GELU outputs in half, a linear
-    # output before its residual add), and under selective the half inputs that are not kept
-    fwd_block = (3 * N * C * f + N * C * f + N * C * f * half + (N * C * f + N * C * f + 4 * N * C * f) * half
-                 + N * C * f + (rebuilt if policy == "selective" else 0))
-    if policy == "full":                     # the whole cache is a local of the forward, dropped on return
-        fwd_block += full_cache - N * C * f
-    head = N * V * f + N * f + N * 4 + N * C * f * half                # logits, losses, targets, fp32 lnf
-    # backward: the stages of _block_backward on top of the incoming dx (N*C f)
-    stages = [N * C * h + 4 * N * C * f,
-              8 * N * C * f,
-              4 * N * C * f + 4 * N * C * h + N * C * f,
-              2 * N * C * f,
-              N * C * f + N * C * h + N * C * f,
-              3 * N * C * f + N * C * h,
-              N * C * f + N * C * e + N * C * f + TT * f,
-              N * C * f + N * C * f + TT * f + TT * h,
-              N * C * f + 3 * N * C * f + N * C * f + N * C * f + TT * e,
-              N * C * f + 3 * N * C * f + TT * e + 2 * N * C * f,
-              N * C * f + 3 * N * C * f + 3 * N * C * h + N * C * f,
-              3 * N * C * f]
-    recompute = {"none": 0, "selective": rebuilt, "full": full_cache - N * C * f}[policy]
-    bwd_block = N * C * f + max(stages) + recompute
+    # forward: one temporary at a time beside the growing cache: qkv before the head split, the fp32 scores
+    # before the half softmax output (half runs), y before merge_heads, the block output; under selective the
+    # matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on return)
+    fwd_block = max(3 * NC * f, TT * f * half, NC * f)
+    if policy == "selective":
+        fwd_block += rebuilt
+    elif policy == "full":
+        fwd_block += full_cache - NC * f
+    head = N * V * f + N * f + N * 4                                     # logits, losses, targets
+    # backward: the stages of _block_backward on top of the incoming dx (NC f)
+    stages = [NC * h + 4 * NC * f,                                       # fcproj: dx_mm, dgelu
+              8 * NC * f,                                                # dgelu, dfc
+              4 * NC * f + 4 * NC * h + NC * f,                          # fc: dfc, dfc_mm, dln2
+              2 * NC * f,                                                # dln2, dx1
+              2 * NC * f + NC * h,                                       # attproj: dx1, dx1_mm, datty
+              2 * NC * f + NC * e,                                       # dx1, datty, dy
+              2 * NC * f + NC * e + TT * f,                              # dx1, dy, dv, datt
+              2 * NC * f + TT * f + TT * h,                              # dx1, dv, datt, dpre (half)
+              5 * NC * f + TT * e,                                       # dx1, dqkv, dv / part, dpre
+              5 * NC * f + 3 * NC * h,                                   # qkv: dx1, dqkv, dqkv_mm, dln1
+              3 * NC * f]                                                # dx1, dln1, dx0
+    recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f}[policy]
+    bwd_block = NC * f + max(stages) + recompute
     if policy == "full":                     # the recompute's own forward locals, before the backward stages
-        bwd_block = max(bwd_block, N * C * f + fwd_block)
+        bwd_block = max(bwd_block, NC * f + fwd_block)
     scale_tmp = N * V * f if precision == "fp16" else 0                   # dlogits * scale before the fp16 cast
-    bwd_head = N * V * h + scale_tmp + N * C * f
+    bwd_head = N * V * h + scale_tmp + NC * f
     peak_set = max(fwd_block, head, bwd_head, bwd_block)
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
     out["total"] = sum(model.values()) + activations + peak_set

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from . import device
@@ -25,6 +26,7 @@ from . import device
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_dir() -> Path:
     """The folder holding the .cu sources and portable.h (inside the installed package, or the checkout)."""
     return Path(str(importlib.resources.files("gpullm_lessons.kernels") / "hip"))
@@ -88,26 +90,33 @@ def load(name: str, options: tuple = ()):
 
 
 _KERNELS: dict = {}
+RECHECK_S = 2.0   # a cached kernel's source files are stat()ed again at most this often (seconds)
 
 
 def _stamp(name: str) -> tuple:
     folder = kernel_dir()
-    return tuple(os.stat(p).st_mtime_ns for p in (source_path(name), folder / "portable.h"))
+    headers = sorted(folder.glob("*.h"))
+    return tuple(os.stat(p).st_mtime_ns for p in (source_path(name), *headers))
 
 
 def kernel(name: str, function: str, options: tuple = ()):
     """One ``extern "C"`` entry point of ``kernels/hip/<name>.cu`` as a launchable CuPy kernel.
 
-    Cached per process: a launch costs two stat() calls (an edited .cu or portable.h is recompiled), not a
-    re-read of the source, so launchers can call this on every launch.
+    Cached per process. An edited .cu file or header is recompiled: the cache compares the files' modification
+    times, at most every RECHECK_S seconds per kernel, so that a launch costs a dictionary lookup and a clock
+    read (a training step launches a few hundred kernels; stat() calls on every launch cost ~10 us each).
     """
     key = (name, function, tuple(options))
-    stamp = _stamp(name)
     hit = _KERNELS.get(key)
+    now = time.monotonic()
+    if hit is not None and now - hit[2] < RECHECK_S:
+        return hit[1]
+    stamp = _stamp(name)
     if hit is not None and hit[0] == stamp:
+        _KERNELS[key] = (stamp, hit[1], now)
         return hit[1]
     fn = load(name, options).get_function(function)
-    _KERNELS[key] = (stamp, fn)
+    _KERNELS[key] = (stamp, fn, now)
     return fn
 
 

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matmul precision; fp32 master weights always, fp16 with loss scaling (bf16/fp16: hip, numba)")
     p.add_argument("--checkpointing", choices=POLICIES, default="none",
                    help="activation checkpointing: what backward recomputes instead of keeping")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="replay each training step as a CUDA graph (hip backend, fp32/bf16; auto: where it applies)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also write <out>/ckpt.npz every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its ckpt.npz")
@@ -322,7 +324,8 @@ def train(args: argparse.Namespace) -> dict:
     # -------------------------------------------------------------------------
     # 3. model: the engine holds the GPT's flat fp32 buffers (params, grads, AdamW's m and v) on its backend
     try:
-        eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed)
+        eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed,
+                           graphs=getattr(args, "graphs", "auto"))
     except engine.EngineError as e:  # e.g. bf16 / fp16 with the NumPy reference
         raise ConfigError(str(e)) from e
     n_params = num_params(cfg)

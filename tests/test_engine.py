@@ -276,8 +276,9 @@ def test_profiler_times_every_kernel_of_a_step():
     prof = eng.enable_profiling()
     prof.step(eng.train_step, x, y, lr=1e-3)
     rows = {r["op"]: r for r in prof.report()}
-    for op in ("layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward", "adamw_step",
-               "crossentropy_forward_backward", "attention_softmax_forward", "encoder_backward", "gemm fp32 (cuBLAS)"):
+    for op in ("layernorm_forward", "layernorm_backward", "bias_gelu_forward", "gelu_backward", "adamw_step",
+               "crossentropy_forward_backward", "attention_softmax_forward", "encoder_backward", "gemm fp32 (cuBLAS)",
+               "split_heads", "merge_heads", "bias_add", "colsum_convert", "grad_sumsq"):
         assert rows[op]["calls"] >= 1 and rows[op]["ms"] > 0, op
     assert rows["layernorm_forward"]["calls"] == 2 * TOY.n_layer + 1
     assert abs(sum(r["share"] for r in rows.values()) - 1.0) < 1e-6
@@ -289,3 +290,44 @@ def test_numba_without_gpu_or_simulator_is_refused(monkeypatch):
     monkeypatch.setattr(device, "kind", lambda: "cpu")
     with pytest.raises(engine.EngineError, match="backend 'numba' needs a GPU or the CUDA simulator"):
         engine.check_backend("numba")
+
+
+# ---- CUDA graphs (train_step replayed as one graph) ----------------------------------------------------------------
+def test_graphs_on_where_they_cannot_apply_is_refused():
+    with pytest.raises(engine.EngineError, match="graphs='on'"):
+        engine.build(TOY, "numpy", graphs="on")
+    with pytest.raises(engine.EngineError, match="graphs must be"):
+        engine.build(TOY, "numpy", graphs="maybe")
+    assert not engine.build(TOY, "numba").graphs            # numba (simulator or GPU): always step by step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_graph_steps_equal_eager_steps(precision, gpu_batches):
+    """The replayed graph = the eager step: losses, gradient norms and the final state (two batch shapes, so two
+    captures; an eval in between sees the updated weights)."""
+    eager = engine.build(SMALL, "hip", precision=precision, graphs="off")
+    graph = engine.build(SMALL, "hip", precision=precision, graphs="on")
+    assert graph.graphs and not eager.graphs
+    batches = gpu_batches[:4] + [(x[:4, :32].copy(), y[:4, :32].copy()) for x, y in gpu_batches[4:7]]
+    for i, (x, y) in enumerate(batches):
+        a = eager.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.5)
+        b = graph.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.5)
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (i, a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (i, a, b)
+        if i == 3:
+            assert abs(eager.eval_loss(x, y) - graph.eval_loss(x, y)) <= 1e-5 * a["loss"]
+    assert len(graph._graphs) == 2 and graph.t == eager.t == len(batches)
+    sa, sb = eager.state_dict(), graph.state_dict()
+    for key in ("params", "m", "v"):
+        assert np.linalg.norm(sa[key] - sb[key]) <= 1e-5 * np.linalg.norm(sa[key]), key
+
+
+@pytest.mark.gpu
+def test_gpu_graph_run_is_deterministic(gpu_batches):
+    runs = []
+    for _ in range(2):
+        eng = engine.build(SMALL, "hip", precision="bf16", graphs="on")
+        runs.append([eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches[:5]])
+        runs[-1].append(eng.state_dict()["params"])
+    assert runs[0][:5] == runs[1][:5] and np.array_equal(runs[0][5], runs[1][5])

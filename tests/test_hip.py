@@ -9,6 +9,7 @@ from conftest import require_tool
 from gpullm_lessons import hip
 
 SOURCES = [p.stem for p in hip.sources()]
+SHARED_HEADERS = sorted(p.name for p in hip.kernel_dir().glob("*.h") if p.name != "portable.h")   # e.g. half.h
 
 
 def test_sources_found_and_header_ships():
@@ -55,8 +56,9 @@ def lint(text: str) -> list[str]:
     code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
     problems = [why for pat, why in NON_PORTABLE if re.search(pat, code)]
     includes = re.findall(r'#\s*include\s*"([^"]+)"', code)
-    if includes != ["portable.h"]:
-        problems.append(f'include exactly "portable.h" (found {includes})')
+    # portable.h first; after it only shared headers of kernels/hip (half.h: the bf16/fp16 rounding), linted below
+    if includes[:1] != ["portable.h"] or not set(includes[1:]) <= set(SHARED_HEADERS):
+        problems.append(f'include "portable.h" first, then only {", ".join(SHARED_HEADERS)} (found {includes})')
     if re.search(r"__global__", code) and not re.search(r'extern\s+"C"\s+__global__', code):
         problems.append('entry points must be extern "C" __global__')
     return problems
@@ -65,6 +67,11 @@ def lint(text: str) -> list[str]:
 @pytest.mark.parametrize("name", SOURCES)
 def test_portability_lint(name):
     assert lint(hip.source_path(name).read_text()) == []
+
+
+@pytest.mark.parametrize("header", SHARED_HEADERS)
+def test_shared_headers_lint(header):
+    assert lint((hip.kernel_dir() / header).read_text()) == []
 
 
 def test_lint_catches_non_portable_code():

@@ -353,3 +353,100 @@ def test_gpu_hip_validation():
     a[9] = 0
     with pytest.raises(ValueError, match="step must be >= 1"):
         hip_mod.adamw_step(*a)
+
+
+# ---- the graph-friendly step: scalars in GPU memory (adamw_step_device) and the gradient norm (grad_sumsq) --------
+def _device_case(rng, n, to):
+    p, g, m, v = (rng.standard_normal(n).astype(np.float32) for _ in range(4))
+    v = np.abs(v)
+    return [to(a.copy()) for a in (p, g, m, v)], (p, g, m, v)
+
+
+@pytest.mark.parametrize("clip, loss_scale", [(0.0, 1.0), (0.5, 1.0), (0.5, 1024.0), (1e6, 1024.0)])
+def test_step_device_matches_host_step(small_grid, monkeypatch, clip, loss_scale):
+    """Same update as adamw_step with the host's clip coefficient / loss scale folded into grad_scale: bit for bit
+    when nothing clips (grad_scale 1 / loss_scale is exact), to float32 rounding when the device computes coef."""
+    rng = np.random.default_rng(7)
+    n = 1000
+    bounds, flags, _ = random_table(rng, n)
+    _, host = _device_case(rng, n, lambda a: a)
+    host[1][...] *= np.float32(loss_scale)              # a scaled gradient, as backward(loss_scale) leaves it
+    dev, ref = ([to_backend(a.copy(), "numba") for a in host] for _ in range(2))
+    sumsq = to_backend(np.zeros(1, np.float32), "numba")
+    nb.grad_sumsq(dev[1], sumsq)
+    sq = float(to_numpy(sumsq)[0])
+    norm = math.sqrt(sq) / loss_scale
+    coef = clip / (norm + 1e-6) if clip > 0 and clip / (norm + 1e-6) < 1 else 1.0
+    hyper = to_backend(nb.adamw_hyper(3e-3, 0.1, 5, 0.9, 0.95, clip=clip, loss_scale=loss_scale), "numba")
+    nb.adamw_step_device(*dev, hyper, sumsq, 0.9, 0.95, 1e-8, decay_bounds=(bounds, flags))
+    nb.adamw_step(*ref, 3e-3, 0.9, 0.95, 1e-8, 0.1, 5, decay_bounds=(bounds, flags),
+                  grad_scale=float(np.float32(coef) / np.float32(loss_scale)))
+    for got, want in zip(dev, ref):
+        got, want = to_numpy(got), to_numpy(want)
+        if coef == 1.0:
+            assert np.array_equal(got, want)
+        else:
+            assert close(got, want)
+    assert (clip == 0.5) == (coef < 1.0)                # the clipping case really clips, the others do not
+
+
+def test_grad_sumsq_is_the_squared_norm_and_deterministic():
+    rng = np.random.default_rng(3)
+    for n in (1, 129, 1000):
+        g = rng.standard_normal(n).astype(np.float32) * 3
+        out1, out2 = (to_backend(np.full(1, np.nan, np.float32), "numba") for _ in range(2))
+        dg = to_backend(g, "numba")
+        nb.grad_sumsq(dg, out1, blocks=3)
+        nb.grad_sumsq(dg, out2, blocks=3)
+        want = float(np.sum(g.astype(np.float64) ** 2))
+        assert abs(float(to_numpy(out1)[0]) - want) <= 1e-5 * want
+        assert to_numpy(out1)[0] == to_numpy(out2)[0]
+    wrong = to_backend(np.zeros(1, np.float32), "numba")
+    nb.grad_sumsq(to_backend(np.ones(10, np.float32), "numba"), wrong)
+    assert float(to_numpy(wrong)[0]) == 10.0
+
+
+def test_device_step_errors():
+    rng = np.random.default_rng(0)
+    bufs, _ = _device_case(rng, 8, lambda a: a)
+    hyper = nb.adamw_hyper(1e-3, 0.0, 1, 0.9, 0.95)
+    with pytest.raises(ValueError, match="hyper has shape"):
+        nb.adamw_step_device(*bufs, hyper[:5].copy(), np.zeros(1, np.float32), 0.9, 0.95, 1e-8)
+    with pytest.raises(TypeError, match="sumsq has dtype float64"):
+        nb.adamw_step_device(*bufs, hyper, np.zeros(1), 0.9, 0.95, 1e-8)
+    with pytest.raises(ValueError, match="clip must be >= 0"):
+        nb.adamw_hyper(1e-3, 0.0, 1, 0.9, 0.95, clip=-1.0)
+    with pytest.raises(ValueError, match="loss_scale must be > 0"):
+        nb.adamw_hyper(1e-3, 0.0, 1, 0.9, 0.95, loss_scale=0.0)
+    with pytest.raises(TypeError, match="out has dtype"):
+        nb.grad_sumsq(np.ones(4, np.float32), np.zeros(1, np.float64))
+
+
+@pytest.mark.gpu
+def test_gpu_hip_step_device_and_sumsq():
+    """HIP: adamw_step_device = adamw_step v3 with the host's factor; grad_sumsq = the float64 sum, deterministic."""
+    import cupy as cp
+    hip = hip_module()
+    rng = np.random.default_rng(11)
+    n = 2_000_004
+    bounds, flags, _ = random_table(rng, n)
+    table = (cp.asarray(bounds), cp.asarray(flags))
+    for clip in (0.0, 1.0):
+        dev, host = _device_case(np.random.default_rng(5), n, cp.asarray)
+        ref, _ = _device_case(np.random.default_rng(5), n, cp.asarray)
+        sumsq, again = cp.zeros(1, cp.float32), cp.zeros(1, cp.float32)
+        hip.grad_sumsq(dev[1], sumsq)
+        hip.grad_sumsq(dev[1], again)
+        want = float(np.sum(host[1].astype(np.float64) ** 2))
+        assert abs(float(sumsq[0]) - want) <= 1e-5 * want and float(sumsq[0]) == float(again[0])
+        norm = math.sqrt(float(sumsq[0]))
+        coef = clip / (norm + 1e-6) if clip > 0 and clip / (norm + 1e-6) < 1 else 1.0
+        half = cp.zeros(n, cp.uint16)
+        hyper = cp.asarray(nb.adamw_hyper(1e-3, 0.1, 3, 0.9, 0.95, clip=clip))
+        hip.adamw_step_device(*dev, hyper, sumsq, 0.9, 0.95, 1e-8, decay_bounds=table, half_out=half,
+                              half_dtype="bfloat16")
+        hip.adamw_step(*ref, 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, decay_bounds=table, grad_scale=coef, version="v3")
+        for got, w in zip(dev, ref):
+            assert close(cp.asnumpy(got), cp.asnumpy(w))
+        want_half = cp.asnumpy(dev[0]).astype(ml_dtypes.bfloat16).view(np.uint16)
+        assert np.array_equal(cp.asnumpy(half), want_half)

@@ -111,3 +111,320 @@ def test_causal_softmax_bad_shapes_are_named():
         nb_attention.attention_softmax_forward(np.zeros((5, 4), np.float32), np.zeros((5, 4), np.float32), 1.0)
     with pytest.raises(TypeError, match="float32"):
         nb_attention.attention_softmax_forward(np.zeros((8, 4)), np.zeros((8, 4), np.float32), 1.0)
+
+
+# ---- half precision: att_half= / half= ("bf16" | "fp16"), uint16 bits in and out -----------------------------------
+from numba import cuda  # noqa: E402  (gpullm_lessons chose simulator or GPU before: conftest imports it first)
+
+from gpullm_lessons import precision  # noqa: E402
+from gpullm_lessons.backends import _hip_attention  # noqa: E402  (importable without cupy: checks run first)
+
+HALVES = ("bf16", "fp16")
+POISON16 = 0xFFFF                          # a NaN in both formats: an unwritten element shows
+
+
+def _to_half(x, half):
+    """float32 array -> its half bits (uint16): bf16 by precision.f32_to_bf16_bits (= ml_dtypes), fp16 by NumPy."""
+    x = np.asarray(x, np.float32)
+    if half == "bf16":
+        return precision.f32_to_bf16_bits(x)
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).view(np.uint16)
+
+
+def _from_half(bits, half):
+    """Half bits (uint16) -> float32, exact."""
+    bits = np.asarray(bits)
+    return precision.bf16_bits_to_f32(bits) if half == "bf16" else bits.view(np.float16).astype(np.float32)
+
+
+def _ulps(a, b):
+    """|a - b| in units in the last place of the 16-bit format (sign-magnitude bits mapped to a signed scale)."""
+    def ordered(bits):
+        mag = (bits & 0x7FFF).astype(np.int64)
+        return np.where(bits & 0x8000, -mag, mag)
+    return np.abs(ordered(np.asarray(a)) - ordered(np.asarray(b)))
+
+
+def _assert_half_within_one_ulp(got_bits, ref64, half, err_msg="", slack=None):
+    """got (half bits) equals the float32 reference rounded to half within 1 ulp of half. `slack` (float64, like
+    ref64): where the float32 arithmetic itself may be off by more than that (the cancellation in datt - dot of the
+    backward), an element may instead be within slack + 1 half ulp of the float64 reference."""
+    got_bits = np.asarray(got_bits)
+    assert got_bits.dtype == np.uint16
+    ref_bits = _to_half(ref64.astype(np.float32), half)
+    far = _ulps(got_bits, ref_bits) > 1
+    if slack is not None and far.any():
+        got = _from_half(got_bits, half).astype(np.float64)
+        one_ulp = np.abs(_from_half(ref_bits ^ 1, half).astype(np.float64) - _from_half(ref_bits, half))
+        far &= ~(np.abs(got - ref64) <= slack + one_ulp)
+    if far.any():
+        i = tuple(int(k[0]) for k in np.nonzero(far))
+        raise AssertionError(f"{err_msg}: {int(far.sum())} of {far.size} half values more than 1 ulp from the "
+                             f"reference; first at {i}: got {_from_half(got_bits[i], half)} (bits {got_bits[i]:#06x}),"
+                             f" expected {ref64[i]} (bits {ref_bits[i]:#06x})")
+
+
+def _reference_backward(att64, datt64, scale):
+    """dpre (float64) and slack: a bound on the float32 kernel's error (the fp32 row sum, then datt - dot)."""
+    dot = (att64 * datt64).sum(axis=1, keepdims=True)
+    dpre = scale * att64 * (datt64 - dot)
+    T = att64.shape[1]
+    err = 4 * T * np.finfo(np.float32).eps * ((np.abs(att64 * datt64)).sum(axis=1, keepdims=True) + np.abs(datt64))
+    return dpre, scale * att64 * err
+
+
+def _half_launchers():
+    """(name, module, to device, to host): the Numba twins here (simulator or GPU), the HIP ones on a GPU."""
+    yield from _launchers()
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("G, T", [(3, 5), (2, 33)])
+@pytest.mark.parametrize("with_f32", [True, False], ids=["att+att_half", "att_half only"])
+def test_causal_softmax_forward_writes_half_bits(half, G, T, with_f32):
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, G, T)
+    scale = 0.37
+    ref = _reference_softmax(pre, mask, scale)
+    for name, K, dev, host in _half_launchers():
+        att = dev(np.full_like(pre, np.nan)) if with_f32 else None
+        att_half = dev(np.full(pre.shape, POISON16, np.uint16))
+        K.attention_softmax_forward(dev(pre), att, scale, att_half=att_half, half=half)
+        got = host(att_half)
+        _assert_half_within_one_ulp(got, ref, half, err_msg=f"{name} {half}")
+        assert (got[~mask] == 0).all(), f"{name}: masked entries must be +0 bits"
+        if with_f32:
+            got32 = host(att)
+            np.testing.assert_allclose(got32, ref, rtol=1e-5, atol=1e-6, err_msg=name)
+            # the half bits are the float32 output rounded (same values, one rounding)
+            np.testing.assert_array_equal(got, _to_half(got32, half), err_msg=name)
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_causal_softmax_forward_in_place_with_half_bits(half):
+    """att = pre (in place) and att_half together, as the engine calls it."""
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, 2, 9)
+    ref = _reference_softmax(pre, mask, 0.5)
+    for name, K, dev, host in _half_launchers():
+        buf = dev(pre)
+        att_half = dev(np.full(pre.shape, POISON16, np.uint16))
+        K.attention_softmax_forward(buf, buf, 0.5, att_half=att_half, half=half)
+        np.testing.assert_allclose(host(buf), ref, rtol=1e-5, atol=1e-6, err_msg=name)
+        _assert_half_within_one_ulp(host(att_half), ref, half, err_msg=f"{name} {half}")
+
+
+def test_causal_softmax_forward_f32_unchanged_by_keywords():
+    """The float32 call with the new keywords at their defaults is the old call."""
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, 2, 7)
+    for name, K, dev, host in _half_launchers():
+        a, b = dev(np.full_like(pre, np.nan)), dev(np.full_like(pre, np.nan))
+        K.attention_softmax_forward(dev(pre), a, 0.37)
+        K.attention_softmax_forward(dev(pre), b, 0.37, att_half=None, half=None)
+        np.testing.assert_array_equal(host(a), host(b), err_msg=name)
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("G, T", [(3, 5), (2, 33)])
+@pytest.mark.parametrize("att_fmt, dpre_fmt", [("half", "f32"), ("f32", "half"), ("half", "half")])
+def test_causal_softmax_backward_half_formats(half, G, T, att_fmt, dpre_fmt):
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, G, T)
+    scale = 0.37
+    att32 = _reference_softmax(pre, mask, scale).astype(np.float32)
+    att_half = _to_half(att32, half)
+    # the reference reads the att the kernel reads: the half values converted to float, or the float32 att
+    att64 = (_from_half(att_half, half) if att_fmt == "half" else att32).astype(np.float64)
+    datt = rng.standard_normal(pre.shape, dtype=np.float32)
+    ref, slack = _reference_backward(att64, datt.astype(np.float64), scale)
+    for name, K, dev, host in _half_launchers():
+        att_in = dev(att_half if att_fmt == "half" else att32)
+        dpre = dev(np.full(pre.shape, POISON16, np.uint16) if dpre_fmt == "half" else np.full_like(pre, np.nan))
+        K.attention_softmax_backward(att_in, dev(datt), dpre, scale, half=half)
+        got = host(dpre)
+        if dpre_fmt == "half":
+            _assert_half_within_one_ulp(got, ref, half, err_msg=f"{name} {half}", slack=slack)
+            assert (got[~mask] == 0).all(), f"{name}: masked entries must be +0 bits"
+            if not device.has_gpu():   # the simulator: the half bits are exactly the float32 result rounded
+                f32 = dev(np.full_like(pre, np.nan))
+                K.attention_softmax_backward(att_in, dev(datt), f32, scale, half=half if att_fmt == "half" else None)
+                np.testing.assert_array_equal(got, _to_half(host(f32), half), err_msg=f"{name}: not rounded as "
+                                              f"convert.py rounds")
+        else:
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"{name} {half}")
+            assert (got[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_causal_softmax_backward_half_att_in_place(half):
+    """att as half bits, dpre = datt (float32, in place): the engine's backward in half precision."""
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, 2, 9)
+    att_half = _to_half(_reference_softmax(pre, mask, 0.5).astype(np.float32), half)
+    datt = rng.standard_normal(pre.shape, dtype=np.float32)
+    ref, _ = _reference_backward(_from_half(att_half, half).astype(np.float64), datt.astype(np.float64), 0.5)
+    for name, K, dev, host in _half_launchers():
+        buf = dev(datt)
+        K.attention_softmax_backward(dev(att_half), buf, buf, 0.5, half=half)
+        np.testing.assert_allclose(host(buf), ref, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_half_comparison_would_catch_a_wrong_rounding():
+    """The 1-ulp check can fail: off by two ulps, or fp16 bits where bf16 was asked, is caught. (Truncating instead
+    of rounding is within one ulp: the tests catch it by comparing the half bits with the float32 output rounded.)"""
+    rng = np.random.default_rng(0)
+    ref = rng.uniform(0.01, 1, 1000)
+    truncated = (ref.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    _assert_half_within_one_ulp(truncated, ref, "bf16")          # within one ulp: passes
+    with pytest.raises(AssertionError, match="more than 1 ulp"):
+        _assert_half_within_one_ulp(truncated - np.uint16(1), ref, "bf16")
+    with pytest.raises(AssertionError, match="more than 1 ulp"):
+        _assert_half_within_one_ulp(_to_half(ref, "fp16"), ref, "bf16")
+
+
+@cuda.jit
+def _decode_half_bits(bits, out16, outbf):
+    """One thread: out16[i], outbf[i] = bits[i] read as fp16 / bf16 through the kernels' device functions."""
+    if cuda.grid(1) == 0:
+        for i in range(bits.shape[0]):
+            out16[i] = nb_attention.f16_bits_to_f32(bits[i])
+            outbf[i] = nb_attention.bf16_bits_to_f32(bits[i])
+
+
+def test_numba_half_bits_to_float_is_exact_for_every_pattern():
+    """f16_bits_to_f32 / bf16_bits_to_f32 (the backward's reads) against NumPy on all 65536 bit patterns of a stride
+    (subnormals, zeros, inf and NaN included); one thread, so it runs in the simulator."""
+    step = 1 if device.numba_on_gpu() else 7         # every 7th pattern in the simulator (< 2 s); all on a GPU
+    bits = np.concatenate([np.arange(0, 65536, step), [0, 1, 0x3FF, 0x400, 0x7C00, 0x7C01, 0x7E00, 0x8000, 0x8001,
+                                                       0xFBFF, 0xFC00, 0xFFFF]]).astype(np.uint16)
+    out16, outbf = np.full(bits.shape, np.nan, np.float32), np.full(bits.shape, np.nan, np.float32)
+    _decode_half_bits[1, 1](bits, out16, outbf)
+    np.testing.assert_array_equal(out16.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(outbf.view(np.uint32), precision.bf16_bits_to_f32(bits).view(np.uint32))
+
+
+_F = np.zeros((6, 3), np.float32)
+_H = np.zeros((6, 3), np.uint16)
+BAD_FORWARD = [
+    (dict(pre=_F, att=_F, att_half=_H), TypeError, "att_half is uint16 .half bits. but half= is not given"),
+    (dict(pre=_F, att=None, att_half=_H, half="bf8"), ValueError, "half='bf8' is not a half format"),
+    (dict(pre=_F, att=_F, half="bf16"), ValueError, "half='bf16' given but att_half is None"),
+    (dict(pre=_F, att=_F, half="f16"), ValueError, "half='f16' is not a half format"),
+    (dict(pre=_F, att=None), ValueError, "att and att_half are both None"),
+    (dict(pre=_F, att=None, att_half=_F, half="fp16"), TypeError, "att_half must be uint16 .half bits"),
+    (dict(pre=_F, att=_H, att_half=_H, half="fp16"), TypeError, "att must be float32, got uint16"),
+    (dict(pre=_H, att=_F), TypeError, "pre must be float32, got uint16"),
+    (dict(pre=_F, att=None, att_half=np.zeros((6, 2), np.uint16), half="bf16"), ValueError,
+     r"att_half is \(6, 2\) but pre is \(6, 3\)"),
+    (dict(pre=np.zeros((5, 3), np.float32), att=None, att_half=np.zeros((5, 3), np.uint16), half="bf16"), ValueError,
+     r"rows = 5 must be a multiple of T = 3"),
+]
+BAD_BACKWARD = [
+    (dict(att=_H, datt=_F, dpre=_F), TypeError, "att is uint16 .half bits. but half= is not given"),
+    (dict(att=_F, datt=_F, dpre=_H), TypeError, "dpre is uint16 .half bits. but half= is not given"),
+    (dict(att=_F, datt=_F, dpre=_F, half="bf16"), ValueError, r"half='bf16' given but no half array \(att, dpre\)"),
+    (dict(att=_H, datt=_F, dpre=_F, half="float16"), ValueError, "half='float16' is not a half format"),
+    (dict(att=_H, datt=_H, dpre=_F, half="fp16"), TypeError, "datt must be float32, got uint16"),
+    (dict(att=np.zeros((6, 3), np.float16), datt=_F, dpre=_F, half="fp16"), TypeError,
+     r"att must be float32 or uint16 \(half bits, with half=\), got float16"),
+    (dict(att=_H, datt=_F, dpre=np.zeros((3, 3), np.uint16), half="bf16"), ValueError,
+     r"dpre is \(3, 3\) but att is \(6, 3\)"),
+]
+
+
+@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("kw, err, match", BAD_FORWARD, ids=[f"fwd{i}" for i in range(len(BAD_FORWARD))])
+def test_causal_softmax_forward_bad_half_arguments_are_named(module, kw, err, match):
+    with pytest.raises(err, match=f"attention_softmax_forward: {match}"):
+        module.attention_softmax_forward(scale=1.0, **kw)
+
+
+@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("kw, err, match", BAD_BACKWARD, ids=[f"bwd{i}" for i in range(len(BAD_BACKWARD))])
+def test_causal_softmax_backward_bad_half_arguments_are_named(module, kw, err, match):
+    with pytest.raises(err, match=f"attention_softmax_backward: {match}"):
+        module.attention_softmax_backward(scale=1.0, **kw)
+
+
+# ---- GPU: both backends at the training loop's sizes -----------------------------------------------------------
+GPU_SIZES = [(64 * 6, 256), (4 * 12, 1024)]           # (B*nh, T): rows = B*nh*T
+
+
+def _gpu_backends():
+    import cupy as cp
+    from gpullm_lessons.backends import hip
+    out = [("hip", hip)]
+    if device.numba_on_gpu():
+        out.append(("numba", nb_attention))
+    return cp, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("G, T", GPU_SIZES, ids=["256", "1024"])
+def test_causal_softmax_half_on_gpu(half, G, T):
+    cp, backends = _gpu_backends()
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, G, T)
+    scale = 1 / 8
+    ref = _reference_softmax(pre, mask, scale)                               # float64 (rows, T)
+    datt = rng.standard_normal(pre.shape, dtype=np.float32)
+    ref_half = _to_half(ref.astype(np.float32), half)
+    att64_half = _from_half(ref_half, half).astype(np.float64)
+    dpre_ref_h, slack_h = _reference_backward(att64_half, datt.astype(np.float64), scale)
+    dpre_ref_f, slack_f = _reference_backward(ref.astype(np.float32).astype(np.float64), datt.astype(np.float64),
+                                              scale)
+    d_pre, d_datt = cp.asarray(pre), cp.asarray(datt)
+    for name, K in backends:
+        # forward: float32 and half together (att = pre, in place), then half only
+        att = d_pre.copy()
+        att_half = cp.full(pre.shape, POISON16, cp.uint16)
+        K.attention_softmax_forward(att, att, scale, att_half=att_half, half=half)
+        np.testing.assert_allclose(cp.asnumpy(att), ref, rtol=1e-5, atol=1e-6, err_msg=name)
+        _assert_half_within_one_ulp(cp.asnumpy(att_half), ref, half, err_msg=f"{name} {half} forward")
+        np.testing.assert_array_equal(cp.asnumpy(att_half), _to_half(cp.asnumpy(att), half), err_msg=name)
+        only_half = cp.full(pre.shape, POISON16, cp.uint16)
+        K.attention_softmax_forward(d_pre, None, scale, att_half=only_half, half=half)
+        assert bool((only_half == att_half).all()), f"{name}: half-only forward differs from the two-output one"
+        del att
+        # backward: half att -> float32 dpre in place of datt (the engine's call)
+        d_att_half = cp.asarray(ref_half)
+        buf = d_datt.copy()
+        K.attention_softmax_backward(d_att_half, buf, buf, scale, half=half)
+        np.testing.assert_allclose(cp.asnumpy(buf), dpre_ref_h, rtol=1e-4, atol=1e-5, err_msg=f"{name} {half}")
+        # half att -> half dpre; float32 att -> half dpre
+        out = cp.full(pre.shape, POISON16, cp.uint16)
+        K.attention_softmax_backward(d_att_half, d_datt, out, scale, half=half)
+        _assert_half_within_one_ulp(cp.asnumpy(out), dpre_ref_h, half, err_msg=f"{name} {half} bwd h->h",
+                                    slack=slack_h)
+        out.fill(POISON16)
+        K.attention_softmax_backward(cp.asarray(ref.astype(np.float32)), d_datt, out, scale, half=half)
+        _assert_half_within_one_ulp(cp.asnumpy(out), dpre_ref_f, half, err_msg=f"{name} {half} bwd f->h",
+                                    slack=slack_f)
+        del buf, out
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, T", GPU_SIZES, ids=["256", "1024"])
+def test_causal_softmax_f32_on_gpu(G, T):
+    """The float32 path at the same sizes (unchanged by the half versions)."""
+    cp, backends = _gpu_backends()
+    rng = np.random.default_rng()
+    pre, mask = _causal_rows(rng, G, T)
+    scale = 1 / 8
+    ref = _reference_softmax(pre, mask, scale)
+    att32 = ref.astype(np.float32)
+    datt = rng.standard_normal(pre.shape, dtype=np.float32)
+    dpre_ref, _ = _reference_backward(att32.astype(np.float64), datt.astype(np.float64), scale)
+    for name, K in backends:
+        att = cp.full(pre.shape, cp.nan, cp.float32)
+        K.attention_softmax_forward(cp.asarray(pre), att, scale)
+        np.testing.assert_allclose(cp.asnumpy(att), ref, rtol=1e-5, atol=1e-6, err_msg=name)
+        buf = cp.asarray(datt)
+        K.attention_softmax_backward(cp.asarray(att32), buf, buf, scale)
+        np.testing.assert_allclose(cp.asnumpy(buf), dpre_ref, rtol=1e-4, atol=1e-5, err_msg=name)
+        del att, buf
+        cp.get_default_memory_pool().free_all_blocks()

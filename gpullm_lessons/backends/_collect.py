@@ -2,7 +2,8 @@
 import importlib
 import re
 
-OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "adamw", "convert")
+OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "adamw", "convert",
+              "fused")
 _VERSION = re.compile(r"^v\d+$")
 
 

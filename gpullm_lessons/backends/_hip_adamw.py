@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpullm_lessons.kernels.numba.adamw import (HALF_NONE, check_buffers, check_hyper, check_table, decay_table,
-                                                half_mode_of, host_scalars)
+from gpullm_lessons.kernels.numba.adamw import (HALF_NONE, check_buffers, check_device_args, check_hyper, check_table,
+                                                decay_table, half_mode_of, host_scalars)
 
 from ._args import check_array, check_threads, check_version
 
-__all__ = ["adamw_step", "decay_table", "VERSIONS"]
+__all__ = ["adamw_step", "adamw_step_device", "grad_sumsq", "decay_table", "VERSIONS"]
 VERSIONS = ("v1", "v2", "v3")
+LAUNCHERS = ("adamw_step_device", "grad_sumsq")   # besides adamw_step; gathered by backends/_collect.py
+SUMSQ_THREADS = 512
+SUMSQ_BLOCKS = 1024  # stage 1's grid: enough blocks to fill an H200 / MI300 several times
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 _DEFAULT_TABLES = {}   # (device id, n) -> the "decay everything" table ([0, n], [1]) on that GPU
 
@@ -29,23 +32,10 @@ def _is_host(a) -> bool:
     return isinstance(a, np.ndarray)
 
 
-def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
-               half_out=None, half_dtype=None, version="v2", threads=256):
-    """One AdamW step in place on CuPy arrays: params, m, v updated, grads zeroed (all float32 (n,)).
-
-    step: the step count t after increment (>= 1). decay_bounds: None (decay everything) or (bounds, flags) from
-    decay_table() (CuPy arrays: int64 (k+1,), uint8 (k,); NumPy ones are copied to the GPU on every call).
-    grad_scale multiplies the gradient first. half_out (n,) CuPy float16 (half_dtype="float16") or uint16
-    (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights.
-    """
+def _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype):
+    """(bounds, flags, half bits, half_mode) on the GPU: the decay table (None: decay everything) and the half copy
+    (a one-element stand-in when there is none); checks named after fn."""
     import cupy as cp
-
-    from gpullm_lessons import hip
-    fn = "adamw_step"
-    check_version(fn, version, VERSIONS)
-    threads = check_threads(fn, threads)
-    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), _check_cupy)
-    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     half_mode = half_mode_of(fn, half_out, half_dtype, n)
     if half_out is not None and not isinstance(half_out, cp.ndarray):
         raise TypeError(f"{fn}: half_out must be a CuPy array, got {type(half_out).__module__}.{type(half_out).__name__}")
@@ -61,12 +51,37 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
             bounds = cp.asarray(np.ascontiguousarray(bounds, dtype=np.int64))
         if _is_host(flags):
             flags = cp.asarray(np.ascontiguousarray(np.asarray(flags) != 0, dtype=np.uint8))
-    half_bits = cp.empty(1, cp.uint16) if half_mode == HALF_NONE else half_out.view(cp.uint16)
+    if half_mode == HALF_NONE:
+        key = (params.device.id, "half")
+        if key not in _DEFAULT_TABLES:
+            _DEFAULT_TABLES[key] = cp.zeros(1, cp.uint16)    # never written (half_mode 0)
+        half_bits = _DEFAULT_TABLES[key]
+    else:
+        half_bits = half_out.view(cp.uint16)
+    return bounds, flags, half_bits, np.int32(half_mode)
+
+
+def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
+               half_out=None, half_dtype=None, version="v2", threads=256):
+    """One AdamW step in place on CuPy arrays: params, m, v updated, grads zeroed (all float32 (n,)).
+
+    step: the step count t after increment (>= 1). decay_bounds: None (decay everything) or (bounds, flags) from
+    decay_table() (CuPy arrays: int64 (k+1,), uint8 (k,); NumPy ones are copied to the GPU on every call).
+    grad_scale multiplies the gradient first. half_out (n,) CuPy float16 (half_dtype="float16") or uint16
+    (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights.
+    """
+    from gpullm_lessons import hip
+    fn = "adamw_step"
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), _check_cupy)
+    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    bounds, flags, half_bits, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min((n + threads - 1) // threads, MAX_BLOCKS)
-    grid, block, nn, mode = (blocks,), (threads,), np.int64(n), np.int32(half_mode)
+    grid, block, nn = (blocks,), (threads,), np.int64(n)
     if version == "v3" and (n % 4 != 0 or any(a.data.ptr % 16 for a in (params, grads, m, v))):
         version = "v2"   # float4 needs whole, aligned groups of 4: the scalar kernel does the same work
     if version == "v3":
@@ -88,3 +103,46 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
         hip.kernel("adamw", "adamw_step_v1_update")(grid, block, (params, m, v, half_bits, mode, nn, s["lr"],
                                                                   s["bias1"], s["bias2"], s["eps"]))
         hip.kernel("adamw", "adamw_step_v1_zero")(grid, block, (grads, nn))
+
+
+def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None,
+                      half_dtype=None, threads=256):
+    """adamw_step (v3's float4 pass; v2's scalar pass is not offered) with lr, weight decay, the step count, the loss
+    scale and the clip threshold read from `hyper` (kernels.numba.adamw.adamw_hyper(), copied to the GPU) and the
+    squared gradient norm from `sumsq` (grad_sumsq): nothing in the launch changes from step to step, so a CUDA graph
+    can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise)."""
+    from gpullm_lessons import hip
+    fn = "adamw_step_device"
+    threads = check_threads(fn, threads)
+    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), _check_cupy)
+    check_device_args(fn, n, hyper, sumsq, _check_cupy)
+    check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
+    if n % 4 or any(a.data.ptr % 16 for a in (params, grads, m, v)):
+        raise ValueError(f"{fn}: the float4 kernel needs n % 4 == 0 (n = {n}) and 16-byte aligned buffers; "
+                         f"use adamw_step")
+    bounds, flags, half_bits, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
+    if n == 0:
+        return
+    f = np.float32
+    blocks4 = min((n // 4 + threads - 1) // threads, MAX_BLOCKS)
+    hip.kernel("adamw", "adamw_step_v4")((blocks4,), (threads,), (
+        params, grads, m, v, bounds, flags, half_bits, mode, np.int64(n), hyper, sumsq, f(beta1), f(1.0 - beta1),
+        f(beta2), f(1.0 - beta2), f(eps)))
+
+
+def grad_sumsq(flat, out, blocks=SUMSQ_BLOCKS):
+    """out[0] = sum of flat[i]^2 (flat float32 (n,), out float32 (1,), CuPy): the squared global gradient norm, in
+    two deterministic stages (block partials into scratch, then one block adds them in a fixed order)."""
+    import cupy as cp
+
+    from gpullm_lessons import hip
+    fn = "grad_sumsq"
+    if not hasattr(flat, "shape") or len(flat.shape) != 1:
+        raise ValueError(f"{fn}: flat must be a 1-D float32 array, got shape {getattr(flat, 'shape', None)}")
+    _check_cupy(fn, "flat", flat, flat.shape, "float32")
+    _check_cupy(fn, "out", out, (1,), "float32")
+    n = int(flat.shape[0])
+    blocks = max(1, min(int(blocks), (n + SUMSQ_THREADS - 1) // SUMSQ_THREADS))
+    partial = cp.empty(blocks, cp.float32)
+    hip.kernel("adamw", "grad_sumsq_partials")((blocks,), (SUMSQ_THREADS,), (flat, partial, np.int64(n)))
+    hip.kernel("adamw", "grad_sumsq_reduce")((1,), (1024,), (partial, out, np.int32(blocks)))

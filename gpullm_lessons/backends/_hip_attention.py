@@ -3,13 +3,19 @@
 v1      three portable kernels: datt, causal softmax backward (scaled), and dq/dk/dv by loops (naive).
 cublas  the matmul path: the four products as batched matmuls through CuPy (cuBLAS / hipBLAS), with the causal
         softmax backward kernel between them. This is how the training loop runs attention backward.
+
+The training loop's causal softmax launchers (attention_softmax_forward / _backward) also read and write half
+precision (bf16 / fp16 bits in uint16 arrays, keyword arguments att_half= and half=): each format pair is its own
+entry point of attention.cu, instantiated from one template (attention_softmax_fwd[_f32]_<bf16|f16>,
+attention_dpre_<att format>_<dpre format>). Same signatures and checks as the Numba twins.
 """
 import math
 
 import numpy as np
 
 from .. import hip
-from ..kernels.numba.attention import check_attention_args, check_softmax_rows
+from ..kernels.numba.attention import (FMT_BF16, FMT_F32, check_attention_args, check_softmax_backward_args,
+                                       check_softmax_forward_args)
 
 VERSIONS = ("v1", "cublas")
 
@@ -56,21 +62,44 @@ def _check_cupy(fn, arrays):
             raise ValueError(f"{fn}: {name} must be C-contiguous")
 
 
-def attention_softmax_forward(pre, att, scale, threads=256):
-    """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place)."""
-    pairs = (("pre", pre), ("att", att))
-    rows, T = check_softmax_rows("attention_softmax_forward", pairs)
-    _check_cupy("attention_softmax_forward", pairs)
-    if rows:
-        hip.kernel("attention", "attention_softmax_fwd")((rows,), (min(threads, max(32, T)),),
-                                                          (pre, att, np.int32(T), np.float32(scale)))
+_FMT_NAME = {FMT_F32: "f32", FMT_BF16: "bf16"}     # kernel-name suffix per format; fp16 is "f16"
 
 
-def attention_softmax_backward(att, datt, dpre, scale, threads=256):
-    """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T."""
+def _fmt(code):
+    return _FMT_NAME.get(code, "f16")
+
+
+def attention_softmax_forward(pre, att, scale, att_half=None, half=None, threads=256):
+    """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place).
+
+    att_half: None, or uint16 (rows, T): the same probabilities rounded to half bits of format half ("bf16" |
+    "fp16"). att may be None when att_half is given (then only the half bits are written)."""
+    fn = "attention_softmax_forward"
+    rows, T, hf = check_softmax_forward_args(fn, pre, att, att_half, half)
+    given = [(n, a) for n, a in (("pre", pre), ("att", att), ("att_half", att_half)) if a is not None]
+    _check_cupy(fn, given)
+    if not rows:
+        return
+    block, args = (min(threads, max(32, T)),), (np.int32(T), np.float32(scale))
+    if hf == FMT_F32:
+        hip.kernel("attention", "attention_softmax_fwd")((rows,), block, (pre, att) + args)
+    elif att is None:
+        hip.kernel("attention", f"attention_softmax_fwd_{_fmt(hf)}")((rows,), block, (pre, att_half) + args)
+    else:
+        hip.kernel("attention", f"attention_softmax_fwd_f32_{_fmt(hf)}")((rows,), block, (pre, att, att_half) + args)
+
+
+def attention_softmax_backward(att, datt, dpre, scale, half=None, threads=256):
+    """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T.
+
+    att and dpre: float32, or uint16 half bits of format half ("bf16" | "fp16"), converted in registers; datt is
+    float32; dpre may be datt (in place) when both are float32."""
+    fn = "attention_softmax_backward"
+    rows, T, af, of = check_softmax_backward_args(fn, att, datt, dpre, half)
     triples = (("att", att), ("datt", datt), ("dpre", dpre))
-    rows, T = check_softmax_rows("attention_softmax_backward", triples)
-    _check_cupy("attention_softmax_backward", triples)
-    if rows:
-        hip.kernel("attention", "attention_dpre")((rows,), (min(threads, max(32, T)),),
-                                                   (att, datt, dpre, np.int32(T), np.float32(scale)))
+    _check_cupy(fn, triples)
+    if not rows:
+        return
+    name = "attention_dpre" if af == of == FMT_F32 else f"attention_dpre_{_fmt(af)}_{_fmt(of)}"
+    hip.kernel("attention", name)((rows,), (min(threads, max(32, T)),),
+                                  (att, datt, dpre, np.int32(T), np.float32(scale)))

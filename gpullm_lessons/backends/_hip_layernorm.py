@@ -103,14 +103,15 @@ def _blocks_per_sm(kernel, threads, props):
     """Blocks of `threads` threads of `kernel` that fit on one SM (CU) at once: the driver's occupancy calculator
     (cuOccupancyMaxActiveBlocksPerMultiprocessor / its HIP twin, through CuPy), else _resident_blocks' register
     estimate. Cached per kernel and block size."""
-    key = (int(getattr(kernel, "ptr", id(kernel))), int(threads))
+    function = getattr(kernel, "kernel", kernel)           # a CuPy RawKernel holds its driver Function in .kernel
+    key = (int(getattr(function, "ptr", id(kernel))), int(threads))
     hit = _OCCUPANCY.get(key)
     if hit is not None:
         return hit
     sms = int(props.get("multiProcessorCount", 0)) or 108
     try:
         import cupy
-        per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, int(threads), 0))
+        per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, int(threads), 0))
     except Exception:  # noqa: BLE001 - no occupancy API in this CuPy/ROCm build: the register estimate
         per_sm = _resident_blocks(kernel, threads, props) // sms
     _OCCUPANCY[key] = max(1, per_sm)

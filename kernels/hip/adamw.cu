@@ -7,6 +7,8 @@
 //   v1: unfused, five kernels one after the other (decay, m, v, update, zero): about 60 bytes per parameter.
 //   v2: fused, one grid-stride pass: reads p, g, m, v and writes p, m, v, g once: 32 bytes per parameter.
 //   v3 (HIP only): v2 with float4 (16-byte) loads and stores, 4 elements per thread (n % 4 == 0, aligned).
+//   v4 (HIP only): v3 reading lr, lr wd, the bias corrections and the clip / loss-scale factor from GPU memory, so
+//       that a CUDA graph can replay the step (adamw_step_device); grad_sumsq* give it the gradient norm.
 #include "portable.h"
 
 // The half-precision copy of p into half_out[i] (half_mode 0: none, 1: float16, 2: bfloat16 bits).
@@ -105,13 +107,14 @@ extern "C" __global__ void adamw_step_v2(float* __restrict__ params, float* __re
 // v3 (HIP only): v2 with float4 loads and stores, each thread owning 4 consecutive elements per grid-stride step
 // (i4, i4 + stride, ... count float4s: elements 4 i4 .. 4 i4 + 3). Needs n % 4 == 0 and 16-byte aligned buffers:
 // the launcher falls back to v2 otherwise. The 4 elements may straddle a tensor boundary: j is walked per element.
-extern "C" __global__ void adamw_step_v3(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
-                                         float* __restrict__ v, const long long* __restrict__ bounds,
-                                         const unsigned char* __restrict__ flags,
-                                         unsigned short* __restrict__ half_out, int half_mode, long long n,
-                                         float lr, float lr_wd, float beta1, float one_minus_beta1, float beta2,
-                                         float one_minus_beta2, float bias1, float bias2, float eps,
-                                         float grad_scale) {
+__device__ __forceinline__ void adamw_v3_body(float* __restrict__ params, float* __restrict__ grads,
+                                              float* __restrict__ m, float* __restrict__ v,
+                                              const long long* __restrict__ bounds,
+                                              const unsigned char* __restrict__ flags,
+                                              unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                              float lr, float lr_wd, float beta1, float one_minus_beta1, float beta2,
+                                              float one_minus_beta2, float bias1, float bias2, float eps,
+                                              float grad_scale) {
     long long n4 = n / 4;
     long long stride = (long long)gridDim.x * blockDim.x;
     int j = 0;
@@ -138,4 +141,76 @@ extern "C" __global__ void adamw_step_v3(float* __restrict__ params, float* __re
         reinterpret_cast<float4*>(v)[i4] = make_float4(vv[0], vv[1], vv[2], vv[3]);
         reinterpret_cast<float4*>(grads)[i4] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+}
+
+extern "C" __global__ void adamw_step_v3(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
+                                         float* __restrict__ v, const long long* __restrict__ bounds,
+                                         const unsigned char* __restrict__ flags,
+                                         unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                         float lr, float lr_wd, float beta1, float one_minus_beta1, float beta2,
+                                         float one_minus_beta2, float bias1, float bias2, float eps,
+                                         float grad_scale) {
+    adamw_v3_body(params, grads, m, v, bounds, flags, half_out, half_mode, n, lr, lr_wd, beta1, one_minus_beta1,
+                  beta2, one_minus_beta2, bias1, bias2, eps, grad_scale);
+}
+
+// ---- the step with its scalars in GPU memory (for CUDA graphs: a captured launch replays its arguments as they were
+// at capture, so whatever changes from step to step must be read from memory the host rewrites before each replay).
+// hyper (float32, 6): lr, lr * weight_decay, bias1, bias2, 1 / loss_scale, clip (0: no clipping).
+// sumsq (float32, 1): the sum of squares of the (scaled) gradient buffer, written by grad_sumsq before this kernel.
+// grad_scale = coef / loss_scale with coef = min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)): the host's formula.
+__device__ __forceinline__ float adamw_device_grad_scale(const float* __restrict__ hyper,
+                                                         const float* __restrict__ sumsq) {
+    float inv_scale = hyper[4], clip = hyper[5];
+    float coef = 1.0f;
+    if (clip > 0.0f) {
+        float c = clip / (sqrtf(sumsq[0]) * inv_scale + 1e-6f);
+        if (c < 1.0f) coef = c;
+    }
+    return coef * inv_scale;
+}
+
+// v4 (HIP only): v3 (float4) with lr, lr * wd, bias1, bias2 and the clip / loss-scale factor read from hyper, sumsq.
+extern "C" __global__ void adamw_step_v4(float* __restrict__ params, float* __restrict__ grads, float* __restrict__ m,
+                                         float* __restrict__ v, const long long* __restrict__ bounds,
+                                         const unsigned char* __restrict__ flags,
+                                         unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                         const float* __restrict__ hyper, const float* __restrict__ sumsq,
+                                         float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
+                                         float eps) {
+    adamw_v3_body(params, grads, m, v, bounds, flags, half_out, half_mode, n, hyper[0], hyper[1], beta1,
+                  one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps,
+                  adamw_device_grad_scale(hyper, sumsq));
+}
+
+// ---- the global gradient norm: the sum of squares of the flat buffer in two deterministic stages ------------------
+// grad_sumsq_partials: block b adds the squares of its grid-stride elements (a tree in shared memory, fixed order)
+// into partial[b]; grad_sumsq_reduce: one block adds partial[0..blocks) in a fixed order into out[0]. Same bits run
+// after run for a given n and grid (no atomics). blockDim.x must be a power of two <= 1024 in both.
+__device__ float sumsq_block_tree(float* buf, float s) {
+    buf[threadIdx.x] = s;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) buf[threadIdx.x] += buf[threadIdx.x + half];
+        __syncthreads();
+    }
+    return buf[0];
+}
+
+extern "C" __global__ void grad_sumsq_partials(const float* __restrict__ flat, float* __restrict__ partial,
+                                               long long n) {
+    __shared__ float buf[1024];
+    long long stride = (long long)gridDim.x * blockDim.x;
+    float s = 0.0f;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) s += flat[i] * flat[i];
+    float total = sumsq_block_tree(buf, s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+extern "C" __global__ void grad_sumsq_reduce(const float* __restrict__ partial, float* __restrict__ out, int blocks) {
+    __shared__ float buf[1024];
+    float s = 0.0f;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
+    float total = sumsq_block_tree(buf, s);
+    if (threadIdx.x == 0) out[0] = total;
 }

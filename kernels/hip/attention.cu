@@ -1,7 +1,29 @@
 // attention.cu: causal multi-head self-attention backward (see kernels/numba/attention.py for the math).
 // q, k, v are read straight from qkv (B, T, 3C) at channel offsets 0, C, 2C + h*hs; att (B, nh, T, T) was saved
 // by the forward. Masked entries (s > t) have att = 0 and are skipped, not multiplied by zero.
+// The training loop's causal softmax forward / backward (end of file) also read and write half precision: bf16 or
+// fp16 as uint16 bits, converted in registers (rounding by half.h's f32_to_bf16_bits / f32_to_f16_bits, exactly as
+// convert.cu); every sum stays fp32. Each format pair is its own extern "C" entry point, instantiated from one
+// template whose format arguments are compile-time constants (the f32 entry points keep their names and arguments).
 #include "portable.h"
+#include "half.h"
+
+// Element formats of the softmax kernels' arrays (template arguments): float32, or bf16 / fp16 bits (uint16).
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_F16 2
+
+// A value of format FMT as float32 (the float itself, or the half bits converted exactly: bf16 = the 16 bits on
+// top of 16 zero bits, as convert.cu's bf16_to_f32_v1; fp16 = __half2float, subnormals, inf and NaN included).
+template <int FMT> __device__ __forceinline__ float load_f32(float x) { return x; }
+template <int FMT> __device__ __forceinline__ float load_f32(unsigned short b) {
+    return FMT == FMT_BF16 ? __uint_as_float(((unsigned int)b) << 16) : __half2float(__ushort_as_half(b));
+}
+// Store a float32 value as format FMT (the float itself, or rounded to nearest even into half bits).
+template <int FMT> __device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
+template <int FMT> __device__ __forceinline__ void store_f32(unsigned short* p, float v) {
+    *p = FMT == FMT_BF16 ? f32_to_bf16_bits(v) : f32_to_f16_bits(v);
+}
 
 // v1, step 1: datt[b,h,t,s] = sum_d dout[b,t,h*hs+d] * v[b,s,h*hs+d] for s <= t, else 0.
 // One block per (b*h, t) row; threads stride over s.
@@ -24,16 +46,19 @@ extern "C" __global__ void attention_datt_v1(const float* __restrict__ dout, con
 // Step 2 (v1 and cublas): causal softmax backward with the scale folded in. One block per (b, h, t) row:
 // dpre[s] = scale * att[s] * (datt[s] - sum_{s'<=t} att[s'] datt[s']) for s <= t, else 0.
 // The row sum is a block reduction: warp shuffles, then one shared slot per warp (sized for 32-lane warps).
-extern "C" __global__ void attention_dpre(const float* __restrict__ att, const float* __restrict__ datt,
-                                         float* __restrict__ dpre, int T, float scale) {
+// AF / OF: the formats of att / dpre (float, or half bits of format FMT_BF16 / FMT_F16, read and written through
+// load_f32 / store_f32); datt is always float32 and every sum is fp32. dpre may be datt (in place) when both are f32.
+template <int AF, int OF, typename TA, typename TO>
+__device__ __forceinline__ void dpre_row(const TA* __restrict__ att, const float* __restrict__ datt,
+                                         TO* __restrict__ dpre, int T, float scale) {
     __shared__ float partial[MAX_WARPS_PER_BLOCK];
     long long row = blockIdx.x;
     int t = (int)(row % T);
-    const float* a = att + row * T;
+    const TA* a = att + row * T;
     const float* da = datt + row * T;
-    float* out = dpre + row * T;
+    TO* out = dpre + row * T;
     float v = 0.0f;
-    for (int s = threadIdx.x; s <= t; s += blockDim.x) v += a[s] * da[s];
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) v += load_f32<AF>(a[s]) * da[s];
     v = warp_sum(v);
     int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
     if (lane == 0) partial[warp] = v;
@@ -41,7 +66,13 @@ extern "C" __global__ void attention_dpre(const float* __restrict__ att, const f
     int n_warps = (blockDim.x + warpSize - 1) / warpSize;
     float dot = 0.0f;
     for (int w = 0; w < n_warps; w++) dot += partial[w];
-    for (int s = threadIdx.x; s < T; s += blockDim.x) out[s] = s <= t ? scale * a[s] * (da[s] - dot) : 0.0f;
+    for (int s = threadIdx.x; s < T; s += blockDim.x)
+        store_f32<OF>(out + s, s <= t ? scale * load_f32<AF>(a[s]) * (da[s] - dot) : 0.0f);
+}
+
+extern "C" __global__ void attention_dpre(const float* __restrict__ att, const float* __restrict__ datt,
+                                         float* __restrict__ dpre, int T, float scale) {
+    dpre_row<FMT_F32, FMT_F32>(att, datt, dpre, T, scale);
 }
 
 // v1, steps 3-5: one thread per element of dqkv (B, T, 3C): dq, dk, dv by loops over the unmasked range.
@@ -72,13 +103,15 @@ extern "C" __global__ void attention_dqkv_v1(const float* __restrict__ dout, con
 // att[s] = exp(scale*pre[s] - max) / sum_{s'<=t} exp(scale*pre[s'] - max) for s <= t, else 0. Row t of a (T, T)
 // block is query position t = row % T. Each thread reads and writes only its own columns, so att may be pre
 // (in place). Two block reductions (max, then sum): warp shuffles, then one shared slot per warp.
-extern "C" __global__ void attention_softmax_fwd(const float* __restrict__ pre, float* __restrict__ att,
-                                                int T, float scale) {
+// F32: write the float32 att; HF: also (or only, F32 = 0) write att_h, the same float32 values rounded to half bits
+// of format HF (FMT_BF16 / FMT_F16; FMT_F32 = no half output).
+template <int F32, int HF>
+__device__ __forceinline__ void softmax_fwd_row(const float* __restrict__ pre, float* __restrict__ att,
+                                                unsigned short* __restrict__ att_h, int T, float scale) {
     __shared__ float partial[MAX_WARPS_PER_BLOCK];
     long long row = blockIdx.x;
     int t = (int)(row % T);
     const float* p = pre + row * T;
-    float* out = att + row * T;
     int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
     int n_warps = (blockDim.x + warpSize - 1) / warpSize;
     float mx = -3.402823466e38f;             // the lowest float (t >= 0: every row has at least s = 0)
@@ -97,5 +130,47 @@ extern "C" __global__ void attention_softmax_fwd(const float* __restrict__ pre, 
     sum = 0.0f;
     for (int w = 0; w < n_warps; w++) sum += partial[w];
     float inv = 1.0f / sum;
-    for (int s = threadIdx.x; s < T; s += blockDim.x) out[s] = s <= t ? expf(scale * p[s] - mx) * inv : 0.0f;
+    for (int s = threadIdx.x; s < T; s += blockDim.x) {
+        float v = s <= t ? expf(scale * p[s] - mx) * inv : 0.0f;
+        if (F32) att[row * T + s] = v;
+        if (HF != FMT_F32) store_f32<HF>(att_h + row * T + s, v);
+    }
 }
+
+extern "C" __global__ void attention_softmax_fwd(const float* __restrict__ pre, float* __restrict__ att,
+                                                int T, float scale) {
+    softmax_fwd_row<1, FMT_F32>(pre, att, nullptr, T, scale);
+}
+
+// ---- half-precision entry points of the two softmax kernels (the same templates, one name per format pair) --------
+// Forward, half only: pre float32 (rows, T) -> att_h half bits (rows, T).
+extern "C" __global__ void attention_softmax_fwd_bf16(const float* __restrict__ pre,
+                                                     unsigned short* __restrict__ att_h, int T, float scale) {
+    softmax_fwd_row<0, FMT_BF16>(pre, nullptr, att_h, T, scale);
+}
+extern "C" __global__ void attention_softmax_fwd_f16(const float* __restrict__ pre,
+                                                    unsigned short* __restrict__ att_h, int T, float scale) {
+    softmax_fwd_row<0, FMT_F16>(pre, nullptr, att_h, T, scale);
+}
+// Forward, both: att float32 (may be pre) and att_h, its values rounded to half bits.
+extern "C" __global__ void attention_softmax_fwd_f32_bf16(const float* __restrict__ pre, float* __restrict__ att,
+                                                         unsigned short* __restrict__ att_h, int T, float scale) {
+    softmax_fwd_row<1, FMT_BF16>(pre, att, att_h, T, scale);
+}
+extern "C" __global__ void attention_softmax_fwd_f32_f16(const float* __restrict__ pre, float* __restrict__ att,
+                                                        unsigned short* __restrict__ att_h, int T, float scale) {
+    softmax_fwd_row<1, FMT_F16>(pre, att, att_h, T, scale);
+}
+
+// Backward: attention_dpre_<att format>_<dpre format>; datt is float32 in all of them.
+#define ATTENTION_DPRE(NAME, AF, TA, OF, TO)                                                                     \
+    extern "C" __global__ void NAME(const TA* __restrict__ att, const float* __restrict__ datt,                  \
+                                    TO* __restrict__ dpre, int T, float scale) {                                 \
+        dpre_row<AF, OF>(att, datt, dpre, T, scale);                                                             \
+    }
+ATTENTION_DPRE(attention_dpre_bf16_f32, FMT_BF16, unsigned short, FMT_F32, float)
+ATTENTION_DPRE(attention_dpre_f16_f32, FMT_F16, unsigned short, FMT_F32, float)
+ATTENTION_DPRE(attention_dpre_f32_bf16, FMT_F32, float, FMT_BF16, unsigned short)
+ATTENTION_DPRE(attention_dpre_f32_f16, FMT_F32, float, FMT_F16, unsigned short)
+ATTENTION_DPRE(attention_dpre_bf16_bf16, FMT_BF16, unsigned short, FMT_BF16, unsigned short)
+ATTENTION_DPRE(attention_dpre_f16_f16, FMT_F16, unsigned short, FMT_F16, unsigned short)

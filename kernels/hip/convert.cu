@@ -8,24 +8,8 @@
 //   v1 (all four ops): one thread per element; the count keeps a per-thread register and does one atomicAdd per
 //   thread that found any (none on finite data). out must be zeroed before the count (the launcher does it).
 #include "portable.h"
-
-// float32 -> bfloat16 bits, round to nearest even; NaN -> the quiet NaN with the sign kept (as ml_dtypes).
-__device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
-    unsigned int bits = __float_as_uint(x);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7FC0u);
-    return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-// float32 -> float16 bits: the hardware rounding; NaN by hand (sign, all-ones exponent, top 10 mantissa bits, never
-// 0, which would be inf), so the bits match NumPy's cast on every GPU.
-__device__ __forceinline__ unsigned short f32_to_f16_bits(float x) {
-    unsigned int bits = __float_as_uint(x);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-        unsigned int mant = (bits >> 13) & 0x3FFu;
-        return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7C00u | (mant ? mant : 1u));
-    }
-    return __half_as_ushort(__float2half_rn(x));
-}
+#include "half.h"
+// f32_to_bf16_bits and f32_to_f16_bits (the rounding) live in half.h, shared with attention.cu.
 
 // src float32 (n,) -> dst bfloat16 bits (n,)
 extern "C" __global__ void f32_to_bf16_v1(const float* __restrict__ src, unsigned short* __restrict__ dst,

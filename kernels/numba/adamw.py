@@ -35,6 +35,11 @@ Versions (KERNELS keys; the wrapper takes version="v1" or "v2"):
 v1: unfused, five elementwise kernels one after the other: v1_decay (grad scale + weight decay), v1_m (first
     moment), v1_v (second moment), v1_update (bias-corrected step + half copy), v1_zero (zero the gradient).
 v2: fused, one grid-stride pass that reads each buffer once and writes each once.
+device_v2: v2 with lr, lr * wd, the bias corrections, 1 / loss scale and the clip threshold read from a device array
+    (adamw_hyper()) and the clip factor computed from the squared gradient norm in device memory: adamw_step_device,
+    the step a CUDA graph can replay (its launch arguments never change from step to step).
+sumsq_v1, sumsq_reduce_v1: grad_sumsq, the squared global gradient norm of the flat buffer: block partials (a
+    shared-memory tree), then one fixed-order sum (deterministic, no atomics).
 No version is GPU-only: all of them run in Numba's CUDA simulator.
 """
 import math
@@ -112,8 +117,8 @@ def adamw_v1_zero(grads):
 
 # v2: everything in one pass. Thread i owns elements i, i + stride, ... of params, grads, m, v (n,) (and half_out);
 # it reads each once, keeps the values in registers, and writes each once.
-@cuda.jit
-def adamw_v2(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+@cuda.jit(device=True, inline=True)   # inlined: a kernel calling a device function compiles to PTX without a GPU
+def _v2_loop(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
              beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     j = 0                                   # index of the tensor element i lies in (walked forward)
@@ -143,8 +148,65 @@ def adamw_v2(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd,
                 half_out[i] = numba.uint16(rounded >> numba.uint32(16))
 
 
+@cuda.jit
+def adamw_v2(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+             beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
+    _v2_loop(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+             beta2, one_minus_beta2, bias1, bias2, eps, grad_scale)
+
+
+# device_v2 (adamw_step_device): v2 with lr, lr*wd, bias1, bias2, 1/loss_scale and clip read from hyper (float32 (6,))
+# and the clip factor computed from sumsq[0] (the squared gradient norm, grad_sumsq): what a CUDA graph can replay.
+@cuda.jit
+def adamw_device_v2(params, grads, m, v, bounds, flags, half_out, half_mode, hyper, sumsq, beta1, one_minus_beta1,
+                    beta2, one_minus_beta2, eps):
+    inv_scale, clip = hyper[4], hyper[5]
+    coef = numba.float32(1.0)
+    if clip > ZERO:
+        c = clip / (numba.float32(math.sqrt(sumsq[0])) * inv_scale + numba.float32(1e-6))
+        if c < coef:
+            coef = c
+    _v2_loop(params, grads, m, v, bounds, flags, half_out, half_mode, hyper[0], hyper[1], beta1, one_minus_beta1,
+             beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
+
+
+# sumsq_v1 (grad_sumsq): stage 1, block b adds the squares of its grid-stride elements in a shared-memory tree into
+# partial[b]; stage 2 (sumsq_reduce_v1, one block) adds the partials in a fixed order: deterministic, no atomics.
+SUMSQ_THREADS = 128
+
+
+@cuda.jit
+def sumsq_v1(flat, partial):
+    buf = cuda.shared.array(SUMSQ_THREADS, numba.float32)
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    s = ZERO
+    for i in range(start, flat.shape[0], stride):
+        s += flat[i] * flat[i]
+    t = cuda.threadIdx.x
+    buf[t] = s
+    cuda.syncthreads()
+    half = SUMSQ_THREADS // 2
+    while half > 0:
+        if t < half:
+            buf[t] += buf[t + half]
+        cuda.syncthreads()
+        half //= 2
+    if t == 0:
+        partial[cuda.blockIdx.x] = buf[0]
+
+
+@cuda.jit
+def sumsq_reduce_v1(partial, out):
+    if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
+        s = ZERO
+        for b in range(partial.shape[0]):
+            s += partial[b]
+        out[0] = s
+
+
 KERNELS = {"v1_decay": adamw_v1_decay, "v1_m": adamw_v1_m, "v1_v": adamw_v1_v, "v1_update": adamw_v1_update,
-           "v1_zero": adamw_v1_zero, "v2": adamw_v2}
+           "v1_zero": adamw_v1_zero, "v2": adamw_v2, "device_v2": adamw_device_v2, "sumsq_v1": sumsq_v1,
+           "sumsq_reduce_v1": sumsq_reduce_v1}
 _F = "float32[::1]"
 SIGNATURES = {
     "v1_decay": f"void({_F}, {_F}, int64[::1], uint8[::1], float32, float32)",   # params, grads, bounds, flags, ...
@@ -154,9 +216,14 @@ SIGNATURES = {
     "v1_zero": f"void({_F})",
     "v2": f"void({_F}, {_F}, {_F}, {_F}, int64[::1], uint8[::1], uint16[::1], int32, "
           + ", ".join(["float32"] * 10) + ")",
+    "device_v2": f"void({_F}, {_F}, {_F}, {_F}, int64[::1], uint8[::1], uint16[::1], int32, {_F}, {_F}, "
+                 + ", ".join(["float32"] * 5) + ")",
+    "sumsq_v1": f"void({_F}, {_F})",
+    "sumsq_reduce_v1": f"void({_F}, {_F})",
 }
 GPU_ONLY = set()
 VERSIONS = ("v1", "v2")
+LAUNCHERS = ("adamw_step_device", "grad_sumsq")   # besides adamw_step; gathered by backends/_collect.py
 
 
 # ---- the decay table --------------------------------------------------------------------------------------------
@@ -293,21 +360,9 @@ def _device(a, like):
     return cuda.to_device(a)
 
 
-def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
-               half_out=None, half_dtype=None, version="v2", threads=256):
-    """One AdamW step in place: params, m, v updated, grads zeroed (all float32 (n,)); see the module docstring.
-
-    step: the step count t after increment (1 on the first step). decay_bounds: None (decay every element) or
-    (bounds, flags) from decay_table(). grad_scale multiplies the gradient first. half_out (n,): also receives the
-    updated weights in half precision: float16 (half_dtype="float16") or bfloat16 bits in uint16
-    (half_dtype="bfloat16"; ml_dtypes.bfloat16 arrays are accepted on the host too).
-    """
-    from gpullm_lessons.backends._args import check_array
-    fn = "adamw_step"
-    check_version(fn, version, VERSIONS)
-    threads = check_threads(fn, threads)
-    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
-    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+def _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype):
+    """(bounds, flags, half_out, half_mode) on the device of params: the decay table (None: decay everything) and
+    the half copy's bits (a one-element stand-in when there is none); checks named after fn."""
     half_mode = half_mode_of(fn, half_out, half_dtype, n)
     if decay_bounds is None:
         key = (type(params).__module__, n)
@@ -328,11 +383,29 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
         half_out = _DEFAULT_TABLES[key]
     elif str(half_out.dtype) != "uint16":
         half_out = half_out.view(np.uint16)                  # the kernels write the bits
+    return bounds, flags, half_out, np.int32(half_mode)
+
+
+def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
+               half_out=None, half_dtype=None, version="v2", threads=256):
+    """One AdamW step in place: params, m, v updated, grads zeroed (all float32 (n,)); see the module docstring.
+
+    step: the step count t after increment (1 on the first step). decay_bounds: None (decay every element) or
+    (bounds, flags) from decay_table(). grad_scale multiplies the gradient first. half_out (n,): also receives the
+    updated weights in half precision: float16 (half_dtype="float16") or bfloat16 bits in uint16
+    (half_dtype="bfloat16"; ml_dtypes.bfloat16 arrays are accepted on the host too).
+    """
+    from gpullm_lessons.backends._args import check_array
+    fn = "adamw_step"
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    bounds, flags, half_out, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min(math.ceil(n / threads), MAX_BLOCKS)
-    mode = np.int32(half_mode)
     if version == "v2":
         KERNELS["v2"][blocks, threads](params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"],
                                        s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
@@ -343,3 +416,65 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
         KERNELS["v1_v"][blocks, threads](grads, v, s["beta2"], s["one_minus_beta2"])
         KERNELS["v1_update"][blocks, threads](params, m, v, half_out, mode, s["lr"], s["bias1"], s["bias2"], s["eps"])
         KERNELS["v1_zero"][blocks, threads](grads)
+
+
+# ---- the graph-friendly step: scalars in GPU memory -------------------------------------------------------------
+HYPER_LEN = 6   # adamw_hyper(): lr, lr * weight_decay, 1 - beta1^t, 1 - beta2^t, 1 / loss_scale, clip
+
+
+def adamw_hyper(lr, weight_decay, step, beta1, beta2, clip=0.0, loss_scale=1.0) -> np.ndarray:
+    """The float32 (6,) array adamw_step_device reads: lr, lr * weight_decay, the bias corrections 1 - beta^t (in
+    float64 on the host), 1 / loss_scale and the clip threshold (0: no clipping). Copy it to the GPU before each step."""
+    fn = "adamw_hyper"
+    check_hyper(fn, lr, beta1, beta2, 1e-8, weight_decay, step, 1.0)
+    for name, x in (("clip", clip), ("loss_scale", loss_scale)):
+        if not isinstance(x, (int, float, np.floating, np.integer)) or isinstance(x, bool) or not math.isfinite(x):
+            raise TypeError(f"{fn}: {name} must be a finite number, got {x!r}")
+    if clip < 0:
+        raise ValueError(f"{fn}: clip must be >= 0 (0: no clipping), got {clip}")
+    if loss_scale <= 0:
+        raise ValueError(f"{fn}: loss_scale must be > 0, got {loss_scale}")
+    return np.array([lr, lr * weight_decay, 1.0 - beta1 ** step, 1.0 - beta2 ** step, 1.0 / loss_scale, clip],
+                    np.float32)
+
+
+def check_device_args(fn, n, hyper, sumsq, check_array):
+    """hyper float32 (HYPER_LEN,) and sumsq float32 (1,) on the device of the buffers."""
+    check_array(fn, "hyper", hyper, (HYPER_LEN,), "float32")
+    check_array(fn, "sumsq", sumsq, (1,), "float32")
+
+
+def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None,
+                      half_dtype=None, threads=256):
+    """adamw_step with lr, weight decay, the step count, the loss scale and the clip threshold read from `hyper`
+    (adamw_hyper(), on the device) and the gradient's squared norm from `sumsq` (grad_sumsq()): the step a CUDA
+    graph replays. The clip factor is min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)), as the host computes it."""
+    from gpullm_lessons.backends._args import check_array
+    fn = "adamw_step_device"
+    threads = check_threads(fn, threads)
+    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    check_device_args(fn, n, hyper, sumsq, check_array)
+    check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
+    bounds, flags, half_out, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
+    if n == 0:
+        return
+    f = np.float32
+    blocks = min(math.ceil(n / threads), MAX_BLOCKS)
+    KERNELS["device_v2"][blocks, threads](params, grads, m, v, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),
+                                          f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
+
+
+def grad_sumsq(flat, out, blocks=None):
+    """out[0] = sum of flat[i]^2 (flat float32 (n,), out float32 (1,)): the squared global gradient norm, in two
+    deterministic stages (block partials, then one fixed-order sum)."""
+    from gpullm_lessons.backends._args import check_array
+    fn = "grad_sumsq"
+    if not hasattr(flat, "shape") or len(flat.shape) != 1:
+        raise ValueError(f"{fn}: flat must be a 1-D float32 array, got shape {getattr(flat, 'shape', None)}")
+    check_array(fn, "flat", flat, flat.shape, "float32")
+    check_array(fn, "out", out, (1,), "float32")
+    n = int(flat.shape[0])
+    blocks = min(max(1, math.ceil(n / SUMSQ_THREADS)), 64 if blocks is None else int(blocks))
+    partial = _device(np.zeros(blocks, np.float32), flat)
+    KERNELS["sumsq_v1"][blocks, SUMSQ_THREADS](flat, partial)
+    KERNELS["sumsq_reduce_v1"][1, 1](partial, out)

@@ -19,11 +19,26 @@ For the training loop (gpullm_lessons.engine), which does the matmuls through cu
     v1_softmax_fwd                   causal softmax of the scaled scores, one thread per row (launcher
                                      attention_softmax_forward); the HIP twin is attention_softmax_fwd (block per row)
     attention_softmax_backward       the launcher of v1_dpre on (B*nh*T, T) rows (HIP: attention_dpre)
+In half precision the engine keeps the probabilities as bf16 / fp16 bits (uint16) for the matmuls; the launchers'
+keyword arguments att_half= and half= ("bf16" | "fp16") select these versions:
+    v1_softmax_fwd_half              the same forward, writing att_half (the float32 values rounded to half bits, as
+                                     convert.py rounds) and, when att is given, the float32 att too (HIP:
+                                     attention_softmax_fwd_bf16 / _f16, attention_softmax_fwd_f32_bf16 / _f32_f16)
+    v1_dpre_half                     the backward with att and/or dpre as half bits, converted in registers; datt
+                                     float32, every sum fp32 (HIP: attention_dpre_<att format>_<dpre format>)
+The half rounding is convert.py's device functions f32_to_bf16_bits / f32_to_f16_bits (those of its f32_to_bf16_v1 /
+f32_to_f16_v1); bf16_bits_to_f32 and f16_bits_to_f32 here are exact. Device functions are inline=True: a kernel
+calling a non-inlined one cannot be compiled to PTX without a GPU.
 """
 import math
 
+import numba
 import numpy as np
 from numba import cuda, float32
+
+from gpullm_lessons.kernels.numba._libdevice import libdevice
+from gpullm_lessons.kernels.numba.convert import (EXP, F16_MANT, SIGN16, U13, U16, f32_to_bf16_bits,
+                                                  f32_to_f16_bits)
 
 
 # v1, step 1: datt[b, h, t, s] = sum_d dout[b, t, h*hs + d] * v[b, s, h*hs + d], zero above the diagonal
@@ -104,14 +119,108 @@ def attention_softmax_fwd_v1(pre, att, scale):
         att[row, s] = math.exp(scale * pre[row, s] - mx) * inv if s <= t else float32(0.0)
 
 
+# ---- half precision: bf16 / fp16 bits (uint16) in and out of the softmax kernels --------------------------------
+FMT_F32, FMT_BF16, FMT_F16 = 0, 1, 2                  # element formats (the kernels' mode arguments)
+HALF_FORMATS = {"bf16": FMT_BF16, "fp16": FMT_F16}
+ZERO32 = numba.uint32(0)
+F16_EXP_SHIFT = numba.uint32(10)                      # fp16: 5 exponent bits above 10 mantissa bits
+F16_EXP_MAX = numba.uint32(0x1F)
+EXP_REBIAS = numba.uint32(127 - 15)                   # float32 exponent bias minus fp16's
+U23 = numba.uint32(23)
+TWO_M24 = float32(2.0 ** -24)                         # an fp16 subnormal is mantissa * 2**-24 (exact in float32)
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_bits_to_f32(b):
+    """bfloat16 bits -> float32, exact: the 16 bits on top of 16 zero bits."""
+    return libdevice.int_as_float(numba.uint32(b) << U16)
+
+
+@cuda.jit(device=True, inline=True)
+def f16_bits_to_f32(b):
+    """float16 bits -> float32, exact: rebias the exponent (normal), mantissa * 2**-24 (subnormal), inf/NaN kept."""
+    h = numba.uint32(b)
+    sign = (h & SIGN16) << U16
+    e = (h >> F16_EXP_SHIFT) & F16_EXP_MAX
+    m = h & F16_MANT
+    if e == ZERO32:                                   # zero or subnormal
+        v = float32(m) * TWO_M24
+        return -v if sign != ZERO32 else v
+    if e == F16_EXP_MAX:                              # inf or NaN: float32 exponent all ones, mantissa on top
+        return libdevice.int_as_float(sign | EXP | (m << U13))
+    return libdevice.int_as_float(sign | ((e + EXP_REBIAS) << U23) | (m << U13))
+
+
+@cuda.jit(device=True, inline=True)
+def load_f32(x32, x16, row, s, fmt):
+    """Element (row, s) as float32: of x32 (fmt FMT_F32) or of the half bits x16 (FMT_BF16 / FMT_F16)."""
+    if fmt == FMT_F32:
+        return x32[row, s]
+    if fmt == FMT_BF16:
+        return bf16_bits_to_f32(x16[row, s])
+    return f16_bits_to_f32(x16[row, s])
+
+
+# Forward, half output: as attention_softmax_fwd_v1, and att_h[row, s] = the same float32 value rounded to half bits
+# (half_mode FMT_BF16 / FMT_F16); att[row, s] is written too when write_f32 (else att is a placeholder, never touched).
+@cuda.jit
+def attention_softmax_fwd_half_v1(pre, att, att_h, write_f32, half_mode, scale):
+    rows, T = pre.shape
+    row = cuda.grid(1)
+    if row >= rows:
+        return
+    t = row % T
+    mx = scale * pre[row, 0]
+    for s in range(1, t + 1):
+        mx = max(mx, scale * pre[row, s])
+    total = float32(0.0)
+    for s in range(t + 1):
+        total += math.exp(scale * pre[row, s] - mx)
+    inv = float32(1.0) / total
+    for s in range(T):
+        v = math.exp(scale * pre[row, s] - mx) * inv if s <= t else float32(0.0)
+        if write_f32:
+            att[row, s] = v
+        att_h[row, s] = f32_to_bf16_bits(v) if half_mode == FMT_BF16 else f32_to_f16_bits(v)
+
+
+# Backward, half att and/or dpre: one thread per row of (rows, T); att is read from att32 (att_mode FMT_F32) or from
+# the half bits att16, dpre written to dpre32 (dpre_mode FMT_F32) or rounded into dpre16. The unused array of each
+# pair is a placeholder, never touched. datt float32; the row sum in fp32.
+@cuda.jit
+def attention_dpre_half_v1(att32, att16, datt, dpre32, dpre16, att_mode, dpre_mode, scale):
+    rows, T = datt.shape
+    row = cuda.grid(1)
+    if row >= rows:
+        return
+    t = row % T
+    dot = float32(0.0)
+    for s in range(t + 1):
+        dot += load_f32(att32, att16, row, s, att_mode) * datt[row, s]
+    for s in range(T):
+        v = scale * load_f32(att32, att16, row, s, att_mode) * (datt[row, s] - dot) if s <= t else float32(0.0)
+        if dpre_mode == FMT_F32:
+            dpre32[row, s] = v
+        elif dpre_mode == FMT_BF16:
+            dpre16[row, s] = f32_to_bf16_bits(v)
+        else:
+            dpre16[row, s] = f32_to_f16_bits(v)
+
+
 KERNELS = {"v1": attention_datt_v1, "v1_dpre": attention_dpre_v1, "v1_dqkv": attention_dqkv_v1,
-           "v1_softmax_fwd": attention_softmax_fwd_v1}
+           "v1_softmax_fwd": attention_softmax_fwd_v1, "v1_softmax_fwd_half": attention_softmax_fwd_half_v1,
+           "v1_dpre_half": attention_dpre_half_v1}
 SIGNATURES = {
     "v1": "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64)",
     "v1_dpre": "void(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32)",
     "v1_dqkv": "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], "
                "float32[:, :, ::1], int64)",
     "v1_softmax_fwd": "void(float32[:, ::1], float32[:, ::1], float32)",
+    # pre, att, att_h, write_f32, half_mode, scale
+    "v1_softmax_fwd_half": "void(float32[:, ::1], float32[:, ::1], uint16[:, ::1], int64, int64, float32)",
+    # att32, att16, datt, dpre32, dpre16, att_mode, dpre_mode, scale
+    "v1_dpre_half": "void(float32[:, ::1], uint16[:, ::1], float32[:, ::1], float32[:, ::1], uint16[:, ::1], int64, "
+                    "int64, float32)",
 }
 GPU_ONLY = set()
 VERSIONS = ("v1",)
@@ -159,34 +268,113 @@ def attention_backward(dout, qkv, att, dqkv, n_head, version="v1"):
 
 def check_softmax_rows(fn, arrays, T=None):
     """(name, array) pairs: float32, 2-D (rows, T), all the same shape, rows a multiple of T. Returns (rows, T)."""
-    shape = None
-    for name, a in arrays:
+    return check_softmax_formats(fn, [(name, a, False) for name, a in arrays], None)[:2]
+
+
+def half_format(fn, half):
+    """half= as a format code: None -> FMT_F32, "bf16" -> FMT_BF16, "fp16" -> FMT_F16; ValueError otherwise."""
+    if half is None:
+        return FMT_F32
+    if not isinstance(half, str) or half not in HALF_FORMATS:
+        raise ValueError(f"{fn}: half={half!r} is not a half format; use half='bf16' or half='fp16' "
+                         f"(or leave it None: float32 only)")
+    return HALF_FORMATS[half]
+
+
+def check_softmax_formats(fn, arrays, half):
+    """(name, array, may_be_half) triples, None arrays skipped: 2-D (rows, T), all the same shape, rows a multiple
+    of T; dtype float32, or uint16 (half bits of format `half`) where may_be_half is True, only uint16 where it is
+    "half". A uint16 array without half=, an unknown half name, or half= with no uint16 array is an error naming
+    the argument.
+    Returns (rows, T, {name: FMT_F32 | FMT_BF16 | FMT_F16}) for the arrays given."""
+    hf = half_format(fn, half)
+    shape, first, formats = None, None, {}
+    for name, a, may_be_half in arrays:
+        if a is None:
+            continue
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
         if len(_shape(a)) != 2:
             raise ValueError(f"{fn}: {name} must be 2-D (B*nh*T, T), got shape {_shape(a)}")
-        if np.dtype(a.dtype) != np.float32:
-            raise TypeError(f"{fn}: {name} must be float32, got {np.dtype(a.dtype)}")
+        dtype = np.dtype(a.dtype)
+        if may_be_half == "half" and dtype != np.uint16:
+            raise TypeError(f"{fn}: {name} must be uint16 (half bits, with half=), got {dtype}")
+        if dtype == np.uint16 and may_be_half:
+            if half is None:
+                raise TypeError(f"{fn}: {name} is uint16 (half bits) but half= is not given: say half='bf16' or "
+                                f"half='fp16'")
+            formats[name] = hf
+        elif dtype == np.float32:
+            formats[name] = FMT_F32
+        else:
+            allowed = "float32 or uint16 (half bits, with half=)" if may_be_half else "float32"
+            raise TypeError(f"{fn}: {name} must be {allowed}, got {dtype}")
         if shape is not None and _shape(a) != shape:
-            raise ValueError(f"{fn}: {name} is {_shape(a)} but the first array is {shape}")
-        shape = _shape(a)
+            raise ValueError(f"{fn}: {name} is {_shape(a)} but {first} is {shape}")
+        shape, first = shape or _shape(a), first or name
+    if half is not None and all(f == FMT_F32 for f in formats.values()):
+        names = ", ".join(name for name, _, may_be_half in arrays if may_be_half)
+        raise ValueError(f"{fn}: half={half!r} given but no half array ({names}) is uint16 half bits")
     rows, T = shape
     if T == 0 or rows % T:
         raise ValueError(f"{fn}: rows = {rows} must be a multiple of T = {T} (B*nh blocks of T query rows)")
-    return rows, T
+    return rows, T, formats
 
 
-def attention_softmax_forward(pre, att, scale):
-    """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place)."""
-    rows, T = check_softmax_rows("attention_softmax_forward", (("pre", pre), ("att", att)))
-    if rows:
-        attention_softmax_fwd_v1[(rows + 127) // 128, 128](pre, att, np.float32(scale))
+def check_softmax_forward_args(fn, pre, att, att_half, half):
+    """attention_softmax_forward's arguments: pre float32; att float32 or None; att_half uint16 or None (not both
+    None). Returns (rows, T, half format code or FMT_F32)."""
+    if att is None and att_half is None:
+        raise ValueError(f"{fn}: att and att_half are both None: give att (float32) and/or att_half (uint16 half "
+                         f"bits, with half='bf16' or 'fp16')")
+    if att_half is None and half is not None:
+        half_format(fn, half)
+        raise ValueError(f"{fn}: half={half!r} given but att_half is None: pass att_half (uint16) to write half bits")
+    rows, T, formats = check_softmax_formats(fn, (("pre", pre, False), ("att", att, False),
+                                                  ("att_half", att_half, "half")), half)
+    return rows, T, formats.get("att_half", FMT_F32)
 
 
-def attention_softmax_backward(att, datt, dpre, scale):
-    """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T."""
-    rows, T = check_softmax_rows("attention_softmax_backward", (("att", att), ("datt", datt), ("dpre", dpre)))
-    if rows:
+def check_softmax_backward_args(fn, att, datt, dpre, half):
+    """attention_softmax_backward's arguments: att and dpre float32 or uint16 half bits (format half), datt float32.
+    Returns (rows, T, att format, dpre format)."""
+    rows, T, formats = check_softmax_formats(fn, (("att", att, True), ("datt", datt, False), ("dpre", dpre, True)),
+                                             half)
+    return rows, T, formats["att"], formats["dpre"]
+
+
+def attention_softmax_forward(pre, att, scale, att_half=None, half=None):
+    """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place).
+
+    att_half: None, or uint16 (rows, T): the same probabilities rounded to half bits of format half ("bf16" |
+    "fp16"). att may be None when att_half is given (then only the half bits are written)."""
+    fn = "attention_softmax_forward"
+    rows, T, hf = check_softmax_forward_args(fn, pre, att, att_half, half)
+    if not rows:
+        return
+    grid = ((rows + 127) // 128, 128)
+    if hf == FMT_F32:
+        attention_softmax_fwd_v1[grid](pre, att, np.float32(scale))
+    else:   # att None: pre stands in for it (never written when write_f32 is 0)
+        attention_softmax_fwd_half_v1[grid](pre, pre if att is None else att, att_half, int(att is not None), hf,
+                                            np.float32(scale))
+
+
+def attention_softmax_backward(att, datt, dpre, scale, half=None):
+    """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T.
+
+    att and dpre: float32, or uint16 half bits of format half ("bf16" | "fp16"), converted in registers; datt is
+    float32; dpre may be datt (in place) when both are float32."""
+    fn = "attention_softmax_backward"
+    rows, T, af, of = check_softmax_backward_args(fn, att, datt, dpre, half)
+    if not rows:
+        return
+    if af == FMT_F32 and of == FMT_F32:
         shape4 = (1, rows // T, T, T)
         attention_dpre_v1[(rows + 127) // 128, 128](att.reshape(shape4), datt.reshape(shape4),
                                                      dpre.reshape(shape4), np.float32(scale))
+        return
+    half_bits = att if af != FMT_F32 else dpre           # a uint16 array: the placeholder of the unused half slot
+    attention_dpre_half_v1[(rows + 127) // 128, 128](att if af == FMT_F32 else datt, half_bits, datt,
+                                                     dpre if of == FMT_F32 else datt,
+                                                     dpre if of != FMT_F32 else half_bits, af, of, np.float32(scale))

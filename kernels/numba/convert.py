@@ -13,6 +13,8 @@ grid-stride loop, so a capped grid covers any n). The rounding is the NumPy refe
 
 Bits are read with libdevice (float_as_int, int_as_float), not with device functions, so the kernels compile to
 PTX without a driver; under the simulator a NumPy stand-in does the same (as kernels/numba/adamw.py).
+The two roundings are inline device functions, f32_to_bf16_bits(x) and f32_to_f16_bits(x) (-> uint16), used by
+f32_to_bf16_v1 / f32_to_f16_v1 here and imported by the kernels that write half bits (fused.py, attention.py).
 
 Versions (KERNELS keys; the wrappers take version="v1"):
 f32_to_bf16_v1: float32 (n,) -> bfloat16 bits uint16 (n,), one thread per element, grid-stride.
@@ -47,16 +49,33 @@ F16_MANT = numba.uint32(0x3FF)        # float16 mantissa bits
 ZERO_COUNT = numba.int32(0)
 
 
+# The rounding, as device functions (kernels/numba/fused.py calls them too): float32 x -> the 16 bits of its
+# bfloat16 / float16, round to nearest even, NaN kept quiet with its sign.
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits(x):
+    bits = numba.uint32(libdevice.float_as_int(x))
+    if (bits & ABS) > EXP:                    # NaN (exponent all ones, mantissa not 0): quiet NaN, sign kept
+        return numba.uint16(((bits >> U16) & SIGN16) | BF16_QNAN)
+    return numba.uint16((bits + ROUND + ((bits >> U16) & ONE)) >> U16)   # + 0x7FFF + lowest kept bit: ties to even
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_f16_bits(x):
+    bits = numba.uint32(libdevice.float_as_int(x))
+    if (bits & ABS) > EXP:                    # NaN: sign, all-ones exponent, top 10 mantissa bits (never 0 = inf)
+        mant = (bits >> U13) & F16_MANT
+        if mant == numba.uint32(0):
+            mant = ONE
+        return numba.uint16(((bits >> U16) & SIGN16) | F16_EXP | mant)
+    return numba.uint16(libdevice.float2half_rn(x))   # the hardware conversion: round to nearest even
+
+
 # f32_to_bf16_v1: thread i owns elements i, i + stride, ... of src float32 (n,) and dst uint16 (n,).
 @cuda.jit
 def f32_to_bf16_v1(src, dst):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, dst.shape[0], stride):
-        bits = numba.uint32(libdevice.float_as_int(src[i]))
-        if (bits & ABS) > EXP:                # NaN (exponent all ones, mantissa not 0): quiet NaN, sign kept
-            dst[i] = numba.uint16(((bits >> U16) & SIGN16) | BF16_QNAN)
-        else:                                 # add 0x7FFF + (lowest kept bit): ties go to even
-            dst[i] = numba.uint16((bits + ROUND + ((bits >> U16) & ONE)) >> U16)
+        dst[i] = f32_to_bf16_bits(src[i])
 
 
 # bf16_to_f32_v1: thread i owns elements i, i + stride, ... of src uint16 (n,) and dst float32 (n,).
@@ -72,15 +91,7 @@ def bf16_to_f32_v1(src, dst):
 def f32_to_f16_v1(src, dst):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, dst.shape[0], stride):
-        x = src[i]
-        bits = numba.uint32(libdevice.float_as_int(x))
-        if (bits & ABS) > EXP:                # NaN: sign, all-ones exponent, top 10 mantissa bits (never 0 = inf)
-            mant = (bits >> U13) & F16_MANT
-            if mant == numba.uint32(0):
-                mant = ONE
-            dst[i] = numba.uint16(((bits >> U16) & SIGN16) | F16_EXP | mant)
-        else:                                 # the hardware conversion: round to nearest even
-            dst[i] = numba.uint16(libdevice.float2half_rn(x))
+        dst[i] = f32_to_f16_bits(src[i])
 
 
 # nonfinite_count_v1: thread i looks at elements i, i + stride, ... of flat float32 (n,), counts the inf/NaN in a

@@ -1,0 +1,25 @@
+// half.h: float32 -> 16-bit float bits, shared by convert.cu, attention.cu and fused.cu (hip.py inlines each local
+// include once; hipcc/nvcc find it with -I kernels/hip). The same rounding as kernels/numba/convert.py and
+// gpullm_lessons/precision.py:
+//   f32 -> bf16: bits + 0x7FFF + (lowest kept bit), keep the top 16 bits (round to nearest even); NaN -> 0x7FC0|sign
+//   f32 -> f16:  __float2half_rn (round to nearest even); NaN by hand as NumPy: sign, 0x7C00, top 10 mantissa bits
+#pragma once
+#include "portable.h"
+
+// float32 -> bfloat16 bits, round to nearest even; NaN -> the quiet NaN with the sign kept (as ml_dtypes).
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
+    unsigned int bits = __float_as_uint(x);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7FC0u);
+    return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// float32 -> float16 bits: the hardware rounding; NaN by hand (sign, all-ones exponent, top 10 mantissa bits, never
+// 0, which would be inf), so the bits match NumPy's cast on every GPU.
+__device__ __forceinline__ unsigned short f32_to_f16_bits(float x) {
+    unsigned int bits = __float_as_uint(x);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+        unsigned int mant = (bits >> 13) & 0x3FFu;
+        return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7C00u | (mant ? mant : 1u));
+    }
+    return __half_as_ushort(__float2half_rn(x));
+}

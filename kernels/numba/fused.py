@@ -1,0 +1,399 @@
+"""fused: the glue the training engine runs between matrix products, one launch each (N = B*T rows, C = nh*hs).
+
+    bias_add(inp, bias, out, res=None)                       out (N,C) = inp + bias[col] (+ res); out may be inp/res
+    bias_gelu_forward(inp, bias, pre, out, half=None)        pre = inp + bias (pre may be inp); out = gelu_tanh(pre)
+    split_heads(inp, col0, out, B, T, nh, bias=None, half=None)
+                                                             out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias)
+    merge_heads(inp, out, col0, B, T, nh, half=None)         out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]
+    colsum_convert(inp, colsum, out=None, half=None)         colsum (C,) = sum over rows (deterministic); out=half(inp)
+    layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5)
+                                                             LayerNorm (as layernorm_forward), out as half bits
+
+`half` is None (the output is float32) or "bf16" / "fp16": the output is then a uint16 array of the 16-bit bits,
+rounded to nearest even by the device functions of kernels/numba/convert.py (bit-exact with gpullm_lessons.precision
+and NumPy). The HIP twins (kernels/hip/fused.cu, backends/_hip_fused.py) have the same names and signatures and
+share the argument checks below; they are the fast path (coalesced 2-D layouts, warp-per-row LayerNorm). These
+Numba versions are the plain ones, written to be read and to run in the simulator.
+
+Versions (KERNELS keys; a "_half" key is the same kernel compiled for a uint16 output; the wrappers take version="v1"):
+bias_add_v1: one thread per element of (N, C), grid-stride; has_res=0 leaves res unread.
+bias_gelu_forward_v1: one thread per element, writes pre (float32) and out (float32).
+bias_gelu_forward_v1_half: the same kernel, out uint16 (mode 1 bf16, 2 fp16).
+split_heads_v1: one thread per element of out (B*nh, T, hs), float32 out; has_bias=0 leaves bias unread.
+split_heads_v1_half: the same kernel, out uint16 bits.
+merge_heads_v1: one thread per element of inp (B*nh, T, hs), float32 out (N, ld).
+merge_heads_v1_half: the same kernel, out uint16 bits.
+colsum_partials_v1: colsum stage 1, one thread per (chunk of ROWS_PER_CHUNK rows, column): the chunk's sum in row
+    order into partial (chunks, C); with mode 1/2 it also writes the half bits of every element it reads into out.
+colsum_reduce_v1: colsum stage 2, one thread per column adds the chunks in order (deterministic: no atomics).
+layernorm_forward_half_v1: one thread per row (mean, variance from a second pass, write), out uint16 bits.
+No version is GPU-only: all of them run in Numba's CUDA simulator.
+"""
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from gpullm_lessons.backends._args import check_array, check_threads, check_version
+from gpullm_lessons.kernels.numba.convert import f32_to_bf16_bits, f32_to_f16_bits
+
+MAX_BLOCKS = 4096        # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
+ROWS_PER_CHUNK = 32      # colsum stage 1: rows summed by one thread
+HALF_MODES = {None: 0, "bf16": 1, "fp16": 2}   # the kernels' `mode` argument
+GELU_SCALE = numba.float32(math.sqrt(2.0 / math.pi))
+GELU_CUBE = numba.float32(0.044715)
+F_HALF = numba.float32(0.5)
+F_ONE = numba.float32(1.0)
+F_ZERO = numba.float32(0.0)
+
+
+# bias_add_v1: thread i owns elements i, i + stride, ... of the flattened (N, C); out may be inp or res.
+@cuda.jit
+def bias_add_v1(inp, bias, res, out, has_res):
+    N, C = out.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, N * C, stride):
+        r = i // C
+        c = i - r * C
+        v = inp[r, c] + bias[c]
+        if has_res != 0:
+            v += res[r, c]
+        out[r, c] = v
+
+
+# bias_gelu_forward_v1(_half): thread i owns elements i, i + stride, ...; pre may be inp (read before written).
+@cuda.jit
+def bias_gelu_forward_v1(inp, bias, pre, out, mode):
+    N, C = pre.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, N * C, stride):
+        r = i // C
+        c = i - r * C
+        x = inp[r, c] + bias[c]
+        pre[r, c] = x
+        y = F_HALF * x * (F_ONE + math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x)))
+        if mode == 0:
+            out[r, c] = y
+        elif mode == 1:
+            out[r, c] = f32_to_bf16_bits(y)
+        else:
+            out[r, c] = f32_to_f16_bits(y)
+
+
+# split_heads_v1(_half): thread i owns elements i, i + stride, ... of out (B*nh, T, hs) flattened.
+@cuda.jit
+def split_heads_v1(inp, bias, out, col0, nh, has_bias, mode):
+    BH, T, hs = out.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, BH * T * hs, stride):
+        d = i % hs
+        rt = i // hs
+        t = rt % T
+        bh = rt // T
+        b = bh // nh
+        h = bh - b * nh
+        v = inp[b * T + t, col0 + h * hs + d]
+        if has_bias != 0:
+            v += bias[h * hs + d]
+        if mode == 0:
+            out[bh, t, d] = v
+        elif mode == 1:
+            out[bh, t, d] = f32_to_bf16_bits(v)
+        else:
+            out[bh, t, d] = f32_to_f16_bits(v)
+
+
+# merge_heads_v1(_half): thread i owns elements i, i + stride, ... of inp (B*nh, T, hs) flattened.
+@cuda.jit
+def merge_heads_v1(inp, out, col0, nh, mode):
+    BH, T, hs = inp.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, BH * T * hs, stride):
+        d = i % hs
+        rt = i // hs
+        t = rt % T
+        bh = rt // T
+        b = bh // nh
+        h = bh - b * nh
+        v = inp[bh, t, d]
+        if mode == 0:
+            out[b * T + t, col0 + h * hs + d] = v
+        elif mode == 1:
+            out[b * T + t, col0 + h * hs + d] = f32_to_bf16_bits(v)
+        else:
+            out[b * T + t, col0 + h * hs + d] = f32_to_f16_bits(v)
+
+
+# colsum_partials_v1: thread j owns (chunk k, column c) pairs j, j + stride, ... of (chunks, C): it adds rows
+# k*ROWS_PER_CHUNK .. +ROWS_PER_CHUNK of column c in row order; mode 1/2: also out[r, c] = half bits of inp[r, c].
+@cuda.jit
+def colsum_partials_v1(inp, partial, out, mode):
+    N, C = inp.shape
+    chunks = partial.shape[0]
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for j in range(start, chunks * C, stride):
+        k = j // C
+        c = j - k * C
+        s = F_ZERO
+        for r in range(k * ROWS_PER_CHUNK, min(k * ROWS_PER_CHUNK + ROWS_PER_CHUNK, N)):
+            v = inp[r, c]
+            s += v
+            if mode == 1:
+                out[r, c] = f32_to_bf16_bits(v)
+            elif mode == 2:
+                out[r, c] = f32_to_f16_bits(v)
+        partial[k, c] = s
+
+
+# colsum_reduce_v1: thread c owns columns c, c + stride, ...: colsum[c] = partial[0, c] + partial[1, c] + ...
+@cuda.jit
+def colsum_reduce_v1(partial, colsum):
+    chunks, C = partial.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for c in range(start, C, stride):
+        s = F_ZERO
+        for k in range(chunks):
+            s += partial[k, c]
+        colsum[c] = s
+
+
+# layernorm_forward_half_v1: thread `row` owns rows row, row + stride, ...: mean, variance (second pass), write bits.
+@cuda.jit
+def layernorm_forward_half_v1(inp, weight, bias, out, mean, rstd, eps, mode):
+    N, C = inp.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for row in range(start, N, stride):
+        s = F_ZERO
+        for i in range(C):
+            s += inp[row, i]
+        m = s / numba.float32(C)
+        v = F_ZERO
+        for i in range(C):
+            d = inp[row, i] - m
+            v += d * d
+        r = F_ONE / math.sqrt(v / numba.float32(C) + eps)
+        for i in range(C):
+            y = (inp[row, i] - m) * r * weight[i] + bias[i]
+            if mode == 1:
+                out[row, i] = f32_to_bf16_bits(y)
+            else:
+                out[row, i] = f32_to_f16_bits(y)
+        mean[row] = m
+        rstd[row] = r
+
+
+_V, _M, _U = "float32[::1]", "float32[:, ::1]", "uint16[:, ::1]"
+_M3, _U3 = "float32[:, :, ::1]", "uint16[:, :, ::1]"
+KERNELS = {"bias_add_v1": bias_add_v1,
+           "bias_gelu_forward_v1": bias_gelu_forward_v1, "bias_gelu_forward_v1_half": bias_gelu_forward_v1,
+           "split_heads_v1": split_heads_v1, "split_heads_v1_half": split_heads_v1,
+           "merge_heads_v1": merge_heads_v1, "merge_heads_v1_half": merge_heads_v1,
+           "colsum_partials_v1": colsum_partials_v1, "colsum_reduce_v1": colsum_reduce_v1,
+           "layernorm_forward_half_v1": layernorm_forward_half_v1}
+SIGNATURES = {"bias_add_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",                  # inp, bias, res, out, has_res
+              "bias_gelu_forward_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",         # inp, bias, pre, out, mode
+              "bias_gelu_forward_v1_half": f"void({_M}, {_V}, {_M}, {_U}, int64)",
+              "split_heads_v1": f"void({_M}, {_V}, {_M3}, int64, int64, int64, int64)",   # inp, bias, out, col0,
+              "split_heads_v1_half": f"void({_M}, {_V}, {_U3}, int64, int64, int64, int64)",  # nh, has_bias, mode
+              "merge_heads_v1": f"void({_M3}, {_M}, int64, int64, int64)",            # inp, out, col0, nh, mode
+              "merge_heads_v1_half": f"void({_M3}, {_U}, int64, int64, int64)",
+              "colsum_partials_v1": f"void({_M}, {_M}, {_U}, int64)",                 # inp, partial, out, mode
+              "colsum_reduce_v1": f"void({_M}, {_V})",                                # partial, colsum
+              "layernorm_forward_half_v1": f"void({_M}, {_V}, {_V}, {_U}, {_V}, {_V}, float32, int64)"}
+GPU_ONLY = set()
+VERSIONS = ("v1",)
+
+
+# ---- argument checks (shared with backends/_hip_fused.py: check=check_array there takes cupy=True) --------------
+
+def _array(fn, name, a, ndim, what):
+    """An array object with `ndim` dimensions (what: its shape in words, for the message)."""
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(a).__name__}")
+    if len(a.shape) != ndim:
+        raise ValueError(f"{fn}: {name} must be {ndim}-D {what}, got shape {tuple(a.shape)}")
+    return tuple(int(s) for s in a.shape)
+
+
+def half_mode(fn, half, out, name="out"):
+    """(mode, dtype out must have) for half in None / 'bf16' / 'fp16'; clear errors for a mismatch with out."""
+    if not (isinstance(half, str) or half is None) or half not in HALF_MODES:
+        raise ValueError(f"{fn}: half={half!r} is not one of None (float32 output), 'bf16', 'fp16'")
+    dtype = str(getattr(out, "dtype", ""))
+    if half is None and dtype == "uint16":
+        raise ValueError(f"{fn}: {name} is uint16 (16-bit bits) but half=None: pass half='bf16' or half='fp16'")
+    if half is not None and dtype == "float32":
+        raise ValueError(f"{fn}: half={half!r} writes 16-bit bits: {name} must be uint16, got float32 "
+                         f"(or pass half=None)")
+    return HALF_MODES[half], ("float32" if half is None else "uint16")
+
+
+def _int(fn, name, v, low):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__}")
+    if int(v) < low:
+        raise ValueError(f"{fn}: {name}={int(v)} must be >= {low}")
+    return int(v)
+
+
+def check_bias_add(fn, inp, bias, out, res, check=check_array):
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "bias", bias, (C,), "float32")
+    if res is not None:
+        check(fn, "res", res, (N, C), "float32")
+    check(fn, "out", out, (N, C), "float32")
+    return N, C
+
+
+def check_bias_gelu(fn, inp, bias, pre, out, half, check=check_array):
+    mode, odt = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "bias", bias, (C,), "float32")
+    check(fn, "pre", pre, (N, C), "float32")
+    check(fn, "out", out, (N, C), odt)
+    return N, C, mode
+
+
+def _check_heads(fn, col0, B, T, nh, hs, ld):
+    C = nh * hs
+    if col0 + C > ld:
+        raise ValueError(f"{fn}: col0 + C = {col0} + {C} = {col0 + C} is past the row width ld = {ld} "
+                         f"(C = nh*hs = {nh}*{hs})")
+
+
+def check_split(fn, inp, col0, out, B, T, nh, bias, half, check=check_array):
+    """Returns (N, ld, hs, mode)."""
+    B, T, nh, col0 = _int(fn, "B", B, 0), _int(fn, "T", T, 1), _int(fn, "nh", nh, 1), _int(fn, "col0", col0, 0)
+    mode, odt = half_mode(fn, half, out)
+    _, ld = _array(fn, "inp", inp, 2, "(B*T, ld)")
+    hs = _array(fn, "out", out, 3, "(B*nh, T, hs)")[2]
+    check(fn, "inp", inp, (B * T, ld), "float32")
+    check(fn, "out", out, (B * nh, T, hs), odt)
+    if bias is not None:
+        check(fn, "bias", bias, (nh * hs,), "float32")
+    _check_heads(fn, col0, B, T, nh, hs, ld)
+    return B * T, ld, hs, mode
+
+
+def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
+    """Returns (N, ld, hs, mode)."""
+    B, T, nh, col0 = _int(fn, "B", B, 0), _int(fn, "T", T, 1), _int(fn, "nh", nh, 1), _int(fn, "col0", col0, 0)
+    mode, odt = half_mode(fn, half, out)
+    hs = _array(fn, "inp", inp, 3, "(B*nh, T, hs)")[2]
+    _, ld = _array(fn, "out", out, 2, "(B*T, ld)")
+    check(fn, "inp", inp, (B * nh, T, hs), "float32")
+    check(fn, "out", out, (B * T, ld), odt)
+    _check_heads(fn, col0, B, T, nh, hs, ld)
+    return B * T, ld, hs, mode
+
+
+def check_colsum(fn, inp, colsum, out, half, check=check_array):
+    """Returns (N, C, mode); mode 0 when out is None."""
+    if out is None:
+        if half is not None:
+            raise ValueError(f"{fn}: half={half!r} but out is None: give out (N, C) uint16 for the converted copy, "
+                             f"or leave half=None")
+        mode = 0
+    else:
+        if half is None:
+            raise ValueError(f"{fn}: out is given: pass half='bf16' or half='fp16' (the format of its bits)")
+        mode, _ = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "colsum", colsum, (C,), "float32")
+    if out is not None:
+        check(fn, "out", out, (N, C), "uint16")
+    return N, C, mode
+
+
+def check_layernorm_half(fn, inp, weight, bias, out, mean, rstd, half, check=check_array):
+    """Returns (N, C, mode)."""
+    if half is None or half not in ("bf16", "fp16"):
+        raise ValueError(f"{fn}: half={half!r} must be 'bf16' or 'fp16' (float32 output: layernorm_forward)")
+    mode, _ = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "weight", weight, (C,), "float32")
+    check(fn, "bias", bias, (C,), "float32")
+    check(fn, "out", out, (N, C), "uint16")
+    check(fn, "mean", mean, (N,), "float32")
+    check(fn, "rstd", rstd, (N,), "float32")
+    return N, C, mode
+
+
+# ---- the launch wrappers ----------------------------------------------------------------------------------------
+
+def _launch(fn, key, version, threads, n, args):
+    """KERNELS[key] over n work items with a capped grid (every kernel here grid-strides)."""
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    if n == 0:
+        return
+    blocks = min(math.ceil(n / threads), MAX_BLOCKS)
+    KERNELS[key][blocks, threads](*args)
+
+
+LAUNCHERS = ("bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
+             "layernorm_forward_half")   # gathered by backends/_collect.py
+
+
+def bias_add(inp, bias, out, res=None, version="v1", threads=256):
+    """out (N,C) = inp + bias[col] (+ res); inp, res, out float32 (N,C), bias (C,). out may be inp or res."""
+    N, C = check_bias_add("bias_add", inp, bias, out, res)
+    _launch("bias_add", "bias_add_v1", version, threads, N * C,
+            (inp, bias, inp if res is None else res, out, 0 if res is None else 1))
+
+
+def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256):
+    """pre (N,C) = inp + bias[col] (pre may be inp); out (N,C) = gelu_tanh(pre): float32, or uint16 bits (half)."""
+    N, C, mode = check_bias_gelu("bias_gelu_forward", inp, bias, pre, out, half)
+    _launch("bias_gelu_forward", "bias_gelu_forward_v1", version, threads, N * C, (inp, bias, pre, out, mode))
+
+
+def split_heads(inp, col0, out, B, T, nh, bias=None, half=None, version="v1", threads=256):
+    """out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias[h*hs+d]); inp (B*T, ld) float32, out (B*nh, T, hs)
+    float32 or uint16 bits (half), bias (nh*hs,) float32 or None."""
+    N, ld, hs, mode = check_split("split_heads", inp, col0, out, B, T, nh, bias, half)
+    if N == 0 or hs == 0:
+        return
+    _launch("split_heads", "split_heads_v1", version, threads, N * nh * hs,
+            (inp, inp[0] if bias is None else bias, out, int(col0), int(nh), 0 if bias is None else 1, mode))
+
+
+def merge_heads(inp, out, col0, B, T, nh, half=None, version="v1", threads=256):
+    """out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]; inp (B*nh, T, hs) float32, out (B*T, ld) float32 or uint16
+    bits (half); columns of out outside [col0, col0 + nh*hs) are not touched."""
+    N, ld, hs, mode = check_merge("merge_heads", inp, out, col0, B, T, nh, half)
+    _launch("merge_heads", "merge_heads_v1", version, threads, N * nh * hs, (inp, out, int(col0), int(nh), mode))
+
+
+def colsum_chunks(N: int) -> int:
+    """How many row chunks stage 1 of colsum_convert uses (a function of N only: the summation order is fixed)."""
+    return max(1, math.ceil(N / ROWS_PER_CHUNK))
+
+
+def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
+    """colsum (C,) = inp.sum(axis=0) for inp (N,C) float32, deterministic (two stages, fixed order); with out (N,C)
+    uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass."""
+    fn = "colsum_convert"
+    N, C, mode = check_colsum(fn, inp, colsum, out, half)
+    check_version(fn, version, VERSIONS)
+    threads = check_threads(fn, threads)
+    if C == 0:
+        return
+    chunks = colsum_chunks(N)
+    partial = cuda.device_array((chunks, C), np.float32)             # scratch, every element written
+    dummy = out if out is not None else cuda.device_array((1, 1), np.uint16)   # mode 0: never written
+    _launch(fn, "colsum_partials_v1", version, threads, chunks * C, (inp, partial, dummy, mode))
+    _launch(fn, "colsum_reduce_v1", version, threads, C, (partial, colsum))
+
+
+def layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5, version="v1", threads=256):
+    """As layernorm_forward (mean, rstd = 1/sqrt(var + eps), biased variance), but out (N,C) is uint16: the bf16 or
+    fp16 bits (half='bf16' / 'fp16') of (inp - mean) * rstd * weight + bias."""
+    N, C, mode = check_layernorm_half("layernorm_forward_half", inp, weight, bias, out, mean, rstd, half)
+    _launch("layernorm_forward_half", "layernorm_forward_half_v1", version, threads, N,
+            (inp, weight, bias, out, mean, rstd, np.float32(eps), mode))
