@@ -24,14 +24,15 @@ Memory layout (DESIGN.md §3): parameters, gradients, m and v are flat fp32 buff
 (params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer.
 
 Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precision the AdamW pass also writes a half
-copy of the weights, the input of every matrix product is converted to half (our conversion kernels: bf16 by
-round-to-nearest-even into uint16 bits) and cuBLAS multiplies half x half with fp32 accumulation and an fp32
-result. The residual stream, LayerNorm statistics, the GELU input, the loss and every sum stay fp32; the tensors
-that only feed matrix products (the LayerNorm outputs, q, k, v, the attention probabilities, the attention output,
-the GELU output) are written in half by the kernel that produces them (fused kernels: no fp32 copy, no conversion
-pass) and kept in half; the softmax backward reads the half probabilities and writes dpre in half. fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits
-is multiplied by the scale before it is rounded to fp16, the step is skipped when the one-pass non-finite count of
-the gradient buffer is not 0, and AdamW divides by the scale in its gradient read (grad_scale).
+copy of the weights, the input of every matrix product is half (bf16 by round-to-nearest-even into uint16 bits)
+and cuBLAS multiplies half x half with fp32 accumulation and an fp32 result. The residual stream, LayerNorm
+statistics, the GELU input, the loss and every sum stay fp32; the tensors that only feed matrix products (the
+LayerNorm outputs, q, k, v, the attention probabilities, the attention output, the GELU output, the gradients
+entering a product, and in bf16 dlogits) are written in half by the kernel that produces them (no fp32 copy, no
+conversion pass) and kept in half; the softmax backward reads the half probabilities and writes dpre in half.
+fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits is multiplied by the scale before it is
+rounded to fp16, the step is skipped when the one-pass non-finite count of the gradient buffer is not 0, and AdamW
+divides by the scale in its gradient read (grad_scale).
 
 Activation checkpointing (policy, as checkpointing.py): "none" keeps every block's cache; "selective" drops the
 LayerNorm outputs and the GELU output and recomputes them (one LayerNorm forward / one GELU forward) in backward;
@@ -666,8 +667,13 @@ class GPUEngine(Engine):
         if y is not None:
             targets = xp.asarray(y).reshape(-1)
             losses = xp.empty(B * T, xp.float32)
-            dlogits = xp.empty_like(logits)
-            self.K.crossentropy_forward_backward(logits, targets, losses, dlogits, version=self.ver["crossentropy"])
+            if self.precision == "bf16":     # dlogits written in bf16 by the loss kernel: the head products' input
+                dlogits = xp.empty((B * T, V), xp.uint16)
+                self.K.crossentropy_forward_backward_half(logits, targets, losses, dlogits, half="bf16")
+            else:                            # fp32; fp16 scales dlogits by the loss scale before rounding (backward)
+                dlogits = xp.empty_like(logits)
+                self.K.crossentropy_forward_backward(logits, targets, losses, dlogits,
+                                                     version=self.ver["crossentropy"])
             loss = losses.mean() if device_loss else float(losses.mean())
             self._cache = dict(B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm,
                                dlogits=dlogits)
@@ -685,8 +691,8 @@ class GPUEngine(Engine):
         if self.precision == "fp16":      # scale before rounding to fp16: that is what keeps small values alive
             dl_mm = (dlogits * np.float32(loss_scale)).astype(xp.float16).view(xp.uint16)
             alpha = 1.0
-        else:
-            dl_mm, alpha = self._mm_in(dlogits), loss_scale
+        else:                             # fp32: dlogits itself; bf16: already bf16 bits
+            dl_mm, alpha = dlogits, loss_scale
         del dlogits, c["dlogits"]
         dlnf = xp.empty((B * T, cfg.d_model), xp.float32)
         self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)                      # dlnf = dlogits @ wte
@@ -886,7 +892,8 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     rebuilt = NC * e + NC * e + 4 * NC * e                              # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
     kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f}[policy]
-    top = NC * f + 2 * N * f + NC * e + N * V * f + N * 4                 # h, meanf, rstdf, lnf_mm, dlogits, idx
+    dl = 2 if precision == "bf16" else 4                                  # dlogits: bf16 from the loss kernel
+    top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4                # h, meanf, rstdf, lnf_mm, dlogits, idx
     activations = L * kept_block + top
     # forward: one temporary at a time beside the growing cache: qkv before the head split, the fp32 scores
     # before the half softmax output (half runs), y before merge_heads, the block output; under selective the
@@ -913,8 +920,8 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     bwd_block = NC * f + max(stages) + recompute
     if policy == "full":                     # the recompute's own forward locals, before the backward stages
         bwd_block = max(bwd_block, NC * f + fwd_block)
-    scale_tmp = N * V * f if precision == "fp16" else 0                   # dlogits * scale before the fp16 cast
-    bwd_head = N * V * h + scale_tmp + NC * f
+    fp16_copy = N * V * (f + 2) if precision == "fp16" else 0             # dlogits * scale, then its fp16 cast
+    bwd_head = fp16_copy + NC * f
     peak_set = max(fwd_block, head, bwd_head, bwd_block)
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
     out["total"] = sum(model.values()) + activations + peak_set

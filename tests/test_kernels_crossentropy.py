@@ -213,3 +213,61 @@ def test_hip_v4_is_backward_only():
     logits = cp.zeros((3, 8), cp.float32)
     with pytest.raises(ValueError, match="version='v4', expected one of v1, v2, v3"):
         hce.crossentropy_forward(logits, cp.zeros(3, cp.int32), cp.zeros(3, cp.float32), version="v4")
+
+
+# ---- dlogits written as half bits (crossentropy_forward_backward_half: the bf16 engine's loss) ------------------------
+def _half_expected(logits, targets, half):
+    _, cache = reference.crossentropy_forward(logits.astype(np.float64), targets)
+    d = reference.crossentropy_backward(1.0, cache).astype(np.float32)
+    if half == "bf16":
+        import ml_dtypes
+        return d.astype(ml_dtypes.bfloat16).astype(np.float64)
+    return d.astype(np.float16).astype(np.float64)
+
+
+def _half_values(bits, half):
+    if half == "bf16":
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return bits.view(np.float16).astype(np.float64)
+
+
+def _check_half(mod, arrays, N, V, half, seed):
+    logits, targets = _inputs(N, V, seed=seed)
+    losses = to_backend(np.full(N, np.nan, np.float32), arrays)
+    dl = to_backend(np.full((N, V), 0xFFFF, np.uint16), arrays)
+    mod.crossentropy_forward_backward_half(to_backend(logits, arrays), to_backend(targets, arrays), losses, dl,
+                                           half=half)
+    got, want = _half_values(to_numpy(dl), half), _half_expected(logits, targets, half)
+    ulp = 2.0 ** -8 if half == "bf16" else 2.0 ** -11          # one unit of the half's last place, relative
+    assert np.all(np.abs(got - want) <= ulp * np.abs(want) + 1e-7 / N), np.abs(got - want).max()
+    np.testing.assert_allclose(to_numpy(losses), _row_losses(logits, targets), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_half_dlogits_in_simulator(half):
+    _check_half(ce, "numba", 5, 33, half, seed=1)
+
+
+def test_half_dlogits_errors():
+    logits, targets = _inputs(3, 8, seed=0)
+    losses = np.zeros(3, np.float32)
+    with pytest.raises(TypeError, match="dlogits must be a uint16 array"):
+        ce.crossentropy_forward_backward_half(logits, targets, losses, np.zeros((3, 8), np.float32), half="bf16")
+    with pytest.raises(ValueError, match="half must be one of"):
+        ce.crossentropy_forward_backward_half(logits, targets, losses, np.zeros((3, 8), np.uint16), half="fp8")
+    with pytest.raises(ValueError, match=r"dlogits has shape \(3, 7\)"):
+        ce.crossentropy_forward_backward_half(logits, targets, losses, np.zeros((3, 7), np.uint16), half="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_half_dlogits_on_gpu(backend, half):
+    if backend == "numba" and not device.numba_on_gpu():
+        pytest.skip("Numba on an NVIDIA GPU only")
+    if backend == "hip":
+        from gpullm_lessons.backends import _hip_crossentropy as mod
+        arrays = "cupy"
+    else:
+        mod, arrays = ce, "numba"
+    _check_half(mod, arrays, 257, 50304, half, seed=7)

@@ -8,6 +8,9 @@ The training loop's causal softmax launchers (attention_softmax_forward / _backw
 precision (bf16 / fp16 bits in uint16 arrays, keyword arguments att_half= and half=): each format pair is its own
 entry point of attention.cu, instantiated from one template (attention_softmax_fwd[_f32]_<bf16|f16>,
 attention_dpre_<att format>_<dpre format>). Same signatures and checks as the Numba twins.
+When T <= 32 * warp size the launchers run the warp-per-row entry points (attention_softmax_fwd_w{K}_<out>,
+attention_dpre_w{K}_<att>_<dpre>): one warp per row, the row in registers, no barrier; the block-per-row kernels
+serve longer rows and the two-output / mixed-format calls.
 """
 import math
 
@@ -69,6 +72,26 @@ def _fmt(code):
     return _FMT_NAME.get(code, "f16")
 
 
+WARP_K = (1, 2, 4, 8, 16, 32)   # the warp-per-row entry points: row elements per lane (T <= K * warp size)
+WARP_BLOCK = 256                # threads per block of the warp-per-row kernels (8 rows on NVIDIA, 4 on AMD CDNA)
+
+
+def _warp_size(x) -> int:
+    from ._hip_layernorm import _props_of
+    return int(_props_of(int(x.device.id))["warpSize"])
+
+
+def _warp_k(x, T):
+    """The smallest K of WARP_K with T <= K * warp size (the warp-per-row kernels), or None (block-per-row)."""
+    ws = _warp_size(x)
+    return next((k for k in WARP_K if T <= k * ws), None)
+
+
+def _warp_grid(x, rows):
+    per_block = WARP_BLOCK // _warp_size(x)
+    return ((rows + per_block - 1) // per_block,), (WARP_BLOCK,)
+
+
 def attention_softmax_forward(pre, att, scale, att_half=None, half=None, threads=256):
     """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place).
 
@@ -79,6 +102,13 @@ def attention_softmax_forward(pre, att, scale, att_half=None, half=None, threads
     given = [(n, a) for n, a in (("pre", pre), ("att", att), ("att_half", att_half)) if a is not None]
     _check_cupy(fn, given)
     if not rows:
+        return
+    K = _warp_k(pre, T)
+    if K and (att is None or hf == FMT_F32):       # one warp per row (the engine's calls: one output)
+        out = att if hf == FMT_F32 else att_half
+        grid, block = _warp_grid(pre, rows)
+        hip.kernel("attention", f"attention_softmax_fwd_w{K}_{_fmt(hf)}")(
+            grid, block, (pre, out, np.int64(rows), np.int32(T), np.float32(scale)))
         return
     block, args = (min(threads, max(32, T)),), (np.int32(T), np.float32(scale))
     if hf == FMT_F32:
@@ -99,6 +129,12 @@ def attention_softmax_backward(att, datt, dpre, scale, half=None, threads=256):
     triples = (("att", att), ("datt", datt), ("dpre", dpre))
     _check_cupy(fn, triples)
     if not rows:
+        return
+    K = _warp_k(att, T)
+    if K and af == of:                             # one warp per row (f32 -> f32, half -> the same half)
+        grid, block = _warp_grid(att, rows)
+        hip.kernel("attention", f"attention_dpre_w{K}_{_fmt(af)}_{_fmt(of)}")(
+            grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))
         return
     name = "attention_dpre" if af == of == FMT_F32 else f"attention_dpre_{_fmt(af)}_{_fmt(of)}"
     hip.kernel("attention", name)((rows,), (min(threads, max(32, T)),),

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.numba.crossentropy import check_inputs   # the Numba wrapper's checks; cupy=True: CuPy arrays only
+from ..kernels.numba.crossentropy import check_half_inputs, check_inputs   # the Numba wrapper's checks; cupy=True: CuPy arrays only
 
 VERSIONS = ("v1", "v2", "v3", "v4")
+LAUNCHERS = ("crossentropy_forward_backward_half",)   # gathered by backends/_collect.py
 FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4 is a backward kernel only
 DEFAULT_THREADS = {"v4": 1024}         # others: the threads= default of each function
 MAX_THREADS = 1024
@@ -69,4 +70,22 @@ def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2"
     if N:
         _kernel("crossentropy_forward_backward_v2")((grid,), (block,),
                                                     (logits, targets, losses, dlogits, np.int32(N), np.int32(V)))
+    return losses, dlogits
+
+
+HALF_THREADS = 1024   # crossentropy_forward_backward_half: whole warps on either vendor, many bytes in flight
+
+
+def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, threads=HALF_THREADS):
+    """crossentropy_forward_backward with dlogits (N, V) uint16: the half bits ("bf16" | "fp16", rounded to
+    nearest even) of (softmax - onehot) / N, written by the same one-pass kernel (no float32 dlogits)."""
+    fn = "crossentropy_forward_backward_half"
+    N, V = check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=True)
+    threads = int(threads)
+    if threads % 64 or not 64 <= threads <= 1024:
+        raise ValueError(f"{fn}: threads={threads} must be a multiple of 64 in [64, 1024] (whole warps on NVIDIA "
+                         f"and AMD)")
+    if N:
+        _kernel(f"crossentropy_forward_backward_half_{'bf16' if half == 'bf16' else 'f16'}")(
+            (N,), (threads,), (logits, targets, losses, dlogits, np.int32(N), np.int32(V)))
     return losses, dlogits

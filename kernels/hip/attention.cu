@@ -174,3 +174,103 @@ ATTENTION_DPRE(attention_dpre_f32_bf16, FMT_F32, float, FMT_BF16, unsigned short
 ATTENTION_DPRE(attention_dpre_f32_f16, FMT_F32, float, FMT_F16, unsigned short)
 ATTENTION_DPRE(attention_dpre_bf16_bf16, FMT_BF16, unsigned short, FMT_BF16, unsigned short)
 ATTENTION_DPRE(attention_dpre_f16_f16, FMT_F16, unsigned short, FMT_F16, unsigned short)
+
+// ---- warp-per-row versions (the launchers' choice when T <= 32 * warpSize) ------------------------------------------
+// The block-per-row kernels above spend a block (two or three barriers, three passes over the row) on a row of a few
+// hundred live elements: at T = 1024 and 196608 rows (GPT-2 at B=16) they moved ~1.5 TB/s. Here one warp owns one
+// row and keeps it in registers: lane l holds elements s = l + j * warpSize, j < K (K = T / warpSize rounded up to a
+// compile-time bucket), loaded once (only s <= t: the causal half, about half the row on average), reduced with
+// shuffles only (no shared memory, no barrier), and written once (zeros for s > t). Blocks hold several rows.
+template <int K, int F32, int HF>
+__device__ __forceinline__ void softmax_fwd_warp(const float* __restrict__ pre, float* __restrict__ att,
+                                                 unsigned short* __restrict__ att_h, long long rows, int T,
+                                                 float scale) {
+    int lane = threadIdx.x % warpSize;
+    long long row = (long long)blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize;
+    if (row >= rows) return;                                  // whole warps leave together
+    int t = (int)(row % T);
+    const float* p = pre + row * T;
+    float v[K];
+    float mx = -3.402823466e38f;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        int s = lane + j * warpSize;
+        v[j] = s <= t ? scale * p[s] : -3.402823466e38f;
+        mx = fmaxf(mx, v[j]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        int s = lane + j * warpSize;
+        v[j] = s <= t ? expf(v[j] - mx) : 0.0f;
+        sum += v[j];
+    }
+    float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        int s = lane + j * warpSize;
+        if (s < T) {
+            float out = v[j] * inv;                           // 0 for s > t
+            if (F32) att[row * T + s] = out;
+            if (HF != FMT_F32) store_f32<HF>(att_h + row * T + s, out);
+        }
+    }
+}
+
+template <int K, int AF, int OF, typename TA, typename TO>
+__device__ __forceinline__ void dpre_warp(const TA* __restrict__ att, const float* __restrict__ datt,
+                                          TO* __restrict__ dpre, long long rows, int T, float scale) {
+    int lane = threadIdx.x % warpSize;
+    long long row = (long long)blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize;
+    if (row >= rows) return;
+    int t = (int)(row % T);
+    const TA* a = att + row * T;
+    const float* da = datt + row * T;
+    float av[K], dv[K];
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        int s = lane + j * warpSize;
+        av[j] = s <= t ? load_f32<AF>(a[s]) : 0.0f;
+        dv[j] = s <= t ? da[s] : 0.0f;
+        dot += av[j] * dv[j];
+    }
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        int s = lane + j * warpSize;
+        if (s < T) store_f32<OF>(dpre + row * T + s, scale * av[j] * (dv[j] - dot));   // 0 for s > t
+    }
+}
+
+// Entry points: attention_softmax_fwd_w{K}_<out> with out = f32 | bf16 | f16 (one output: the engine writes the
+// matmul format only), attention_dpre_w{K}_<att>_<dpre> for the formats the engine uses (f32_f32, bf16_bf16,
+// f16_f16). K in {1, 2, 4, 8, 16, 32}: T <= K * warpSize.
+#define SOFTMAX_FWD_WARP(K)                                                                                      \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_f32(const float* __restrict__ pre,                  \
+            float* __restrict__ att, long long rows, int T, float scale) {                                      \
+        softmax_fwd_warp<K, 1, FMT_F32>(pre, att, nullptr, rows, T, scale); }                                   \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_bf16(const float* __restrict__ pre,                 \
+            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                           \
+        softmax_fwd_warp<K, 0, FMT_BF16>(pre, nullptr, att_h, rows, T, scale); }                                \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_f16(const float* __restrict__ pre,                  \
+            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                           \
+        softmax_fwd_warp<K, 0, FMT_F16>(pre, nullptr, att_h, rows, T, scale); }                                 \
+    extern "C" __global__ void attention_dpre_w##K##_f32_f32(const float* __restrict__ att,                     \
+            const float* __restrict__ datt, float* __restrict__ dpre, long long rows, int T, float scale) {      \
+        dpre_warp<K, FMT_F32, FMT_F32>(att, datt, dpre, rows, T, scale); }                                      \
+    extern "C" __global__ void attention_dpre_w##K##_bf16_bf16(const unsigned short* __restrict__ att,          \
+            const float* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,           \
+            float scale) {                                                                                       \
+        dpre_warp<K, FMT_BF16, FMT_BF16>(att, datt, dpre, rows, T, scale); }                                    \
+    extern "C" __global__ void attention_dpre_w##K##_f16_f16(const unsigned short* __restrict__ att,            \
+            const float* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,           \
+            float scale) {                                                                                       \
+        dpre_warp<K, FMT_F16, FMT_F16>(att, datt, dpre, rows, T, scale); }
+SOFTMAX_FWD_WARP(1)
+SOFTMAX_FWD_WARP(2)
+SOFTMAX_FWD_WARP(4)
+SOFTMAX_FWD_WARP(8)
+SOFTMAX_FWD_WARP(16)
+SOFTMAX_FWD_WARP(32)

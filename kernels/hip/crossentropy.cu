@@ -6,10 +6,14 @@
 //   v1: one thread per row.  v2: one block per row, (max, sum) pairs merged in shared memory (tree; blockDim a
 //   power of 2).  v3: v2 with warp shuffles first (blockDim a multiple of warpSize: 32 NVIDIA, 64 AMD CDNA).
 //   crossentropy_forward_backward_v2: both outputs in one launch.
+//   crossentropy_forward_backward_half_<bf16|f16>: both outputs in one launch, warp-shuffle merges (as v3), dlogits
+//   written directly as half bits (the input of the head's matrix products in a half-precision run: no fp32
+//   (N, V) dlogits, no conversion pass).
 //   v4: v3 with float4 (16-byte) loads and stores when V % 4 == 0 and the arrays are 16-byte aligned (else v3's
 //   scalar loops); meant for 1024 threads per block: more bytes in flight per block, and fewer rows in flight
 //   per GPU, so the second read of each row tends to hit L2.
 #include "portable.h"
+#include "half.h"
 
 // A thread that got no element holds (CE_EMPTY, 0). Finite, so merging two empty pairs gives exp(0) * 0 = 0,
 // where -inf would give exp(-inf - -inf) = NaN.
@@ -224,4 +228,39 @@ extern "C" __global__ void crossentropy_backward_v4(const float* __restrict__ lo
         }
         d4[j] = make_float4(p.x * inv_n, p.y * inv_n, p.z * inv_n, p.w * inv_n);
     }
+}
+
+// ---- both outputs, dlogits in half precision (HF: 1 = bf16, 2 = fp16 bits) ------------------------------------------
+template <int HF>
+__device__ __forceinline__ void ce_fwd_bwd_half(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                float* __restrict__ losses, unsigned short* __restrict__ dlogits,
+                                                int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const float* x = logits + (long long)row * V;
+    int t = targets[row];
+    float m, s;
+    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
+    block_stats_shfl(sh_m, sh_s, m, s);
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - x[t];
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+    unsigned short* d = dlogits + (long long)row * V;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float p = expf(x[j] - m) * inv_s;
+        float g = (j == t ? p - 1.0f : p) * inv_n;
+        d[j] = HF == 1 ? f32_to_bf16_bits(g) : f32_to_f16_bits(g);
+    }
+}
+
+extern "C" __global__ void crossentropy_forward_backward_half_bf16(const float* __restrict__ logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* __restrict__ dlogits, int N,
+        int V) {
+    ce_fwd_bwd_half<1>(logits, targets, losses, dlogits, N, V);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_half_f16(const float* __restrict__ logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* __restrict__ dlogits, int N,
+        int V) {
+    ce_fwd_bwd_half<2>(logits, targets, losses, dlogits, N, V);
 }

@@ -29,6 +29,7 @@ Launch wrappers (destination-passing, the checker's signatures, `version=` keywo
 import math
 
 import numba
+import numpy as np
 from numba import cuda
 
 from gpullm_lessons import device
@@ -411,4 +412,43 @@ def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2"
     threads = _pick("crossentropy_forward_backward", version, threads, allowed=("v2",))
     if N:
         KERNELS["v2_fused"][N, threads](logits, targets, losses, dlogits)
+    return losses, dlogits
+
+
+HALF_FORMATS = ("bf16", "fp16")
+LAUNCHERS = ("crossentropy_forward_backward_half",)   # gathered by backends/_collect.py
+
+
+def check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=False):
+    """crossentropy_forward_backward_half's arguments: dlogits uint16 (N, V), half "bf16" | "fp16". Returns (N, V)."""
+    if half not in HALF_FORMATS:
+        raise ValueError(f"{fn}: half must be one of {', '.join(HALF_FORMATS)}, got {half!r}")
+    if not hasattr(dlogits, "dtype") or str(dlogits.dtype) != "uint16":
+        raise TypeError(f"{fn}: dlogits must be a uint16 array (the half bits), got "
+                        f"{getattr(dlogits, 'dtype', type(dlogits).__name__)}")
+    N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy)
+    if tuple(dlogits.shape) != (N, V):
+        raise ValueError(f"{fn}: dlogits has shape {tuple(dlogits.shape)}, expected {(N, V)}")
+    if not (dlogits.flags.c_contiguous if cupy else dlogits.flags["C_CONTIGUOUS"]):
+        raise ValueError(f"{fn}: dlogits must be C-contiguous")
+    return N, V
+
+
+def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, threads=None):
+    """crossentropy_forward_backward with dlogits (N, V) uint16 half bits ("bf16" | "fp16"): here the fused v2
+    kernel into a float32 scratch, then the conversion kernel (the HIP twin writes the half bits directly)."""
+    from .convert import f32_to_bf16, f32_to_f16
+    fn = "crossentropy_forward_backward_half"
+    N, V = check_half_inputs(fn, logits, targets, losses, dlogits, half)
+    if not N:
+        return losses, dlogits
+    if isinstance(logits, np.ndarray):
+        scratch = np.empty((N, V), np.float32)
+    elif (type(logits).__module__ or "").startswith("cupy"):
+        import cupy
+        scratch = cupy.empty((N, V), cupy.float32)
+    else:
+        scratch = cuda.device_array((N, V), np.float32)
+    crossentropy_forward_backward(logits, targets, losses, scratch, threads=threads)
+    (f32_to_bf16 if half == "bf16" else f32_to_f16)(scratch.reshape(-1), dlogits.reshape(-1))
     return losses, dlogits
