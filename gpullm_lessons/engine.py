@@ -702,7 +702,7 @@ class GPUEngine(Engine):
         for l in reversed(range(cfg.n_layer)):
             blk = c["blocks"][l]
             if self.policy == "full":
-                _, blk = self._block_forward(blk["x"], l, B, T, "none")
+                blk = self._block_forward(blk["x"], l, B, T, "none")[1]    # the recomputed output is not kept
             elif self.policy == "selective":
                 self._rebuild(blk, l)
             dx = self._block_backward(dx, blk, l, B, T)

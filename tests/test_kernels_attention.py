@@ -387,7 +387,11 @@ def test_causal_softmax_half_on_gpu(half, G, T):
         np.testing.assert_array_equal(cp.asnumpy(att_half), _to_half(cp.asnumpy(att), half), err_msg=name)
         only_half = cp.full(pre.shape, POISON16, cp.uint16)
         K.attention_softmax_forward(d_pre, None, scale, att_half=only_half, half=half)
-        assert bool((only_half == att_half).all()), f"{name}: half-only forward differs from the two-output one"
+        # the half-only call runs the warp-per-row kernel, the two-output one the block-per-row kernel: their fp32
+        # sums are added in different orders, so a value next to a rounding boundary may round the other way (1 ulp)
+        diff = _ulps(cp.asnumpy(only_half), cp.asnumpy(att_half))
+        assert diff.max() <= 1 and (diff > 0).mean() <= 1e-3, f"{name}: half-only forward differs from the two-output one"
+        _assert_half_within_one_ulp(cp.asnumpy(only_half), ref, half, err_msg=f"{name} {half} half-only forward")
         del att
         # backward: half att -> float32 dpre in place of datt (the engine's call)
         d_att_half = cp.asarray(ref_half)

@@ -238,8 +238,12 @@ def _check_half(mod, arrays, N, V, half, seed):
     mod.crossentropy_forward_backward_half(to_backend(logits, arrays), to_backend(targets, arrays), losses, dl,
                                            half=half)
     got, want = _half_values(to_numpy(dl), half), _half_expected(logits, targets, half)
-    ulp = 2.0 ** -8 if half == "bf16" else 2.0 ** -11          # one unit of the half's last place, relative
-    assert np.all(np.abs(got - want) <= ulp * np.abs(want) + 1e-7 / N), np.abs(got - want).max()
+    # one unit in the half's last place (relative spacing up to 2^-7 in bf16, 2^-10 in fp16; fp16's subnormals below
+    # 2^-14 are 2^-24 apart): the kernel's fp32 value and NumPy's may sit on two sides of a rounding boundary
+    ulp, floor = (2.0 ** -7, 0.0) if half == "bf16" else (2.0 ** -10, 2.0 ** -24)
+    err = np.abs(got - want)
+    assert np.all(err <= ulp * np.abs(want) + floor), err.max()
+    assert (err > 0).mean() <= 1e-2                           # rare, not the rule (a truncating kernel fails this)
     np.testing.assert_allclose(to_numpy(losses), _row_losses(logits, targets), rtol=1e-5, atol=1e-5)
 
 
