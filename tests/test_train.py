@@ -255,6 +255,7 @@ def test_generate_top_k_and_temperature():
     (["--backend", "numpy", "--precision", "bf16"], "precision 'bf16' needs a kernel backend"),
     (["--checkpoint-every", "-1"], "--checkpoint-every must be 0"),
     (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--backend", "numpy", "--graphs", "on"], "graphs='on': CUDA graphs replay the hip backend's step"),
 ])
 def test_config_errors(tmp_path, flags, message):
     with pytest.raises(train.ConfigError, match=message):
