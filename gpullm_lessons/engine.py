@@ -429,10 +429,6 @@ class GPUEngine(Engine):
         fn(src.reshape(-1), dst.reshape(-1), version=self.ver["convert"])
         return dst
 
-    def _mm_in(self, a):
-        """A matmul input in the run's format: the fp32 array itself, or its half bits."""
-        return a if self.half is None else self._to_half(a)
-
     def _w(self, name, l=None):
         """A weight in the gemm format (fp32 master view, or the half copy's view)."""
         src = self.params.views if self.half is None else self.half_views
