@@ -386,8 +386,9 @@ def format_kernels(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels", "train", "checkpointing", "profile"], help="what to measure")
-    ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets")
+    ap.add_argument("what", choices=["ceilings", "kernels", "train", "checkpointing", "profile", "gputime"],
+                    help="what to measure")
+    ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
     ap.add_argument("--precisions", default=None,
                     help="`train`: fp32,bf16 (default); `checkpointing`: fp32 (default)")
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
@@ -399,10 +400,13 @@ def main(argv=None) -> int:
         if args.what == "ceilings":
             result = ceilings(small=args.small)
             print(format_ceilings(result))
-        elif args.what in ("train", "checkpointing", "profile"):
+        elif args.what in ("train", "checkpointing", "profile", "gputime"):
             from . import bench_train as bt
             presets = tuple(args.presets.split(","))
-            if args.what == "profile":
+            if args.what == "gputime":
+                result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0])
+                print(bt.format_gpu_time(result))
+            elif args.what == "profile":
                 result = bt.profile_step(presets[0], (args.precisions or "bf16").split(",")[0])
                 print(bt.format_profile(result))
             elif args.what == "train":

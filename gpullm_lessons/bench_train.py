@@ -289,3 +289,109 @@ def format_profile(result) -> str:
     for r in result["rows"]:
         lines.append(f"{r['op']:<40}{r['calls'] / result['steps']:11.1f}{r['ms_per_step']:9.3f}{100 * r['share']:7.1f}%")
     return "\n".join(lines)
+
+
+# ---- GPU time per op: each distinct call of a step timed alone as a CUDA graph ---------------------------------------
+def _call_key(name, args, kwargs):
+    """A call's identity: the launcher's name and its arguments' shapes and dtypes (scalars by value)."""
+    def d(a):
+        if hasattr(a, "shape"):
+            return tuple(a.shape), str(a.dtype)
+        return a if isinstance(a, (int, float, str, bool, type(None))) else type(a).__name__
+    return name, tuple(d(a) for a in args), tuple(sorted((k, d(v)) for k, v in kwargs.items()))
+
+
+def record_step_calls(eng, x, y, lr=1e-4) -> list:
+    """Every distinct launcher call and matrix product of one eager train_step of a GPUEngine, in first-call order:
+    [{"op", "key", "count", "fn", "args", "kwargs"}] (the arguments are kept, so each call can be replayed)."""
+    from . import blas, engine
+
+    calls = {}
+
+    def note(name, fn):
+        def recorded(*a, **k):
+            key = _call_key(name, a, k)
+            if key in calls:
+                calls[key]["count"] += 1
+            else:
+                calls[key] = {"op": name, "key": key, "count": 1, "fn": fn, "args": a, "kwargs": k}
+            return fn(*a, **k)
+        return recorded
+
+    class Recorded:
+        def __init__(self, module):
+            self._module = module
+
+        def __getattr__(self, name):
+            fn = getattr(self._module, name)
+            return note(name, fn) if callable(fn) else fn
+
+    if not isinstance(eng, engine.GPUEngine):
+        raise TypeError(f"record_step_calls: needs a GPUEngine (hip or numba backend), got {type(eng).__name__}")
+    kernels, gemm, graphs = eng.K, blas.gemm, eng.graphs
+    eng.K, blas.gemm, eng.graphs = Recorded(kernels), note("gemm", gemm), False      # one eager step
+    try:
+        eng.train_step(x, y, lr=lr, weight_decay=0.1, grad_clip=1.0)
+    finally:
+        eng.K, blas.gemm, eng.graphs = kernels, gemm, graphs
+    return list(calls.values())
+
+
+def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B=None, T=None, timer=None,
+                     warmup=True) -> dict:
+    """GPU time of one training step, op by op. Each distinct call of an eager step (record_step_calls) is replayed
+    alone as a CUDA graph of 10 calls (bench.time_gpu_graph) and multiplied by its count per step.
+
+    `profile` puts CUDA events around launches from Python, so a short kernel's row also holds the GPU's wait for
+    Python; this measures the kernels themselves, and its total is about what a CUDA-graph replay of the step can
+    reach. A call that cannot be captured (one that reads a device value on the host) is listed with ms None.
+    timer(fn) -> seconds per call replaces the CUDA-graph timing, warmup=False skips the warm-up step (the tests run
+    the bookkeeping in the simulator)."""
+    from . import bench, engine
+
+    if timer is None:
+        device.require_gpu("timing the training step's kernels")
+        timer = lambda fn: bench.time_gpu_graph(fn, iters=10, reps=3)  # noqa: E731
+    if cfg is None:
+        cfg, B = _cfg(preset)
+        T = cfg.block_size
+    eng = engine.build(cfg, backend, precision=precision, graphs="off")
+    x, y = _batches(cfg, B, T, 1)[0]
+    if warmup:
+        eng.train_step(x, y, lr=1e-4)                               # compile, fill the pool
+    rows = []
+    for c in record_step_calls(eng, x, y):
+        try:
+            sec = timer(lambda c=c: c["fn"](*c["args"], **c["kwargs"]))
+        except Exception:  # noqa: BLE001 - not capturable: listed without a time
+            sec = None
+        shapes = [s for s in c["key"][1] if isinstance(s, tuple)][:3]
+        rows.append({"op": c["op"], "shapes": str(shapes), "calls": c["count"],
+                     "us_per_call": None if sec is None else 1e6 * sec,
+                     "ms": None if sec is None else 1e3 * sec * c["count"]})
+    total = sum(r["ms"] for r in rows if r["ms"] is not None)
+    for r in rows:
+        r["share"] = None if r["ms"] is None else r["ms"] / total
+    return {"card": _card() if device.has_gpu() else "the CUDA simulator (CPU)",
+            "date": datetime.date.today().isoformat(), "preset": preset,
+            "precision": precision, "backend": backend, "B": B, "T": T, "total_ms": total, "rows": rows}
+
+
+def format_gpu_time(result, top=20) -> str:
+    by = {}
+    for r in result["rows"]:
+        t = by.setdefault(r["op"], [0.0, 0])
+        t[0] += r["ms"] or 0.0
+        t[1] += r["calls"]
+    lines = [f"{result['preset']} B{result['B']} T{result['T']} {result['precision']} {result['backend']} on "
+             f"{result['card']} ({result['date']}): GPU time of one step, summed over its calls: "
+             f"{result['total_ms']:.2f} ms", f"{'op':<38}{'calls':>7}{'ms':>10}{'share':>8}"]
+    for op, (ms, n) in sorted(by.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{op:<38}{n:7d}{ms:10.3f}{100 * ms / result['total_ms']:7.1f}%")
+    lines.append("largest single calls (x count):")
+    for r in sorted((r for r in result["rows"] if r["ms"] is not None), key=lambda r: -r["ms"])[:top]:
+        lines.append(f"  {r['ms']:8.3f} ms = {r['calls']:3d} x {r['us_per_call']:8.1f} us  {r['op']} {r['shapes']}")
+    missing = [r["op"] for r in result["rows"] if r["ms"] is None]
+    if missing:
+        lines.append(f"not capturable, not timed: {', '.join(sorted(set(missing)))}")
+    return "\n".join(lines)

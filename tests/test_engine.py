@@ -334,3 +334,31 @@ def test_gpu_graph_run_is_deterministic(gpu_batches):
         runs.append([eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches[:5]])
         runs[-1].append(eng.state_dict()["params"])
     assert runs[0][:5] == runs[1][:5] and np.array_equal(runs[0][5], runs[1][5])
+
+
+def test_gpu_time_profile_records_each_distinct_call_with_its_count():
+    """bench gputime's bookkeeping, in the simulator with a stand-in timer (1 us per call; the third call 'cannot be
+    captured'): every op of a step appears, counted per step, the total is the sum of the timed calls."""
+    from gpullm_lessons import bench_train as bt
+    seen = []
+
+    def timer(fn):
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("not capturable")
+        return 1e-6
+    r = bt.gpu_time_profile("toy", "fp32", backend="numba", cfg=TOY, B=2, T=8, timer=timer, warmup=False)
+    calls = {}
+    for row in r["rows"]:
+        calls[row["op"]] = calls.get(row["op"], 0) + row["calls"]
+    assert {"gemm", "layernorm_forward", "split_heads", "merge_heads", "colsum_convert", "adamw_step", "grad_sumsq",
+            "encoder_backward", "attention_softmax_backward"} <= set(calls)
+    assert calls["layernorm_forward"] == 2 * TOY.n_layer + 1
+    assert calls["split_heads"] == 4 * TOY.n_layer                 # q, k, v in forward, dy in backward
+    assert calls["gemm"] == TOY.n_layer * 18 + 3    # a block: 4 linears x 3 + attention 2 + 4; the head: 1 + 2
+    untimed = [row for row in r["rows"] if row["ms"] is None]
+    assert len(untimed) == 1
+    timed_calls = sum(row["calls"] for row in r["rows"] if row["ms"] is not None)
+    assert abs(r["total_ms"] - timed_calls * 1e-3) < 1e-9
+    text = bt.format_gpu_time(r)
+    assert "not capturable, not timed: " + untimed[0]["op"] in text
