@@ -393,6 +393,8 @@ def main(argv=None) -> int:
                     help="`train`: fp32,bf16 (default); `checkpointing`: fp32 (default)")
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
     ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
+    ap.add_argument("--scores", choices=("f32", "half"), default=None,
+                    help="`train` / `gputime`: the engine's attention-score format in half precision (default f32)")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
     args = ap.parse_args(argv)
@@ -404,14 +406,15 @@ def main(argv=None) -> int:
             from . import bench_train as bt
             presets = tuple(args.presets.split(","))
             if args.what == "gputime":
-                result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0])
+                versions = {"scores": args.scores} if args.scores else None
+                result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0], versions=versions)
                 print(bt.format_gpu_time(result))
             elif args.what == "profile":
                 result = bt.profile_step(presets[0], (args.precisions or "bf16").split(",")[0])
                 print(bt.format_profile(result))
             elif args.what == "train":
                 precs = tuple((args.precisions or "fp32,bf16").split(","))
-                result = bt.bench_train(presets, precs)
+                result = bt.bench_train(presets, precs, versions={"scores": args.scores} if args.scores else None)
                 print(bt.format_train(result))
             else:
                 precs = tuple((args.precisions or "fp32").split(","))

@@ -182,7 +182,7 @@ def _card():
 
 
 def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=10, backend="hip",
-                with_torch=True) -> dict:
+                with_torch=True, versions=None) -> dict:
     device.require_gpu("benchmarking the training step")
     from . import bench
 
@@ -198,9 +198,10 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
         T = cfg.block_size
         flops = step_flops(cfg, B, T)
         for prec in precisions:
-            runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps)),
+            runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
+                                                     versions=versions)),
                     ("ours+graph", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
-                                                           graphs="on"))]
+                                                           versions=versions, graphs="on"))]
             if with_torch:
                 r = measure_torch(cfg, B, T, prec, steps=steps)
                 runs.append(("pytorch", r.pop("version"), r))
@@ -338,7 +339,7 @@ def record_step_calls(eng, x, y, lr=1e-4) -> list:
 
 
 def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B=None, T=None, timer=None,
-                     warmup=True) -> dict:
+                     warmup=True, versions=None) -> dict:
     """GPU time of one training step, op by op. Each distinct call of an eager step (record_step_calls) is replayed
     alone as a CUDA graph of 10 calls (bench.time_gpu_graph) and multiplied by its count per step.
 
@@ -355,7 +356,7 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
     if cfg is None:
         cfg, B = _cfg(preset)
         T = cfg.block_size
-    eng = engine.build(cfg, backend, precision=precision, graphs="off")
+    eng = engine.build(cfg, backend, precision=precision, graphs="off", versions=versions)
     x, y = _batches(cfg, B, T, 1)[0]
     if warmup:
         eng.train_step(x, y, lr=1e-4)                               # compile, fill the pool

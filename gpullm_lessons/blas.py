@@ -6,6 +6,8 @@
         fmt:  "fp32"  a, b float32, computed in fp32 (no TF32: the results match NumPy to ~1e-6)
               "fp16"  a, b float16 (or their uint16 bits), products accumulated in fp32, out float32
               "bf16"  a, b uint16 holding bfloat16 bits, products accumulated in fp32, out float32
+        out:  float32; in fp16 / bf16 also the half format itself (float16 or uint16 bits; bf16: uint16), so that
+              cuBLAS rounds the fp32 result to half on the way out (the accumulation stays fp32)
 
 Why one function around cublasGemmStridedBatchedEx instead of ``cupy.matmul``: CuPy's matmul returns the input
 dtype (a half product would be rounded to half), has no alpha/beta (the loss scale and the 1/sqrt(hs) of attention
@@ -35,14 +37,24 @@ def _to_f32(x, fmt, xp):
     return (x.astype(xp.uint32) << 16).view(xp.float32)          # bf16 bits -> the float32 with those top bits
 
 
+def _store_half(x, out, fmt):
+    """x float32 -> out (uint16 bits, or float16) rounded to nearest even, as the GPU's half output."""
+    from .precision import f32_to_bf16_bits
+    if fmt == "bf16":
+        out[...] = f32_to_bf16_bits(x)
+    else:
+        out[...] = x.astype(np.float16).view(out.dtype) if str(out.dtype) == "uint16" else x.astype(np.float16)
+
+
 def _check(a, b, out, trans_a, trans_b, fmt):
     if fmt not in FORMATS:
         raise ValueError(f"gemm: fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
     for name, x in (("a", a), ("b", b)):
         if str(x.dtype) not in _HALF_STORAGE[fmt]:
             raise TypeError(f"gemm: {name} is {x.dtype}; fmt={fmt!r} needs {' or '.join(_HALF_STORAGE[fmt])}")
-    if str(out.dtype) != "float32":
-        raise TypeError(f"gemm: out must be float32 (fp32 accumulation), got {out.dtype}")
+    if str(out.dtype) != "float32" and (fmt == "fp32" or str(out.dtype) not in _HALF_STORAGE[fmt]):
+        raise TypeError(f"gemm: out must be float32 (fp32 accumulation){'' if fmt == 'fp32' else ' or ' + ' / '.join(_HALF_STORAGE[fmt])}"
+                        f", got {out.dtype}")
     if not (a.ndim == b.ndim == out.ndim and a.ndim in (2, 3)):
         raise ValueError(f"gemm: a, b, out must all be 2-D or all 3-D (batched), got {a.shape}, {b.shape}, {out.shape}")
     for name, x in (("a", a), ("b", b), ("out", out)):
@@ -69,6 +81,11 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
         prod = np.matmul(af, bf)
         if alpha != 1.0:
             prod *= np.float32(alpha)
+        if str(out.dtype) != "float32":                  # a half output: fp32 result, then rounded to half
+            if beta != 0.0:
+                prod += np.float32(beta) * _to_f32(out, fmt, np)
+            _store_half(prod.astype(np.float32), out, fmt)
+            return out
         if beta == 0.0:
             out[...] = prod
         else:
@@ -86,10 +103,16 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
             raise ValueError(f"gemm: {name} is on GPU {x.device.id}, out on GPU {out.device.id}")
     if G == 0 or M == 0 or N == 0:
         return out
-    if K == 0:
-        out *= np.float32(beta)
+    if K == 0:                                           # an empty product: out = beta * out
+        if str(out.dtype) == "float32":
+            out *= np.float32(beta)
+        elif beta == 0.0:
+            out.fill(0)
+        else:
+            raise ValueError("gemm: K = 0 with beta != 0 and a half output is not supported")
         return out
     dtype = {"fp32": runtime.CUDA_R_32F, "fp16": runtime.CUDA_R_16F, "bf16": runtime.CUDA_R_16BF}[fmt]
+    out_type = runtime.CUDA_R_32F if str(out.dtype) == "float32" else dtype
     alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
     lda, ldb = a.shape[-1], b.shape[-1]                 # row length of the stored (row-major) arrays
     op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
@@ -100,14 +123,14 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
         # workspace of its own): call it directly on our own handle
         return _captured_gemm(stream, op[trans_b], op[trans_a], N, M, K, alpha_h, b, dtype, ldb,
                               (b.shape[-2] * b.shape[-1]) if b.ndim == 3 else 0, a, lda,
-                              (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0, beta_h, out, G)
+                              (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0, beta_h, out, G, out_type)
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), op[trans_b], op[trans_a], N, M, K,
         alpha_h.ctypes.data,
         b.data.ptr, dtype, ldb, (b.shape[-2] * b.shape[-1]) if b.ndim == 3 else 0,
         a.data.ptr, dtype, lda, (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0,
         beta_h.ctypes.data,
-        out.data.ptr, runtime.CUDA_R_32F, N, M * N,
+        out.data.ptr, out_type, N, M * N,
         G, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     return out
 
@@ -165,7 +188,8 @@ def prepare_capture():
     return _CAPTURE[dev]
 
 
-def _captured_gemm(stream, op_b, op_a, N, M, K, alpha_h, b, dtype, ldb, stride_b, a, lda, stride_a, beta_h, out, G):
+def _captured_gemm(stream, op_b, op_a, N, M, K, alpha_h, b, dtype, ldb, stride_b, a, lda, stride_a, beta_h, out, G,
+                   out_type):
     from cupy.cuda import runtime
     from cupy_backends.cuda.libs import cublas
     if cublas is None or runtime.is_hip:
@@ -174,7 +198,7 @@ def _captured_gemm(stream, op_b, op_a, N, M, K, alpha_h, b, dtype, ldb, stride_b
     lib.cublasSetStream_v2(handle, stream.ptr)
     status = lib.cublasGemmStridedBatchedEx(
         handle, op_b, op_a, N, M, K, alpha_h.ctypes.data, b.data.ptr, dtype, ldb, stride_b, a.data.ptr, dtype, lda,
-        stride_a, beta_h.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, N, M * N, G, cublas.CUBLAS_COMPUTE_32F,
+        stride_a, beta_h.ctypes.data, out.data.ptr, out_type, N, M * N, G, cublas.CUBLAS_COMPUTE_32F,
         cublas.CUBLAS_GEMM_DEFAULT)
     if status != 0:
         raise RuntimeError(f"blas: cublasGemmStridedBatchedEx failed with status {status} (during capture)")

@@ -338,16 +338,19 @@ class _TimedLaunchers:
 class GPUEngine(Engine):
     """The course's kernels (backend "hip" or "numba") composed into the GPT; see the module docstring."""
 
-    # the kernel version each op runs with (the fastest simulator-safe one for numba, the fastest for hip)
+    # the kernel version each op runs with (the fastest simulator-safe one for numba, the fastest for hip);
+    # "scores": the format of the attention scores and their gradient between cuBLAS and the softmax kernels in a
+    # half-precision run: "f32" (the default) or "half" (cuBLAS rounds them to half: half the bytes of the largest
+    # activation; not yet validated on a GPU, so not the default)
     DEFAULT_VERSIONS = {
         "hip": {"layernorm_forward": "v2", "layernorm_backward": "v5", "gelu": "v1", "crossentropy": "v2",
-                "encoder": "v2", "adamw": "v3", "convert": "v1"},
+                "encoder": "v2", "adamw": "v3", "convert": "v1", "scores": "f32"},
         "numba": {"layernorm_forward": "v2", "layernorm_backward": "v2", "gelu": "v1", "crossentropy": "v2",
-                  "encoder": "v2", "adamw": "v2", "convert": "v1"},
+                  "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "f32"},
         # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
         # one-thread-per-row versions are ~50x faster there than the block-per-row ones
         "numba-sim": {"layernorm_forward": "v1", "layernorm_backward": "v1", "gelu": "v1", "crossentropy": "v2",
-                      "encoder": "v2", "adamw": "v2", "convert": "v1"},
+                      "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "f32"},
     }
 
     def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs=False):
@@ -372,6 +375,8 @@ class GPUEngine(Engine):
             if unknown:
                 raise EngineError(f"versions: unknown op(s) {sorted(unknown)}; known: {sorted(self.ver)}")
             self.ver.update(versions)
+        if self.ver["scores"] not in ("f32", "half"):
+            raise EngineError(f"versions: scores must be 'f32' or 'half', got {self.ver['scores']!r}")
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
             self.ver["adamw"] = "v2"     # v3 reads float4: the buffer length must be a multiple of 4
         host = init_params(cfg, seed=seed, dtype=np.float32)
@@ -540,7 +545,8 @@ class GPUEngine(Engine):
         for i, dst in enumerate((q, k, v)):
             self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C:(i + 1) * C], half=half)
         del qkv
-        att = xp.empty((B * nh, T, T), xp.float32)
+        half_scores = half is not None and self.ver["scores"] == "half"
+        att = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
         self._gemm(q, k, att, trans_b=True)                                       # raw scores q @ k.T
         scale = 1.0 / math.sqrt(hs)
         if half is None:
@@ -604,7 +610,8 @@ class GPUEngine(Engine):
         del datty
         dv = xp.empty((B * nh, T, hs), xp.float32)
         self._gemm(c["att_mm"], dy, dv, trans_a=True)                             # dv = att.T @ dy
-        datt = xp.empty((B * nh, T, T), xp.float32)
+        half_scores = half is not None and self.ver["scores"] == "half"
+        datt = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
         self._gemm(dy, c["v"], datt, trans_b=True)                                # datt = dy @ v.T
         del dy
         scale = 1.0 / math.sqrt(hs)
@@ -859,7 +866,7 @@ class _StepGraph:
         return int(self.pool.total_bytes())
 
 
-def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none") -> dict:
+def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none", half_scores=False) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
     checkpointing.memory_model describes the NumPy reference's cache (every tensor in one precision); this function
@@ -869,7 +876,9 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     blocks (last block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working
     set of any phase of the step: the forward of a block (one temporary at a time), the head (logits + dlogits), the
     start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
-    recompute under "full" / "selective"). Returns the terms and "total" = model + activations + peak working set.
+    recompute under "full" / "selective"). half_scores: the engine's versions={"scores": "half"} (the attention
+    scores and their gradient in half; only in half precision). Returns the terms and "total" = model + activations +
+    peak working set.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"engine_memory: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -894,7 +903,8 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     # forward: one temporary at a time beside the growing cache: qkv before the head split, the fp32 scores
     # before the half softmax output (half runs), y before merge_heads, the block output; under selective the
     # matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on return)
-    fwd_block = max(3 * NC * f, TT * f * half, NC * f)
+    ts = e if (half and half_scores) else f                              # bytes of a score / its gradient
+    fwd_block = max(3 * NC * f, TT * ts * half, NC * f)
     if policy == "selective":
         fwd_block += rebuilt
     elif policy == "full":
@@ -907,8 +917,8 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
               2 * NC * f,                                                # dln2, dx1
               2 * NC * f + NC * h,                                       # attproj: dx1, dx1_mm, datty
               2 * NC * f + NC * e,                                       # dx1, datty, dy
-              2 * NC * f + NC * e + TT * f,                              # dx1, dy, dv, datt
-              2 * NC * f + TT * f + TT * h,                              # dx1, dv, datt, dpre (half)
+              2 * NC * f + NC * e + TT * ts,                             # dx1, dy, dv, datt
+              2 * NC * f + TT * ts + TT * h,                             # dx1, dv, datt, dpre (half)
               5 * NC * f + TT * e,                                       # dx1, dqkv, dv / part, dpre
               5 * NC * f + 3 * NC * h,                                   # qkv: dx1, dqkv, dqkv_mm, dln1
               3 * NC * f]                                                # dx1, dln1, dx0

@@ -67,6 +67,51 @@ def test_gemm_bf16_bits_multiply_the_rounded_values():
     assert not np.allclose(out, A @ Bm, rtol=1e-4, atol=0)         # the inputs really were rounded
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_gemm_half_output_is_the_rounded_fp32_product(fmt):
+    rng = np.random.default_rng(3)
+    A, Bm = rng.standard_normal((3, 6, 5), dtype=np.float32), rng.standard_normal((3, 5, 4), dtype=np.float32)
+    if fmt == "bf16":
+        a, b, half_of = f32_to_bf16_bits(A), f32_to_bf16_bits(Bm), f32_to_bf16_bits
+    else:
+        a, b = A.astype(np.float16), Bm.astype(np.float16)
+        half_of = lambda x: x.astype(np.float16).view(np.uint16)  # noqa: E731
+    f32 = np.empty((3, 6, 4), np.float32)
+    gemm(a, b, f32, fmt=fmt, alpha=0.25)
+    half = np.full((3, 6, 4), 0xFFFF, np.uint16)
+    gemm(a, b, half, fmt=fmt, alpha=0.25)
+    assert np.array_equal(half, half_of(f32))                      # fp32 accumulation, one rounding at the end
+    with pytest.raises(TypeError, match="out must be float32.*or uint16"):
+        gemm(f32_to_bf16_bits(A), f32_to_bf16_bits(Bm), np.empty((3, 6, 4), np.float16), fmt="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_gpu_gemm_half_output_is_the_rounded_fp32_product(fmt):
+    """cuBLAS with a half output (scores at GPT-2's attention shape): the fp32 product rounded once, up to its own
+    choice of algorithm for each output type (one half ulp on a few elements)."""
+    import cupy as cp
+    rng = np.random.default_rng(4)
+    q, k = rng.standard_normal((24, 256, 64), dtype=np.float32), rng.standard_normal((24, 256, 64), dtype=np.float32)
+    if fmt == "bf16":
+        a, b = cp.asarray(f32_to_bf16_bits(q)), cp.asarray(f32_to_bf16_bits(k))
+    else:
+        a, b = cp.asarray(q.astype(np.float16)), cp.asarray(k.astype(np.float16))
+    f32 = cp.empty((24, 256, 256), cp.float32)
+    half = cp.full((24, 256, 256), 0xFFFF, cp.uint16)
+    gemm(a, b, f32, trans_b=True, fmt=fmt)
+    gemm(a, b, half, trans_b=True, fmt=fmt)
+    f = cp.asnumpy(f32)
+    want = f32_to_bf16_bits(f) if fmt == "bf16" else f.astype(np.float16).view(np.uint16)
+    got = cp.asnumpy(half)
+
+    def ordered(bits):
+        mag = (bits & 0x7FFF).astype(np.int64)
+        return np.where(bits & 0x8000, -mag, mag)
+    steps = np.abs(ordered(got) - ordered(want))
+    assert steps.max() <= 1 and (steps > 0).mean() <= 1e-3
+
+
 def test_gemm_errors_name_the_problem():
     a, b = np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32)
     with pytest.raises(ValueError, match="do not chain"):
@@ -80,6 +125,16 @@ def test_gemm_errors_name_the_problem():
 
 
 # ---- build errors ------------------------------------------------------------------------------------------------
+def test_engine_memory_counts_half_scores():
+    long_rows = GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=8, d_model=64)   # the scores dominate
+    f32 = engine.engine_memory(long_rows, 8, 256, "bf16", "none")
+    half = engine.engine_memory(long_rows, 8, 256, "bf16", "none", half_scores=True)
+    TT = 8 * 8 * 256 * 256
+    assert f32["working_set"] - half["working_set"] == 2 * TT and half["activations"] == f32["activations"]
+    assert engine.engine_memory(long_rows, 8, 256, "fp32", "none", half_scores=True) == engine.engine_memory(
+        long_rows, 8, 256, "fp32", "none")                        # fp32 runs keep fp32 scores
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -91,6 +146,8 @@ def test_build_errors_name_the_problem():
         engine.build(TOY, "numpy", precision="bf16")
     with pytest.raises(TypeError, match="GPTConfig"):
         engine.build({"n_layer": 1}, "numpy")
+    with pytest.raises(engine.EngineError, match="scores must be 'f32' or 'half'"):
+        engine.build(TOY, "numba", versions={"scores": "fp8"})
 
 
 @pytest.mark.skipif(device.has_gpu(), reason="this machine has a GPU")
@@ -154,12 +211,14 @@ def test_checkpointing_policies_give_bitwise_equal_gradients(toy_reference, poli
     assert all(np.array_equal(g[k], g_none[k]) for k in g)
 
 
-@pytest.mark.parametrize("precision, tol", [("bf16", 3e-2), ("fp16", 5e-3)])
-def test_half_precision_gradients_are_close_but_rounded(toy_reference, precision, tol):
-    """Half inputs to every matmul: gradients within `tol` (relative to each tensor's largest value) of fp32,
-    and not equal to them (the rounding really happens)."""
+@pytest.mark.parametrize("precision, tol, scores", [("bf16", 3e-2, "f32"), ("fp16", 5e-3, "f32"),
+                                                    ("bf16", 3e-2, "half"), ("fp16", 5e-3, "half")])
+def test_half_precision_gradients_are_close_but_rounded(toy_reference, precision, tol, scores):
+    """Half inputs to every matmul (and, with scores="half", the attention scores and their gradient in half too):
+    gradients within `tol` (relative to each tensor's largest value) of fp32, and not equal to them (the rounding
+    really happens)."""
     x, y, loss_ref, g_ref = toy_reference
-    loss, g = grads_of(engine.build(TOY, "numba", precision=precision), x, y)
+    loss, g = grads_of(engine.build(TOY, "numba", precision=precision, versions={"scores": scores}), x, y)
     assert abs(loss - loss_ref) < 1e-3 * loss_ref
     err = max_rel(g, g_ref)
     assert 1e-6 < err < tol
@@ -219,8 +278,9 @@ def test_gpu_fp32_first_10_steps_match_the_reference(backend, gpu_batches, gpu_r
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hip", "numba"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_gpu_half_precision_tracks_fp32(backend, precision, gpu_batches, gpu_reference):
-    eng = engine.build(SMALL, backend, precision=precision)
+@pytest.mark.parametrize("scores", ["f32", "half"])
+def test_gpu_half_precision_tracks_fp32(backend, precision, scores, gpu_batches, gpu_reference):
+    eng = engine.build(SMALL, backend, precision=precision, versions={"scores": scores})
     losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
     rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
     assert rel.max() < 2e-2, rel

@@ -432,3 +432,210 @@ def test_causal_softmax_f32_on_gpu(G, T):
         np.testing.assert_allclose(cp.asnumpy(buf), dpre_ref, rtol=1e-4, atol=1e-5, err_msg=name)
         del att, buf
         cp.get_default_memory_pool().free_all_blocks()
+
+
+# ---- half inputs: pre (forward) and datt (backward) as half bits, half in -> half out of the same format ------------
+HALF_IN_SIZES = [(3, 5), (2, 33), (4, 1)]             # (B*nh, T): T not a multiple of 32, and T = 1
+
+
+def _half_pre(rng, G, T, half):
+    """Raw scores as half bits, and the float64 values they hold (the reference's input)."""
+    pre, mask = _causal_rows(rng, G, T)
+    bits = _to_half(pre, half)
+    return bits, _from_half(bits, half).astype(np.float64), mask
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("G, T", HALF_IN_SIZES)
+def test_causal_softmax_forward_half_in(half, G, T):
+    rng = np.random.default_rng()
+    bits, pre64, mask = _half_pre(rng, G, T, half)
+    scale = 0.37
+    ref = _reference_softmax(pre64, mask, scale)           # from the half values, in float64
+    for name, K, dev, host in _half_launchers():
+        out = dev(np.full(bits.shape, POISON16, np.uint16))
+        K.attention_softmax_forward(dev(bits), None, scale, att_half=out, half=half)
+        got = host(out)
+        _assert_half_within_one_ulp(got, ref, half, err_msg=f"{name} {half} half in")
+        assert (got[~mask] == 0).all(), f"{name}: masked entries must be +0 bits"
+        # the same as the float32-in kernel on the converted values (the same fp32 arithmetic, one rounding)
+        f32_in = dev(np.full(bits.shape, POISON16, np.uint16))
+        K.attention_softmax_forward(dev(pre64.astype(np.float32)), None, scale, att_half=f32_in, half=half)
+        if device.has_gpu():   # compiled kernels: allow the odd rounding-boundary case
+            _within_one_ulp_mostly(got, host(f32_in), f"{name}: half in vs float32 in")
+        else:
+            np.testing.assert_array_equal(got, host(f32_in), err_msg=f"{name}: half in differs from float32 in")
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_causal_softmax_forward_half_in_in_place(half):
+    """att_half = pre (the same half buffer, through two reshaped views as the engine passes it)."""
+    rng = np.random.default_rng()
+    bits, pre64, mask = _half_pre(rng, 3, 9, half)
+    ref = _reference_softmax(pre64, mask, 0.5)
+    for name, K, dev, host in _half_launchers():
+        apart = dev(np.full(bits.shape, POISON16, np.uint16))
+        K.attention_softmax_forward(dev(bits), None, 0.5, att_half=apart, half=half)
+        buf = dev(bits.reshape(3, 9, 9))
+        K.attention_softmax_forward(buf.reshape(-1, 9), None, 0.5, att_half=buf.reshape(-1, 9), half=half)
+        np.testing.assert_array_equal(host(buf).reshape(-1, 9), host(apart), err_msg=name)
+        _assert_half_within_one_ulp(host(buf).reshape(-1, 9), ref, half, err_msg=f"{name} {half} in place")
+
+
+def _half_backward_inputs(rng, G, T, half, scale):
+    """att and datt as half bits, and the float64 reference dpre (with its slack) from the half values."""
+    pre, mask = _causal_rows(rng, G, T)
+    att_bits = _to_half(_reference_softmax(pre, mask, scale).astype(np.float32), half)
+    datt_bits = _to_half(rng.standard_normal(pre.shape, dtype=np.float32), half)
+    ref, slack = _reference_backward(_from_half(att_bits, half).astype(np.float64),
+                                     _from_half(datt_bits, half).astype(np.float64), scale)
+    return att_bits, datt_bits, ref, slack, mask
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("G, T", HALF_IN_SIZES)
+def test_causal_softmax_backward_half_datt(half, G, T):
+    rng = np.random.default_rng()
+    scale = 0.37
+    att_bits, datt_bits, ref, slack, mask = _half_backward_inputs(rng, G, T, half, scale)
+    for name, K, dev, host in _half_launchers():
+        out = dev(np.full(att_bits.shape, POISON16, np.uint16))
+        K.attention_softmax_backward(dev(att_bits), dev(datt_bits), out, scale, half=half)
+        got = host(out)
+        _assert_half_within_one_ulp(got, ref, half, err_msg=f"{name} {half} half datt", slack=slack)
+        assert (got[~mask] == 0).all(), f"{name}: masked entries must be +0 bits"
+        # the same as the float32-datt kernel on the converted values
+        f32_in = dev(np.full(att_bits.shape, POISON16, np.uint16))
+        K.attention_softmax_backward(dev(att_bits), dev(_from_half(datt_bits, half)), f32_in, scale, half=half)
+        if device.has_gpu():
+            _within_one_ulp_mostly(got, host(f32_in), f"{name}: half datt vs float32 datt", half, slack)
+        else:
+            np.testing.assert_array_equal(got, host(f32_in), err_msg=f"{name}: half datt differs from float32 datt")
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_causal_softmax_backward_half_datt_in_place(half):
+    """dpre = datt, both half bits (the same buffer, two reshaped views): the same bits as a separate dpre."""
+    rng = np.random.default_rng()
+    att_bits, datt_bits, ref, slack, _ = _half_backward_inputs(rng, 2, 9, half, 0.5)
+    for name, K, dev, host in _half_launchers():
+        apart = dev(np.full(att_bits.shape, POISON16, np.uint16))
+        K.attention_softmax_backward(dev(att_bits), dev(datt_bits), apart, 0.5, half=half)
+        buf = dev(datt_bits.reshape(2, 9, 9))
+        K.attention_softmax_backward(dev(att_bits), buf.reshape(-1, 9), buf.reshape(-1, 9), 0.5, half=half)
+        np.testing.assert_array_equal(host(buf).reshape(-1, 9), host(apart), err_msg=name)
+        _assert_half_within_one_ulp(host(apart), ref, half, err_msg=f"{name} {half} in place", slack=slack)
+
+
+_SHARED = np.zeros((7, 3), np.uint16)                 # two (6, 3) views one row apart: a partial overlap
+BAD_HALF_IN_FORWARD = [
+    (dict(pre=_H, att=None, att_half=_H), TypeError, "pre is uint16 .half bits. but half= is not given"),
+    (dict(pre=_H, att=_F, att_half=_H, half="bf16"), TypeError,
+     "pre must be float32, got uint16: half-bit pre .half in, half out. needs att=None"),
+    (dict(pre=_H, att=None, att_half=_F, half="fp16"), TypeError, "att_half must be uint16 .half bits"),
+    (dict(pre=_H, att=None, att_half=_H, half="bf8"), ValueError, "half='bf8' is not a half format"),
+    (dict(pre=_SHARED[:6], att=None, att_half=_SHARED[1:], half="bf16"), ValueError,
+     "att_half overlaps pre but is not the same array"),
+]
+BAD_HALF_IN_BACKWARD = [
+    (dict(att=_H, datt=_H, dpre=_H), TypeError, "att is uint16 .half bits. but half= is not given"),
+    (dict(att=_F, datt=_H, dpre=_F), TypeError, "datt is uint16 .half bits. but half= is not given"),
+    (dict(att=_F, datt=_H, dpre=_H, half="bf16"), TypeError,
+     "datt must be float32, got uint16: half-bit datt needs att and dpre .* but att is float32"),
+    (dict(att=_H, datt=_H, dpre=_F, half="fp16"), TypeError,
+     "datt must be float32, got uint16: .* but dpre is float32"),
+    (dict(att=_F, datt=_H, dpre=_F, half="fp16"), TypeError,
+     "datt must be float32, got uint16: .* but att and dpre are float32"),
+    (dict(att=_H, datt=_SHARED[:6], dpre=_SHARED[1:], half="fp16"), ValueError,
+     "dpre overlaps datt but is not the same array"),
+    (dict(att=_H, datt=_H, dpre=np.zeros((6, 4), np.uint16), half="bf16"), ValueError,
+     r"dpre is \(6, 4\) but att is \(6, 3\)"),
+]
+
+
+@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("kw, err, match", BAD_HALF_IN_FORWARD,
+                         ids=[f"fwd{i}" for i in range(len(BAD_HALF_IN_FORWARD))])
+def test_causal_softmax_forward_bad_half_in_arguments_are_named(module, kw, err, match):
+    with pytest.raises(err, match=f"attention_softmax_forward: {match}"):
+        module.attention_softmax_forward(scale=1.0, **kw)
+
+
+@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("kw, err, match", BAD_HALF_IN_BACKWARD,
+                         ids=[f"bwd{i}" for i in range(len(BAD_HALF_IN_BACKWARD))])
+def test_causal_softmax_backward_bad_half_in_arguments_are_named(module, kw, err, match):
+    with pytest.raises(err, match=f"attention_softmax_backward: {match}"):
+        module.attention_softmax_backward(scale=1.0, **kw)
+
+
+def test_in_place_check_tells_apart_same_overlapping_and_separate_buffers():
+    buf = np.zeros((4, 4, 4), np.uint16)
+    nb_attention.check_in_place("f", "dpre", buf.reshape(-1, 4), "datt", buf.reshape(-1, 4))      # the same: fine
+    nb_attention.check_in_place("f", "dpre", buf[:2].reshape(-1, 4), "datt", buf[2:].reshape(-1, 4))  # apart
+    with pytest.raises(ValueError, match="f: dpre overlaps datt"):
+        nb_attention.check_in_place("f", "dpre", buf.reshape(-1, 4)[1:9], "datt", buf.reshape(-1, 4)[0:8])
+
+
+def _within_one_ulp_mostly(a, b, err_msg, half=None, slack=None):
+    """Two kernels' half bits: at most 1 ulp apart, and apart at all on at most 0.1% of the elements (fp32 sums added
+    in different orders may round the other way next to a rounding boundary). With `slack` (the backward's bound on
+    the fp32 error of each kernel, float64) an element may be further apart where the cancellation in datt - dot
+    explains it: |a - b| <= 2 * slack + 1 ulp."""
+    diff = _ulps(a, b)
+    far = diff > 1
+    if slack is not None and far.any():
+        fa, fb = (_from_half(x, half).astype(np.float64) for x in (a, b))
+        one_ulp = np.abs(_from_half(b ^ np.uint16(1), half).astype(np.float64) - fb)
+        far &= ~(np.abs(fa - fb) <= 2 * slack + one_ulp)
+    assert not far.any() and (diff > 0).mean() <= 1e-3, (
+        f"{err_msg}: {int(far.sum())} elements more than 1 ulp apart, {int((diff > 0).sum())} of {diff.size} differ")
+
+
+GPU_HALF_IN_SIZES = GPU_SIZES + [(2, 2100)]            # T = 2100 > 32 * warpSize: HIP's block-per-row fallback
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("G, T", GPU_HALF_IN_SIZES, ids=["256", "1024", "2100"])
+def test_causal_softmax_half_in_on_gpu(half, G, T):
+    cp, backends = _gpu_backends()
+    rng = np.random.default_rng()
+    scale = 1 / 8
+    bits, pre64, mask = _half_pre(rng, G, T, half)
+    ref = _reference_softmax(pre64, mask, scale)
+    att_bits, datt_bits, dref, slack, _ = _half_backward_inputs(rng, G, T, half, scale)
+    d_bits, d_att, d_datt = cp.asarray(bits), cp.asarray(att_bits), cp.asarray(datt_bits)
+    fwd, bwd = {}, {}
+    for name, K in backends:
+        # forward: half in -> half out, against the reference and against the float32-in kernel on the same values
+        out = cp.full(bits.shape, POISON16, cp.uint16)
+        K.attention_softmax_forward(d_bits, None, scale, att_half=out, half=half)
+        fwd[name] = cp.asnumpy(out)
+        _assert_half_within_one_ulp(fwd[name], ref, half, err_msg=f"{name} {half} forward, half in")
+        assert (fwd[name][~mask] == 0).all(), f"{name}: masked entries must be +0 bits"
+        out.fill(POISON16)
+        K.attention_softmax_forward(cp.asarray(pre64.astype(np.float32)), None, scale, att_half=out, half=half)
+        _within_one_ulp_mostly(fwd[name], cp.asnumpy(out), f"{name} {half} forward: half in vs float32 in")
+        # in place: att_half = pre
+        buf = d_bits.copy()
+        K.attention_softmax_forward(buf, None, scale, att_half=buf, half=half)
+        np.testing.assert_array_equal(cp.asnumpy(buf), fwd[name], err_msg=f"{name} forward in place")
+        del out, buf
+        # backward: half att, half datt -> half dpre; then dpre = datt in place
+        out = cp.full(att_bits.shape, POISON16, cp.uint16)
+        K.attention_softmax_backward(d_att, d_datt, out, scale, half=half)
+        bwd[name] = cp.asnumpy(out)
+        _assert_half_within_one_ulp(bwd[name], dref, half, err_msg=f"{name} {half} backward, half datt", slack=slack)
+        out.fill(POISON16)
+        K.attention_softmax_backward(d_att, cp.asarray(_from_half(datt_bits, half)), out, scale, half=half)
+        _within_one_ulp_mostly(bwd[name], cp.asnumpy(out), f"{name} {half} backward: half datt vs float32 datt",
+                               half, slack)
+        buf = d_datt.copy()
+        K.attention_softmax_backward(d_att, buf, buf, scale, half=half)
+        np.testing.assert_array_equal(cp.asnumpy(buf), bwd[name], err_msg=f"{name} backward in place")
+        del out, buf
+        cp.get_default_memory_pool().free_all_blocks()
+    if len(fwd) == 2:                                  # HIP (warp or block per row) vs Numba (thread per row)
+        _within_one_ulp_mostly(fwd["hip"], fwd["numba"], f"{half} forward: hip vs numba")
+        _within_one_ulp_mostly(bwd["hip"], bwd["numba"], f"{half} backward: hip vs numba", half, slack)

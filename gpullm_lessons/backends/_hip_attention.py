@@ -11,6 +11,10 @@ attention_dpre_<att format>_<dpre format>). Same signatures and checks as the Nu
 When T <= 32 * warp size the launchers run the warp-per-row entry points (attention_softmax_fwd_w{K}_<out>,
 attention_dpre_w{K}_<att>_<dpre>): one warp per row, the row in registers, no barrier; the block-per-row kernels
 serve longer rows and the two-output / mixed-format calls.
+Half inputs (half in, half out, one format): pre as half bits with att=None and att_half= runs
+attention_softmax_fwd_w{K}_<bf16|f16>_in (block per row: attention_softmax_fwd_<bf16|f16>_in); datt as half bits with
+att and dpre half bits of the same format runs attention_dpre_w{K}_<fmt>_<fmt>_<fmt> (block per row:
+attention_dpre_<fmt>_<fmt>_<fmt>; the three formats are att, datt, dpre). Every sum fp32.
 """
 import math
 
@@ -96,14 +100,24 @@ def attention_softmax_forward(pre, att, scale, att_half=None, half=None, threads
     """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place).
 
     att_half: None, or uint16 (rows, T): the same probabilities rounded to half bits of format half ("bf16" |
-    "fp16"). att may be None when att_half is given (then only the half bits are written)."""
+    "fp16"). att may be None when att_half is given (then only the half bits are written).
+    pre may be uint16 half bits of format half when att is None (half in, half out; att_half may be pre)."""
     fn = "attention_softmax_forward"
-    rows, T, hf = check_softmax_forward_args(fn, pre, att, att_half, half)
+    rows, T, hf, pf = check_softmax_forward_args(fn, pre, att, att_half, half)
     given = [(n, a) for n, a in (("pre", pre), ("att", att), ("att_half", att_half)) if a is not None]
     _check_cupy(fn, given)
     if not rows:
         return
     K = _warp_k(pre, T)
+    if pf != FMT_F32:                              # half in, half out (att None)
+        if K:
+            grid, block = _warp_grid(pre, rows)
+            hip.kernel("attention", f"attention_softmax_fwd_w{K}_{_fmt(pf)}_in")(
+                grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale)))
+        else:
+            hip.kernel("attention", f"attention_softmax_fwd_{_fmt(pf)}_in")(
+                (rows,), (min(threads, max(32, T)),), (pre, att_half, np.int32(T), np.float32(scale)))
+        return
     if K and (att is None or hf == FMT_F32):       # one warp per row (the engine's calls: one output)
         out = att if hf == FMT_F32 else att_half
         grid, block = _warp_grid(pre, rows)
@@ -123,14 +137,25 @@ def attention_softmax_backward(att, datt, dpre, scale, half=None, threads=256):
     """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T.
 
     att and dpre: float32, or uint16 half bits of format half ("bf16" | "fp16"), converted in registers; datt is
-    float32; dpre may be datt (in place) when both are float32."""
+    float32, or half bits too when att and dpre are (all one format); dpre may be datt (in place) when both are float32
+    or both half bits (the same array)."""
     fn = "attention_softmax_backward"
-    rows, T, af, of = check_softmax_backward_args(fn, att, datt, dpre, half)
+    rows, T, af, of, df = check_softmax_backward_args(fn, att, datt, dpre, half)
     triples = (("att", att), ("datt", datt), ("dpre", dpre))
     _check_cupy(fn, triples)
     if not rows:
         return
     K = _warp_k(att, T)
+    if df != FMT_F32:                              # att, datt, dpre: half bits of one format
+        f = _fmt(df)
+        if K:
+            grid, block = _warp_grid(att, rows)
+            hip.kernel("attention", f"attention_dpre_w{K}_{f}_{f}_{f}")(
+                grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))
+        else:
+            hip.kernel("attention", f"attention_dpre_{f}_{f}_{f}")(
+                (rows,), (min(threads, max(32, T)),), (att, datt, dpre, np.int32(T), np.float32(scale)))
+        return
     if K and af == of:                             # one warp per row (f32 -> f32, half -> the same half)
         grid, block = _warp_grid(att, rows)
         hip.kernel("attention", f"attention_dpre_w{K}_{_fmt(af)}_{_fmt(of)}")(

@@ -5,6 +5,9 @@
 // fp16 as uint16 bits, converted in registers (rounding by half.h's f32_to_bf16_bits / f32_to_f16_bits, exactly as
 // convert.cu); every sum stays fp32. Each format pair is its own extern "C" entry point, instantiated from one
 // template whose format arguments are compile-time constants (the f32 entry points keep their names and arguments).
+// Half inputs too: the raw scores pre (forward) and datt (backward) may be half bits of the output's format (half in,
+// half out: attention_softmax_fwd[_w{K}]_<bf16|f16>_in, attention_dpre[_w{K}]_<fmt>_<fmt>_<fmt>), read through
+// load_f32 (exact) and summed in fp32.
 #include "portable.h"
 #include "half.h"
 
@@ -46,19 +49,20 @@ extern "C" __global__ void attention_datt_v1(const float* __restrict__ dout, con
 // Step 2 (v1 and cublas): causal softmax backward with the scale folded in. One block per (b, h, t) row:
 // dpre[s] = scale * att[s] * (datt[s] - sum_{s'<=t} att[s'] datt[s']) for s <= t, else 0.
 // The row sum is a block reduction: warp shuffles, then one shared slot per warp (sized for 32-lane warps).
-// AF / OF: the formats of att / dpre (float, or half bits of format FMT_BF16 / FMT_F16, read and written through
-// load_f32 / store_f32); datt is always float32 and every sum is fp32. dpre may be datt (in place) when both are f32.
-template <int AF, int OF, typename TA, typename TO>
-__device__ __forceinline__ void dpre_row(const TA* __restrict__ att, const float* __restrict__ datt,
+// AF / OF / DF: the formats of att / dpre / datt (float, or half bits of format FMT_BF16 / FMT_F16, read and written
+// through load_f32 / store_f32); every sum is fp32. dpre may be datt (in place) when both are the same format: each
+// thread reads its own columns of datt before it writes the same columns of dpre.
+template <int AF, int OF, int DF, typename TA, typename TD, typename TO>
+__device__ __forceinline__ void dpre_row(const TA* __restrict__ att, const TD* __restrict__ datt,
                                          TO* __restrict__ dpre, int T, float scale) {
     __shared__ float partial[MAX_WARPS_PER_BLOCK];
     long long row = blockIdx.x;
     int t = (int)(row % T);
     const TA* a = att + row * T;
-    const float* da = datt + row * T;
+    const TD* da = datt + row * T;
     TO* out = dpre + row * T;
     float v = 0.0f;
-    for (int s = threadIdx.x; s <= t; s += blockDim.x) v += load_f32<AF>(a[s]) * da[s];
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) v += load_f32<AF>(a[s]) * load_f32<DF>(da[s]);
     v = warp_sum(v);
     int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
     if (lane == 0) partial[warp] = v;
@@ -67,12 +71,12 @@ __device__ __forceinline__ void dpre_row(const TA* __restrict__ att, const float
     float dot = 0.0f;
     for (int w = 0; w < n_warps; w++) dot += partial[w];
     for (int s = threadIdx.x; s < T; s += blockDim.x)
-        store_f32<OF>(out + s, s <= t ? scale * load_f32<AF>(a[s]) * (da[s] - dot) : 0.0f);
+        store_f32<OF>(out + s, s <= t ? scale * load_f32<AF>(a[s]) * (load_f32<DF>(da[s]) - dot) : 0.0f);
 }
 
 extern "C" __global__ void attention_dpre(const float* __restrict__ att, const float* __restrict__ datt,
                                          float* __restrict__ dpre, int T, float scale) {
-    dpre_row<FMT_F32, FMT_F32>(att, datt, dpre, T, scale);
+    dpre_row<FMT_F32, FMT_F32, FMT_F32>(att, datt, dpre, T, scale);
 }
 
 // v1, steps 3-5: one thread per element of dqkv (B, T, 3C): dq, dk, dv by loops over the unmasked range.
@@ -104,18 +108,19 @@ extern "C" __global__ void attention_dqkv_v1(const float* __restrict__ dout, con
 // block is query position t = row % T. Each thread reads and writes only its own columns, so att may be pre
 // (in place). Two block reductions (max, then sum): warp shuffles, then one shared slot per warp.
 // F32: write the float32 att; HF: also (or only, F32 = 0) write att_h, the same float32 values rounded to half bits
-// of format HF (FMT_BF16 / FMT_F16; FMT_F32 = no half output).
-template <int F32, int HF>
-__device__ __forceinline__ void softmax_fwd_row(const float* __restrict__ pre, float* __restrict__ att,
+// of format HF (FMT_BF16 / FMT_F16; FMT_F32 = no half output). IF: the format of pre (FMT_F32: float; FMT_BF16 /
+// FMT_F16: half bits, TI = unsigned short, read through load_f32; att_h may then be pre, in place).
+template <int F32, int HF, int IF, typename TI>
+__device__ __forceinline__ void softmax_fwd_row(const TI* __restrict__ pre, float* __restrict__ att,
                                                 unsigned short* __restrict__ att_h, int T, float scale) {
     __shared__ float partial[MAX_WARPS_PER_BLOCK];
     long long row = blockIdx.x;
     int t = (int)(row % T);
-    const float* p = pre + row * T;
+    const TI* p = pre + row * T;
     int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize;
     int n_warps = (blockDim.x + warpSize - 1) / warpSize;
     float mx = -3.402823466e38f;             // the lowest float (t >= 0: every row has at least s = 0)
-    for (int s = threadIdx.x; s <= t; s += blockDim.x) mx = fmaxf(mx, scale * p[s]);
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) mx = fmaxf(mx, scale * load_f32<IF>(p[s]));
     mx = warp_max(mx);
     if (lane == 0) partial[warp] = mx;
     __syncthreads();
@@ -123,7 +128,7 @@ __device__ __forceinline__ void softmax_fwd_row(const float* __restrict__ pre, f
     for (int w = 1; w < n_warps; w++) mx = fmaxf(mx, partial[w]);
     __syncthreads();                          // everyone has read the maxima before the slots are reused
     float sum = 0.0f;
-    for (int s = threadIdx.x; s <= t; s += blockDim.x) sum += expf(scale * p[s] - mx);
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) sum += expf(scale * load_f32<IF>(p[s]) - mx);
     sum = warp_sum(sum);
     if (lane == 0) partial[warp] = sum;
     __syncthreads();
@@ -131,7 +136,7 @@ __device__ __forceinline__ void softmax_fwd_row(const float* __restrict__ pre, f
     for (int w = 0; w < n_warps; w++) sum += partial[w];
     float inv = 1.0f / sum;
     for (int s = threadIdx.x; s < T; s += blockDim.x) {
-        float v = s <= t ? expf(scale * p[s] - mx) * inv : 0.0f;
+        float v = s <= t ? expf(scale * load_f32<IF>(p[s]) - mx) * inv : 0.0f;
         if (F32) att[row * T + s] = v;
         if (HF != FMT_F32) store_f32<HF>(att_h + row * T + s, v);
     }
@@ -139,34 +144,44 @@ __device__ __forceinline__ void softmax_fwd_row(const float* __restrict__ pre, f
 
 extern "C" __global__ void attention_softmax_fwd(const float* __restrict__ pre, float* __restrict__ att,
                                                 int T, float scale) {
-    softmax_fwd_row<1, FMT_F32>(pre, att, nullptr, T, scale);
+    softmax_fwd_row<1, FMT_F32, FMT_F32>(pre, att, nullptr, T, scale);
 }
 
 // ---- half-precision entry points of the two softmax kernels (the same templates, one name per format pair) --------
 // Forward, half only: pre float32 (rows, T) -> att_h half bits (rows, T).
 extern "C" __global__ void attention_softmax_fwd_bf16(const float* __restrict__ pre,
                                                      unsigned short* __restrict__ att_h, int T, float scale) {
-    softmax_fwd_row<0, FMT_BF16>(pre, nullptr, att_h, T, scale);
+    softmax_fwd_row<0, FMT_BF16, FMT_F32>(pre, nullptr, att_h, T, scale);
 }
 extern "C" __global__ void attention_softmax_fwd_f16(const float* __restrict__ pre,
                                                     unsigned short* __restrict__ att_h, int T, float scale) {
-    softmax_fwd_row<0, FMT_F16>(pre, nullptr, att_h, T, scale);
+    softmax_fwd_row<0, FMT_F16, FMT_F32>(pre, nullptr, att_h, T, scale);
 }
 // Forward, both: att float32 (may be pre) and att_h, its values rounded to half bits.
 extern "C" __global__ void attention_softmax_fwd_f32_bf16(const float* __restrict__ pre, float* __restrict__ att,
                                                          unsigned short* __restrict__ att_h, int T, float scale) {
-    softmax_fwd_row<1, FMT_BF16>(pre, att, att_h, T, scale);
+    softmax_fwd_row<1, FMT_BF16, FMT_F32>(pre, att, att_h, T, scale);
 }
 extern "C" __global__ void attention_softmax_fwd_f32_f16(const float* __restrict__ pre, float* __restrict__ att,
                                                         unsigned short* __restrict__ att_h, int T, float scale) {
-    softmax_fwd_row<1, FMT_F16>(pre, att, att_h, T, scale);
+    softmax_fwd_row<1, FMT_F16, FMT_F32>(pre, att, att_h, T, scale);
+}
+
+// Forward, half in, half out (the same format): pre half bits (rows, T) -> att_h half bits; att_h may be pre.
+extern "C" __global__ void attention_softmax_fwd_bf16_in(const unsigned short* __restrict__ pre,
+                                                        unsigned short* __restrict__ att_h, int T, float scale) {
+    softmax_fwd_row<0, FMT_BF16, FMT_BF16>(pre, nullptr, att_h, T, scale);
+}
+extern "C" __global__ void attention_softmax_fwd_f16_in(const unsigned short* __restrict__ pre,
+                                                       unsigned short* __restrict__ att_h, int T, float scale) {
+    softmax_fwd_row<0, FMT_F16, FMT_F16>(pre, nullptr, att_h, T, scale);
 }
 
 // Backward: attention_dpre_<att format>_<dpre format>; datt is float32 in all of them.
 #define ATTENTION_DPRE(NAME, AF, TA, OF, TO)                                                                     \
-    extern "C" __global__ void NAME(const TA* __restrict__ att, const float* __restrict__ datt,                  \
-                                    TO* __restrict__ dpre, int T, float scale) {                                 \
-        dpre_row<AF, OF>(att, datt, dpre, T, scale);                                                             \
+    extern "C" __global__ void NAME(const TA* __restrict__ att, const float* __restrict__ datt,                      \
+                                    TO* __restrict__ dpre, int T, float scale) {                                     \
+        dpre_row<AF, OF, FMT_F32>(att, datt, dpre, T, scale);                                                        \
     }
 ATTENTION_DPRE(attention_dpre_bf16_f32, FMT_BF16, unsigned short, FMT_F32, float)
 ATTENTION_DPRE(attention_dpre_f16_f32, FMT_F16, unsigned short, FMT_F32, float)
@@ -174,6 +189,17 @@ ATTENTION_DPRE(attention_dpre_f32_bf16, FMT_F32, float, FMT_BF16, unsigned short
 ATTENTION_DPRE(attention_dpre_f32_f16, FMT_F32, float, FMT_F16, unsigned short)
 ATTENTION_DPRE(attention_dpre_bf16_bf16, FMT_BF16, unsigned short, FMT_BF16, unsigned short)
 ATTENTION_DPRE(attention_dpre_f16_f16, FMT_F16, unsigned short, FMT_F16, unsigned short)
+// Backward, all half (att, datt, dpre of one format): attention_dpre_<att>_<datt>_<dpre>; dpre may be datt (in place).
+extern "C" __global__ void attention_dpre_bf16_bf16_bf16(const unsigned short* __restrict__ att,
+                                                         const unsigned short* __restrict__ datt,
+                                                         unsigned short* __restrict__ dpre, int T, float scale) {
+    dpre_row<FMT_BF16, FMT_BF16, FMT_BF16>(att, datt, dpre, T, scale);
+}
+extern "C" __global__ void attention_dpre_f16_f16_f16(const unsigned short* __restrict__ att,
+                                                      const unsigned short* __restrict__ datt,
+                                                      unsigned short* __restrict__ dpre, int T, float scale) {
+    dpre_row<FMT_F16, FMT_F16, FMT_F16>(att, datt, dpre, T, scale);
+}
 
 // ---- warp-per-row versions (the launchers' choice when T <= 32 * warpSize) ------------------------------------------
 // The block-per-row kernels above spend a block (two or three barriers, three passes over the row) on a row of a few
@@ -181,21 +207,22 @@ ATTENTION_DPRE(attention_dpre_f16_f16, FMT_F16, unsigned short, FMT_F16, unsigne
 // row and keeps it in registers: lane l holds elements s = l + j * warpSize, j < K (K = T / warpSize rounded up to a
 // compile-time bucket), loaded once (only s <= t: the causal half, about half the row on average), reduced with
 // shuffles only (no shared memory, no barrier), and written once (zeros for s > t). Blocks hold several rows.
-template <int K, int F32, int HF>
-__device__ __forceinline__ void softmax_fwd_warp(const float* __restrict__ pre, float* __restrict__ att,
+// IF / TI: the format of pre, as in softmax_fwd_row (float, or half bits read through load_f32).
+template <int K, int F32, int HF, int IF, typename TI>
+__device__ __forceinline__ void softmax_fwd_warp(const TI* __restrict__ pre, float* __restrict__ att,
                                                  unsigned short* __restrict__ att_h, long long rows, int T,
                                                  float scale) {
     int lane = threadIdx.x % warpSize;
     long long row = (long long)blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize;
     if (row >= rows) return;                                  // whole warps leave together
     int t = (int)(row % T);
-    const float* p = pre + row * T;
+    const TI* p = pre + row * T;
     float v[K];
     float mx = -3.402823466e38f;
 #pragma unroll
     for (int j = 0; j < K; j++) {
         int s = lane + j * warpSize;
-        v[j] = s <= t ? scale * p[s] : -3.402823466e38f;
+        v[j] = s <= t ? scale * load_f32<IF>(p[s]) : -3.402823466e38f;
         mx = fmaxf(mx, v[j]);
     }
     mx = warp_max(mx);
@@ -218,22 +245,23 @@ __device__ __forceinline__ void softmax_fwd_warp(const float* __restrict__ pre, 
     }
 }
 
-template <int K, int AF, int OF, typename TA, typename TO>
-__device__ __forceinline__ void dpre_warp(const TA* __restrict__ att, const float* __restrict__ datt,
+// DF / TD: the format of datt (float, or half bits of the same format as att and dpre).
+template <int K, int AF, int OF, int DF, typename TA, typename TD, typename TO>
+__device__ __forceinline__ void dpre_warp(const TA* __restrict__ att, const TD* __restrict__ datt,
                                           TO* __restrict__ dpre, long long rows, int T, float scale) {
     int lane = threadIdx.x % warpSize;
     long long row = (long long)blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize;
     if (row >= rows) return;
     int t = (int)(row % T);
     const TA* a = att + row * T;
-    const float* da = datt + row * T;
+    const TD* da = datt + row * T;
     float av[K], dv[K];
     float dot = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; j++) {
         int s = lane + j * warpSize;
         av[j] = s <= t ? load_f32<AF>(a[s]) : 0.0f;
-        dv[j] = s <= t ? da[s] : 0.0f;
+        dv[j] = s <= t ? load_f32<DF>(da[s]) : 0.0f;
         dot += av[j] * dv[j];
     }
     dot = warp_sum(dot);
@@ -246,28 +274,44 @@ __device__ __forceinline__ void dpre_warp(const TA* __restrict__ att, const floa
 
 // Entry points: attention_softmax_fwd_w{K}_<out> with out = f32 | bf16 | f16 (one output: the engine writes the
 // matmul format only), attention_dpre_w{K}_<att>_<dpre> for the formats the engine uses (f32_f32, bf16_bf16,
-// f16_f16). K in {1, 2, 4, 8, 16, 32}: T <= K * warpSize.
-#define SOFTMAX_FWD_WARP(K)                                                                                      \
-    extern "C" __global__ void attention_softmax_fwd_w##K##_f32(const float* __restrict__ pre,                  \
-            float* __restrict__ att, long long rows, int T, float scale) {                                      \
-        softmax_fwd_warp<K, 1, FMT_F32>(pre, att, nullptr, rows, T, scale); }                                   \
-    extern "C" __global__ void attention_softmax_fwd_w##K##_bf16(const float* __restrict__ pre,                 \
-            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                           \
-        softmax_fwd_warp<K, 0, FMT_BF16>(pre, nullptr, att_h, rows, T, scale); }                                \
-    extern "C" __global__ void attention_softmax_fwd_w##K##_f16(const float* __restrict__ pre,                  \
-            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                           \
-        softmax_fwd_warp<K, 0, FMT_F16>(pre, nullptr, att_h, rows, T, scale); }                                 \
-    extern "C" __global__ void attention_dpre_w##K##_f32_f32(const float* __restrict__ att,                     \
-            const float* __restrict__ datt, float* __restrict__ dpre, long long rows, int T, float scale) {      \
-        dpre_warp<K, FMT_F32, FMT_F32>(att, datt, dpre, rows, T, scale); }                                      \
-    extern "C" __global__ void attention_dpre_w##K##_bf16_bf16(const unsigned short* __restrict__ att,          \
-            const float* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,           \
-            float scale) {                                                                                       \
-        dpre_warp<K, FMT_BF16, FMT_BF16>(att, datt, dpre, rows, T, scale); }                                    \
-    extern "C" __global__ void attention_dpre_w##K##_f16_f16(const unsigned short* __restrict__ att,            \
-            const float* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,           \
-            float scale) {                                                                                       \
-        dpre_warp<K, FMT_F16, FMT_F16>(att, datt, dpre, rows, T, scale); }
+// f16_f16), and the half-in versions: attention_softmax_fwd_w{K}_<bf16|f16>_in (pre and att_h half bits of one
+// format) and attention_dpre_w{K}_<fmt>_<fmt>_<fmt> (att, datt, dpre half bits of one format).
+// K in {1, 2, 4, 8, 16, 32}: T <= K * warpSize.
+#define SOFTMAX_FWD_WARP(K)                                                                                          \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_f32(const float* __restrict__ pre,                       \
+            float* __restrict__ att, long long rows, int T, float scale) {                                           \
+        softmax_fwd_warp<K, 1, FMT_F32, FMT_F32>(pre, att, nullptr, rows, T, scale); }                               \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_bf16(const float* __restrict__ pre,                      \
+            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                                \
+        softmax_fwd_warp<K, 0, FMT_BF16, FMT_F32>(pre, nullptr, att_h, rows, T, scale); }                            \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_f16(const float* __restrict__ pre,                       \
+            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                                \
+        softmax_fwd_warp<K, 0, FMT_F16, FMT_F32>(pre, nullptr, att_h, rows, T, scale); }                             \
+    extern "C" __global__ void attention_dpre_w##K##_f32_f32(const float* __restrict__ att,                          \
+            const float* __restrict__ datt, float* __restrict__ dpre, long long rows, int T, float scale) {          \
+        dpre_warp<K, FMT_F32, FMT_F32, FMT_F32>(att, datt, dpre, rows, T, scale); }                                  \
+    extern "C" __global__ void attention_dpre_w##K##_bf16_bf16(const unsigned short* __restrict__ att,               \
+            const float* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,                \
+            float scale) {                                                                                           \
+        dpre_warp<K, FMT_BF16, FMT_BF16, FMT_F32>(att, datt, dpre, rows, T, scale); }                                \
+    extern "C" __global__ void attention_dpre_w##K##_f16_f16(const unsigned short* __restrict__ att,                 \
+            const float* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,                \
+            float scale) {                                                                                           \
+        dpre_warp<K, FMT_F16, FMT_F16, FMT_F32>(att, datt, dpre, rows, T, scale); }                                  \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_bf16_in(const unsigned short* __restrict__ pre,          \
+            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                                \
+        softmax_fwd_warp<K, 0, FMT_BF16, FMT_BF16>(pre, nullptr, att_h, rows, T, scale); }                           \
+    extern "C" __global__ void attention_softmax_fwd_w##K##_f16_in(const unsigned short* __restrict__ pre,           \
+            unsigned short* __restrict__ att_h, long long rows, int T, float scale) {                                \
+        softmax_fwd_warp<K, 0, FMT_F16, FMT_F16>(pre, nullptr, att_h, rows, T, scale); }                             \
+    extern "C" __global__ void attention_dpre_w##K##_bf16_bf16_bf16(const unsigned short* __restrict__ att,          \
+            const unsigned short* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,       \
+            float scale) {                                                                                           \
+        dpre_warp<K, FMT_BF16, FMT_BF16, FMT_BF16>(att, datt, dpre, rows, T, scale); }                               \
+    extern "C" __global__ void attention_dpre_w##K##_f16_f16_f16(const unsigned short* __restrict__ att,             \
+            const unsigned short* __restrict__ datt, unsigned short* __restrict__ dpre, long long rows, int T,       \
+            float scale) {                                                                                           \
+        dpre_warp<K, FMT_F16, FMT_F16, FMT_F16>(att, datt, dpre, rows, T, scale); }
 SOFTMAX_FWD_WARP(1)
 SOFTMAX_FWD_WARP(2)
 SOFTMAX_FWD_WARP(4)

@@ -26,6 +26,11 @@ keyword arguments att_half= and half= ("bf16" | "fp16") select these versions:
                                      attention_softmax_fwd_bf16 / _f16, attention_softmax_fwd_f32_bf16 / _f32_f16)
     v1_dpre_half                     the backward with att and/or dpre as half bits, converted in registers; datt
                                      float32, every sum fp32 (HIP: attention_dpre_<att format>_<dpre format>)
+Half inputs too (half in, half out, one format given by half=): the raw scores pre and the gradient datt as bits:
+    v1_softmax_fwd_half_in           the forward reading pre as half bits, writing att_half only (att None); att_half
+                                     may be pre (HIP: attention_softmax_fwd_<bf16|f16>_in, warp: _w{K}_<bf16|f16>_in)
+    v1_dpre_half_in                  the backward with att, datt and dpre all half bits of one format; dpre may be
+                                     datt (HIP: attention_dpre_<fmt>_<fmt>_<fmt>, warp: attention_dpre_w{K}_<fmt>_...)
 The half rounding is convert.py's device functions f32_to_bf16_bits / f32_to_f16_bits (those of its f32_to_bf16_v1 /
 f32_to_f16_v1); bf16_bits_to_f32 and f16_bits_to_f32 here are exact. Device functions are inline=True: a kernel
 calling a non-inlined one cannot be compiled to PTX without a GPU.
@@ -161,6 +166,22 @@ def load_f32(x32, x16, row, s, fmt):
     return f16_bits_to_f32(x16[row, s])
 
 
+@cuda.jit(device=True, inline=True)
+def half_bits_to_f32(b, fmt):
+    """Half bits of format fmt (FMT_BF16 / FMT_F16) -> float32, exact."""
+    if fmt == FMT_BF16:
+        return bf16_bits_to_f32(b)
+    return f16_bits_to_f32(b)
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_half_bits(v, fmt):
+    """float32 -> half bits of format fmt (FMT_BF16 / FMT_F16), rounded to nearest even as convert.py rounds."""
+    if fmt == FMT_BF16:
+        return f32_to_bf16_bits(v)
+    return f32_to_f16_bits(v)
+
+
 # Forward, half output: as attention_softmax_fwd_v1, and att_h[row, s] = the same float32 value rounded to half bits
 # (half_mode FMT_BF16 / FMT_F16); att[row, s] is written too when write_f32 (else att is a placeholder, never touched).
 @cuda.jit
@@ -182,6 +203,28 @@ def attention_softmax_fwd_half_v1(pre, att, att_h, write_f32, half_mode, scale):
         if write_f32:
             att[row, s] = v
         att_h[row, s] = f32_to_bf16_bits(v) if half_mode == FMT_BF16 else f32_to_f16_bits(v)
+
+
+# Forward, half in and half out (one format, half_mode FMT_BF16 / FMT_F16): pre16 half bits (rows, T), converted
+# exactly to float32 on every read; att_h[row, s] the probabilities rounded to half bits. att_h may be pre16 (in place:
+# each element is read before it is written, by the same thread). Every sum fp32.
+@cuda.jit
+def attention_softmax_fwd_half_in_v1(pre16, att_h, half_mode, scale):
+    rows, T = pre16.shape
+    row = cuda.grid(1)
+    if row >= rows:
+        return
+    t = row % T
+    mx = scale * half_bits_to_f32(pre16[row, 0], half_mode)
+    for s in range(1, t + 1):
+        mx = max(mx, scale * half_bits_to_f32(pre16[row, s], half_mode))
+    total = float32(0.0)
+    for s in range(t + 1):
+        total += math.exp(scale * half_bits_to_f32(pre16[row, s], half_mode) - mx)
+    inv = float32(1.0) / total
+    for s in range(T):
+        v = math.exp(scale * half_bits_to_f32(pre16[row, s], half_mode) - mx) * inv if s <= t else float32(0.0)
+        att_h[row, s] = f32_to_half_bits(v, half_mode)
 
 
 # Backward, half att and/or dpre: one thread per row of (rows, T); att is read from att32 (att_mode FMT_F32) or from
@@ -207,9 +250,30 @@ def attention_dpre_half_v1(att32, att16, datt, dpre32, dpre16, att_mode, dpre_mo
             dpre16[row, s] = f32_to_f16_bits(v)
 
 
+# Backward, all half (att16, datt16, dpre16 half bits of one format, mode FMT_BF16 / FMT_F16): one thread per row; the
+# row sum in fp32. dpre16 may be datt16 (in place: the row's datt is read for the sum before any of it is written, and
+# each element of the last pass is read before it is written).
+@cuda.jit
+def attention_dpre_half_in_v1(att16, datt16, dpre16, mode, scale):
+    rows, T = datt16.shape
+    row = cuda.grid(1)
+    if row >= rows:
+        return
+    t = row % T
+    dot = float32(0.0)
+    for s in range(t + 1):
+        dot += half_bits_to_f32(att16[row, s], mode) * half_bits_to_f32(datt16[row, s], mode)
+    for s in range(T):
+        v = float32(0.0)
+        if s <= t:
+            v = scale * half_bits_to_f32(att16[row, s], mode) * (half_bits_to_f32(datt16[row, s], mode) - dot)
+        dpre16[row, s] = f32_to_half_bits(v, mode)
+
+
 KERNELS = {"v1": attention_datt_v1, "v1_dpre": attention_dpre_v1, "v1_dqkv": attention_dqkv_v1,
            "v1_softmax_fwd": attention_softmax_fwd_v1, "v1_softmax_fwd_half": attention_softmax_fwd_half_v1,
-           "v1_dpre_half": attention_dpre_half_v1}
+           "v1_dpre_half": attention_dpre_half_v1, "v1_softmax_fwd_half_in": attention_softmax_fwd_half_in_v1,
+           "v1_dpre_half_in": attention_dpre_half_in_v1}
 SIGNATURES = {
     "v1": "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64)",
     "v1_dpre": "void(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], float32)",
@@ -221,6 +285,10 @@ SIGNATURES = {
     # att32, att16, datt, dpre32, dpre16, att_mode, dpre_mode, scale
     "v1_dpre_half": "void(float32[:, ::1], uint16[:, ::1], float32[:, ::1], float32[:, ::1], uint16[:, ::1], int64, "
                     "int64, float32)",
+    # pre16, att_h, half_mode, scale
+    "v1_softmax_fwd_half_in": "void(uint16[:, ::1], uint16[:, ::1], int64, float32)",
+    # att16, datt16, dpre16, mode, scale
+    "v1_dpre_half_in": "void(uint16[:, ::1], uint16[:, ::1], uint16[:, ::1], int64, float32)",
 }
 GPU_ONLY = set()
 VERSIONS = ("v1",)
@@ -321,39 +389,95 @@ def check_softmax_formats(fn, arrays, half):
     return rows, T, formats
 
 
+def _is_uint16(a):
+    return hasattr(a, "dtype") and np.dtype(a.dtype) == np.uint16
+
+
+def _extent(a):
+    """(address of a's first byte, address past its last byte), or None where the memory cannot be told."""
+    if (type(a).__module__ or "").startswith("cupy"):
+        ptr = int(a.data.ptr)
+    else:
+        iface = getattr(a, "__cuda_array_interface__", None) or getattr(a, "__array_interface__", None)
+        if iface is None:
+            return None
+        ptr = int(iface["data"][0])
+    shape, itemsize = _shape(a), np.dtype(a.dtype).itemsize
+    if 0 in shape:
+        return None
+    strides = tuple(int(st) for st in a.strides) if getattr(a, "strides", None) else None
+    if strides is None:
+        return ptr, ptr + int(np.prod(shape)) * itemsize
+    lo = ptr + sum((n - 1) * st for n, st in zip(shape, strides) if st < 0)
+    hi = ptr + sum((n - 1) * st for n, st in zip(shape, strides) if st > 0) + itemsize
+    return lo, hi
+
+
+def check_in_place(fn, out_name, out, in_name, inp):
+    """out may be inp itself (the same memory, shape, strides and dtype: in place) or memory apart from it; a partial
+    overlap is a ValueError naming both (the kernels read each element before they write it, nothing more)."""
+    a, b = _extent(out), _extent(inp)
+    if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
+        return
+    same = (a == b and _shape(out) == _shape(inp) and np.dtype(out.dtype) == np.dtype(inp.dtype)
+            and tuple(getattr(out, "strides", ())) == tuple(getattr(inp, "strides", ())))
+    if not same:
+        raise ValueError(f"{fn}: {out_name} overlaps {in_name} but is not the same array: write {out_name} in place "
+                         f"of {in_name} ({out_name} = {in_name}, the same buffer) or to memory apart from it")
+
+
 def check_softmax_forward_args(fn, pre, att, att_half, half):
-    """attention_softmax_forward's arguments: pre float32; att float32 or None; att_half uint16 or None (not both
-    None). Returns (rows, T, half format code or FMT_F32)."""
+    """attention_softmax_forward's arguments: pre float32, or uint16 half bits (format half) when att is None and
+    att_half is given (half in, half out; att_half may then be pre, in place); att float32 or None; att_half uint16 or
+    None (not both None). Returns (rows, T, att_half format or FMT_F32, pre format)."""
     if att is None and att_half is None:
         raise ValueError(f"{fn}: att and att_half are both None: give att (float32) and/or att_half (uint16 half "
                          f"bits, with half='bf16' or 'fp16')")
     if att_half is None and half is not None:
         half_format(fn, half)
         raise ValueError(f"{fn}: half={half!r} given but att_half is None: pass att_half (uint16) to write half bits")
-    rows, T, formats = check_softmax_formats(fn, (("pre", pre, False), ("att", att, False),
+    pre_half = _is_uint16(pre)
+    if pre_half and att is not None:
+        raise TypeError(f"{fn}: pre must be float32, got uint16: half-bit pre (half in, half out) needs att=None "
+                        f"and att_half= (uint16) with half='bf16' or 'fp16'")
+    rows, T, formats = check_softmax_formats(fn, (("pre", pre, pre_half), ("att", att, False),
                                                   ("att_half", att_half, "half")), half)
-    return rows, T, formats.get("att_half", FMT_F32)
+    if pre_half:
+        check_in_place(fn, "att_half", att_half, "pre", pre)
+    return rows, T, formats.get("att_half", FMT_F32), formats["pre"]
 
 
 def check_softmax_backward_args(fn, att, datt, dpre, half):
-    """attention_softmax_backward's arguments: att and dpre float32 or uint16 half bits (format half), datt float32.
-    Returns (rows, T, att format, dpre format)."""
-    rows, T, formats = check_softmax_formats(fn, (("att", att, True), ("datt", datt, False), ("dpre", dpre, True)),
-                                             half)
-    return rows, T, formats["att"], formats["dpre"]
+    """attention_softmax_backward's arguments: att and dpre float32 or uint16 half bits (format half); datt float32,
+    or uint16 half bits when att and dpre are half bits too (all one format; dpre may then be datt, in place).
+    Returns (rows, T, att format, dpre format, datt format)."""
+    datt_half = _is_uint16(datt)
+    rows, T, formats = check_softmax_formats(fn, (("att", att, True), ("datt", datt, datt_half),
+                                                  ("dpre", dpre, True)), half)
+    if datt_half:
+        f32 = [name for name in ("att", "dpre") if formats[name] == FMT_F32]
+        if f32:
+            raise TypeError(f"{fn}: datt must be float32, got uint16: half-bit datt needs att and dpre as uint16 half "
+                            f"bits of the same format too, but {' and '.join(f32)} {'is' if len(f32) == 1 else 'are'}"
+                            f" float32")
+        check_in_place(fn, "dpre", dpre, "datt", datt)
+    return rows, T, formats["att"], formats["dpre"], formats["datt"]
 
 
 def attention_softmax_forward(pre, att, scale, att_half=None, half=None):
     """att (rows, T) = causal softmax of scale * pre (rows, T), rows = B*nh*T; att may be pre (in place).
 
     att_half: None, or uint16 (rows, T): the same probabilities rounded to half bits of format half ("bf16" |
-    "fp16"). att may be None when att_half is given (then only the half bits are written)."""
+    "fp16"). att may be None when att_half is given (then only the half bits are written).
+    pre may be uint16 half bits of format half when att is None (half in, half out; att_half may be pre)."""
     fn = "attention_softmax_forward"
-    rows, T, hf = check_softmax_forward_args(fn, pre, att, att_half, half)
+    rows, T, hf, pf = check_softmax_forward_args(fn, pre, att, att_half, half)
     if not rows:
         return
     grid = ((rows + 127) // 128, 128)
-    if hf == FMT_F32:
+    if pf != FMT_F32:
+        attention_softmax_fwd_half_in_v1[grid](pre, att_half, pf, np.float32(scale))
+    elif hf == FMT_F32:
         attention_softmax_fwd_v1[grid](pre, att, np.float32(scale))
     else:   # att None: pre stands in for it (never written when write_f32 is 0)
         attention_softmax_fwd_half_v1[grid](pre, pre if att is None else att, att_half, int(att is not None), hf,
@@ -364,10 +488,14 @@ def attention_softmax_backward(att, datt, dpre, scale, half=None):
     """dpre = scale * causal softmax backward of datt through att, all (rows, T) with rows = B*nh*T.
 
     att and dpre: float32, or uint16 half bits of format half ("bf16" | "fp16"), converted in registers; datt is
-    float32; dpre may be datt (in place) when both are float32."""
+    float32, or half bits too when att and dpre are (all one format); dpre may be datt (in place) when both are float32
+    or both half bits (the same array)."""
     fn = "attention_softmax_backward"
-    rows, T, af, of = check_softmax_backward_args(fn, att, datt, dpre, half)
+    rows, T, af, of, df = check_softmax_backward_args(fn, att, datt, dpre, half)
     if not rows:
+        return
+    if df != FMT_F32:
+        attention_dpre_half_in_v1[(rows + 127) // 128, 128](att, datt, dpre, df, np.float32(scale))
         return
     if af == FMT_F32 and of == FMT_F32:
         shape4 = (1, rows // T, T, T)
