@@ -104,6 +104,18 @@ def attention_dqkv_v1(dout, qkv, att, dpre, dqkv, n_head):
     dqkv[b, t, c] = acc
 
 
+@cuda.jit(device=True, inline=True)
+def _causal_max_inv(pre, row, t, scale):
+    """(max, 1 / sum of exp(. - max)) of scale * pre[row, 0..t]: the statistics of one causal softmax row."""
+    mx = scale * pre[row, 0]
+    for s in range(1, t + 1):
+        mx = max(mx, scale * pre[row, s])
+    total = float32(0.0)
+    for s in range(t + 1):
+        total += math.exp(scale * pre[row, s] - mx)
+    return mx, float32(1.0) / total
+
+
 # Forward (the training loop): causal softmax of the scaled scores; one thread per (b, h, t) row of pre (rows, T),
 # query position t = row % T. att may be pre (each thread reads its row before writing it).
 @cuda.jit
@@ -113,13 +125,7 @@ def attention_softmax_fwd_v1(pre, att, scale):
     if row >= rows:
         return
     t = row % T
-    mx = scale * pre[row, 0]
-    for s in range(1, t + 1):
-        mx = max(mx, scale * pre[row, s])
-    total = float32(0.0)
-    for s in range(t + 1):
-        total += math.exp(scale * pre[row, s] - mx)
-    inv = float32(1.0) / total
+    mx, inv = _causal_max_inv(pre, row, t, scale)
     for s in range(T):
         att[row, s] = math.exp(scale * pre[row, s] - mx) * inv if s <= t else float32(0.0)
 
@@ -191,13 +197,7 @@ def attention_softmax_fwd_half_v1(pre, att, att_h, write_f32, half_mode, scale):
     if row >= rows:
         return
     t = row % T
-    mx = scale * pre[row, 0]
-    for s in range(1, t + 1):
-        mx = max(mx, scale * pre[row, s])
-    total = float32(0.0)
-    for s in range(t + 1):
-        total += math.exp(scale * pre[row, s] - mx)
-    inv = float32(1.0) / total
+    mx, inv = _causal_max_inv(pre, row, t, scale)
     for s in range(T):
         v = math.exp(scale * pre[row, s] - mx) * inv if s <= t else float32(0.0)
         if write_f32:
