@@ -25,7 +25,7 @@ template <int FMT> __device__ __forceinline__ float load_f32(unsigned short b) {
 // Store a float32 value as format FMT (the float itself, or rounded to nearest even into half bits).
 template <int FMT> __device__ __forceinline__ void store_f32(float* p, float v) { *p = v; }
 template <int FMT> __device__ __forceinline__ void store_f32(unsigned short* p, float v) {
-    *p = FMT == FMT_BF16 ? f32_to_bf16_bits(v) : f32_to_f16_bits(v);
+    *p = f32_to_half_bits<FMT>(v);
 }
 
 // v1, step 1: datt[b,h,t,s] = sum_d dout[b,t,h*hs+d] * v[b,s,h*hs+d] for s <= t, else 0.

@@ -50,14 +50,26 @@ __device__ __forceinline__ void slice_stats(const float* x, int V, int start, in
     for (int j = start; j < V; j += step) online_update(m, s, x[j]);
 }
 
+// One dlogit stored as float32 (HF 0), or as half bits (HF 1: bf16, 2: fp16; half.h's rounding).
+template <int HF> __device__ __forceinline__ void store_dlogit(float* d, float g) { *d = g; }
+template <int HF> __device__ __forceinline__ void store_dlogit(unsigned short* d, float g) {
+    *d = f32_to_half_bits<HF>(g);
+}
+
 // dlogits row (V,) = (probs - onehot) / N for elements start, start + step, ...
-__device__ __forceinline__ void write_dlogits(const float* x, int t, float* d, int V, int N, float m, float s,
-                                              int start, int step) {
+template <int HF, typename TO>
+__device__ __forceinline__ void write_dlogits_as(const float* x, int t, TO* d, int V, int N, float m, float s,
+                                                 int start, int step) {
     float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
     for (int j = start; j < V; j += step) {
         float p = expf(x[j] - m) * inv_s;                 // probs_j, never stored
-        d[j] = (j == t ? p - 1.0f : p) * inv_n;
+        store_dlogit<HF>(d + j, (j == t ? p - 1.0f : p) * inv_n);
     }
+}
+
+__device__ __forceinline__ void write_dlogits(const float* x, int t, float* d, int V, int N, float m, float s,
+                                              int start, int step) {
+    write_dlogits_as<0>(x, t, d, V, N, m, s, start, step);
 }
 
 // Block tree over one pair per thread (sh_m, sh_s: blockDim entries): every thread returns the block's pair.
@@ -142,21 +154,29 @@ extern "C" __global__ void crossentropy_forward_v2(const float* __restrict__ log
     if (threadIdx.x == 0) losses[row] = m + logf(s) - x[targets[row]];
 }
 
-// One launch, one reduction, both outputs.
-extern "C" __global__ void crossentropy_forward_backward_v2(const float* __restrict__ logits,
-                                                           const int* __restrict__ targets,
-                                                           float* __restrict__ losses, float* __restrict__ dlogits,
-                                                           int N, int V) {
-    __shared__ float sh_m[1024], sh_s[1024];
+// One launch, one reduction, both outputs. SHFL: merge the (max, sum) pairs with warp shuffles (block_stats_shfl,
+// as v3) instead of the shared-memory tree; HF / TO: dlogits as float32 (0, float) or half bits (1 / 2, uint16).
+template <bool SHFL, int HF, typename TO>
+__device__ __forceinline__ void ce_fwd_bwd(const float* __restrict__ logits, const int* __restrict__ targets,
+                                           float* __restrict__ losses, TO* __restrict__ dlogits, int N, int V) {
+    __shared__ float sh_m[SHFL ? MAX_WARPS_PER_BLOCK : 1024], sh_s[SHFL ? MAX_WARPS_PER_BLOCK : 1024];
     int row = blockIdx.x;
     if (row >= N) return;
     const float* x = logits + (long long)row * V;
     int t = targets[row];
     float m, s;
     slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
-    block_stats_tree(sh_m, sh_s, m, s);
+    if (SHFL) block_stats_shfl(sh_m, sh_s, m, s);
+    else block_stats_tree(sh_m, sh_s, m, s);
     if (threadIdx.x == 0) losses[row] = m + logf(s) - x[t];
-    write_dlogits(x, t, dlogits + (long long)row * V, V, N, m, s, threadIdx.x, blockDim.x);
+    write_dlogits_as<HF>(x, t, dlogits + (long long)row * V, V, N, m, s, threadIdx.x, blockDim.x);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_v2(const float* __restrict__ logits,
+                                                           const int* __restrict__ targets,
+                                                           float* __restrict__ losses, float* __restrict__ dlogits,
+                                                           int N, int V) {
+    ce_fwd_bwd<false, 0>(logits, targets, losses, dlogits, N, V);
 }
 
 // ---- v3: v2 with warp shuffles ------------------------------------------------------------------------------------
@@ -230,37 +250,15 @@ extern "C" __global__ void crossentropy_backward_v4(const float* __restrict__ lo
     }
 }
 
-// ---- both outputs, dlogits in half precision (HF: 1 = bf16, 2 = fp16 bits) ------------------------------------------
-template <int HF>
-__device__ __forceinline__ void ce_fwd_bwd_half(const float* __restrict__ logits, const int* __restrict__ targets,
-                                                float* __restrict__ losses, unsigned short* __restrict__ dlogits,
-                                                int N, int V) {
-    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
-    int row = blockIdx.x;
-    if (row >= N) return;
-    const float* x = logits + (long long)row * V;
-    int t = targets[row];
-    float m, s;
-    slice_stats(x, V, threadIdx.x, blockDim.x, m, s);
-    block_stats_shfl(sh_m, sh_s, m, s);
-    if (threadIdx.x == 0) losses[row] = m + logf(s) - x[t];
-    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
-    unsigned short* d = dlogits + (long long)row * V;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float p = expf(x[j] - m) * inv_s;
-        float g = (j == t ? p - 1.0f : p) * inv_n;
-        d[j] = HF == 1 ? f32_to_bf16_bits(g) : f32_to_f16_bits(g);
-    }
-}
-
+// ---- both outputs, dlogits in half precision (HF: 1 = bf16, 2 = fp16 bits), warp-shuffle merges ---------------------
 extern "C" __global__ void crossentropy_forward_backward_half_bf16(const float* __restrict__ logits,
         const int* __restrict__ targets, float* __restrict__ losses, unsigned short* __restrict__ dlogits, int N,
         int V) {
-    ce_fwd_bwd_half<1>(logits, targets, losses, dlogits, N, V);
+    ce_fwd_bwd<true, 1>(logits, targets, losses, dlogits, N, V);
 }
 
 extern "C" __global__ void crossentropy_forward_backward_half_f16(const float* __restrict__ logits,
         const int* __restrict__ targets, float* __restrict__ losses, unsigned short* __restrict__ dlogits, int N,
         int V) {
-    ce_fwd_bwd_half<2>(logits, targets, losses, dlogits, N, V);
+    ce_fwd_bwd<true, 2>(logits, targets, losses, dlogits, N, V);
 }

@@ -27,18 +27,13 @@
 #define GELU_CUBE 0.044715f
 
 // The output format: Out<0> float32, Out<1> bfloat16 bits, Out<2> float16 bits.
-template <int H> struct Out;
+template <int H> struct Out {                      // 1, 2: half bits (half.h)
+    typedef unsigned short T;
+    static __device__ __forceinline__ unsigned short cvt(float v) { return f32_to_half_bits<H>(v); }
+};
 template <> struct Out<0> {
     typedef float T;
     static __device__ __forceinline__ float cvt(float v) { return v; }
-};
-template <> struct Out<1> {
-    typedef unsigned short T;
-    static __device__ __forceinline__ unsigned short cvt(float v) { return f32_to_bf16_bits(v); }
-};
-template <> struct Out<2> {
-    typedef unsigned short T;
-    static __device__ __forceinline__ unsigned short cvt(float v) { return f32_to_f16_bits(v); }
 };
 
 // ---- bias_add: inp, res, out (N*C,) flat; bias (C,) -----------------------------------------------------------------
@@ -185,8 +180,7 @@ __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ i
             long long i = (long long)r * C + col;
             float v = inp[i];
             s += v;
-            if (H == 1) out[i] = f32_to_bf16_bits(v);
-            if (H == 2) out[i] = f32_to_f16_bits(v);
+            if (H != 0) out[i] = f32_to_half_bits<H>(v);
         }
     }
     buf[threadIdx.y * blockDim.x + threadIdx.x] = s;

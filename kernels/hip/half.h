@@ -23,3 +23,8 @@ __device__ __forceinline__ unsigned short f32_to_f16_bits(float x) {
     }
     return __half_as_ushort(__float2half_rn(x));
 }
+
+// float32 -> the bits of format H (1: bfloat16, 2: float16), H a compile-time constant: the kernels' half output.
+template <int H> __device__ __forceinline__ unsigned short f32_to_half_bits(float x) {
+    return H == 1 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
+}

@@ -42,8 +42,7 @@ import numpy as np
 from numba import cuda, float32
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
-from gpullm_lessons.kernels.numba.convert import (EXP, F16_MANT, SIGN16, U13, U16, f32_to_bf16_bits,
-                                                  f32_to_f16_bits)
+from gpullm_lessons.kernels.numba.convert import EXP, F16_MANT, SIGN16, U13, U16, f32_to_half_bits
 
 
 # v1, step 1: datt[b, h, t, s] = sum_d dout[b, t, h*hs + d] * v[b, s, h*hs + d], zero above the diagonal
@@ -180,14 +179,6 @@ def half_bits_to_f32(b, fmt):
     return f16_bits_to_f32(b)
 
 
-@cuda.jit(device=True, inline=True)
-def f32_to_half_bits(v, fmt):
-    """float32 -> half bits of format fmt (FMT_BF16 / FMT_F16), rounded to nearest even as convert.py rounds."""
-    if fmt == FMT_BF16:
-        return f32_to_bf16_bits(v)
-    return f32_to_f16_bits(v)
-
-
 # Forward, half output: as attention_softmax_fwd_v1, and att_h[row, s] = the same float32 value rounded to half bits
 # (half_mode FMT_BF16 / FMT_F16); att[row, s] is written too when write_f32 (else att is a placeholder, never touched).
 @cuda.jit
@@ -202,7 +193,7 @@ def attention_softmax_fwd_half_v1(pre, att, att_h, write_f32, half_mode, scale):
         v = math.exp(scale * pre[row, s] - mx) * inv if s <= t else float32(0.0)
         if write_f32:
             att[row, s] = v
-        att_h[row, s] = f32_to_bf16_bits(v) if half_mode == FMT_BF16 else f32_to_f16_bits(v)
+        att_h[row, s] = f32_to_half_bits(v, half_mode)
 
 
 # Forward, half in and half out (one format, half_mode FMT_BF16 / FMT_F16): pre16 half bits (rows, T), converted
@@ -244,10 +235,8 @@ def attention_dpre_half_v1(att32, att16, datt, dpre32, dpre16, att_mode, dpre_mo
         v = scale * load_f32(att32, att16, row, s, att_mode) * (datt[row, s] - dot) if s <= t else float32(0.0)
         if dpre_mode == FMT_F32:
             dpre32[row, s] = v
-        elif dpre_mode == FMT_BF16:
-            dpre16[row, s] = f32_to_bf16_bits(v)
         else:
-            dpre16[row, s] = f32_to_f16_bits(v)
+            dpre16[row, s] = f32_to_half_bits(v, dpre_mode)
 
 
 # Backward, all half (att16, datt16, dpre16 half bits of one format, mode FMT_BF16 / FMT_F16): one thread per row; the

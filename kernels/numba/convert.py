@@ -70,6 +70,14 @@ def f32_to_f16_bits(x):
     return numba.uint16(libdevice.float2half_rn(x))   # the hardware conversion: round to nearest even
 
 
+@cuda.jit(device=True, inline=True)
+def f32_to_half_bits(x, mode):
+    """x -> the bits of its bfloat16 (mode 1) or float16 (mode 2): the kernels' half-format mode argument."""
+    if mode == 1:
+        return f32_to_bf16_bits(x)
+    return f32_to_f16_bits(x)
+
+
 # f32_to_bf16_v1: thread i owns elements i, i + stride, ... of src float32 (n,) and dst uint16 (n,).
 @cuda.jit
 def f32_to_bf16_v1(src, dst):

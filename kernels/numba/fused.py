@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons.backends._args import check_array, check_threads, check_version
-from gpullm_lessons.kernels.numba.convert import f32_to_bf16_bits, f32_to_f16_bits
+from gpullm_lessons.kernels.numba.convert import f32_to_half_bits
 
 MAX_BLOCKS = 4096        # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 ROWS_PER_CHUNK = 32      # colsum stage 1: rows summed by one thread
@@ -75,10 +75,8 @@ def bias_gelu_forward_v1(inp, bias, pre, out, mode):
         y = F_HALF * x * (F_ONE + math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x)))
         if mode == 0:
             out[r, c] = y
-        elif mode == 1:
-            out[r, c] = f32_to_bf16_bits(y)
         else:
-            out[r, c] = f32_to_f16_bits(y)
+            out[r, c] = f32_to_half_bits(y, mode)
 
 
 # split_heads_v1(_half): thread i owns elements i, i + stride, ... of out (B*nh, T, hs) flattened.
@@ -98,10 +96,8 @@ def split_heads_v1(inp, bias, out, col0, nh, has_bias, mode):
             v += bias[h * hs + d]
         if mode == 0:
             out[bh, t, d] = v
-        elif mode == 1:
-            out[bh, t, d] = f32_to_bf16_bits(v)
         else:
-            out[bh, t, d] = f32_to_f16_bits(v)
+            out[bh, t, d] = f32_to_half_bits(v, mode)
 
 
 # merge_heads_v1(_half): thread i owns elements i, i + stride, ... of inp (B*nh, T, hs) flattened.
@@ -119,10 +115,8 @@ def merge_heads_v1(inp, out, col0, nh, mode):
         v = inp[bh, t, d]
         if mode == 0:
             out[b * T + t, col0 + h * hs + d] = v
-        elif mode == 1:
-            out[b * T + t, col0 + h * hs + d] = f32_to_bf16_bits(v)
         else:
-            out[b * T + t, col0 + h * hs + d] = f32_to_f16_bits(v)
+            out[b * T + t, col0 + h * hs + d] = f32_to_half_bits(v, mode)
 
 
 # colsum_partials_v1: thread j owns (chunk k, column c) pairs j, j + stride, ... of (chunks, C): it adds rows
@@ -139,10 +133,8 @@ def colsum_partials_v1(inp, partial, out, mode):
         for r in range(k * ROWS_PER_CHUNK, min(k * ROWS_PER_CHUNK + ROWS_PER_CHUNK, N)):
             v = inp[r, c]
             s += v
-            if mode == 1:
-                out[r, c] = f32_to_bf16_bits(v)
-            elif mode == 2:
-                out[r, c] = f32_to_f16_bits(v)
+            if mode != 0:
+                out[r, c] = f32_to_half_bits(v, mode)
         partial[k, c] = s
 
 
@@ -175,10 +167,7 @@ def layernorm_forward_half_v1(inp, weight, bias, out, mean, rstd, eps, mode):
         r = F_ONE / math.sqrt(v / numba.float32(C) + eps)
         for i in range(C):
             y = (inp[row, i] - m) * r * weight[i] + bias[i]
-            if mode == 1:
-                out[row, i] = f32_to_bf16_bits(y)
-            else:
-                out[row, i] = f32_to_f16_bits(y)
+            out[row, i] = f32_to_half_bits(y, mode)
         mean[row] = m
         rstd[row] = r
 
