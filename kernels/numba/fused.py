@@ -79,18 +79,25 @@ def bias_gelu_forward_v1(inp, bias, pre, out, mode):
             out[r, c] = f32_to_half_bits(y, mode)
 
 
+@cuda.jit(device=True, inline=True)
+def _head_coords(i, T, hs, nh):
+    """Element i of a flattened (B*nh, T, hs) array as (b, h, t, d)."""
+    d = i % hs
+    rt = i // hs
+    t = rt % T
+    bh = rt // T
+    b = bh // nh
+    return b, bh - b * nh, t, d
+
+
 # split_heads_v1(_half): thread i owns elements i, i + stride, ... of out (B*nh, T, hs) flattened.
 @cuda.jit
 def split_heads_v1(inp, bias, out, col0, nh, has_bias, mode):
     BH, T, hs = out.shape
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, BH * T * hs, stride):
-        d = i % hs
-        rt = i // hs
-        t = rt % T
-        bh = rt // T
-        b = bh // nh
-        h = bh - b * nh
+        b, h, t, d = _head_coords(i, T, hs, nh)
+        bh = b * nh + h
         v = inp[b * T + t, col0 + h * hs + d]
         if has_bias != 0:
             v += bias[h * hs + d]
@@ -106,12 +113,8 @@ def merge_heads_v1(inp, out, col0, nh, mode):
     BH, T, hs = inp.shape
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, BH * T * hs, stride):
-        d = i % hs
-        rt = i // hs
-        t = rt % T
-        bh = rt // T
-        b = bh // nh
-        h = bh - b * nh
+        b, h, t, d = _head_coords(i, T, hs, nh)
+        bh = b * nh + h
         v = inp[bh, t, d]
         if mode == 0:
             out[b * T + t, col0 + h * hs + d] = v
