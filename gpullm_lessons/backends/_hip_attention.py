@@ -81,8 +81,8 @@ WARP_BLOCK = 256                # threads per block of the warp-per-row kernels 
 
 
 def _warp_size(x) -> int:
-    from ._hip_layernorm import _props_of
-    return int(_props_of(int(x.device.id))["warpSize"])
+    from ._hip_softmax import warp_size       # read from the device once, cached
+    return warp_size(int(x.device.id))
 
 
 def _warp_k(x, T):
