@@ -120,7 +120,7 @@ def build(cfg: GPTConfig, backend="auto", precision="fp32", policy="none", seed=
                               f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)")
         return NumpyEngine(cfg, policy, seed, betas, eps)
     return GPUEngine(cfg, backend, precision, policy, seed, betas, eps, versions,
-                     graphs=graphs != "off" and backend == "hip" and precision in GRAPH_PRECISIONS)
+                     graphs=graphs if backend == "hip" and precision in GRAPH_PRECISIONS else "off")
 
 
 class Engine:
@@ -344,7 +344,7 @@ class GPUEngine(Engine):
     # activation; not yet validated on a GPU, so not the default)
     DEFAULT_VERSIONS = {
         "hip": {"layernorm_forward": "v2", "layernorm_backward": "v5", "gelu": "v1", "crossentropy": "v2",
-                "encoder": "v2", "adamw": "v3", "convert": "v1", "scores": "f32"},
+                "encoder": "v3", "adamw": "v3", "convert": "v1", "scores": "f32"},
         "numba": {"layernorm_forward": "v2", "layernorm_backward": "v2", "gelu": "v1", "crossentropy": "v2",
                   "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "f32"},
         # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
@@ -353,7 +353,7 @@ class GPUEngine(Engine):
                       "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "f32"},
     }
 
-    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs=False):
+    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off"):
         from . import device
 
         super().__init__(cfg, precision, policy, seed, betas, eps)
@@ -403,12 +403,14 @@ class GPUEngine(Engine):
         self._sumsq = xp.zeros(1, xp.float32)                         # the squared gradient norm (grad_sumsq)
         self._cache = None
         self.profiler = None
-        # train_step replays a CUDA graph: needs AdamW's float4 kernel (n % 4 == 0) and an embedding backward that
-        # does not sort the tokens on the host (v2 does: a graph would replay the capture batch's order): v3
-        # (fixed-point integer atomics: deterministic, no host work)
-        self.graphs = bool(graphs) and self.on_gpu and n % 4 == 0
-        if self.graphs:
-            self.ver["encoder"] = "v3"
+        # train_step replays a CUDA graph ("auto" | "on" | "off", build() passes "off" where graphs cannot apply):
+        # it needs AdamW's float4 kernel (n % 4 == 0) and an embedding backward without host work (v2 sorts the
+        # tokens on the host: a graph would replay the capture batch's order; v3, the hip default, does not)
+        why_not = ("the parameter count is not a multiple of 4 (AdamW's float4 kernel)" if n % 4 else
+                   "embedding backward v2 sorts tokens on the host" if self.ver["encoder"] == "v2" else None)
+        if graphs == "on" and why_not:
+            raise EngineError(f"graphs='on': this engine's step cannot be captured: {why_not}")
+        self.graphs = graphs in ("auto", "on") and self.on_gpu and why_not is None
         self._graphs = {}                                              # (B, T) -> _StepGraph
         self._graphs_required = graphs == "on"
 
@@ -876,7 +878,7 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     blocks (last block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working
     set of any phase of the step: the forward of a block (one temporary at a time), the head (logits + dlogits), the
     start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
-    recompute under "full" / "selective"). half_scores: the engine's versions={"scores": "half"} (the attention
+    recompute under "full" / "selective"), the embedding backward (v3's 64-bit accumulator). half_scores: the engine's versions={"scores": "half"} (the attention
     scores and their gradient in half; only in half precision). Returns the terms and "total" = model + activations +
     peak working set.
     """
@@ -928,7 +930,8 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
         bwd_block = max(bwd_block, NC * f + fwd_block)
     fp16_copy = N * V * (f + 2) if precision == "fp16" else 0             # dlogits * scale, then its fp16 cast
     bwd_head = fp16_copy + NC * f
-    peak_set = max(fwd_block, head, bwd_head, bwd_block)
+    embed_bwd = NC * f + V * C * (f + 8)              # dx, the embedding's dwte, v3's int64 accumulator (V, C)
+    peak_set = max(fwd_block, head, bwd_head, bwd_block, embed_bwd)
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
     out["total"] = sum(model.values()) + activations + peak_set
     return out

@@ -362,14 +362,22 @@ def test_graphs_on_where_they_cannot_apply_is_refused():
 
 
 @pytest.mark.gpu
+def test_gpu_graphs_on_refuses_a_step_it_cannot_capture():
+    with pytest.raises(engine.EngineError, match="embedding backward v2 sorts tokens on the host"):
+        engine.build(SMALL, "hip", graphs="on", versions={"encoder": "v2"})
+    assert not engine.build(SMALL, "hip", versions={"encoder": "v2"}).graphs      # auto: step by step instead
+    assert engine.build(SMALL, "hip").graphs
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gpu_graph_steps_equal_eager_steps(precision, gpu_batches):
     """The replayed graph = the eager step: losses, gradient norms and the final state (two batch shapes, so two
-    captures; an eval in between sees the updated weights). The eager engine runs the graph's embedding backward
-    (v3); what still differs is cuBLAS's choice of algorithm on its own handle (the last bits of a product), which
+    captures; an eval in between sees the updated weights). Both run the same kernels (embedding backward v3, the hip
+    default); what still differs is cuBLAS's choice of algorithm on its own handle (the last bits of a product), which
     bf16 rounding of the weights' half copy turns into ~1e-4 differences after a few steps (measured 8e-5)."""
     tol = 1e-5 if precision == "fp32" else 1e-3
-    eager = engine.build(SMALL, "hip", precision=precision, graphs="off", versions={"encoder": "v3"})
+    eager = engine.build(SMALL, "hip", precision=precision, graphs="off")
     graph = engine.build(SMALL, "hip", precision=precision, graphs="on")
     assert graph.graphs and not eager.graphs
     batches = gpu_batches[:4] + [(x[:4, :32].copy(), y[:4, :32].copy()) for x, y in gpu_batches[4:7]]
