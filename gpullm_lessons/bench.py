@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
     ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
     ap.add_argument("--scores", choices=("f32", "half"), default=None,
-                    help="`train` / `gputime`: the engine's attention-score format in half precision (default f32)")
+                    help="`train` / `gputime`: the engine's attention-score format in half precision (default half)")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
     args = ap.parse_args(argv)

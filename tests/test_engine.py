@@ -127,11 +127,11 @@ def test_gemm_errors_name_the_problem():
 # ---- build errors ------------------------------------------------------------------------------------------------
 def test_engine_memory_counts_half_scores():
     long_rows = GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=8, d_model=64)   # the scores dominate
-    f32 = engine.engine_memory(long_rows, 8, 256, "bf16", "none")
-    half = engine.engine_memory(long_rows, 8, 256, "bf16", "none", half_scores=True)
+    f32 = engine.engine_memory(long_rows, 8, 256, "bf16", "none", half_scores=False)
+    half = engine.engine_memory(long_rows, 8, 256, "bf16", "none")            # the engine's default: half scores
     TT = 8 * 8 * 256 * 256
     assert f32["working_set"] - half["working_set"] == 2 * TT and half["activations"] == f32["activations"]
-    assert engine.engine_memory(long_rows, 8, 256, "fp32", "none", half_scores=True) == engine.engine_memory(
+    assert engine.engine_memory(long_rows, 8, 256, "fp32", "none", half_scores=False) == engine.engine_memory(
         long_rows, 8, 256, "fp32", "none")                        # fp32 runs keep fp32 scores
 
 

@@ -592,12 +592,14 @@ def _within_one_ulp_mostly(a, b, err_msg, half=None, slack=None):
         f"{err_msg}: {int(far.sum())} elements more than 1 ulp apart, {int((diff > 0).sum())} of {diff.size} differ")
 
 
-GPU_HALF_IN_SIZES = GPU_SIZES + [(2, 2100)]            # T = 2100 > 32 * warpSize: HIP's block-per-row fallback
+# HIP's half-in paths: T % 8 == 0 up to 8 * 8 * warpSize: 16-byte chunks per lane (_v{C}); T = 1001: one element per
+# lane (_w{K}); T = 2100 > 32 * warpSize: block per row
+GPU_HALF_IN_SIZES = GPU_SIZES + [(3, 1001), (2, 2048), (2, 2100)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("half", HALVES)
-@pytest.mark.parametrize("G, T", GPU_HALF_IN_SIZES, ids=["256", "1024", "2100"])
+@pytest.mark.parametrize("G, T", GPU_HALF_IN_SIZES, ids=["256", "1024", "1001", "2048", "2100"])
 def test_causal_softmax_half_in_on_gpu(half, G, T):
     cp, backends = _gpu_backends()
     rng = np.random.default_rng()
@@ -639,3 +641,33 @@ def test_causal_softmax_half_in_on_gpu(half, G, T):
     if len(fwd) == 2:                                  # HIP (warp or block per row) vs Numba (thread per row)
         _within_one_ulp_mostly(fwd["hip"], fwd["numba"], f"{half} forward: hip vs numba")
         _within_one_ulp_mostly(bwd["hip"], bwd["numba"], f"{half} backward: hip vs numba", half, slack)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", HALVES)
+def test_hip_half_in_rows_off_16_bytes_take_the_scalar_kernels(half):
+    """The vectorised kernels need rows on 16 bytes: arrays 8 bytes off it (contiguous views into a larger buffer)
+    run the one-element-per-lane kernels, whose results agree with the vectorised ones to one ulp (exp vs exp2)."""
+    cp, backends = _gpu_backends()
+    K = dict(backends)["hip"]
+    rng = np.random.default_rng()
+    G, T, scale = 4, 256, 1 / 8
+    bits, pre64, mask = _half_pre(rng, G, T, half)
+    att_bits, datt_bits, dref, slack, _ = _half_backward_inputs(rng, G, T, half, scale)
+    results = []
+    for off in (0, 4):                                   # elements: 0 or 8 bytes off the 256-byte allocation start
+        def put(a, off=off):
+            big = cp.full(a.size + off, POISON16, cp.uint16)
+            big[off:] = cp.asarray(a).ravel()
+            return big[off:].reshape(a.shape)
+        pre, att, datt = put(bits), put(att_bits), put(datt_bits)
+        out, dpre = put(np.full(bits.shape, POISON16, np.uint16)), put(np.full(bits.shape, POISON16, np.uint16))
+        assert (out.data.ptr % 16 == 0) == (off == 0)
+        K.attention_softmax_forward(pre, None, scale, att_half=out, half=half)
+        K.attention_softmax_backward(att, datt, dpre, scale, half=half)
+        fwd, bwd = cp.asnumpy(out), cp.asnumpy(dpre)
+        _assert_half_within_one_ulp(fwd, _reference_softmax(pre64, mask, scale), half, err_msg=f"forward, offset {off}")
+        _assert_half_within_one_ulp(bwd, dref, half, err_msg=f"backward, offset {off}", slack=slack)
+        results.append((fwd, bwd))
+    _within_one_ulp_mostly(results[0][0], results[1][0], f"{half} forward: 16-byte rows vs 8-byte rows")
+    _within_one_ulp_mostly(results[0][1], results[1][1], f"{half} backward: 16-byte rows vs 8-byte rows", half, slack)

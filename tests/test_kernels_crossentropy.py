@@ -233,6 +233,7 @@ def _half_values(bits, half):
 
 def _check_half(mod, arrays, N, V, half, seed):
     logits, targets = _inputs(N, V, seed=seed)
+    targets[0], targets[-1] = V - 1, 0                        # the one-hot at both ends of a row (the float4 path)
     losses = to_backend(np.full(N, np.nan, np.float32), arrays)
     dl = to_backend(np.full((N, V), 0xFFFF, np.uint16), arrays)
     mod.crossentropy_forward_backward_half(to_backend(logits, arrays), to_backend(targets, arrays), losses, dl,
@@ -266,7 +267,9 @@ def test_half_dlogits_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hip", "numba"])
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
-def test_half_dlogits_on_gpu(backend, half):
+@pytest.mark.parametrize("N, V", [(257, 50304), (33, 50257), (7, 4)], ids=["50304", "50257", "4"])
+def test_half_dlogits_on_gpu(backend, half, N, V):
+    """HIP: V % 4 == 0 runs the float4 entry point (half4), V = 50257 the scalar one."""
     if backend == "numba" and not device.numba_on_gpu():
         pytest.skip("Numba on an NVIDIA GPU only")
     if backend == "hip":
@@ -274,4 +277,4 @@ def test_half_dlogits_on_gpu(backend, half):
         arrays = "cupy"
     else:
         mod, arrays = ce, "numba"
-    _check_half(mod, arrays, 257, 50304, half, seed=7)
+    _check_half(mod, arrays, N, V, half, seed=7)

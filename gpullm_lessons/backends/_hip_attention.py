@@ -15,6 +15,9 @@ Half inputs (half in, half out, one format): pre as half bits with att=None and 
 attention_softmax_fwd_w{K}_<bf16|f16>_in (block per row: attention_softmax_fwd_<bf16|f16>_in); datt as half bits with
 att and dpre half bits of the same format runs attention_dpre_w{K}_<fmt>_<fmt>_<fmt> (block per row:
 attention_dpre_<fmt>_<fmt>_<fmt>; the three formats are att, datt, dpre). Every sum fp32.
+Those two half-in calls take the vectorised entry points attention_softmax_fwd_v{C}_<fmt>_in and
+attention_dpre_v{C}_<fmt>_<fmt>_<fmt> when T % 8 == 0, T <= 8 * C * warp size and every row starts on 16 bytes: 8
+elements per 16-byte load or store per lane (the GPT-2 step's scores; _w{K} otherwise).
 """
 import math
 
@@ -91,6 +94,18 @@ def _warp_k(x, T):
     return next((k for k in WARP_K if T <= k * ws), None)
 
 
+VEC_C = (1, 2, 4, 8)            # the vectorised half-in entry points: 8-element chunks per lane (T <= 8 * C * warp size)
+
+
+def _vec_c(T, arrays):
+    """The smallest C of VEC_C with T <= 8 * C * warp size, when T % 8 == 0 and every array's rows start on 16 bytes
+    (16-byte loads of 8 half elements), or None."""
+    if T % 8 or any(a.data.ptr % 16 for a in arrays):
+        return None
+    ws = _warp_size(arrays[0])
+    return next((c for c in VEC_C if T <= 8 * c * ws), None)
+
+
 def _warp_grid(x, rows):
     per_block = WARP_BLOCK // _warp_size(x)
     return ((rows + per_block - 1) // per_block,), (WARP_BLOCK,)
@@ -110,7 +125,12 @@ def attention_softmax_forward(pre, att, scale, att_half=None, half=None, threads
         return
     K = _warp_k(pre, T)
     if pf != FMT_F32:                              # half in, half out (att None)
-        if K:
+        C = _vec_c(T, (pre, att_half))
+        if C:                                      # 16-byte chunks per lane
+            grid, block = _warp_grid(pre, rows)
+            hip.kernel("attention", f"attention_softmax_fwd_v{C}_{_fmt(pf)}_in")(
+                grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale)))
+        elif K:
             grid, block = _warp_grid(pre, rows)
             hip.kernel("attention", f"attention_softmax_fwd_w{K}_{_fmt(pf)}_in")(
                 grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale)))
@@ -148,7 +168,12 @@ def attention_softmax_backward(att, datt, dpre, scale, half=None, threads=256):
     K = _warp_k(att, T)
     if df != FMT_F32:                              # att, datt, dpre: half bits of one format
         f = _fmt(df)
-        if K:
+        C = _vec_c(T, (att, datt, dpre))
+        if C:                                      # 16-byte chunks per lane
+            grid, block = _warp_grid(att, rows)
+            hip.kernel("attention", f"attention_dpre_v{C}_{f}_{f}_{f}")(
+                grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))
+        elif K:
             grid, block = _warp_grid(att, rows)
             hip.kernel("attention", f"attention_dpre_w{K}_{f}_{f}_{f}")(
                 grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))

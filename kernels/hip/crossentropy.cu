@@ -262,3 +262,47 @@ extern "C" __global__ void crossentropy_forward_backward_half_f16(const float* _
         int V) {
     ce_fwd_bwd<true, 2>(logits, targets, losses, dlogits, N, V);
 }
+
+// ---- the same, float4 loads (v4's statistics pass) and 4 half dlogits per 8-byte store ----------------------------
+// The scalar kernel above moved ~1.65 TB/s on GPT-2's (16384, 50304) logits (H200, 3.0 ms): one 4-byte load per
+// thread per element, read twice. Needs V % 4 == 0, logits on 16 bytes and dlogits on 8 (the launcher checks).
+template <int HF>
+__device__ __forceinline__ void ce_fwd_bwd_half4(const float* __restrict__ logits, const int* __restrict__ targets,
+                                                 float* __restrict__ losses, unsigned short* __restrict__ dlogits,
+                                                 int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
+    int row = blockIdx.x;
+    if (row >= N) return;                                 // the whole block leaves together
+    const float* x = logits + (long long)row * V;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    uint2* d2 = reinterpret_cast<uint2*>(dlogits + (long long)row * V);   // 4 half dlogits per uint2
+    int t = targets[row], V4 = V / 4;
+    float m = CE_EMPTY, s = 0.0f;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) online_update4(m, s, x4[j]);
+    block_stats_shfl(sh_m, sh_s, m, s);                   // every thread: the row's (max, sum)
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - x[t];
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        float4 v = x4[j];                                 // second read of the row (L2 if it is still there)
+        float p[4] = {expf(v.x - m) * inv_s, expf(v.y - m) * inv_s, expf(v.z - m) * inv_s, expf(v.w - m) * inv_s};
+        if (j == t / 4) p[t % 4] -= 1.0f;                 // the one-hot 1 of the target
+        unsigned short h[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) h[i] = f32_to_half_bits<HF>(p[i] * inv_n);
+        d2[j] = make_uint2((unsigned int)h[0] | ((unsigned int)h[1] << 16), (unsigned int)h[2] | ((unsigned int)h[3] << 16));
+    }
+}
+
+extern "C" __global__ void crossentropy_forward_backward_half4_bf16(const float* __restrict__ logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* __restrict__ dlogits, int N,
+        int V) {
+    ce_fwd_bwd_half4<1>(logits, targets, losses, dlogits, N, V);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_half4_f16(const float* __restrict__ logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* __restrict__ dlogits, int N,
+        int V) {
+    ce_fwd_bwd_half4<2>(logits, targets, losses, dlogits, N, V);
+}
