@@ -35,6 +35,7 @@ def hip_module():
 def small_grid(monkeypatch):
     """The simulator runs every thread in Python: cap the grid at 2 blocks (the grid-stride loop covers the rest)."""
     monkeypatch.setattr(nb, "MAX_BLOCKS", 2)
+    monkeypatch.setattr(nb, "SIM_MAX_BLOCKS", 2)
 
 
 def random_table(rng, n, k=16):

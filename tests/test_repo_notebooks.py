@@ -28,9 +28,9 @@ def test_solutions_score_full_and_fresh_exercises_score_zero():
     only on a machine without a GPU; on a GPU every task is scored."""
     expected = sum(len(find_tasks(nb)) for nb in (ROOT / "solutions").glob("*.ipynb"))
     allowed = {"correct"} | (set() if device.has_gpu() else {"skipped"})
-    solved = grade(ROOT / "solutions", timeout=900)
+    solved = grade(ROOT / "solutions", timeout=900, workers=2)     # two notebooks at a time (also tests workers=)
     assert len(solved.tasks) == expected and solved.score == solved.total > 0, solved.format()
     assert {row.status for row in solved.tasks} <= allowed, solved.format()
-    fresh = grade(ROOT / "exercises", timeout=900)
+    fresh = grade(ROOT / "exercises", timeout=900, workers=2)
     assert len(fresh.tasks) == expected and fresh.score == 0 and fresh.total == solved.total, fresh.format()
     assert {row.status for row in fresh.tasks} <= {"not attempted"} | (allowed - {"correct"}), fresh.format()
