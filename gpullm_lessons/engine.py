@@ -30,6 +30,9 @@ statistics, the GELU input, the loss and every sum stay fp32; the tensors that o
 LayerNorm outputs, q, k, v, the attention probabilities, the attention output, the GELU output, the gradients
 entering a product, and in bf16 dlogits) are written in half by the kernel that produces them (no fp32 copy, no
 conversion pass) and kept in half; the softmax backward reads the half probabilities and writes dpre in half.
+The attention scores q @ k.T and their gradient datt (the largest tensors, (B*nh, T, T)) are rounded to half by
+cuBLAS itself on the way out (versions["scores"] = "half", the default; "f32" keeps them fp32), and the softmax
+kernels read them in half.
 fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits is multiplied by the scale before it is
 rounded to fp16, the step is skipped when the one-pass non-finite count of the gradient buffer is not 0, and AdamW
 divides by the scale in its gradient read (grad_scale).
@@ -903,9 +906,10 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     dl = 2 if precision == "bf16" else 4                                  # dlogits: bf16 from the loss kernel
     top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4                # h, meanf, rstdf, lnf_mm, dlogits, idx
     activations = L * kept_block + top
-    # forward: one temporary at a time beside the growing cache: qkv before the head split, the fp32 scores
-    # before the half softmax output (half runs), y before merge_heads, the block output; under selective the
-    # matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on return)
+    # forward: one temporary at a time beside the growing cache: qkv before the head split, the scores (half or
+    # fp32: half_scores) before the half softmax output (half runs), y before merge_heads, the block output; under
+    # selective the matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on
+    # return)
     ts = e if (half and half_scores) else f                              # bytes of a score / its gradient
     fwd_block = max(3 * NC * f, TT * ts * half, NC * f)
     if policy == "selective":

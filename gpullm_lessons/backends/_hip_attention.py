@@ -94,7 +94,7 @@ def _warp_k(x, T):
     return next((k for k in WARP_K if T <= k * ws), None)
 
 
-VEC_C = (1, 2, 4, 8)            # the vectorised half-in entry points: 8-element chunks per lane (T <= 8 * C * warp size)
+VEC_C = (1, 2, 4, 8)            # the vectorised half-in entry points: 8-element chunks per lane, T <= 8 * C * warp size
 
 
 def _vec_c(T, arrays):

@@ -337,11 +337,8 @@ template <int FMT> __device__ __forceinline__ void unpack8(uint4 q, float* f) {
 }
 
 template <int FMT> __device__ __forceinline__ uint4 pack8(const float* f) {
-    unsigned int w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        w[i] = (unsigned int)f32_to_half_bits<FMT>(f[2 * i]) | ((unsigned int)f32_to_half_bits<FMT>(f[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(pack_half2<FMT>(f[0], f[1]), pack_half2<FMT>(f[2], f[3]), pack_half2<FMT>(f[4], f[5]),
+                      pack_half2<FMT>(f[6], f[7]));
 }
 
 template <int C, int HF>

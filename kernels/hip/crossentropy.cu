@@ -288,10 +288,7 @@ __device__ __forceinline__ void ce_fwd_bwd_half4(const float* __restrict__ logit
         float4 v = x4[j];                                 // second read of the row (L2 if it is still there)
         float p[4] = {expf(v.x - m) * inv_s, expf(v.y - m) * inv_s, expf(v.z - m) * inv_s, expf(v.w - m) * inv_s};
         if (j == t / 4) p[t % 4] -= 1.0f;                 // the one-hot 1 of the target
-        unsigned short h[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) h[i] = f32_to_half_bits<HF>(p[i] * inv_n);
-        d2[j] = make_uint2((unsigned int)h[0] | ((unsigned int)h[1] << 16), (unsigned int)h[2] | ((unsigned int)h[3] << 16));
+        d2[j] = make_uint2(pack_half2<HF>(p[0] * inv_n, p[1] * inv_n), pack_half2<HF>(p[2] * inv_n, p[3] * inv_n));
     }
 }
 

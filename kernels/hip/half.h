@@ -28,3 +28,9 @@ __device__ __forceinline__ unsigned short f32_to_f16_bits(float x) {
 template <int H> __device__ __forceinline__ unsigned short f32_to_half_bits(float x) {
     return H == 1 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
 }
+
+// Two float32 values rounded to format H and packed into 32 bits, a in the low half (the element at the lower address
+// on little-endian GPUs): vectorised half stores (attention.cu's pack8, crossentropy.cu's half4 variant).
+template <int H> __device__ __forceinline__ unsigned int pack_half2(float a, float b) {
+    return (unsigned int)f32_to_half_bits<H>(a) | ((unsigned int)f32_to_half_bits<H>(b) << 16);
+}
