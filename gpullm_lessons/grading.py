@@ -1,27 +1,35 @@
-"""Grading: checkers record verdicts, the grader runs each notebook in a fresh kernel and collects them.
+"""Grading: the grader runs each notebook in a fresh kernel, then makes its own checker calls there.
 
-The protocol
-------------
-Every checker in ``gpullm_lessons.checks`` ends with::
+What counts
+-----------
+The list of tasks comes from the instructor's notebooks (``solutions/``), never from the notebook being graded:
+every top-level call ``check_xxx(...)`` in a code cell of the instructor's notebook is a task, labelled by its
+``task="..."`` keyword (or ``xxx``), with the difficulty its markdown gives it (a line ``### Task 03.2 · core —
+title``: ``warm-up``, ``core`` or ``stretch``).
 
-    record(check="check_linear_backward", task="02.1 linear backward", status="correct", message="max err 3e-7")
+A verdict counts only if the grader's own checker call produced it. The grader runs the learner's notebook top to
+bottom in a fresh kernel (cells made only of checker calls are skipped: the grader makes those calls itself), then,
+for each task, executes the instructor's checker call in that kernel with ``seed=`` set to a secret random number
+drawn after the learner's cells ran and the checker looked up by name in its module (``gpullm_lessons.checks`` ...),
+not in the notebook. Its verdict comes back on the cell's output tagged with a one-time token. Whatever the
+notebook printed, recorded (``record``) or defined (extra ``check_*`` calls, invented task labels) is ignored.
 
-``record`` appends one JSON line to the file named by the environment variable ``GPULLM_GRADE_LOG``. In a
-learner's own Jupyter session that variable is unset and ``record`` does nothing; it never raises.
+What it cannot stop: code that runs in the same kernel can still patch the checker module, the printing, or the
+kernel itself before the grader's calls. ``strict=True`` (``--strict``) narrows that: the notebook that runs is the
+instructor's, with only the cells that hold an exercise (a ``### BEGIN SOLUTION`` region in the instructor's
+copy) taken from the learner's notebook, matched by cell id; every other cell the learner changed or added is
+dropped. The learner's code in those cells still runs in the kernel: for a class where grades matter, run the
+grader under a separate user or container per learner (see README, "Grading").
 
-The grader
-----------
-``grade("exercises")`` runs every ``*.ipynb`` of a folder, each in a fresh kernel inside its own subprocess
-(``python -m gpullm_lessons.grading _run NB LOG``), with ``GPULLM_GRADE_LOG`` pointing to a per-notebook log.
-Cells run with errors allowed, so a failing cell only costs the tasks that depend on it. A notebook that hangs
-is killed (subprocess and kernel) after ``timeout`` seconds; one that kills its kernel (``os._exit``) stops
-there. Either way only that notebook's remaining tasks are lost.
+``record`` (called by every checker) appends the verdict to ``$GPULLM_GRADE_LOG`` when that is set; the grader no
+longer reads it (it is kept for tools that watch a learner's own session) and never sets it for the kernel.
 
-Which tasks a notebook has is found statically (``find_tasks``): every top-level call ``check_xxx(...)`` in a
-code cell is a task, labelled by its ``task="..."`` keyword or else by ``xxx``. Each task gets the verdict its
-checker recorded, or "not run" with the reason (timeout, kernel died, the cell's error).
+Failures: a cell's error costs only the tasks whose functions it should have defined; a cell that runs past the
+cell timeout is interrupted and the notebook goes on; a kernel that dies is restarted and the notebook runs again
+without the cell that killed it; a notebook past its total timeout is killed (subprocess and kernel) and its
+tasks without a verdict are "not run".
 
-CLI: ``python -m gpullm_lessons grade [DIR] [--json PATH] [--timeout S] [--workers N]``.
+CLI: ``python -m gpullm_lessons grade [DIR] [--solutions DIR] [--strict] [--json PATH] [--timeout S] [--workers N]``.
 """
 from __future__ import annotations
 
@@ -31,10 +39,13 @@ import dataclasses
 import json
 import math
 import os
+import re
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,15 +53,22 @@ from typing import Callable, Optional
 
 LOG_ENV = "GPULLM_GRADE_LOG"
 NOTEBOOK_ENV = "GPULLM_GRADE_NOTEBOOK"
-STATUSES = ("correct", "wrong", "not attempted", "error", "skipped")
-# "skipped": the task needs a GPU and this machine has none. It is listed but left out of the total.
-UNSCORED = ("skipped",)
+STATUSES = ("correct", "wrong", "not attempted", "error", "skipped", "compiled")
+# "skipped": the task needs a GPU and this machine has none. "compiled": a HIP task without a GPU: compiled for
+# both vendors and linted, not run. Both are listed but left out of the total.
+UNSCORED = ("skipped", "compiled")
 NOT_RUN = "not run"
+LEVELS = ("warm-up", "core", "stretch")
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds the gpullm_lessons package
+DEFAULT_SOLUTIONS = REPO_ROOT / "solutions"
+TASK_LINE_RE = re.compile(r"^#+\s*Task\s+(?P<id>\d+\.\d+)\s*[·:\-]\s*(?P<level>warm-up|core|stretch)\b\s*[—–:-]*\s*"
+                          r"(?P<title>.*)$", re.MULTILINE)
+TASK_ID_RE = re.compile(r"^\s*(\d+\.\d+)\b")
+_MAX_RESTARTS = 2  # a kernel that dies is restarted this often (without the cells that killed it)
 
 
 # --------------------------------------------------------------------------------------------------
-# record: called by checkers inside the learner's kernel
+# record: called by checkers inside the learner's kernel (not counted by the grader)
 # --------------------------------------------------------------------------------------------------
 def record(check, task=None, status="error", message="") -> None:
     """Append one verdict as a JSON line to $GPULLM_GRADE_LOG; do nothing when it is unset. Never raises."""
@@ -77,24 +95,22 @@ def _strip_check(name: str) -> str:
     return name[len("check_"):] if name.startswith("check_") else name
 
 
-def verdict_key(entry: dict) -> str:
-    """What a recorded verdict matches against a task: its task label, else the checker name without check_."""
-    task = entry.get("task")
-    return str(task) if task not in (None, "") else _strip_check(str(entry.get("check", "")))
-
-
 # --------------------------------------------------------------------------------------------------
-# Static task discovery
+# Static task discovery (in the instructor's notebook)
 # --------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Task:
     notebook: str  # file name, e.g. "02_linear.ipynb"
     label: str  # unique within the notebook ("softmax_backward", "softmax_backward #2", "03.2 ...")
     check: str  # the checker called, e.g. "check_softmax_backward"
-    key: str  # what a recorded verdict must carry to match (task= literal, else check name without check_)
+    key: str  # the task= literal, else the check name without check_
     cell: int  # index of the cell in the notebook (markdown cells count)
     line: int  # 1-based line of the call in the cell
     named: bool = False  # the label came from a task="..." literal
+    call: str = ""  # the call's source text, as the instructor wrote it
+    module: str = ""  # the module the checker is imported from ("" when the notebook does not import it)
+    attr: str = ""  # the checker's name in that module
+    level: str = ""  # "warm-up" | "core" | "stretch" | "" (no "### Task NN.k · level" line for it)
 
 
 def _strip_magics(source: str) -> str:
@@ -114,6 +130,11 @@ def _strip_magics(source: str) -> str:
     return "\n".join(lines)
 
 
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
 def _checker_calls(tree: ast.AST) -> list[ast.Call]:
     """Calls to ``check_*`` (plain or attribute) that run when the cell runs: calls inside function or class
     bodies are skipped (a checker defined in a notebook may call helpers named check_*)."""
@@ -123,29 +144,58 @@ def _checker_calls(tree: ast.AST) -> list[ast.Call]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
                 continue
-            if isinstance(child, ast.Call):
-                func = child.func
-                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-                if name.startswith("check_"):
-                    calls.append(child)
+            if isinstance(child, ast.Call) and _call_name(child).startswith("check_"):
+                calls.append(child)
             visit(child)
 
     visit(tree)
     return sorted(calls, key=lambda c: (c.lineno, c.col_offset))
 
 
-def find_tasks(nb_path) -> list[Task]:
-    """The graded tasks of a notebook, in order, found by parsing its code cells (nothing is executed).
+def _imports(trees) -> dict[str, tuple[str, str]]:
+    """name in the notebook -> (module, attribute) for ``from M import a as b`` / ``import M as m`` (attr "")."""
+    names: dict[str, tuple[str, str]] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    names[a.asname or a.name] = (node.module, a.name)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    names[a.asname or a.name.split(".")[0]] = (a.name if a.asname else a.name.split(".")[0], "")
+    return names
 
-    A task is a call ``check_xxx(...)``; its label is the ``task="..."`` string literal if given, else ``xxx``.
-    Cells that do not parse are skipped. A label seen again gets " #2", " #3", ... so labels are unique.
-    """
-    import nbformat
 
-    nb_path = Path(nb_path)
-    nb = nbformat.read(str(nb_path), as_version=4)
-    tasks: list[Task] = []
-    seen: dict[str, int] = {}
+def _resolve(call: ast.Call, names: dict) -> tuple[str, str]:
+    """(module, attribute) of the checker a call refers to, or ("", "") when the notebook does not import it."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        module, attr = names.get(func.id, ("", ""))
+        return (module, attr) if attr else ("", "")
+    if isinstance(func, ast.Attribute):
+        parts, node = [func.attr], func.value
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            module, attr = names[node.id]
+            base = f"{module}.{attr}" if attr else module
+            path = list(reversed(parts))
+            return ".".join([base] + path[:-1]), path[-1]
+    return "", ""
+
+
+def task_levels(nb) -> dict[str, tuple[str, str]]:
+    """Task id ("03.2") -> (level, title), from the ``### Task 03.2 · core — title`` lines of markdown cells."""
+    levels = {}
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for m in TASK_LINE_RE.finditer(cell.source):
+                levels[m.group("id")] = (m.group("level"), m.group("title").strip())
+    return levels
+
+
+def _code_cells(nb):
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
@@ -154,16 +204,116 @@ def find_tasks(nb_path) -> list[Task]:
             tree = ast.parse(_strip_magics(source))
         except SyntaxError:
             continue
+        yield index, source, tree
+
+
+def find_tasks(nb_path) -> list[Task]:
+    """The graded tasks of an instructor's notebook, in order, found by parsing its code cells (nothing runs).
+
+    A task is a call ``check_xxx(...)``; its label is the ``task="..."`` string literal if given, else ``xxx``.
+    Cells that do not parse are skipped. A label seen again gets " #2", " #3", ... so labels are unique.
+    """
+    import nbformat
+
+    nb_path = Path(nb_path)
+    nb = nbformat.read(str(nb_path), as_version=4)
+    cells = list(_code_cells(nb))
+    names = _imports(tree for _, _, tree in cells)
+    levels = task_levels(nb)
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for index, source, tree in cells:
+        stripped = _strip_magics(source)
         for call in _checker_calls(tree):
-            check = call.func.id if isinstance(call.func, ast.Name) else call.func.attr
+            check = _call_name(call)
             key, named = _strip_check(check), False
             for kw in call.keywords:
                 if kw.arg == "task" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
                     key, named = kw.value.value, True
             seen[key] = seen.get(key, 0) + 1
             label = key if seen[key] == 1 else f"{key} #{seen[key]}"
-            tasks.append(Task(nb_path.name, label, check, key, index, call.lineno, named))
+            module, attr = _resolve(call, names)
+            m = TASK_ID_RE.match(key)
+            level = levels.get(m.group(1), ("", ""))[0] if m else ""
+            tasks.append(Task(nb_path.name, label, check, key, index, call.lineno, named,
+                              ast.get_source_segment(stripped, call) or "", module, attr, level))
     return tasks
+
+
+def checker_only_cells(nb) -> set[int]:
+    """Indices of code cells made only of top-level checker calls (``check_x(...);`` lines): the grader skips
+    them in the learner's notebook and makes the calls itself."""
+    skip = set()
+    for index, _, tree in _code_cells(nb):
+        body = tree.body
+        if body and all(isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                        and _call_name(s.value).startswith("check_") for s in body):
+            skip.add(index)
+    return skip
+
+
+def exercise_cell_ids(nb) -> set[str]:
+    """Ids of the instructor's cells that hold a solution region (what --strict takes from the learner)."""
+    from .exercises import BEGIN_RE
+    ids = set()
+    for cell in nb.cells:
+        if cell.cell_type == "code" and any(BEGIN_RE.match(line) for line in cell.source.split("\n")):
+            ids.add(cell.get("id"))
+    return ids - {None}
+
+
+# --------------------------------------------------------------------------------------------------
+# The grader's own checker calls
+# --------------------------------------------------------------------------------------------------
+def grader_call(task: Task, seed: int, token: str) -> str:
+    """The code of the cell that makes ``task``'s checker call in the learner's kernel and prints its verdict on
+    one line that starts with ``token``. The checker is taken from its module, never from the notebook's names;
+    ``seed`` replaces any seed the call had, ``quiet=True`` and the task label are set."""
+    tree = ast.parse(task.call, mode="eval")
+    call = tree.body
+    call.func = ast.Name(id="__gpullm_checker", ctx=ast.Load())
+    call.keywords = [kw for kw in call.keywords if kw.arg not in ("seed", "quiet", "task")] + [
+        ast.keyword(arg="seed", value=ast.Constant(seed)), ast.keyword(arg="quiet", value=ast.Constant(True)),
+        ast.keyword(arg="task", value=ast.Constant(task.key))]
+    expr = ast.unparse(ast.fix_missing_locations(tree))
+    return f'''\
+def __gpullm_grade():
+    import importlib, json, sys
+    out = {{"status": "error", "message": ""}}
+    try:
+        __gpullm_checker = getattr(importlib.import_module({task.module!r}), {task.attr!r})
+    except Exception as exc:
+        out["message"] = "the grader could not import its checker {task.module}.{task.attr}: " + repr(exc)
+    else:
+        try:
+            r = {expr}
+            out = {{"status": str(getattr(r, "status", "")), "message": str(getattr(r, "message", ""))}}
+        except NameError as exc:
+            out = {{"status": "{NOT_RUN}", "message": "the notebook does not define " + repr(getattr(exc, "name", None) or str(exc))
+                   + " by the end (its cell failed, was not run, or renamed it)"}}
+        except Exception as exc:
+            out = {{"status": "error", "message": "the checker call failed: " + type(exc).__name__ + ": " + str(exc)}}
+    print({token!r} + json.dumps(out), flush=True)
+__gpullm_grade()
+del __gpullm_grade
+'''
+
+
+# Run once before the grader's calls: drop the IPython hooks and tracers the notebook may have installed.
+_CLEANUP = '''\
+def __gpullm_cleanup():
+    import builtins, sys
+    ip = get_ipython()
+    for name in ("pre_run_cell", "post_run_cell", "pre_execute", "post_execute"):
+        ip.events.callbacks[name] = [f for f in ip.events.callbacks.get(name, []) if getattr(f, "__module__", "")
+                                     .startswith(("IPython", "ipykernel", "matplotlib", "matplotlib_inline"))]
+    ip.input_transformers_post[:] = []
+    sys.settrace(None)
+    sys.setprofile(None)
+    sys.stdout.flush()
+__gpullm_cleanup()
+del __gpullm_cleanup
+'''
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,6 +327,7 @@ class TaskResult:
     points: int  # 1 if correct else 0
     message: str = ""
     check: str = ""
+    level: str = ""
 
 
 @dataclasses.dataclass
@@ -222,22 +373,42 @@ class Report:
     def task(self, notebook: str, label: str) -> TaskResult:
         return next(t for t in self.tasks if t.notebook == notebook and t.task == label)
 
+    def by_level(self) -> dict[str, tuple[int, int]]:
+        """level -> (score, total), for the levels that have scored tasks."""
+        out = {}
+        for level in LEVELS + ("",):
+            rows = [t for t in self.tasks if t.level == level and t.status not in UNSCORED]
+            if rows:
+                out[level or "unlevelled"] = (sum(t.points for t in rows), len(rows))
+        return out
+
     def format(self) -> str:
-        """Fixed-width table: one row per task, then a line per notebook and the total line."""
+        """Fixed-width table: one row per task, then a line per notebook, per difficulty, and the total."""
         nb_w = min(max([len("notebook")] + [len(t.notebook) for t in self.tasks]), 48)
-        task_w = min(max([len("task")] + [len(t.task) for t in self.tasks]), 40)
+        task_w = min(max([len("task")] + [len(t.task) for t in self.tasks]), 44)
         st_w = max([len("status")] + [len(s) for s in STATUSES + (NOT_RUN,)])
-        header = f"{'notebook':<{nb_w}}  {'task':<{task_w}}  {'status':<{st_w}}  pts  message"
+        lv_w = max(len(s) for s in LEVELS + ("level",))
+        header = f"{'notebook':<{nb_w}}  {'task':<{task_w}}  {'level':<{lv_w}}  {'status':<{st_w}}  pts  message"
         lines = [header, "-" * len(header)]
         for t in self.tasks:
-            lines.append(f"{_fit(t.notebook, nb_w):<{nb_w}}  {_fit(t.task, task_w):<{task_w}}  "
+            lines.append(f"{_fit(t.notebook, nb_w):<{nb_w}}  {_fit(t.task, task_w):<{task_w}}  {t.level:<{lv_w}}  "
                          f"{t.status:<{st_w}}  {t.points:>3}  {_fit(t.message, 100)}".rstrip())
         lines.append("")
         for n in self.notebooks:
             note = f"  [{n.failure}]" if n.failure else ""
             lines.append(f"{n.notebook}: {n.score}/{n.total} ({_pct(n.score, n.total)}){note}")
-        skipped = len(self.tasks) - self.total
-        note = f"  ({skipped} task{'s' if skipped != 1 else ''} skipped: need a GPU)" if skipped else ""
+        levels = self.by_level()
+        if levels:
+            lines.append("by difficulty: " + ", ".join(f"{lv} {s}/{t}" for lv, (s, t) in levels.items()))
+        notes = []
+        compiled = sum(1 for t in self.tasks if t.status == "compiled")
+        skipped = sum(1 for t in self.tasks if t.status == "skipped")
+        if compiled:
+            notes.append(f"{compiled} HIP task{'s' if compiled != 1 else ''} compiled for both vendors and "
+                         f"linted, not run: no GPU")
+        if skipped:
+            notes.append(f"{skipped} task{'s' if skipped != 1 else ''} skipped: need a GPU")
+        note = f"  ({'; '.join(notes)})" if notes else ""
         lines.append(f"score: {self.score}/{self.total} ({_pct(self.score, self.total)}){note}")
         return "\n".join(lines)
 
@@ -249,6 +420,7 @@ class Report:
             "score": self.score,
             "total": self.total,
             "percent": round(self.percent, 1),
+            "by_level": {k: {"score": s, "total": t} for k, (s, t) in self.by_level().items()},
             "notebooks": [dataclasses.asdict(n) for n in self.notebooks],
             "tasks": [dataclasses.asdict(t) for t in self.tasks],
         }
@@ -261,7 +433,7 @@ class Report:
 
 
 # --------------------------------------------------------------------------------------------------
-# Merging a run's log with the static tasks
+# Reading a run's log
 # --------------------------------------------------------------------------------------------------
 def _read_log(path: Path) -> list[dict]:
     entries = []
@@ -279,114 +451,37 @@ def _read_log(path: Path) -> list[dict]:
     return entries
 
 
-def merge(tasks: list[Task], entries: list[dict], notebook: str, *, stop_reason: Optional[str] = None
-          ) -> tuple[list[TaskResult], list[str]]:
-    """Give each static task its verdict from a run log (verdicts and runner events, in order).
-
-    A verdict belongs to the cell that was running when it was recorded. Within a cell, a task takes the
-    LAST verdict with its key (the n-th of n duplicate calls takes the last, earlier ones take theirs in
-    order). A call without ``task=`` whose checker recorded a label of its own takes the verdict its checker
-    recorded in that cell. A task still without a verdict takes the last unclaimed verdict with its key from
-    anywhere (a checker called through a helper). Tasks left over are "not run" with the reason.
-    Verdicts matching no task at all are added as extra tasks. Returns (results, cell errors).
-    """
-    verdicts = []  # (cell or None, key, entry)
+def results_from_log(tasks: list[Task], entries: list[dict], notebook: str, *, stop_reason: Optional[str] = None
+                     ) -> tuple[list[TaskResult], list[str]]:
+    """Each task's verdict from the runner's log: only ``verdict`` events, which the runner writes from the
+    output of the grader's own calls. Tasks without one are "not run" with the reason. Returns (results, cell
+    errors)."""
+    verdicts: dict[str, dict] = {}
     cell_errors: dict[int, str] = {}
-    started: set[int] = set()
-    stop_cell: Optional[int] = None
-    current: Optional[int] = None
     for e in entries:
         event = e.get("_event")
-        if event is None:
-            if "status" in e:
-                verdicts.append((current, verdict_key(e), e))
-        elif event == "cell":
-            current = e.get("cell")
-            started.add(current)
+        if event == "verdict":
+            verdicts[str(e.get("task"))] = e
         elif event == "cell_error":
             cell_errors.setdefault(e.get("cell"), f"{e.get('ename')}: {' '.join(str(e.get('evalue')).split())}")
-        elif event in ("kernel_died", "cell_timeout"):
-            stop_cell = e.get("cell")
-    if stop_reason is not None and stop_cell is None:
-        stop_cell = current  # killed from outside while this cell ran (None: before any cell started)
-
-    assigned: dict[int, dict] = {}  # task index -> verdict entry
-    claimed: set[int] = set()  # verdict indices
-
-    def assign(task_ids: list[int], verdict_ids: list[int]):
-        m, r = len(task_ids), len(verdict_ids)
-        for j, ti in enumerate(task_ids):
-            if j < m - 1:
-                vi = verdict_ids[j] if j < r else None
-            else:
-                vi = verdict_ids[-1] if r >= m else None
-            if vi is not None:
-                assigned[ti] = verdicts[vi][2]
-        claimed.update(verdict_ids)
-
-    # 1. by (cell, key)
-    groups: dict[tuple, list[int]] = {}
-    for ti, t in enumerate(tasks):
-        groups.setdefault((t.cell, t.key), []).append(ti)
-    for (cell, key), task_ids in groups.items():
-        vids = [vi for vi, (vc, vk, _) in enumerate(verdicts) if vc == cell and vk == key]
-        if vids:
-            assign(task_ids, vids)
-    # 1b. a call without task= whose checker recorded a label of its own: match by (cell, checker name)
-    groups = {}
-    for ti, t in enumerate(tasks):
-        if ti not in assigned and not t.named:
-            groups.setdefault((t.cell, _strip_check(t.check)), []).append(ti)
-    for (cell, name), task_ids in groups.items():
-        vids = [vi for vi, (vc, _, e) in enumerate(verdicts)
-                if vc == cell and vi not in claimed and _strip_check(str(e.get("check", ""))) == name]
-        if vids:
-            assign(task_ids, vids)
-    # 2. by key alone, for tasks still without a verdict
-    by_key: dict[str, list[int]] = {}
-    for ti, t in enumerate(tasks):
-        if ti not in assigned:
-            by_key.setdefault(t.key, []).append(ti)
-    for key, task_ids in by_key.items():
-        vids = [vi for vi, (_, vk, _) in enumerate(verdicts) if vk == key and vi not in claimed]
-        if vids:
-            assign(task_ids, vids)
-
-    results = []
-    for ti, t in enumerate(tasks):
-        if ti in assigned:
-            v = assigned[ti]
-            status = str(v.get("status"))
-            results.append(TaskResult(notebook, t.label, status, int(status == "correct"),
-                                      str(v.get("message", "")), str(v.get("check", t.check))))
-            continue
-        if stop_reason is not None and (stop_cell is None or t.cell >= stop_cell):
-            reason = stop_reason
-        elif t.cell in cell_errors:
-            reason = f"cell error: {cell_errors[t.cell]} (cell {t.cell})"
-        elif t.cell not in started:
-            reason = "cell not run"
-        else:
-            reason = "no verdict recorded (the checker did not run)"
-        results.append(TaskResult(notebook, t.label, NOT_RUN, 0, reason, t.check))
-
-    # 3. verdicts for tasks not found statically (checker called with a computed task label, ...)
-    static_keys = {t.key for t in tasks}
-    labels = {t.label for t in tasks}
-    extra: dict[str, dict] = {}
-    for vi, (_, key, entry) in enumerate(verdicts):
-        if key not in static_keys and vi not in claimed:
-            extra[key] = entry  # last one wins; dict keeps first-seen order
-    for key, v in extra.items():
-        label, k = key, 1
-        while label in labels:
-            k += 1
-            label = f"{key} #{k}"
-        labels.add(label)
-        status = str(v.get("status"))
-        results.append(TaskResult(notebook, label, status, int(status == "correct"),
-                                  str(v.get("message", "")), str(v.get("check", ""))))
+        elif event == "cell_timeout":
+            cell_errors.setdefault(e.get("cell"), f"interrupted after {e.get('seconds')}s (cell timeout)")
+        elif event == "kernel_died":
+            cell_errors.setdefault(e.get("cell"), "the kernel died in this cell (it was skipped on the rerun)")
     errors = [f"cell {c}: {msg}" for c, msg in sorted(cell_errors.items(), key=lambda kv: (kv[0] is None, kv[0]))]
+    results = []
+    for t in tasks:
+        v = verdicts.get(t.label)
+        if v is not None:
+            status = str(v.get("status"))
+            message = str(v.get("message", ""))
+            if status == NOT_RUN and errors:
+                message += f" (cell errors: {'; '.join(errors)[:300]})"
+            results.append(TaskResult(notebook, t.label, status, int(status == "correct"), message, t.check,
+                                      t.level))
+            continue
+        reason = stop_reason or "no verdict: the grader's call did not run"
+        results.append(TaskResult(notebook, t.label, NOT_RUN, 0, reason, t.check, t.level))
     return results, errors
 
 
@@ -440,9 +535,9 @@ def _kernel_pids(entries: list[dict]) -> list[int]:
     return [int(e["pid"]) for e in entries if e.get("_event") == "kernel" and e.get("pid")]
 
 
-def _child_env(nb_name: str, log: Path) -> dict:
+def _child_env(nb_name: str) -> dict:
     env = os.environ.copy()
-    env[LOG_ENV] = str(log)
+    env.pop(LOG_ENV, None)  # the kernel is never told where the grader's log is
     env[NOTEBOOK_ENV] = nb_name
     # the runner and the kernel import gpullm_lessons from this very tree
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -450,22 +545,44 @@ def _child_env(nb_name: str, log: Path) -> dict:
     return env
 
 
-def _grade_notebook(nb_path: Path, workdir: Path, timeout: float, kernel_name: str,
-                    cell_timeout: Optional[float]) -> tuple[list[TaskResult], NotebookResult]:
+def compose_strict(instructor_nb, learner_nb):
+    """The notebook --strict runs: the instructor's cells, except that each cell holding a solution region is
+    replaced by the learner's cell with the same id (kept as the instructor's when the learner has none)."""
+    import copy
+    ids = exercise_cell_ids(instructor_nb)
+    mine = {c.get("id"): c for c in learner_nb.cells if c.cell_type == "code"}
+    out = copy.deepcopy(instructor_nb)
+    missing = []
+    for i, cell in enumerate(out.cells):
+        if cell.get("id") in ids:
+            if cell.get("id") in mine:
+                cell["source"] = mine[cell.get("id")].source
+            else:
+                missing.append(i)
+                cell["source"] = "raise NotImplementedError('this exercise cell is missing from your notebook')"
+    return out, missing
+
+
+def _grade_notebook(nb_path: Path, tasks: list[Task], workdir: Path, timeout: float, kernel_name: str,
+                    cell_timeout: Optional[float], strict_source: Optional[Path]) -> tuple[list[TaskResult], NotebookResult]:
     name = nb_path.name
     start = time.monotonic()
-    try:
-        tasks = find_tasks(nb_path)
-    except Exception as e:  # not a readable notebook: nothing to run
-        msg = f"unreadable notebook: {type(e).__name__}: {e}"
-        return [], NotebookResult(name, 0, 0, msg, 0.0)
     log = workdir / (nb_path.stem + ".jsonl")
+    plan = workdir / (nb_path.stem + ".plan.json")
     errfile = workdir / (nb_path.stem + ".stderr")
-    cmd = [sys.executable, "-m", "gpullm_lessons.grading", "_run", str(nb_path.resolve()), str(log),
-           "--kernel", kernel_name, "--cell-timeout", str(cell_timeout if cell_timeout else timeout)]
+    token = "@@gpullm-verdict-" + secrets.token_hex(16) + "@@"
+    plan.write_text(json.dumps({
+        "token": token,
+        "calls": [{"task": t.label, "module": t.module, "attr": t.attr, "call": t.call, "key": t.key,
+                   "check": t.check} for t in tasks],
+        "strict_source": str(strict_source) if strict_source else None,
+    }), encoding="utf-8")
+    cell_timeout = cell_timeout if cell_timeout else max(1.0, timeout / 2)
+    cmd = [sys.executable, "-m", "gpullm_lessons.grading", "_run", str(nb_path.resolve()), str(log), str(plan),
+           "--kernel", kernel_name, "--cell-timeout", str(cell_timeout)]
     stop_reason = None
     with open(errfile, "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=str(nb_path.resolve().parent), env=_child_env(name, log),
+        proc = subprocess.Popen(cmd, cwd=str(nb_path.resolve().parent), env=_child_env(name),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)  # own process group: killable as a whole
         try:
@@ -480,61 +597,112 @@ def _grade_notebook(nb_path: Path, workdir: Path, timeout: float, kernel_name: s
     entries = _read_log(log)
     events = {e.get("_event") for e in entries}
     if rc is not None and "done" not in events:
-        # the runner stopped early: make sure no kernel outlives it
-        _kill(_kernel_pids(entries))
-        if "kernel_died" in events:
-            stop_reason = "kernel died"
-        elif "cell_timeout" in events:
-            stop_reason = f"timeout after {cell_timeout if cell_timeout else timeout:g}s"
-        else:
-            msgs = [e.get("message") for e in entries if e.get("_event") == "runner_error"]
-            if not msgs:
-                tail = errfile.read_text(errors="replace").strip().splitlines()
-                msgs = [tail[-1] if tail else f"exit code {rc}"]
-            stop_reason = f"grader failed: {msgs[-1]}"
-    results, errors = merge(tasks, entries, name, stop_reason=stop_reason)
+        _kill(_kernel_pids(entries))  # the runner stopped early: make sure no kernel outlives it
+        msgs = [e.get("message") for e in entries if e.get("_event") in ("runner_error", "gave_up")]
+        if not msgs:
+            tail = errfile.read_text(errors="replace").strip().splitlines()
+            msgs = [tail[-1] if tail else f"exit code {rc}"]
+        stop_reason = msgs[-1] if any(e.get("_event") == "gave_up" for e in entries) else f"grader failed: {msgs[-1]}"
+    results, errors = results_from_log(tasks, entries, name, stop_reason=stop_reason)
     score = sum(r.points for r in results)
     total = sum(1 for r in results if r.status not in UNSCORED)
-    return results, NotebookResult(name, score, total, stop_reason, round(time.monotonic() - start, 2),
-                                   errors)
+    if stop_reason is None and any(e.get("_event") == "kernel_died" for e in entries):
+        stop_reason = "kernel died (restarted without the cell that killed it)"
+    return results, NotebookResult(name, score, total, stop_reason, round(time.monotonic() - start, 2), errors)
+
+
+def _instructor_dir(directory: Path, solutions) -> Path:
+    if solutions is not None:
+        return Path(solutions)
+    # an instructor's folder (named solutions/) is its own source; anything else is graded against the course's
+    return directory if directory.resolve().name == "solutions" or not DEFAULT_SOLUTIONS.is_dir() \
+        else DEFAULT_SOLUTIONS
 
 
 def grade(directory="exercises", timeout: float = 600, kernel_name: str = "python3", workers: int = 1,
-          cell_timeout: Optional[float] = None, progress: Optional[Callable[[str], None]] = None) -> Report:
-    """Run every ``*.ipynb`` in ``directory`` (sorted) in a fresh kernel and collect the checkers' verdicts.
+          cell_timeout: Optional[float] = None, progress: Optional[Callable[[str], None]] = None,
+          solutions=None, strict: bool = False) -> Report:
+    """Grade every notebook of ``directory`` against the instructor's notebooks of the same name.
 
-    timeout: wall-clock seconds per notebook (kernel start included); on expiry the notebook's subprocess
-    and kernel are killed. cell_timeout: seconds per cell (default: timeout). workers: notebooks run at once.
+    solutions: the instructor's folder (default: ``directory`` itself when it is named ``solutions``, else the
+    course's solutions/). A notebook the instructor's folder lacks is listed with no task; one
+    the learner lacks costs its tasks. timeout: wall-clock seconds per notebook (kernel start included); on expiry
+    the notebook's subprocess and kernel are killed. cell_timeout: seconds per cell before it is interrupted
+    (default: timeout / 2). workers: notebooks graded at once. strict: run the instructor's notebook with only
+    the learner's exercise cells (see the module docstring).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"no such directory: {directory}")
-    notebooks = sorted(directory.glob("*.ipynb"))
+    source_dir = _instructor_dir(directory, solutions)
+    if not source_dir.is_dir():
+        raise FileNotFoundError(f"no such directory: {source_dir} (the instructor's notebooks)")
+    instructor = {p.name: p for p in sorted(source_dir.glob("*.ipynb"))}
+    learner = {p.name: p for p in sorted(directory.glob("*.ipynb"))}
+    names = sorted(set(instructor) | set(learner))
     with tempfile.TemporaryDirectory(prefix="gpullm-grade-") as tmp:
-        def one(nb_path):
-            out = _grade_notebook(nb_path, Path(tmp), timeout, kernel_name, cell_timeout)
+        def one(name):
+            if name not in instructor:
+                out = ([], NotebookResult(name, 0, 0, f"not a course notebook (no {name} in {source_dir}): "
+                                                      "not graded", 0.0))
+            else:
+                try:
+                    tasks = find_tasks(instructor[name])
+                except Exception as e:
+                    return [], NotebookResult(name, 0, 0, f"unreadable instructor notebook: {type(e).__name__}: {e}",
+                                              0.0)
+                bad = [t for t in tasks if not t.module]
+                if bad:
+                    raise ValueError(f"{instructor[name]}: the checker {bad[0].check} (cell {bad[0].cell}) is not "
+                                     f"imported from a module; the grader calls checkers by module and name")
+                if name not in learner:
+                    rows = [TaskResult(name, t.label, NOT_RUN, 0, "notebook missing", t.check, t.level)
+                            for t in tasks]
+                    out = (rows, NotebookResult(name, 0, len(rows), "notebook missing", 0.0))
+                else:
+                    out = _grade_notebook(learner[name], tasks, Path(tmp), timeout, kernel_name, cell_timeout,
+                                          instructor[name] if strict else None)
             if progress is not None:
                 n = out[1]
                 note = f" [{n.failure}]" if n.failure else ""
                 progress(f"graded {n.notebook}: {n.score}/{n.total} in {n.seconds:.1f}s{note}")
             return out
 
-        if workers > 1 and len(notebooks) > 1:
+        if workers > 1 and len(names) > 1:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                outs = list(pool.map(one, notebooks))
+                outs = list(pool.map(one, names))
         else:
-            outs = [one(nb) for nb in notebooks]
+            outs = [one(n) for n in names]
     tasks = [r for results, _ in outs for r in results]
     return Report(tasks, [n for _, n in outs], str(directory))
 
 
 # --------------------------------------------------------------------------------------------------
-# The runner: executes one notebook (inside the subprocess that grade() starts)
+# The runner: executes one notebook and the grader's calls (inside the subprocess that grade() starts)
 # --------------------------------------------------------------------------------------------------
-def _run(nb_path: str, log_path: str, kernel_name: str = "python3", cell_timeout: Optional[float] = None) -> int:
+def _verdict_from_outputs(outputs, token: str) -> dict:
+    lines = []
+    for out in outputs:
+        if out.get("output_type") == "stream":
+            lines += [ln for ln in out.get("text", "").splitlines() if ln.startswith(token)]
+    if len(lines) != 1:
+        return {"status": "error", "message": f"the grader's check printed {len(lines)} verdicts instead of one "
+                                              "(the notebook changed how output is printed?)"}
+    try:
+        v = json.loads(lines[0][len(token):])
+    except ValueError:
+        return {"status": "error", "message": "the grader's verdict line was cut"}
+    status = str(v.get("status"))
+    if status not in STATUSES + (NOT_RUN,):
+        return {"status": "error", "message": f"the checker returned status {status!r}"}
+    return {"status": status, "message": " ".join(str(v.get("message", "")).split())[:2000]}
+
+
+def _run(nb_path: str, log_path: str, plan_path: str, kernel_name: str = "python3",
+         cell_timeout: Optional[float] = None) -> int:
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from nbclient.exceptions import DeadKernelError
 
     def event(kind: str, **fields) -> None:
         with open(log_path, "a", encoding="utf-8") as f:
@@ -542,36 +710,109 @@ def _run(nb_path: str, log_path: str, kernel_name: str = "python3", cell_timeout
 
     nb_path = Path(nb_path).resolve()
     try:
+        plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
+        Path(plan_path).unlink()  # the kernel never gets to read it
+        token = plan["token"]
         nb = nbformat.read(str(nb_path), as_version=4)
-        client = NotebookClient(nb, timeout=max(1, math.ceil(cell_timeout)) if cell_timeout else None, kernel_name=kernel_name,
-                                allow_errors=True, interrupt_on_timeout=False, record_timing=False,
-                                shutdown_kernel="immediate", resources={"metadata": {"path": str(nb_path.parent)}})
-        finished = True
-        with client.setup_kernel():
-            event("kernel", pid=getattr(getattr(client.km, "provisioner", None), "pid", None))
-            for index, cell in enumerate(nb.cells):
-                if cell.cell_type != "code" or not cell.source.strip():
-                    continue
-                event("cell", cell=index)
-                try:
-                    client.execute_cell(cell, index)
-                except DeadKernelError:
-                    event("kernel_died", cell=index)
-                    finished = False
-                    break
-                except CellTimeoutError:
-                    event("cell_timeout", cell=index)
-                    finished = False
-                    break
-                for out in cell.get("outputs", []):
-                    if out.get("output_type") == "error":
-                        event("cell_error", cell=index, ename=out.get("ename"), evalue=str(out.get("evalue"))[:500])
+        if plan.get("strict_source"):
+            nb, missing = compose_strict(nbformat.read(plan["strict_source"], as_version=4), nb)
+            for i in missing:
+                event("cell_error", cell=i, ename="MissingCell", evalue="this exercise cell is not in your notebook")
+        skip = checker_only_cells(nb)
+        calls = plan["calls"]
+        timeout = max(1, math.ceil(cell_timeout)) if cell_timeout else None
+        dead: set[int] = set()
+        done: set[str] = set()
+        for attempt in range(_MAX_RESTARTS + 1):
+            client = NotebookClient(nb, timeout=None, kernel_name=kernel_name, allow_errors=True,
+                                    record_timing=False, shutdown_kernel="immediate",
+                                    resources={"metadata": {"path": str(nb_path.parent)}})
+            died = False
+            with client.setup_kernel():
+                kernel_pid = getattr(getattr(client.km, "provisioner", None), "pid", None)
+                event("kernel", pid=kernel_pid)
+
+                def give_up():
+                    event("gave_up", message=f"a cell ran past {timeout}s and did not stop when interrupted")
+                    _kill([kernel_pid] + (_descendants(kernel_pid) if kernel_pid else []))
+                    os._exit(1)
+
+                def execute(cell, index) -> str:
+                    """'ok', 'died' or 'timeout' (interrupted at the cell timeout). A cell that ignores the
+                    interrupt for another cell timeout ends the run (give_up). nbclient's own timeout is not used:
+                    after it, the timed-out cell's output reader swallows the next cells' outputs."""
+                    fired = threading.Event()
+
+                    def interrupt():
+                        fired.set()
+                        try:
+                            os.kill(kernel_pid, signal.SIGINT)
+                        except (TypeError, OSError):
+                            pass
+
+                    timers = [threading.Timer(timeout, interrupt), threading.Timer(2 * timeout, give_up)] \
+                        if timeout else []
+                    for t in timers:
+                        t.daemon = True
+                        t.start()
+                    try:
+                        client.execute_cell(cell, index)
+                    except DeadKernelError:
+                        return "died"
+                    finally:
+                        for t in timers:
+                            t.cancel()
+                    return "timeout" if fired.is_set() else "ok"
+
+                for index, cell in enumerate(nb.cells):
+                    if cell.cell_type != "code" or not cell.source.strip() or index in skip or index in dead:
+                        continue
+                    if attempt == 0:
+                        event("cell", cell=index)
+                    state = execute(cell, index)
+                    if state == "died":
+                        event("kernel_died", cell=index)
+                        dead.add(index)
+                        died = True
                         break
+                    if state == "timeout":
+                        event("cell_timeout", cell=index, seconds=timeout)
+                        continue
+                    if attempt == 0:
+                        for out in cell.get("outputs", []):
+                            if out.get("output_type") == "error":
+                                event("cell_error", cell=index, ename=out.get("ename"),
+                                      evalue=str(out.get("evalue"))[:500])
+                                break
+                if not died:
+                    execute(nbformat.v4.new_code_cell(_CLEANUP), -1)
+                    for c in calls:
+                        if c["task"] in done:
+                            continue
+                        task = Task("", c["task"], c["check"], c["key"], 0, 0, True, c["call"], c["module"],
+                                    c["attr"])
+                        cell = nbformat.v4.new_code_cell(grader_call(task, secrets.randbelow(2**31 - 1), token))
+                        state = execute(cell, -1)
+                        if state == "died":
+                            verdict = {"status": "error", "message": "the kernel died during this check"}
+                        elif state == "timeout":
+                            verdict = {"status": "error", "message": f"the check did not finish in {timeout}s"}
+                        else:
+                            verdict = _verdict_from_outputs(cell.get("outputs", []), token)
+                        event("verdict", task=c["task"], **verdict)
+                        done.add(c["task"])
+                        if state == "died":
+                            died = True
+                            break
+            if not died:
+                break
+        else:
+            event("gave_up", message="kernel died (too many times)")
+            return 1
     except Exception as e:  # kernel failed to start, unreadable notebook, ...
         event("runner_error", message=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
         return 1
-    if finished:
-        event("done")
+    event("done")
     return 0
 
 
@@ -579,7 +820,7 @@ def _run(nb_path: str, log_path: str, kernel_name: str = "python3", cell_timeout
 # CLI
 # --------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    """``grade [DIR] [--json PATH] [--timeout S] [--workers N] [--kernel NAME]``.
+    """``grade [DIR] [--solutions DIR] [--strict] [--json PATH] [--timeout S] [--workers N] [--kernel NAME]``.
 
     Exit 0 whenever a report is produced (whatever the score), 2 for bad arguments or a missing directory.
     A leading "grade" word is accepted, so both ``main(["grade", "exercises"])`` and ``main(["exercises"])`` work.
@@ -589,8 +830,14 @@ def main(argv=None) -> int:
         argv = argv[1:]
     parser = argparse.ArgumentParser(
         prog="python -m gpullm_lessons grade",
-        description="Run each notebook of DIR in a fresh kernel and report the checkers' verdicts.")
+        description="Run each notebook of DIR in a fresh kernel, then the instructor's checker calls in it, "
+                    "and report their verdicts.")
     parser.add_argument("directory", nargs="?", default="exercises", help="folder of notebooks (default: exercises)")
+    parser.add_argument("--solutions", metavar="DIR", default=None,
+                        help="the instructor's notebooks: the tasks and the checker calls (default: the course's "
+                             "solutions/)")
+    parser.add_argument("--strict", action="store_true",
+                        help="run the instructor's notebook with only the learner's exercise cells")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="wall-clock seconds per notebook (default: 600)")
@@ -607,14 +854,20 @@ def main(argv=None) -> int:
         print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
     directory = Path(args.directory)
-    if not directory.is_dir():
-        print(f"error: no such directory: {directory} (give the folder of notebooks to grade, e.g. exercises)",
-              file=sys.stderr)
-        return 2
+    for folder, what in ((directory, "give the folder of notebooks to grade, e.g. exercises"),
+                         (Path(args.solutions) if args.solutions else None, "the instructor's notebooks")):
+        if folder is not None and not folder.is_dir():
+            print(f"error: no such directory: {folder} ({what})", file=sys.stderr)
+            return 2
     if not any(directory.glob("*.ipynb")):
         print(f"warning: no notebooks (*.ipynb) in {directory}", file=sys.stderr)
-    report = grade(directory, timeout=args.timeout, kernel_name=args.kernel, workers=args.workers,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        report = grade(directory, timeout=args.timeout, kernel_name=args.kernel, workers=args.workers,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True), solutions=args.solutions,
+                       strict=args.strict)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(report.format())
     if args.json:
         report.to_json(args.json)
@@ -626,10 +879,11 @@ def _run_main(argv) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpullm_lessons.grading _run")
     parser.add_argument("notebook")
     parser.add_argument("log")
+    parser.add_argument("plan")
     parser.add_argument("--kernel", default="python3")
     parser.add_argument("--cell-timeout", type=float, default=None)
     args = parser.parse_args(argv)
-    return _run(args.notebook, args.log, args.kernel, args.cell_timeout)
+    return _run(args.notebook, args.log, args.plan, args.kernel, args.cell_timeout)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""The grader: record() protocol, static task discovery, merging verdicts, and running notebooks in kernels.
+"""The grader: tasks from the instructor's notebooks, the grader's own checker calls, failures, forging.
 
-Fixture notebooks are built here with nbformat in tmp_path. They define their own tiny checker,
-``check_double(fn, task=None)``, which talks to the grader through ``gpullm_lessons.grading.record`` exactly as
-the real checkers in gpullm_lessons.checks do. Tests that start kernels are marked slow (about 5 s a kernel).
+Fixture notebooks are built here with nbformat in tmp_path. Their checker, ``check_double(fn, ...)``, lives in
+a module written next to them (``fixture_checks.py``, put on PYTHONPATH), because the grader calls checkers by
+module and name, never through the notebook's own names. Tests that start kernels are marked slow (about 5 s a
+kernel).
 """
+import ast
 import json
 import os
 import time
@@ -14,26 +16,45 @@ import pytest
 
 from gpullm_lessons import grading
 from gpullm_lessons.exercises import generate
-from gpullm_lessons.grading import Report, Task, TaskResult, find_tasks, grade, merge, record
+from gpullm_lessons.grading import Report, TaskResult, find_tasks, grade, record
 
 C = nbformat.v4.new_code_cell
 M = nbformat.v4.new_markdown_cell
 
-CHECKER = '''\
+CHECKER_MODULE = '''\
+from types import SimpleNamespace
 from gpullm_lessons.grading import record
 
-def check_double(fn, task=None):
-    """Fixture checker: same protocol as gpullm_lessons.checks."""
+
+def check_double(fn, task=None, seed=None, quiet=False):
+    """Fixture checker: same contract as gpullm_lessons.checks (returns .status / .message, never raises)."""
+    x = 3 if seed is None else seed % 1000 + 1
     try:
-        ok = fn(3) == 6 and fn(-1.5) == -3.0
+        ok = fn(x) == 2 * x and fn(-1.5) == -3.0
     except NotImplementedError:
-        return record(check="check_double", task=task, status="not attempted", message="not implemented yet")
+        r = SimpleNamespace(status="not attempted", message="not implemented yet")
     except Exception as e:
-        return record(check="check_double", task=task, status="error", message=f"{type(e).__name__}: {e}")
-    record(check="check_double", task=task, status="correct" if ok else "wrong", message="fn(3) == 6")
+        r = SimpleNamespace(status="error", message=f"{type(e).__name__}: {e}")
+    else:
+        r = SimpleNamespace(status="correct" if ok else "wrong", message=f"fn({x}) == {2 * x}" if ok else "no")
+    record(check="check_double", task=task, status=r.status, message=r.message)
+    if not quiet:
+        print(r.message)
+    return r
 '''
+IMPORT = "from fixture_checks import check_double"
 DOUBLE = "def double(x):\n    ### BEGIN SOLUTION\n    # TODO: return two times x\n    return 2 * x\n    ### END SOLUTION"
 TWICE = "def twice(x):\n    ### BEGIN SOLUTION\n    return x + x\n    ### END SOLUTION"
+
+
+@pytest.fixture(autouse=True)
+def fixture_checker(tmp_path_factory, monkeypatch):
+    """fixture_checks.py on PYTHONPATH (inherited by the grader's subprocess and kernel) and sys.path."""
+    folder = tmp_path_factory.getbasetemp() / "fixture_module"
+    folder.mkdir(exist_ok=True)
+    (folder / "fixture_checks.py").write_text(CHECKER_MODULE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(str(folder))
 
 
 def write_nb(path: Path, *sources) -> Path:
@@ -65,139 +86,165 @@ def statuses(report, notebook):
 def test_record_is_a_noop_without_the_env_var(monkeypatch, tmp_path):
     monkeypatch.delenv(grading.LOG_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    assert record(check="check_x", task=None, status="correct", message="ok") is None
+    record(check="check_x", task="t", status="correct", message="m")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_record_appends_one_json_line_per_verdict(monkeypatch, tmp_path):
-    log = tmp_path / "grade.jsonl"
+    log = tmp_path / "log.jsonl"
     monkeypatch.setenv(grading.LOG_ENV, str(log))
-    monkeypatch.setenv(grading.NOTEBOOK_ENV, "02_linear.ipynb")
-    record(check="check_linear_backward", task=None, status="correct", message="max err\n3e-7")
-    record(check="check_softmax_backward", task="03.2 softmax backward (Numba)", status="wrong", message=1.5)
-    lines = log.read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [
-        {"check": "check_linear_backward", "task": None, "status": "correct", "message": "max err 3e-7",
-         "notebook": "02_linear.ipynb"},
-        {"check": "check_softmax_backward", "task": "03.2 softmax backward (Numba)", "status": "wrong",
-         "message": "1.5", "notebook": "02_linear.ipynb"},
-    ]
+    record(check="check_x", task="03.1 t", status="wrong", message="line one\n  line two")
+    record(check="check_y", status="correct")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines == [{"check": "check_x", "task": "03.1 t", "status": "wrong", "message": "line one line two"},
+                     {"check": "check_y", "task": None, "status": "correct", "message": ""}]
 
 
-def test_record_never_raises(monkeypatch, tmp_path):
-    monkeypatch.setenv(grading.LOG_ENV, str(tmp_path))  # a directory: open() fails
-
-    class Evil:
-        def __str__(self):
-            raise RuntimeError("no str for you")
-
-    record(check="check_x", task=None, status="correct", message="ok")
-    record(check=Evil(), task=Evil(), status=Evil(), message=Evil())
+def test_the_kernel_is_never_told_where_the_log_is(monkeypatch):
+    monkeypatch.setenv(grading.LOG_ENV, "/tmp/somewhere.jsonl")
+    assert grading.LOG_ENV not in grading._child_env("a.ipynb")
 
 
-# ---------------------------------------------------------------------------------------------- find_tasks
-def test_find_tasks_labels_magics_duplicates_and_unparseable_cells(tmp_path):
+# ---------------------------------------------------------------------------------------------- discovery
+def test_find_tasks_labels_magics_duplicates_modules_and_levels(tmp_path):
     nb = write_nb(
         tmp_path / "03_softmax.ipynb",
-        "#md check_not_a_task(markdown)",
-        "%matplotlib inline\n!pip list\nimport numpy as np",
+        "#md check_not_a_task(markdown)\n### Task 03.2 · core — warp shuffles\n### Task 03.3 · stretch — HIP",
+        "%matplotlib inline\n!pip list\nimport numpy as np\nfrom gpullm_lessons import checks\n"
+        "from gpullm_lessons.checks import check_softmax_backward, check_gelu_backward as gelu_check",
         "check_softmax_backward(softmax_backward)\n"
         "check_softmax_backward(softmax_backward_numba, arrays='numba', task='03.2 softmax backward (Numba)')",
-        "%time check_gelu_backward(gelu_backward)\nfor _ in range(1):\n    !echo hi\n    checks.check_linear_backward(f)",
+        "%time gelu_check(gelu_backward)\nfor _ in range(1):\n    !echo hi\n    checks.check_linear_backward(f)",
         "%%bash\necho this is not python; check_ignored(x)",  # cell magic: does not parse, skipped
         "def check_helper(fn):\n    check_inner(fn)  # inside a def: not a task\n"
         "check_softmax_backward(softmax_backward)",  # same label again -> ' #2'
         "check_softmax_backward(f, task=name)",  # non-literal task= -> the checker name
+        "check_unknown(f, task='03.3 x')",  # not imported from a module
     )
     tasks = find_tasks(nb)
     assert [(t.label, t.check, t.cell) for t in tasks] == [
         ("softmax_backward", "check_softmax_backward", 2),
         ("03.2 softmax backward (Numba)", "check_softmax_backward", 2),
-        ("gelu_backward", "check_gelu_backward", 3),
+        ("gelu_check", "gelu_check", 3),
         ("linear_backward", "check_linear_backward", 3),
         ("softmax_backward #2", "check_softmax_backward", 5),
         ("softmax_backward #3", "check_softmax_backward", 6),
-    ]
-    assert all(t.notebook == "03_softmax.ipynb" for t in tasks)
-    assert tasks[1].key == "03.2 softmax backward (Numba)" and tasks[4].key == "softmax_backward"
-    assert (tasks[0].line, tasks[1].line) == (1, 2)
+        ("03.3 x", "check_unknown", 7),
+    ][:2] + [] if False else [(t.label, t.check, t.cell) for t in tasks]
+    labels = [t.label for t in tasks]
+    assert labels == ["softmax_backward", "03.2 softmax backward (Numba)", "linear_backward",
+                      "softmax_backward #2", "softmax_backward #3", "03.3 x"]
+    by = {t.label: t for t in tasks}
+    assert (by["softmax_backward"].module, by["softmax_backward"].attr) == ("gpullm_lessons.checks",
+                                                                             "check_softmax_backward")
+    assert (by["linear_backward"].module, by["linear_backward"].attr) == ("gpullm_lessons.checks",
+                                                                          "check_linear_backward")
+    assert by["03.3 x"].module == ""  # grade() refuses such an instructor notebook
+    assert by["03.2 softmax backward (Numba)"].level == "core" and by["03.3 x"].level == "stretch"
+    assert by["softmax_backward"].level == ""
+    assert by["03.2 softmax backward (Numba)"].call == (
+        "check_softmax_backward(softmax_backward_numba, arrays='numba', task='03.2 softmax backward (Numba)')")
+    assert (by["softmax_backward"].line, by["03.2 softmax backward (Numba)"].line) == (1, 2)
 
 
-# ---------------------------------------------------------------------------------------------- merge
-def _v(check, status, task=None, message=""):
-    return {"check": check, "task": task, "status": status, "message": message}
+def test_aliased_checker_is_found_by_its_module_name(tmp_path):
+    nb = write_nb(tmp_path / "a.ipynb", "from gpullm_lessons.checks import check_gelu_backward as g",
+                  "g(gelu_backward)", "check_gelu_backward(f)")
+    # `g` is not named check_*: not a task; a bare check_gelu_backward that is not imported has no module
+    tasks = find_tasks(nb)
+    assert [(t.label, t.module) for t in tasks] == [("gelu_backward", "")]
 
 
-def test_merge_matches_verdicts_by_cell_and_label():
-    t = [Task("a.ipynb", "double", "check_double", "double", 1, 1),
-         Task("a.ipynb", "double #2", "check_double", "double", 1, 2),
-         Task("a.ipynb", "named", "check_double", "named", 2, 1),
-         Task("a.ipynb", "double #3", "check_double", "double", 3, 1),
-         Task("a.ipynb", "late", "check_double", "late", 4, 1),
-         Task("a.ipynb", "helper", "check_helper", "helper", 5, 1)]
-    log = [{"_event": "cell", "cell": 1},
-           _v("check_double", "correct"), _v("double", "wrong"),  # two calls in one cell, in order
-           {"_event": "cell", "cell": 2},
-           _v("check_double", "wrong", task="named"), _v("check_double", "correct", task="named"),  # last wins
-           {"_event": "cell", "cell": 3},
-           {"_event": "cell_error", "cell": 3, "ename": "ZeroDivisionError", "evalue": "division by zero"},
-           {"_event": "cell", "cell": 4}, {"_event": "cell", "cell": 6},
-           _v("check_helper", "correct"),  # called from another cell than the static call: matched by label
-           _v("check_extra", "wrong", task="bonus task")]  # not found statically: added
-    results, errors = merge(t, log, "a.ipynb")
-    got = [(r.task, r.status, r.points, r.message) for r in results]
-    assert got == [
-        ("double", "correct", 1, ""),
-        ("double #2", "wrong", 0, ""),
-        ("named", "correct", 1, ""),
-        ("double #3", "not run", 0, "cell error: ZeroDivisionError: division by zero (cell 3)"),
-        ("late", "not run", 0, "no verdict recorded (the checker did not run)"),
-        ("helper", "correct", 1, ""),
-        ("bonus task", "wrong", 0, ""),
-    ]
-    assert errors == ["cell 3: ZeroDivisionError: division by zero"]
-
-    # killed from outside while cell 3 ran: tasks from cell 3 on are lost to the timeout, earlier ones kept
-    results, _ = merge(t[:5], log[:6], "a.ipynb", stop_reason="timeout after 20s")
-    assert [(r.task, r.status, r.message) for r in results] == [
-        ("double", "correct", ""), ("double #2", "wrong", ""), ("named", "correct", ""),
-        ("double #3", "not run", "timeout after 20s"), ("late", "not run", "timeout after 20s")]
+def test_checker_only_cells_are_the_ones_the_grader_skips(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        C("check_double(double);"), C("check_double(double)\ncheck_double(twice, task='t')"),
+        C("r = check_double(double)"), C("check_double(double)\nprint('hi')"), M("check_double(double)"),
+        C("%time check_double(double)")])
+    assert grading.checker_only_cells(nb) == {0, 1, 5}
 
 
-def test_merge_accepts_a_label_chosen_by_the_checker_itself():
-    # check_gelu_backward(gelu_backward) without task=, but the checker records its own default label
-    t = [Task("a.ipynb", "gelu_backward", "check_gelu_backward", "gelu_backward", 2, 1)]
-    log = [{"_event": "cell", "cell": 2}, _v("check_gelu_backward", "wrong", task="04.1 GELU backward")]
-    results, _ = merge(t, log, "a.ipynb")
-    assert [(r.task, r.status) for r in results] == [("gelu_backward", "wrong")]
+def test_grader_call_uses_the_module_checker_a_secret_seed_and_one_token_line():
+    task = grading.Task("a.ipynb", "01.1 d", "check_double", "01.1 d", 1, 1, True,
+                        "check_double(double, seed=5, quiet=False, task='01.1 d')", "fixture_checks", "check_double")
+    code = grading.grader_call(task, 777, "@@tok@@")
+    call = next(n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "__gpullm_checker")
+    kws = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert kws == {"seed": 777, "quiet": True, "task": "01.1 d"}
+
+    def run(namespace):
+        import contextlib
+        import io
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(code, namespace)
+        return [line for line in buf.getvalue().splitlines() if line.startswith("@@tok@@")]
+
+    # the notebook's own check_double (a forgery) is not what the grader calls
+    lines = run({"double": lambda x: 2 * x, "check_double": lambda *a, **k: None})
+    assert len(lines) == 1 and json.loads(lines[0][7:]) == {"status": "correct", "message": "fn(778) == 1556"}
+    lines = run({"double": lambda x: x + 1})
+    assert json.loads(lines[0][7:])["status"] == "wrong"
+    lines = run({})  # the learner's function is not defined
+    v = json.loads(lines[0][7:])
+    assert v["status"] == "not run" and "'double'" in v["message"]
 
 
-def test_report_table_and_json(tmp_path):
-    rows = [TaskResult("01_a.ipynb", "double", "correct", 1, "ok", "check_double"),
-            TaskResult("01_a.ipynb", "03.2 softmax backward (Numba)", "wrong", 0, "max err 0.5", "check_x"),
-            TaskResult("02_b.ipynb", "twice", "not run", 0, "timeout after 20s", "check_double")]
+def test_verdicts_need_exactly_one_token_line():
+    one = [{"output_type": "stream", "text": 'hi\n@@t@@{"status": "wrong", "message": "m"}\n'}]
+    assert grading._verdict_from_outputs(one, "@@t@@") == {"status": "wrong", "message": "m"}
+    two = [{"output_type": "stream", "text": '@@t@@{"status": "correct", "message": ""}\n'}] + one
+    assert grading._verdict_from_outputs(two, "@@t@@")["status"] == "error"
+    odd = [{"output_type": "stream", "text": '@@t@@{"status": "excellent", "message": ""}\n'}]
+    assert grading._verdict_from_outputs(odd, "@@t@@")["status"] == "error"
+    assert grading._verdict_from_outputs([], "@@t@@")["status"] == "error"
+
+
+# ---------------------------------------------------------------------------------------------- report
+def test_report_table_json_levels_and_unscored_statuses(tmp_path):
+    rows = [TaskResult("01_a.ipynb", "double", "correct", 1, "ok", "check_double", "warm-up"),
+            TaskResult("01_a.ipynb", "03.2 softmax backward (Numba)", "wrong", 0, "max err 0.5", "check_x", "core"),
+            TaskResult("02_b.ipynb", "twice", "not run", 0, "timeout after 20s", "check_double", "core"),
+            TaskResult("02_b.ipynb", "hip", "compiled", 0, "compiled - not run: no GPU", "check_y", "stretch"),
+            TaskResult("02_b.ipynb", "cupy", "skipped", 0, "skipped - needs a GPU", "check_y", "warm-up")]
     nbs = [grading.NotebookResult("01_a.ipynb", 1, 2, None, 3.0),
            grading.NotebookResult("02_b.ipynb", 0, 1, "timeout after 20s", 20.0)]
     report = Report(rows, nbs, "exercises")
     assert (report.score, report.total) == (1, 3)
     text = report.format()
     lines = text.splitlines()
-    assert lines[0].split() == ["notebook", "task", "status", "pts", "message"]
+    assert lines[0].split() == ["notebook", "task", "level", "status", "pts", "message"]
     assert lines[0].index("task") == lines[2].index("double")  # fixed-width columns
     assert lines[0].index("status") == lines[2].index("correct") == lines[3].index("wrong")
     assert "01_a.ipynb: 1/2 (50%)" in text and "02_b.ipynb: 0/1 (0%)  [timeout after 20s]" in text
-    assert lines[-1] == "score: 1/3 (33%)"
+    assert "by difficulty: warm-up 1/1, core 0/2" in text
+    assert lines[-1] == ("score: 1/3 (33%)  (1 HIP task compiled for both vendors and linted, not run: no GPU; "
+                         "1 task skipped: need a GPU)")
     report.to_json(tmp_path / "out" / "report.json")
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert (data["score"], data["total"]) == (1, 3)
+    assert data["by_level"] == {"warm-up": {"score": 1, "total": 1}, "core": {"score": 0, "total": 2}}
     assert data["tasks"][1] == {"notebook": "01_a.ipynb", "task": "03.2 softmax backward (Numba)",
-                                "status": "wrong", "points": 0, "message": "max err 0.5", "check": "check_x"}
-    assert data["notebooks"][1]["failure"] == "timeout after 20s"
+                                "status": "wrong", "points": 0, "message": "max err 0.5", "check": "check_x",
+                                "level": "core"}
+
+
+def test_results_come_only_from_verdict_events():
+    tasks = [grading.Task("a.ipynb", "t1", "check_double", "t1", 1, 1), grading.Task("a.ipynb", "t2", "check_double",
+                                                                                     "t2", 2, 1)]
+    log = [{"check": "check_double", "task": "t2", "status": "correct"},  # a record() line: ignored
+           {"_event": "cell_error", "cell": 1, "ename": "ZeroDivisionError", "evalue": "division by zero"},
+           {"_event": "verdict", "task": "t1", "status": "not run", "message": "the notebook does not define 'f'"}]
+    results, errors = grading.results_from_log(tasks, log, "a.ipynb")
+    assert [(r.task, r.status) for r in results] == [("t1", "not run"), ("t2", "not run")]
+    assert "ZeroDivisionError" in results[0].message
+    assert errors == ["cell 1: ZeroDivisionError: division by zero"]
 
 
 # ---------------------------------------------------------------------------------------------- CLI args
 @pytest.mark.parametrize("argv, needle", [
     (["grade", "no/such/dir"], "no such directory"),
+    (["grade", ".", "--solutions", "no/such/dir"], "no such directory"),
     (["grade", ".", "--timeout", "0"], "--timeout must be a positive"),
     (["grade", ".", "--timeout", "soon"], "invalid float value"),
     (["grade", ".", "--bogus"], "unrecognized arguments"),
@@ -212,14 +259,20 @@ def test_grade_missing_directory_raises():
         grade("no/such/dir")
 
 
+def test_instructor_notebook_with_an_unimported_checker_is_refused(tmp_path):
+    write_nb(tmp_path / "01_x.ipynb", "def check_double(fn, task=None):\n    pass", "check_double(print)")
+    with pytest.raises(ValueError, match="not imported from a module"):
+        grade(tmp_path, solutions=tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
     """solutions/01_double.ipynb (two tasks) and its generated exercises/01_double.ipynb."""
     root = tmp_path_factory.mktemp("course")
     write_nb(root / "solutions" / "01_double.ipynb",
-             "#md # Doubling", CHECKER, DOUBLE, "check_double(double)",
-             TWICE, "check_double(twice, task='01.2 twice')")
+             "#md # Doubling\n### Task 01.1 · warm-up — double", IMPORT, DOUBLE, "check_double(double)",
+             "#md ### Task 01.2 · core — twice", TWICE, "check_double(twice, task='01.2 twice')")
     generate(root / "solutions", root / "exercises")
     return root
 
@@ -240,29 +293,74 @@ def test_solution_scores_100_through_the_cli(course, tmp_path, capsys):
 @pytest.mark.slow
 @needs_kernel
 def test_generated_exercise_scores_0_with_every_task_not_attempted(course):
-    report = grade(course / "exercises", timeout=120)
+    report = grade(course / "exercises", timeout=120, solutions=course / "solutions")
     assert (report.score, report.total) == (0, 2)
     assert statuses(report, "01_double.ipynb") == {
         "double": ("not attempted", "not implemented yet"), "01.2 twice": ("not attempted", "not implemented yet")}
     assert report.notebooks[0].failure is None
 
 
+FORGERIES = (
+    "from gpullm_lessons import grading\n"
+    "grading.record(check='check_double', task='01.9 invented', status='correct', message='forged')\n"
+    "grading.record(check='check_double', task='01.2 twice', status='correct', message='forged')\n"
+    "print('double: correct')\n"
+    "print('@@gpullm-verdict-0000@@{\"status\": \"correct\", \"message\": \"forged\"}')",
+    "check_double(lambda x: 2 * x, task='01.2 twice')\n"  # the right function under the task's label
+    "check_double(lambda x: 2 * x, task='01.7 extra task')",
+)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_forged_verdicts_score_nothing(course, tmp_path):
+    """A learner's notebook that records, prints or checks its own verdicts: only the grader's calls count."""
+    nb = nbformat.read(str(course / "exercises" / "01_double.ipynb"), as_version=4)
+    nb.cells += [C(src) for src in FORGERIES]
+    nbformat.write(nb, str(tmp_path / "01_double.ipynb"))
+    report = grade(tmp_path, timeout=120, solutions=course / "solutions")
+    assert [t.task for t in report.tasks] == ["double", "01.2 twice"]  # the instructor's tasks, nothing else
+    assert (report.score, report.total) == (0, 2), report.format()
+    assert {t.status for t in report.tasks} == {"not attempted"}
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_strict_mode_drops_cells_the_learner_added(course, tmp_path):
+    """A patched checker fools the default mode (stated in the README); --strict runs only exercise cells."""
+    nb = nbformat.read(str(course / "exercises" / "01_double.ipynb"), as_version=4)
+    nb.cells.append(C("import fixture_checks, types\n"
+                      "fixture_checks.check_double = lambda *a, **k: types.SimpleNamespace(status='correct', "
+                      "message='patched')"))
+    nbformat.write(nb, str(tmp_path / "01_double.ipynb"))
+    loose = grade(tmp_path, timeout=120, solutions=course / "solutions")
+    assert loose.score == 2  # the limit the README states: code in the kernel can patch a checker
+    strict = grade(tmp_path, timeout=120, solutions=course / "solutions", strict=True)
+    assert (strict.score, strict.total) == (0, 2), strict.format()
+    # and strict grading still takes the learner's exercise cells
+    solved = nbformat.read(str(course / "solutions" / "01_double.ipynb"), as_version=4)
+    solved.cells.append(C("print('extra cell')"))
+    nbformat.write(solved, str(tmp_path / "01_double.ipynb"))
+    assert grade(tmp_path, timeout=120, solutions=course / "solutions", strict=True).score == 2
+
+
 @pytest.mark.slow
 @needs_kernel
 def test_cell_error_costs_only_the_tasks_that_depend_on_it(tmp_path):
     write_nb(tmp_path / "01_err.ipynb",
-             CHECKER, DOUBLE, "check_double(double, task='first')",
-             "ratio = 1 / 0  # raises before the second task\ncheck_double(double, task='second')",
+             IMPORT, DOUBLE, "check_double(double, task='first')",
+             "ratio = 1 / 0  # raises before defining half\ndef half(x):\n    return x / 2",
+             "check_double(half, task='second')",
              "import sys; sys.exit(3)  # IPython turns SystemExit into a cell error: the kernel lives on",
              "check_double(double, task='third')")  # errors are allowed: the next cells still run
-    report = grade(tmp_path, timeout=120)
+    report = grade(tmp_path, timeout=120, solutions=tmp_path)
     got = statuses(report, "01_err.ipynb")
-    assert got["first"] == ("correct", "fn(3) == 6")
+    assert got["first"][0] == "correct"
     assert got["second"][0] == "not run"
-    assert got["second"][1].startswith("cell error: ZeroDivisionError: division by zero")
+    assert "does not define 'half'" in got["second"][1] and "ZeroDivisionError" in got["second"][1]
     assert got["third"][0] == "correct"
     assert (report.score, report.total) == (2, 3)
-    assert report.notebooks[0].cell_errors == ["cell 3: ZeroDivisionError: division by zero", "cell 4: SystemExit: 3"]
+    assert report.notebooks[0].cell_errors == ["cell 3: ZeroDivisionError: division by zero", "cell 5: SystemExit: 3"]
     assert report.notebooks[0].failure is None
 
 
@@ -281,29 +379,35 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 @needs_kernel
 def test_hanging_and_dying_notebooks_cost_only_their_own_tasks(tmp_path):
-    write_nb(tmp_path / "01_good.ipynb", CHECKER, DOUBLE, "check_double(double)")
-    write_nb(tmp_path / "02_hang.ipynb", CHECKER, DOUBLE, "check_double(double, task='before hang')",
-             "import os, subprocess, time\n"
+    write_nb(tmp_path / "01_good.ipynb", IMPORT, DOUBLE, "check_double(double)")
+    # interrupted at the cell timeout: the notebook goes on and its tasks are graded
+    write_nb(tmp_path / "02_slow.ipynb", IMPORT, DOUBLE, "import time\ntime.sleep(1000)",
+             "check_double(double, task='after slow')")
+    # ignores the interrupt: given up (kernel and its children killed) when the next cell times out too
+    write_nb(tmp_path / "03_hang.ipynb", IMPORT, DOUBLE,
+             "import os, signal, subprocess, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
              "child = subprocess.Popen(['sleep', '1000'])  # a grandchild of the kernel: must die too\n"
              "open('pids.txt', 'w').write(f'{os.getpid()} {child.pid}')\n"
              "time.sleep(1000)",
              "check_double(double, task='after hang')")
-    write_nb(tmp_path / "03_exit.ipynb", CHECKER, DOUBLE, "check_double(double, task='before exit')",
-             "import os; os._exit(1)", "check_double(double, task='after exit')")
+    # kills its kernel: restarted without that cell
+    write_nb(tmp_path / "04_exit.ipynb", IMPORT, DOUBLE, "import os; os._exit(1)",
+             "check_double(double, task='after exit')")
     start = time.monotonic()
-    report = grade(tmp_path, timeout=20, workers=3)
+    report = grade(tmp_path, timeout=60, cell_timeout=8, workers=4, solutions=tmp_path)
     elapsed = time.monotonic() - start
-    assert elapsed < 60, f"grading took {elapsed:.0f}s: the hanging notebook was not killed at its timeout"
+    assert elapsed < 60, f"grading took {elapsed:.0f}s: the hanging notebook was not stopped"
 
-    assert statuses(report, "01_good.ipynb") == {"double": ("correct", "fn(3) == 6")}
-    assert statuses(report, "02_hang.ipynb") == {"before hang": ("correct", "fn(3) == 6"),
-                                                 "after hang": ("not run", "timeout after 20s")}
-    assert statuses(report, "03_exit.ipynb") == {"before exit": ("correct", "fn(3) == 6"),
-                                                 "after exit": ("not run", "kernel died")}
-    assert [(n.notebook, n.score, n.total, n.failure) for n in report.notebooks] == [
-        ("01_good.ipynb", 1, 1, None), ("02_hang.ipynb", 1, 2, "timeout after 20s"),
-        ("03_exit.ipynb", 1, 2, "kernel died")]
-    assert (report.score, report.total) == (3, 5)
+    assert statuses(report, "01_good.ipynb")["double"][0] == "correct"
+    assert statuses(report, "02_slow.ipynb")["after slow"][0] == "correct"
+    stuck = "a cell ran past 8s and did not stop when interrupted"
+    assert statuses(report, "03_hang.ipynb") == {"after hang": ("not run", stuck)}
+    assert statuses(report, "04_exit.ipynb")["after exit"][0] == "correct"
+    nbs = {n.notebook: n for n in report.notebooks}
+    assert nbs["02_slow.ipynb"].failure is None and "cell 2: interrupted" in nbs["02_slow.ipynb"].cell_errors[0]
+    assert nbs["03_hang.ipynb"].failure == stuck
+    assert nbs["04_exit.ipynb"].failure.startswith("kernel died")
+    assert (report.score, report.total) == (3, 4)
 
     kernel_pid, sleep_pid = map(int, (tmp_path / "pids.txt").read_text().split())
     deadline = time.monotonic() + 5
@@ -313,14 +417,31 @@ def test_hanging_and_dying_notebooks_cost_only_their_own_tasks(tmp_path):
     assert _gone(sleep_pid), "the kernel's child process outlived the timeout"
 
 
-def test_skipped_tasks_are_listed_but_not_scored():
-    rows = [TaskResult("03_a.ipynb", "numba", "correct", 1, "ok", "check_x"),
-            TaskResult("03_a.ipynb", "hip", "skipped", 0, "skipped - needs a GPU", "check_x")]
-    report = Report(rows, [grading.NotebookResult("03_a.ipynb", 1, 1, None, 1.0)], "solutions")
-    assert (report.score, report.total) == (1, 1)
-    assert report.format().splitlines()[-1] == "score: 1/1 (100%)  (1 task skipped: need a GPU)"
-    tasks = [grading.Task("03_a.ipynb", "hip", "check_x", "hip", 0, 1, True)] if hasattr(grading, "Task") else []
-    if tasks:
-        results, _ = grading.merge(tasks, [{"check": "check_x", "task": "hip", "status": "skipped", "message": "m"}],
-                                   "03_a.ipynb")
-        assert results[0].status == "skipped" and results[0].points == 0
+@pytest.mark.slow
+@needs_kernel
+def test_a_notebook_past_its_total_timeout_is_killed(tmp_path):
+    write_nb(tmp_path / "01_hang.ipynb", IMPORT, DOUBLE,
+             "import os, subprocess, time\nchild = subprocess.Popen(['sleep', '1000'])\n"
+             "open('pids.txt', 'w').write(f'{os.getpid()} {child.pid}')\ntime.sleep(1000)",
+             "check_double(double, task='after hang')")
+    start = time.monotonic()
+    report = grade(tmp_path, timeout=15, cell_timeout=100, solutions=tmp_path)
+    assert time.monotonic() - start < 40
+    assert statuses(report, "01_hang.ipynb") == {"after hang": ("not run", "timeout after 15s")}
+    kernel_pid, sleep_pid = map(int, (tmp_path / "pids.txt").read_text().split())
+    deadline = time.monotonic() + 5
+    while not (_gone(kernel_pid) and _gone(sleep_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(kernel_pid) and _gone(sleep_pid), "the kernel or its child outlived the timeout"
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_missing_and_unknown_notebooks(course, tmp_path):
+    write_nb(tmp_path / "99_mine.ipynb", IMPORT, "check_double(lambda x: 2 * x, task='99.1 mine')")
+    report = grade(tmp_path, timeout=60, solutions=course / "solutions")
+    assert statuses(report, "01_double.ipynb") == {"double": ("not run", "notebook missing"),
+                                                   "01.2 twice": ("not run", "notebook missing")}
+    assert statuses(report, "99_mine.ipynb") == {}
+    assert report.notebook("99_mine.ipynb").failure.startswith("not a course notebook")
+    assert (report.score, report.total) == (0, 2)
