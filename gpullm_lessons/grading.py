@@ -111,6 +111,7 @@ class Task:
     module: str = ""  # the module the checker is imported from ("" when the notebook does not import it)
     attr: str = ""  # the checker's name in that module
     level: str = ""  # "warm-up" | "core" | "stretch" | "" (no "### Task NN.k · level" line for it)
+    title: str = ""  # the rest of that line, e.g. "warp-shuffle row reduction (HIP)"
 
 
 def _strip_magics(source: str) -> str:
@@ -185,6 +186,12 @@ def _resolve(call: ast.Call, names: dict) -> tuple[str, str]:
     return "", ""
 
 
+def task_kind(title: str) -> str:
+    """What the learner writes, from the title's closing parentheses: "Numba", "HIP", "NumPy", ... or ""."""
+    m = re.search(r"\(([^()]*)\)\s*$", title)
+    return m.group(1).strip() if m else ""
+
+
 def task_levels(nb) -> dict[str, tuple[str, str]]:
     """Task id ("03.2") -> (level, title), from the ``### Task 03.2 · core — title`` lines of markdown cells."""
     levels = {}
@@ -234,9 +241,9 @@ def find_tasks(nb_path) -> list[Task]:
             label = key if seen[key] == 1 else f"{key} #{seen[key]}"
             module, attr = _resolve(call, names)
             m = TASK_ID_RE.match(key)
-            level = levels.get(m.group(1), ("", ""))[0] if m else ""
+            level, title = levels.get(m.group(1), ("", "")) if m else ("", "")
             tasks.append(Task(nb_path.name, label, check, key, index, call.lineno, named,
-                              ast.get_source_segment(stripped, call) or "", module, attr, level))
+                              ast.get_source_segment(stripped, call) or "", module, attr, level, title))
     return tasks
 
 
