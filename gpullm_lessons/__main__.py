@@ -9,6 +9,7 @@ commands:
   doctor                 check this machine: Python, numpy pin, numba, simulator, GPU, CuPy, compilers
   grade [DIR]            run each exercise notebook in DIR (default: exercises) and print a score table
   exercises [--check]    regenerate exercises/ from solutions/ (or check that it is up to date)
+  leaks                  instructors: how much of each solution region its lesson or exercise text shows
   train [args]           train the GPT on the default corpus (same as python -m gpullm_lessons.train)
 """
 
@@ -28,6 +29,9 @@ def main(argv=None) -> int:
     if cmd == "exercises":
         from . import exercises
         return exercises.main(rest)
+    if cmd == "leaks":
+        from . import leaks
+        return leaks.main(rest)
     if cmd == "train":
         from . import train
         train.cli(rest)

@@ -6,9 +6,15 @@ the paired lesson ``notebooks/NN_topic.ipynb`` shows, and with the exercise's ow
 - the lesson's code cells, and the code blocks and inline code of its markdown cells;
 - the source of every object the lesson prints with ``inspect.getsource(...)`` (resolved through the lesson's
   imports, the way the kernel would);
-- every HIP source file the lesson reads (``hip.source_path("name")``, ``hip.kernel_dir() / "file"``), whole: a
-  lesson that prints a section of a file may print any of it;
+- the sections of every HIP source file the lesson reads (``hip.source_path("name")``, ``hip.kernel_dir() /
+  "file"``) that it can print: a file is cut into its top-level paragraphs (a comment and the function under it),
+  and a paragraph counts as shown when one of the lesson's string literals (``"v2"``, ``"// v2: tiled"``) or one
+  of the lesson's names occurs in it;
 - the exercise's markdown and the code outside its solution regions (the ``# TODO`` lines included).
+
+Lines of a region that the exercise itself gives as its contract (a signature in a markdown code block) are not
+the answer: they are left out of the region before it is compared with the lesson, and the share of the region
+they make up is a score of its own (an exercise whose text spells out most of the region shows the answer).
 
 Tokens: identifiers, numbers and punctuation, comments dropped (``#`` and ``//`` to the end of a line, ``/* */``),
 so spacing, comments and line breaks do not matter; C++ inside Python strings is tokenised like the rest.
@@ -170,6 +176,36 @@ def _code_trees(nb):
                 continue
 
 
+def _paragraphs(text: str) -> list[str]:
+    """A C++ file cut at blank lines outside braces: each top-level comment with the code under it."""
+    out, cur, depth = [], [], 0
+    for line in text.split("\n"):
+        if not line.strip() and depth == 0:
+            if cur:
+                out.append("\n".join(cur))
+            cur = []
+            continue
+        cur.append(line)
+        code = re.sub(r"//.*$", "", line)
+        depth = max(0, depth + code.count("{") - code.count("}"))
+    if cur:
+        out.append("\n".join(cur))
+    return out
+
+
+def _lesson_literals_and_names(trees) -> tuple[set, set]:
+    literals, names = set(), set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value.strip()) >= 2:
+                literals.add(node.value.strip())
+            elif isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+    return literals, names
+
+
 def shown_sources(nb) -> list[tuple[str, str]]:
     """(what, text) for everything a lesson notebook shows (see the module docstring)."""
     from . import hip
@@ -203,10 +239,36 @@ def shown_sources(nb) -> list[tuple[str, str]]:
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
                     and isinstance(node.left, ast.Call) and getattr(node.left.func, "attr", "") == "kernel_dir":
                 files.add(hip.kernel_dir() / str(node.right.value))
+    literals, used = _lesson_literals_and_names(trees)
     for path in sorted(files):
-        if path.is_file():
-            shown.append((f"file {path.name}", path.read_text(encoding="utf-8")))
+        if not path.is_file():
+            continue
+        for k, para in enumerate(_paragraphs(path.read_text(encoding="utf-8"))):
+            defined = set(re.findall(r"\b(?:void|float|int|T)\s+([A-Za-z_]\w*)\s*\(", para))
+            if any(lit in para for lit in literals) or defined & used:
+                shown.append((f"{path.name} section {k}", para))
     return shown
+
+
+def contract_texts(nb) -> list[str]:
+    """The code an exercise's markdown gives (code blocks and inline code): its contract."""
+    return [m.group(1) or m.group(2) for cell in nb.cells if cell.cell_type == "markdown"
+            for m in _MD_CODE_RE.finditer(cell.source)]
+
+
+def split_given(region: str, contract: list[str]) -> tuple[str, float]:
+    """(the region without the lines the contract gives, the share of the region's tokens on those lines).
+    A line is given when its tokens (at least 3) occur in a row in one contract text."""
+    given_tokens = [tokens(t) for t in contract]
+    kept, given, total = [], 0, 0
+    for line in region.split("\n"):
+        t = tokens(line)
+        total += len(t)
+        if len(t) >= 3 and any(_contains(c, t) for c in given_tokens):
+            given += len(t)
+        else:
+            kept.append(line)
+    return "\n".join(kept), (given / total if total else 0.0)
 
 
 def exercise_texts(nb) -> list[tuple[str, str]]:
@@ -243,11 +305,13 @@ def scan(solutions="solutions", notebooks="notebooks") -> list[Leak]:
         lesson = notebooks / sol.name
         if lesson.exists():
             shown += shown_sources(nbformat.read(str(lesson), as_version=4))
+        contract = contract_texts(nb)
+        texts = [t for _, t in shown]
         for cell, region in solution_regions(nb):
-            texts = [t for _, t in shown]
-            per = [(similarity(region, [t]), what) for what, t in shown]
+            rest, given = split_given(region, contract)
+            per = [(similarity(rest, [t]), what) for what, t in shown] + [(given, "the exercise's contract")]
             best = max(per, default=(0.0, "nothing"))
-            rows.append(Leak(sol.name, cell, similarity(region, texts), best[1], best[0]))
+            rows.append(Leak(sol.name, cell, max(similarity(rest, texts), given), best[1], best[0]))
     return sorted(rows, key=lambda r: -r.score)
 
 

@@ -59,3 +59,9 @@ def test_solutions_score_full_and_fresh_exercises_score_zero():
     fresh = grade(ROOT / "exercises", timeout=900, workers=2)
     assert len(fresh.tasks) == expected and fresh.score == 0 and fresh.total == solved.total, fresh.format()
     assert {row.status for row in fresh.tasks} <= {"not attempted", "skipped"}, fresh.format()
+
+
+def test_readme_lists_every_task():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [t.key.split()[0] for t in course_tasks() if t.key.split()[0] not in readme]
+    assert not missing, f"README's exercise table does not list {missing}"
