@@ -10,7 +10,9 @@ from pathlib import Path as _Path
 
 from . import device as device
 
-device.configure()
+if device.configure().simulator:   # give the CUDA simulator warp shuffles (patched when numba loads it)
+    from . import simwarp as _simwarp
+    _simwarp.install()
 
 __version__ = "0.1.0"
 

@@ -6,11 +6,18 @@ signature) and compares what it wrote with the NumPy reference (``gpullm_lessons
 
 How a check works
 -----------------
-1. Fresh random inputs on every call. Shapes are random too, and awkward on purpose: sizes that are not
-   multiples of 32 (a grid that forgets the last partial block shows), C != OC (a missing transpose fails on
-   shape), rows of very different scales. Some ops run two cases: a "square" one first (N = C = OC ...), where
-   a transpose or an axis mix-up gives wrong numbers the checker can recognize, then a rectangular one.
-   The seed is printed when something is wrong: pass ``seed=...`` to get the same inputs again.
+1. Every checker calls your function on a fixed list of cases (``CASE_DIMS``: shapes are deterministic, values
+   are fresh random numbers from the seed), chosen so that size cannot fool it: a first case where the shapes
+   are square where that helps (N = C = OC: a transpose or an axis mix-up gives wrong numbers the checker can
+   recognize); the same shapes again with new values (a function that keeps state between calls, a cached
+   result, fails there and is told so); sizes spanning several 16 x 16 tiles along every GEMM axis, several
+   blocks of 32 threads and several warps, never a multiple of 16, so there is a partial last tile / block;
+   more elements (or rows) than the grid the exercises' launchers cap at (MAX_BLOCKS x THREADS: 2 x 32 in the
+   simulator, 4096 x 256 on a GPU), so a kernel without a grid-stride loop fails; awkward shapes (one row,
+   n = 1, T = 1, odd and prime sizes, C != OC so a missing transpose fails on shape); rows of very different
+   scales. size="small" keeps the simulator cheap; size="large" has GPU sizes; size=None picks "large" when the
+   arrays live on a real GPU. The seed is printed when something is wrong: pass ``seed=...`` to get the same
+   inputs again.
 2. The outputs are allocated on the backend you pick (``arrays="numpy" | "cupy" | "numba"``) and filled with
    NaN ("poison") before the call, so every element your function does not write shows up.
 3. Expected values: the reference op in float64, from the same inputs rounded to your dtype.
@@ -24,8 +31,16 @@ How a check works
    "max rel err" in the messages is max |yours - expected| / (|expected| + M), so it passes exactly when it
    is <= tol. NaN or inf never passes.
 5. When something is wrong, the checker compares your output with the outputs of the common mistakes for that
-   op (each computed from the same inputs) and with generic patterns (elements never written, a constant
-   factor, a transposed result, a few wrong rows) and prints the matching hint.
+   op (each computed from the same inputs: a missing transpose, a K loop that stops after the first tile, the
+   right answer for an earlier call's inputs, ...) and with generic patterns that say where (elements never
+   written; everything past the capped grid G = blocks x threads; the last partial block; only the first block
+   or tile; a range of rows; every k-th element; a constant factor or flipped sign; a transposed result) and
+   prints the matching hint. An exception raised inside your kernel in the CUDA simulator is reported with the
+   thread and block that raised it and the likely cause.
+
+HIP tasks: with arrays="cupy" on a machine without a GPU, a checker given ``source=`` (your kernel source) and
+``entries=`` grades the source with ``hip_compile_only``: it must compile for NVIDIA (NVRTC, sm_90) and AMD
+(hipcc, gfx90a) and pass the portability lint (``hip.lint_source``); status "compiled" (not run).
 
 Tolerances (``TOLERANCES``): float64 1e-9, float32 1e-5, float16 1e-2, bfloat16 5e-2. Chosen so that a correct
 implementation passes reliably and every known mistake fails by orders of magnitude. Measured with NumPy
@@ -40,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import secrets
 import sysconfig
 import traceback
@@ -55,10 +71,11 @@ __all__ = [
     "CheckResult", "TOLERANCES", "CHECKERS",
     "check_linear_backward", "check_softmax_backward", "check_layernorm_backward", "check_gelu_backward",
     "check_crossentropy_backward", "check_attention_backward", "check_encoder_backward",
-    "check_residual_backward",
+    "check_residual_backward", "hip_compile_only",
 ]
 
-STATUSES = ("correct", "wrong", "not attempted", "error", "skipped")
+# "compiled": a HIP task checked without a GPU (compiles for both vendors, lint clean; not run), see hip_compile_only
+STATUSES = ("correct", "wrong", "not attempted", "error", "skipped", "compiled")
 SIZES = ("small", "large")
 
 # Relative tolerance per dtype; the absolute floor is tol * M, M the output's magnitude (see the docstring).
@@ -90,6 +107,7 @@ class CheckResult:
     name: str                         # the op, e.g. "linear_backward"
     task: Optional[str]               # the task label passed to the checker (grading), or None
     status: str                       # "correct" | "wrong" | "not attempted" | "error" | "skipped" (needs a GPU)
+    #                                   | "compiled" (a HIP source checked without a GPU: compiles, lint clean; not run)
     passed: bool
     output: Optional[str] = None      # the (first) wrong output, e.g. "dweight"
     max_abs: Optional[float] = None   # max |yours - expected| over that output (over all outputs if correct)
@@ -164,7 +182,7 @@ class _Mistake:
     """A known mistake: either the wrong outputs it produces, or a pattern test on your output."""
     hint: str
     outputs: Optional[Callable] = None  # case -> {output name: wrong float64 array} for the outputs it changes
-    test: Optional[Callable] = None     # (case, name, ours, expected, bad) -> bool
+    test: Optional[Callable] = None     # (case, name, ours, expected, bad) -> bool, or the hint itself (a str)
 
 
 @dataclasses.dataclass
@@ -206,17 +224,25 @@ def _rows(rng, shape, lo=-1.0, hi=0.5):
 # ------------------------------------------------------------------------------------------------------------
 # linear_backward(dout (N,OC), inp (N,C), weight (C,OC), dinp (N,C), dweight (C,OC), dbias (OC,))
 # ------------------------------------------------------------------------------------------------------------
+# The cases, per size: shapes are fixed (values come from the seed). Case 0 is square (N = C = OC), so transposes
+# and axis mix-ups give wrong numbers the checker recognizes, not shape errors; case 1 repeats its shapes with new
+# values (a function that keeps state between calls fails there); case 2 spans several 16 x 16 tiles along every
+# GEMM axis (K, M, P > 16, none a multiple of 16: a partial last tile) with C != OC; case 3 is a single row.
+CASE_DIMS = {}
+CASE_DIMS["linear_backward"] = {
+    "small": [dict(N=7, C=7, OC=7), dict(N=7, C=7, OC=7), dict(N=37, C=20, OC=18), dict(N=1, C=7, OC=3)],
+    "large": [dict(N=777, C=777, OC=777), dict(N=777, C=777, OC=777), dict(N=2053, C=771, OC=2309),
+              dict(N=1, C=37, OC=19)],
+}
+
+
+def _dims(op_name, size, k) -> dict:
+    return dict(CASE_DIMS[op_name][size][k])
+
+
 def _make_linear(rng, dt, size, k):
-    if size == "small":
-        if k == 0:  # square: N = C = OC, so transposes and axis mix-ups give wrong numbers, not shape errors
-            N = C = OC = _awkward(rng, 5, 20)
-        else:
-            N, C = _awkward(rng, 3, 40), _awkward(rng, 3, 24)
-            OC = _awkward(rng, 3, 24, avoid=(C, N))
-    else:
-        N = C = OC = 768
-        if k == 1:
-            N, OC = _awkward(rng, 1000, 4096), 3 * 768
+    d = _dims("linear_backward", size, k)
+    N, C, OC = d["N"], d["C"], d["OC"]
     c = _Case(dt, {"N": N, "C": C, "OC": OC})
     c.add_float("dout", ("N", "OC"), _rows(rng, (N, OC)))
     c.add_float("inp", ("N", "C"), _rows(rng, (N, C)))
@@ -243,8 +269,60 @@ def _if_square(fn):
     return wrapped
 
 
+def _linear_partial_k(c, name, kept):
+    """dinp or dweight summed over the first `kept` of its K products only (K = OC for dinp, N for dweight)."""
+    x = c.x
+    if name == "dinp":
+        return x["dout"][:, :kept] @ x["weight"][:, :kept].T
+    return x["inp"][:kept].T @ x["dout"][:kept]
+
+
+_K_LOOP = ("loop over every tile along K, k0 = 0, TILE, 2 TILE, ... while k0 < K (range(0, K, TILE): ceil(K / TILE) "
+           "tiles), accumulating into the same sum, with 0 loaded into the tile for elements past K")
+
+
+def _linear_k_tiles_test(c, name, ours, expected, bad):
+    """A tiled GEMM whose loop over K stops early: after the first tile, or before the partial last one. Returns
+    the hint naming how many of the K products were summed and why, or None."""
+    if name not in ("dinp", "dweight") or not np.isfinite(ours).all():
+        return None
+    K = c.dims["OC"] if name == "dinp" else c.dims["N"]
+    which = "OC" if name == "dinp" else "N"
+    tol = TOLERANCES[c.dtype.name]
+    tiles = (16, 32, 64)
+    for kept in sorted({min(K, t) for t in tiles} | {(K // t) * t for t in tiles}):
+        if not 0 < kept < K:
+            continue
+        cand = _linear_partial_k(c, name, kept)
+        if _close(cand, expected, tol) or not _close(ours, cand, _slack(tol)):
+            continue
+        first = [t for t in tiles if kept == min(K, t)]
+        floor = [t for t in tiles if kept == (K // t) * t]
+        if first and floor:
+            why = (f"only the first tile along K is summed ({first[0]} wide), or the partial last tile is skipped "
+                   f"(K = {K} is not a multiple of {floor[0]})")
+        elif first:
+            why = f"only the first tile along K is summed (a {first[0]}-wide tile; K = {K} needs several)"
+        else:
+            why = (f"the last partial tile along K is skipped (K = {K} is not a multiple of the {floor[0]}-wide "
+                   f"tile: range(K // TILE) drops it)")
+        return (f"{why}: your {name} equals the sum over the first {kept} of its K = {which} = {K} products. "
+                f"In a tiled GEMM, " + _K_LOOP)
+    return None
+
+
+def _k_tile_hints():
+    return [
+        _Mistake("", test=_linear_k_tiles_test),
+        _Mistake("all zeros, as a loop over K // TILE tiles gives when K < TILE (K = OC for dinp, K = N for dweight; "
+                 "here K < 16): the partial tile is skipped, and here it is the only one. In a tiled GEMM, " + _K_LOOP,
+                 lambda c: {name: np.zeros(c.outputs[name]) for name, K in (("dinp", c.dims["OC"]),
+                                                                            ("dweight", c.dims["N"])) if K < 16}),
+    ]
+
+
 _LINEAR = _Op(
-    "linear_backward", _make_linear, _expected_linear, n_cases=2,
+    "linear_backward", _make_linear, _expected_linear, n_cases=4,
     formula="dinp = dout @ weight.T (N, C); dweight = inp.T @ dout (C, OC); dbias = dout.sum(axis=0) (OC,)",
     shape_hint="weight is stored (C, OC) (in, out): dinp = dout @ weight.T, dweight = inp.T @ dout, "
                "dbias = dout.sum(axis=0). Each gradient has the shape of its input.",
@@ -267,21 +345,24 @@ _LINEAR = _Op(
         _Mistake("dbias was never written (it still holds the NaN it started with): dbias = dout.sum(axis=0) "
                  "(sum over the N rows), written into the array: dbias[...] = ...",
                  lambda c: {"dbias": np.full(c.dims["OC"], np.nan)}),
+        *_k_tile_hints(),
     ])
 
 
 # ------------------------------------------------------------------------------------------------------------
 # softmax_backward(dout (N,n), out (N,n), dinp (N,n))
 # ------------------------------------------------------------------------------------------------------------
+# square (axis mix-ups show), the same again, more rows than a capped grid has threads (2 x 32 in the simulator,
+# 4096 blocks on a GPU) with rows longer than a warp, one long row
+CASE_DIMS["softmax_backward"] = {
+    "small": [dict(N=19, n=19), dict(N=19, n=19), dict(N=67, n=45), dict(N=1, n=131)],
+    "large": [dict(N=1023, n=1023), dict(N=1023, n=1023), dict(N=4099, n=771), dict(N=1, n=50257)],
+}
+
+
 def _make_softmax(rng, dt, size, k):
-    if size == "small":
-        N = n = _awkward(rng, 5, 24)
-        if k == 1:
-            N, n = _awkward(rng, 3, 40), _awkward(rng, 3, 40, avoid=(N,))
-    else:
-        N = n = 1023
-        if k == 1:
-            N, n = _awkward(rng, 1000, 4096), _awkward(rng, 700, 1100)
+    d = _dims("softmax_backward", size, k)
+    N, n = d["N"], d["n"]
     c = _Case(dt, {"N": N, "n": n})
     logits = _rows(rng, (N, n), -1.0, 1.0)              # some rows flat, some peaky
     out, _ = ref.softmax_forward(logits)
@@ -300,7 +381,7 @@ def _softmax_with(c, s):
 
 
 _SOFTMAX = _Op(
-    "softmax_backward", _make_softmax, _expected_softmax, n_cases=2,
+    "softmax_backward", _make_softmax, _expected_softmax, n_cases=4,
     terms=lambda c: {"dinp": float(np.abs(c.x["out"] * c.x["dout"]).max())},
     formula="dinp = out * (dout - (out * dout).sum(axis=-1, keepdims=True)), the sum over each row",
     shape_hint="the row sum must keep its axis: s = (out * dout).sum(axis=-1, keepdims=True) is (N, 1)",
@@ -325,16 +406,15 @@ _SOFTMAX = _Op(
 # ------------------------------------------------------------------------------------------------------------
 # layernorm_backward(dout (N,C), inp (N,C), weight (C,), mean (N,), rstd (N,), dinp (N,C), dweight (C,), dbias (C,))
 # ------------------------------------------------------------------------------------------------------------
+CASE_DIMS["layernorm_backward"] = {
+    "small": [dict(N=19, C=19), dict(N=19, C=19), dict(N=67, C=45), dict(N=1, C=33)],
+    "large": [dict(N=768, C=768), dict(N=768, C=768), dict(N=4099, C=771), dict(N=1, C=768)],
+}
+
+
 def _make_layernorm(rng, dt, size, k):
-    if size == "small":
-        N = C = _awkward(rng, 5, 24)
-        if k == 1:
-            N, C = _awkward(rng, 3, 40), _awkward(rng, 4, 40)
-            C = C if C != N else C + 1
-    else:
-        N, C = 768, 768
-        if k == 1:
-            N = _awkward(rng, 1000, 4096)
+    d = _dims("layernorm_backward", size, k)
+    N, C = d["N"], d["C"]
     c = _Case(dt, {"N": N, "C": C})
     c.add_float("dout", ("N", "C"), _rows(rng, (N, C)))
     inp = c.add_float("inp", ("N", "C"), _rows(rng, (N, C)) + rng.standard_normal((N, 1)))  # rows: own scale, offset
@@ -371,7 +451,7 @@ def _ln_dinp(c, g=None, mean_term=True, xhat_term=True, rstd=True):
 
 
 _LAYERNORM = _Op(
-    "layernorm_backward", _make_layernorm, _expected_layernorm, n_cases=2,
+    "layernorm_backward", _make_layernorm, _expected_layernorm, n_cases=4,
     terms=lambda c: {"dinp": float(np.abs(c.x["g"] * c.x["rstd"][:, None]).max())},
     formula="xhat = (inp - mean) * rstd, g = dout * weight; dinp = rstd * (g - mean(g) - xhat * mean(g * xhat)) "
             "(means over the C channels of a row); dweight = (dout * xhat).sum(axis=0); dbias = dout.sum(axis=0)",
@@ -416,8 +496,16 @@ _S = math.sqrt(2.0 / math.pi)
 _K = 0.044715
 
 
+# elementwise: more elements than the capped grid (2 x 32 = 64 in the simulator, 4096 x 256 = 1,048,576 on a GPU),
+# the same again, several blocks with a partial last one under the cap, one element
+CASE_DIMS["gelu_backward"] = CASE_DIMS["residual_backward"] = {
+    "small": [dict(n=97), dict(n=97), dict(n=37), dict(n=1)],
+    "large": [dict(n=2_097_189), dict(n=2_097_189), dict(n=1_000_003), dict(n=1)],
+}
+
+
 def _make_gelu(rng, dt, size, k):
-    n = _awkward(rng, 40, 300) if size == "small" else _awkward(rng, 1_000_000, 4096 * 3072)
+    n = _dims("gelu_backward", size, k)["n"]
     c = _Case(dt, {"n": n})
     c.add_float("dout", ("n",), rng.standard_normal(n) * _scales(rng, n))
     c.add_float("inp", ("n",), rng.standard_normal(n) * 10.0 ** rng.uniform(-0.5, 0.5, n))  # mostly in [-4, 4]
@@ -457,7 +545,7 @@ def _gelu_terms(c):
 
 
 _GELU = _Op(
-    "gelu_backward", _make_gelu, _expected_gelu, terms=_gelu_terms,
+    "gelu_backward", _make_gelu, _expected_gelu, terms=_gelu_terms, n_cases=4,
     formula="u = sqrt(2/pi) (x + 0.044715 x^3), t = tanh(u); dinp = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) "
             "sqrt(2/pi) (1 + 3 * 0.044715 x^2))",
     shape_hint="gelu_backward is elementwise on 1-D arrays of length n: dinp[i] depends on dout[i], inp[i] only",
@@ -484,12 +572,16 @@ _GELU = _Op(
 # ------------------------------------------------------------------------------------------------------------
 # crossentropy_backward(logits (N,V), targets (N,) int32, dlogits (N,V))   [dloss = 1, mean over N rows]
 # ------------------------------------------------------------------------------------------------------------
+# rows longer than several warps, the same again, more rows than a capped grid (2 x 32 threads / 4096 blocks), one row
+CASE_DIMS["crossentropy_backward"] = {
+    "small": [dict(N=5, V=131), dict(N=5, V=131), dict(N=67, V=37), dict(N=1, V=33)],
+    "large": [dict(N=257, V=50257), dict(N=257, V=50257), dict(N=4099, V=771), dict(N=1, V=50257)],
+}
+
+
 def _make_crossentropy(rng, dt, size, k):
-    if size == "small":
-        N, V = _awkward(rng, 3, 40), _awkward(rng, 5, 70)
-        V = V if V != N else V + 1
-    else:
-        N, V = _awkward(rng, 256, 1024), 50257
+    d = _dims("crossentropy_backward", size, k)
+    N, V = d["N"], d["V"]
     c = _Case(dt, {"N": N, "V": V})
     c.add_float("logits", ("N", "V"), _rows(rng, (N, V), -1.0, 0.7))
     c.add_index("targets", ("N",), rng.integers(0, V, N))
@@ -512,7 +604,7 @@ def _ce_broadcast_onehot(c):
 
 
 _CROSSENTROPY = _Op(
-    "crossentropy_backward", _make_crossentropy, _expected_crossentropy,
+    "crossentropy_backward", _make_crossentropy, _expected_crossentropy, n_cases=4,
     terms=lambda c: {"dlogits": 1.0 / c.dims["N"]},         # probs - onehot: 1 - p cancels when p is near 1
     formula="probs = softmax(logits) over each row; dlogits = (probs - onehot(targets)) / N",
     shape_hint="logits and dlogits are (N, V), targets (N,): probs = softmax over axis=-1 (keepdims=True for "
@@ -536,11 +628,19 @@ _CROSSENTROPY = _Op(
 # ------------------------------------------------------------------------------------------------------------
 # attention_backward(dout (B,T,C), qkv (B,T,3C), att (B,nh,T,T), dqkv (B,T,3C), n_head)
 # ------------------------------------------------------------------------------------------------------------
+# a few heads, the same again, T longer than a warp (B * nh * T rows > 64: more than a capped simulator grid; on a
+# GPU > 4096 rows), T = 1
+CASE_DIMS["attention_backward"] = {
+    "small": [dict(B=2, T=7, nh=3, hs=4), dict(B=2, T=7, nh=3, hs=4), dict(B=1, T=37, nh=2, hs=5),
+              dict(B=2, T=1, nh=2, hs=3)],
+    "large": [dict(B=2, T=257, nh=12, hs=64), dict(B=2, T=257, nh=12, hs=64), dict(B=1, T=1023, nh=12, hs=64),
+              dict(B=3, T=1, nh=12, hs=64)],
+}
+
+
 def _make_attention(rng, dt, size, k):
-    if size == "small":
-        B, T, nh, hs = int(rng.integers(1, 3)), int(rng.integers(3, 10)), int(rng.integers(2, 4)), int(rng.integers(3, 6))
-    else:
-        B, T, nh, hs = int(rng.integers(1, 3)), _awkward(rng, 200, 1024), 12, 64
+    d = _dims("attention_backward", size, k)
+    B, T, nh, hs = d["B"], d["T"], d["nh"], d["hs"]
     C = nh * hs
     c = _Case(dt, {"B": B, "T": T, "C": C, "3C": 3 * C, "nh": nh, "hs": hs})
     c.add_float("dout", ("B", "T", "C"), _rows(rng, (B, T, C)))
@@ -605,7 +705,7 @@ def _attention_variant(c, scale=True, rowsum=True, dk_t=True, dv_t=True, wrong_h
 
 
 _ATTENTION = _Op(
-    "attention_backward", _make_attention, _expected_attention, parts={"dqkv": 3}, terms=_attention_terms,
+    "attention_backward", _make_attention, _expected_attention, parts={"dqkv": 3}, terms=_attention_terms, n_cases=4,
     formula="per head: datt = dy @ v^T, dv = att^T @ dy, dpreatt = att * (datt - sum(att * datt, -1)), "
             "dq = dpreatt @ k / sqrt(hs), dk = dpreatt^T @ q / sqrt(hs); dqkv = [dq | dk | dv] on the last axis",
     shape_hint="qkv and dqkv are (B, T, 3C) = [q | k | v] along the last axis; per head q, k, v, dy are (B, nh, T, "
@@ -634,13 +734,18 @@ _ATTENTION = _Op(
 # ------------------------------------------------------------------------------------------------------------
 # encoder_backward(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C))   [zero, then scatter-add]
 # ------------------------------------------------------------------------------------------------------------
+# B * T * C > 64 (the capped simulator grid), the same again, > 1,048,576 / several blocks of rows, T = 1 (B = 1)
+CASE_DIMS["encoder_backward"] = {
+    "small": [dict(B=2, T=5, C=7, V=11, maxT=8), dict(B=2, T=5, C=7, V=11, maxT=8),
+              dict(B=3, T=13, C=37, V=29, maxT=16), dict(B=1, T=1, C=3, V=5, maxT=4)],
+    "large": [dict(B=4, T=257, C=768, V=50257, maxT=1024), dict(B=4, T=257, C=768, V=50257, maxT=1024),
+              dict(B=8, T=1023, C=768, V=50257, maxT=1024), dict(B=1, T=1, C=768, V=50257, maxT=1024)],
+}
+
+
 def _make_encoder(rng, dt, size, k):
-    if size == "small":
-        B, T, C, V = int(rng.integers(2, 4)), _awkward(rng, 3, 12), _awkward(rng, 3, 20), _awkward(rng, 8, 40)
-        maxT = T + int(rng.integers(1, 6))
-    else:
-        B, T, C, V, maxT = int(rng.integers(4, 9)), _awkward(rng, 200, 1024), 768, 50257, 1024
-        T = min(T, maxT - 1)
+    d = _dims("encoder_backward", size, k)
+    B, T, C, V, maxT = d["B"], d["T"], d["C"], d["V"], d["maxT"]
     c = _Case(dt, {"B": B, "T": T, "C": C, "V": V, "maxT": maxT})
     c.add_float("dout", ("B", "T", "C"), _rows(rng, (B, T, C)))
     used = rng.choice(V, size=max(2, min(V - 1, (B * T) // 2, V // 2)), replace=False)  # some tokens never appear
@@ -688,7 +793,7 @@ def _encoder_unused_nan(c):
 
 
 _ENCODER = _Op(
-    "encoder_backward", _make_encoder, _expected_encoder, accumulates=True,
+    "encoder_backward", _make_encoder, _expected_encoder, accumulates=True, n_cases=4,
     formula="dwte = 0, dwpe = 0; then for every (b, t): dwte[idx[b, t]] += dout[b, t] and dwpe[t] += dout[b, t]",
     shape_hint="dout is (B, T, C), idx (B, T), dwte (V, C), dwpe (maxT, C) with maxT >= T: only dwpe[:T] gets "
                "gradient; np.add.at(dwte, idx, dout) scatter-adds, dwpe[:T] = dout.sum(axis=0)",
@@ -714,7 +819,7 @@ _ENCODER = _Op(
 # residual_backward(dout (n,), da (n,), db (n,))
 # ------------------------------------------------------------------------------------------------------------
 def _make_residual(rng, dt, size, k):
-    n = _awkward(rng, 40, 300) if size == "small" else _awkward(rng, 1_000_000, 4096 * 768)
+    n = _dims("residual_backward", size, k)["n"]
     c = _Case(dt, {"n": n})
     c.add_float("dout", ("n",), rng.standard_normal(n) * _scales(rng, n))
     c.add_output("da", ("n",))
@@ -728,7 +833,7 @@ def _expected_residual(c):
 
 
 _RESIDUAL = _Op(
-    "residual_backward", _make_residual, _expected_residual,
+    "residual_backward", _make_residual, _expected_residual, n_cases=4,
     formula="out = a + b, so da = dout and db = dout (copied into both outputs)",
     shape_hint="dout, da and db are all 1-D of length n",
     mistakes=[
@@ -797,7 +902,7 @@ def _compare(o, e, tol, terms=0.0, parts=1):
     else:
         M = max(float(e_abs.max()) if e_abs.size else 0.0, float(np.max(floor)))
     err = np.abs(o - e)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ok = err <= tol * (np.abs(e) + M)          # NaN compares False: never passes
         rel = err / (np.abs(e) + M)
     return ~ok, err, rel, tol * float(np.max(M))
@@ -844,8 +949,25 @@ def _factor_name(c: float, dims: dict) -> str:
     return text
 
 
+def _ranges(idx) -> str:
+    """'3, 17' / '4..9' / '4..9, 12' for sorted indices (at most 4 ranges, then '...')."""
+    runs, start, prev = [], None, None
+    for i in (int(v) for v in idx):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            runs.append((start, prev))
+            start = prev = i
+    if start is not None:
+        runs.append((start, prev))
+    text = ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in runs[:4])
+    return text + (", ..." if len(runs) > 4 else "")
+
+
 def _rows_text(bad: np.ndarray) -> str:
-    """Where the wrong elements are: 'the last 2 rows (35..36)', 'rows 3, 17', 'the last 7 elements', ''."""
+    """Where the wrong elements are: 'only the last 2 rows (35..36)', 'rows 3, 17', 'rows 4..9', '' (all or none)."""
     if bad.ndim == 0:
         return ""
     lead = bad.reshape(bad.shape[0], -1).any(axis=1) if bad.ndim > 1 else bad
@@ -853,31 +975,137 @@ def _rows_text(bad: np.ndarray) -> str:
     if k == n or k == 0:
         return ""
     unit = "row" if bad.ndim > 1 else "element"
-    first = int(np.argmax(lead))
+    idx = np.flatnonzero(lead)
+    first = int(idx[0])
     if lead[first:].all():
         return f"only the last {unit} ({first})" if k == 1 else f"only the last {k} {unit}s ({first}..{n - 1})"
-    if k <= 5:
-        return f"only {unit}s " + ", ".join(str(int(i)) for i in np.flatnonzero(lead))
-    return f"{k} of {n} {unit}s"
+    if k <= 5 or len(_ranges(idx).split(", ")) <= 2:
+        return f"only {unit}s " + _ranges(idx)
+    return ""
+
+
+# The grids the exercises' launchers cap at (MAX_BLOCKS x THREADS): 2 x 32 in the simulator, 4096 x 256 on a GPU;
+# row kernels launch a block (or a warp, or a thread) per row: at most 2 / 4096 blocks, 64 / 1,048,576 threads.
+_GRID_CAPS = (2 * 32, 4096 * 256)
+_ROW_CAPS = (2, 2 * 32, 4096, 4096 * 256 // 32)
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+
+
+def _stride_pattern(idx, n) -> Optional[tuple]:
+    """(k, j) when the indices are exactly every k-th index from j (k > 1, at least 3 of them), else None."""
+    if idx.size < 3 or n < 6:
+        return None
+    d = np.diff(idx)
+    k, j = int(d[0]), int(idx[0])
+    if k <= 1 or not (d == k).all() or j >= k or idx[-1] + k < n:
+        return None
+    return k, j
+
+
+def _where_pattern(name, mask, what) -> Optional[str]:
+    """A sentence naming the pattern of `mask` (the wrong or unwritten elements of `name`), or None.
+
+    Patterns: a suffix past the (capped) grid, the last partial block, everything past the first block, a range of
+    rows, every k-th element. `what` is 'never written' or 'wrong'."""
+    if mask.ndim == 0 or not mask.any() or mask.all():
+        return None
+    flat = mask.reshape(-1)
+    n = flat.size
+    idx = np.flatnonzero(flat)
+    s = int(idx[0])
+    row_len = int(np.prod(mask.shape[1:])) if mask.ndim > 1 else 1
+    if mask.ndim == 2 and not flat[s:].all():            # only a top-left r0 x c0 block right: tiles / blocks
+        good = ~mask
+        r0 = int(good[:, 0].argmin()) if not good[:, 0].all() else mask.shape[0]
+        c0 = int(good[0].argmin()) if not good[0].all() else mask.shape[1]
+        if 0 < r0 and 0 < c0 and good[:r0, :c0].all() and mask[r0:].all() and mask[:, c0:].all():
+            R, C = mask.shape
+            part = (f"columns {c0}..{C - 1} of every row" if r0 == R else
+                    f"rows {r0}..{R - 1} and columns {c0}..{C - 1}")
+            return (f"only the top-left {r0} x {c0} block of {name} ({name}[:{r0}, :{c0}]) is right; {part} are "
+                    f"{what}: the grid covers only the first tile(s) / block(s) along "
+                    f"{'the columns' if r0 == R else 'both axes'}. Launch ceil(rows / TILE) x ceil(cols / TILE) "
+                    f"blocks (blockIdx.y for rows, blockIdx.x for columns), or loop over the rest")
+    if flat[s:].all():                                   # a suffix: everything from s on
+        if mask.ndim > 1 and s % row_len == 0 and row_len > 1:
+            unit, start, total, caps = "row", s // row_len, mask.shape[0], _ROW_CAPS
+        else:
+            unit, start, total, caps = "element", s, n, _GRID_CAPS
+        at = "" if unit == "row" or mask.ndim == 1 else f" (flat index; {name}{_idx(np.unravel_index(s, mask.shape))})"
+        span = f"{unit}s {start}..{total - 1}" if total - start > 1 else f"{unit} {start}"
+        partial = [b for b in (32, 64, 128, 256, 512, 1024) if total % b and start == total - total % b]
+        if start in caps:
+            text = (f"every {unit} past index G = {start} is {what} ({span}{at}): only the first G = blocks x threads "
+                    f"{unit}s are covered. A launcher that caps the grid (MAX_BLOCKS x THREADS) needs a grid-stride "
+                    f"loop in the kernel (for i in range(cuda.grid(1), n, cuda.gridsize(1)), or i += gridDim.x * "
+                    f"blockDim.x in C++); without a cap, launch blocks = (n + threads - 1) // threads")
+            if partial:
+                text += " (the last partial block)"
+            return text
+        if partial:
+            return (f"the last partial block is {what} ({span}{at}: {total} {unit}s is not a multiple of the "
+                    f"{partial[0]}-thread block): launch blocks = (n + threads - 1) // threads, rounding up, and "
+                    f"guard i < n in the kernel")
+        if start % 32 == 0:
+            return (f"only the first {start} {unit}s are right, {span} are {what}: the grid covers {start} threads "
+                    f"(only the first block?); launch blocks = (n + threads - 1) // threads, or loop (grid-stride) "
+                    f"over the rest")
+        return f"{span} are {what}{at}: a loop bound or grid size stops at {start} instead of {total}"
+    pattern = _stride_pattern(idx, n)
+    if pattern is not None:
+        k, j = pattern
+        return (f"every {_ordinal(k)} element of {name} is {what} (flat indices {j}, {j + k}, {j + 2 * k}, ...): "
+                f"an index mapping or stride bug (a step of {k}, or i * {k} where i is meant)")
+    good = np.flatnonzero(~flat)
+    pattern = _stride_pattern(good, n)
+    if pattern is not None:
+        k, j = pattern
+        return (f"only every {_ordinal(k)} element of {name} is right (flat indices {j}, {j + k}, {j + 2 * k}, "
+                f"...), the others are {what}: an index mapping or stride bug (a step of {k}, or each thread "
+                f"handling one element of every {k})")
+    if mask.ndim > 1:
+        rows = np.flatnonzero(mask.reshape(mask.shape[0], -1).any(axis=1))
+        if 0 < rows.size < mask.shape[0] and len(_ranges(rows).split(", ")) <= 2:
+            return f"rows {_ranges(rows)} of {name} are {what} (the other rows are right)"
+    return None
+
+
+def _factor_hint(name, c, dims, formula) -> str:
+    if abs(c + 1) < 1e-3:
+        return f"the sign of {name} is flipped (x-1): check the sign. {formula}"
+    return f"{name} is off by a constant factor ({_factor_name(c, dims)}): check the scale. {formula}"
 
 
 def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
     """A hint from the pattern of the wrong elements, when no known mistake matches."""
     poison = _is_poison(raw)
     n = o.size
+    kernel = getattr(case, "arrays", "numpy") in ("numba", "cupy")
     if poison.all():
         extra = (" Your function returned a value: the checker ignores it, it reads the output arrays."
                  if returned is not None else "")
+        if kernel:
+            return (f"{name} was never written (it still holds the NaN we filled it with): no thread of your kernel "
+                    f"wrote it. A launch of 0 blocks (blocks = n // threads is 0 when n < threads: use "
+                    f"(n + threads - 1) // threads), a guard that is never true, or a kernel given other arrays than "
+                    f"the outputs (pass the very array you were given to the kernel)? If you accumulate (+=), zero it "
+                    f"first.{extra}")
         return (f"{name} was never written (it still holds the NaN we filled it with): write into the array you "
                 f"were given ({name}[...] = ... or in a kernel {name}[i] = ...); {name} = ... only rebinds the "
                 f"name to a new array the checker never sees. If you accumulate (+=), zero it first.{extra}")
     if poison.any():
         k = int(poison.sum())
-        where = _rows_text(poison)
+        pattern = _where_pattern(name, poison, "never written")
+        if pattern is None:
+            where = _rows_text(poison)
+            pattern = ("does your grid (or loop) cover every element, including the last partial block "
+                       "(blocks = ceil(n / threads))?" + (f" ({where})" if where else ""))
         return (f"{k} of {n} elements of {name} were never written (still NaN; first at "
-                f"{_idx(np.argwhere(poison)[0])}{'; ' + where if where else ''}): does your grid (or loop) cover "
-                f"every element, including the last partial block (blocks = ceil(n / threads))? Did you write "
-                f"into the output ({name}[...] = ...) rather than rebinding the name?")
+                f"{_idx(np.argwhere(poison)[0])}): {pattern}. Did you write into the output ({name}[...] = ...) "
+                f"rather than rebinding the name?")
     nonfinite = ~np.isfinite(o)
     if nonfinite.any():
         k = int(nonfinite.sum())
@@ -889,8 +1117,7 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
     if ee > 0:
         c = float((o * e).sum()) / ee
         if abs(c - 1) > _slack(tol) and c != 0 and _close(o, c * e, _slack(tol)):
-            what = "the sign is flipped" if abs(c + 1) < 1e-3 else "off by a constant factor"
-            return f"{name} is {what} ({_factor_name(c, case.dims)}): check the scale. {op.formula}"
+            return _factor_hint(name, c, case.dims, op.formula)
     if o.ndim == 2 and o.shape[0] == o.shape[1] and _close(o, e.T, _slack(tol)):
         return f"{name} looks transposed: it should be laid out {case.sym[name]}. {op.formula}"
     if not o.any():
@@ -898,6 +1125,9 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
     if o.size > 1 and (o == o.flat[0]).all() and not (e == e.flat[0]).all():
         return (f"every element of {name} has the same value ({_fmt(float(o.flat[0]))}): a scalar broadcast into "
                 f"the array (a reduction over all axes?) where each element needs its own value. {op.formula}")
+    pattern = _where_pattern(name, bad, "wrong")
+    if pattern is not None:
+        return f"{pattern}. {op.formula}"
     where = _rows_text(bad)
     if where.startswith("only the last"):
         return f"{name} is right except {where[5:]}: check your loop bound / grid size (the last partial block)."
@@ -916,6 +1146,15 @@ def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) ->
             except Exception:  # a mistake that does not apply to these shapes
                 cache[i] = {}
         return cache[i]
+
+    previous = getattr(case, "previous", None)   # {output: expected of an earlier call with the same shapes}
+    if previous and all(name in previous and previous[name].shape == ours[name].shape
+                        and not _close(previous[name], expected[name], tol)
+                        and _close(ours[name], previous[name], _slack(tol)) for name in wrong):
+        return (f"your {', '.join(wrong)} equal{'s' if len(wrong) == 1 else ''} the right answer for the inputs of an "
+                f"EARLIER call, not this one: your function keeps state between calls (a cached result, a global, "
+                f"a buffer filled once and reused). Compute everything from this call's inputs; the checker calls "
+                f"it several times with different inputs")
 
     if not op.accumulates and all(_is_poison(r).all() for r in ours_raw.values()):
         name = wrong[0]  # nothing at all was written: the rebinding hint, whatever the op
@@ -937,8 +1176,9 @@ def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) ->
                     return m.hint
         for m in op.mistakes:
             try:
-                if m.test is not None and m.test(case, name, ours[name], expected[name], bads[name]):
-                    return m.hint
+                found = m.test(case, name, ours[name], expected[name], bads[name]) if m.test is not None else None
+                if found:
+                    return found if isinstance(found, str) else m.hint
             except Exception:  # a pattern test that does not apply
                 pass
         return None
@@ -980,11 +1220,53 @@ _SHAPE_WORDS = ("shape", "broadcast", "mismatch", "dimension", "matmul", "out of
                 "aligned")
 
 
+# An exception raised inside a kernel in Numba's CUDA simulator starts with the thread and block that raised it.
+_SIM_THREAD = re.compile(r"tid=\[(\d+),\s*(\d+),\s*(\d+)\]\s*ctaid=\[(\d+),\s*(\d+),\s*(\d+)\]:?\s*(.*)", re.S)
+
+
+def kernel_error(exc) -> Optional[tuple]:
+    """(thread (x, y, z), block (x, y, z), message) when exc was raised inside a kernel in the CUDA simulator."""
+    m = _SIM_THREAD.search(str(exc))
+    if m is None:
+        return None
+    g = [int(v) for v in m.groups()[:6]]
+    return tuple(g[:3]), tuple(g[3:]), " ".join(m.group(7).split())
+
+
+def _kernel_error_hint(exc, where, shapes) -> Optional[str]:
+    """The hint for an error raised inside a simulated kernel: which thread, which block, the likely cause."""
+    parsed = kernel_error(exc)
+    if parsed is None:
+        return None
+    tid, ctaid, text = parsed
+    at = f" at {where}" if where else ""
+    who = f"thread {tid} of block {ctaid} raised {type(exc).__name__}{at}: {text}"
+    low = text.lower()
+    if isinstance(exc, IndexError):
+        why = ("likely an index past the end of an array: guard it (if i < n:), since the last block has threads "
+               "past the end; check the index arithmetic (row * width + col, tile offsets k0 + kk) and loop bounds")
+    elif isinstance(exc, ZeroDivisionError):
+        why = "a division by zero in that thread: a count, size or stride that is 0 there?"
+    elif "math domain" in low:
+        why = ("a math domain error: sqrt or log of a negative number (a variance that rounding made slightly "
+               "negative? a value read from outside the array?)")
+    elif isinstance(exc, OverflowError) or "range" in low:
+        why = "a math range error: exp of a large number overflows (subtract the row max first)"
+    elif isinstance(exc, TypeError):
+        why = "a type problem inside the kernel (an argument of the wrong kind: pass arrays and int scalars)"
+    else:
+        why = "the error is in your kernel"
+    return f"{who} - {why}; {shapes}"
+
+
 def _error_hint(op, case, exc) -> str:
     text = f"{type(exc).__name__}: {exc}".lower()
     where = _where_raised(exc)
     at = f" (at {where})" if where else ""
     shapes = f"shapes here: {case.describe_shapes()}"
+    in_kernel = _kernel_error_hint(exc, where, shapes)
+    if in_kernel is not None:
+        return in_kernel
     if "grid" in text or "launch" in text:
         return (f"check your kernel launch{at}: blocks = (n + threads - 1) // threads covers n elements with at "
                 f"least one block; {shapes}")
@@ -1007,13 +1289,22 @@ def _validate(op_name, fn, arrays, dtype, size, seed):
                         f"the same arguments, e.g. def {op_name}(...): kernel[blocks, threads](...)")
     _arrays.require(arrays)
     dt = _normalize_dtype(dtype)
-    if size is None:
-        size = "small"
+    size = default_size(arrays, size)
     if size not in SIZES:
-        raise ValueError(f"size={size!r}: use one of {', '.join(repr(s) for s in SIZES)} (or None for 'small')")
+        raise ValueError(f"size={size!r}: use one of {', '.join(repr(s) for s in SIZES)} (or None: 'large' when the "
+                         f"arrays live on a GPU, else 'small')")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
         raise TypeError(f"seed={seed!r}: use a non-negative int, or None for fresh random inputs")
     return dt, size
+
+
+def default_size(arrays, size=None) -> str:
+    """size=None means "large" when the arrays live on a real GPU (arrays="cupy", or "numba" when Numba runs on the
+    GPU) and "small" otherwise (NumPy, the CUDA simulator). Any other size is returned as given."""
+    if size is not None:
+        return size
+    on_gpu = arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
+    return "large" if on_gpu else "small"
 
 
 def learner_fn_and_seed(name, fn, seed, what="inputs") -> int:
@@ -1039,8 +1330,72 @@ def _skipped(op: _Op, task, quiet) -> "CheckResult":
     return result
 
 
-def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None, quiet=False):
+def _source_text(source):
+    """(text, None) or (None, (status, why)) from a HIP source given as a str or a zero-argument callable."""
+    if isinstance(source, str):
+        return source, None
+    try:
+        text = source()
+    except NotImplementedError:
+        return None, ("not attempted", "your source function raised NotImplementedError")
+    except Exception as exc:  # the learner's error is reported, never raised
+        first = " ".join(str(exc).split())[:200]
+        where = _where_raised(exc)
+        return None, ("error", f"your source function raised {type(exc).__name__}" + (f": {first}" if first else "")
+                      + (f" (at {where})" if where else ""))
+    if not isinstance(text, str):
+        return None, ("error", f"your source function returned {type(text).__name__}, not the kernel source "
+                               f"as a str")
+    return text, None
+
+
+def hip_compile_only(name, source, entries, *, task=None, quiet=False) -> "CheckResult":
+    """Grade a HIP/CUDA C++ kernel source without a GPU: it must compile for NVIDIA (NVRTC, sm_90) and AMD (hipcc,
+    gfx90a, when installed), define every entry point in `entries` as ``extern "C" __global__``, and pass the
+    course's portability lint (``hip.lint_source``). It is not run: status "compiled" (counted apart from
+    correct/wrong), or "wrong" naming the compiler error, the lint finding or the missing entry point.
+
+    source: the source str, or a zero-argument function returning it (NotImplementedError: "not attempted").
+    entries: an entry point name or a list of them. Records the verdict for grading like every checker.
+    """
+    from . import hip
+    if not (isinstance(source, str) or callable(source)):
+        raise TypeError(f"hip_compile_only(source): pass the kernel source as a str, or a function returning it; "
+                        f"got {type(source).__name__}")
+    entries = (entries,) if isinstance(entries, str) else tuple(entries or ())
+    if not all(isinstance(e, str) and e for e in entries):
+        raise TypeError(f"hip_compile_only(entries): entry point names must be non-empty str, got {entries!r}")
+    text, failed = _source_text(source)
+    hint = None
+    if failed is not None:
+        status, why = failed
+        if status == "not attempted":
+            msg = f"{name}: not attempted ({why})"
+            hint = "replace the `raise NotImplementedError` with your kernel source"
+        else:
+            msg = f"{name}: error - {why}"
+    else:
+        ok, report = hip.grade_source(text, entries)
+        if ok:
+            status = "compiled"
+            msg = (f"{name}: compiled - {report}; not run: no GPU (it is run and checked on a GPU server)")
+        else:
+            status, hint = "wrong", report
+            msg = f"{name}: wrong - your kernel source does not pass the checks without a GPU\n  hint: {report}"
+    result = CheckResult(name=name, task=task, status=status, passed=False, message=msg, hint=hint, arrays="cupy")
+    from . import grading
+    grading.record(check=f"check_{name}" if not str(name).startswith("check_") else name, task=task,
+                   status=status, message=msg.splitlines()[0] + (f" {hint}" if status == "wrong" else ""))
+    if not quiet:
+        print(msg)
+    return result
+
+
+def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
+         source=None, entries=None):
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
+        if source is not None:
+            return hip_compile_only(op.name, source, entries, task=task, quiet=quiet)
         return _skipped(op, task, quiet)
     dt, size = _validate(op.name, fn, arrays, dtype, size, seed)
     seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
@@ -1051,9 +1406,14 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
     max_rel_all, max_abs_all = 0.0, 0.0
     result = None
 
+    history = []   # (output shapes, expected) of the earlier cases: a stale answer matches one of them
     for k in range(op.n_cases):
         case = op.make(rng, dt, size, k)
+        case.arrays = arrays
         expected = {name: np.asarray(v, dtype=np.float64) for name, v in op.expected(case).items()}
+        shapes = {name: np.shape(v) for name, v in expected.items()}
+        case.previous = next((prev for prev_shapes, prev in reversed(history) if prev_shapes == shapes), None)
+        history.append((shapes, expected))
         try:
             dev_in = [_arrays.to_backend(a, arrays) for a in case.inputs.values()]
             dev_out = [_arrays.to_backend(_poison(shape, dt), arrays) for shape in case.outputs.values()]
@@ -1077,6 +1437,12 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             first = " ".join(str(exc).split())
             first = first if len(first) <= 200 else first[:197] + "..."
             msg = f"{op.name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
+            parsed = kernel_error(exc)
+            if parsed is not None:
+                tid, ctaid, text = parsed
+                text = text if len(text) <= 200 else text[:197] + "..."
+                msg = (f"{op.name}: error - your kernel raised {type(exc).__name__} in thread {tid} of block "
+                       f"{ctaid}" + (f": {text}" if text else ""))
             hint = _error_hint(op, case, exc) + f" (seed {seed})"
             result = CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint, **info)
             break
@@ -1109,7 +1475,9 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             if changed:
                 hint += f" (Note: your function changed its input{'s' if len(changed) > 1 else ''} " \
                         f"{', '.join(changed)}; inputs are read-only.)"
-            msg = (f"{op.name}: wrong - {name} at {_idx(index)}: yours {_fmt(mine, exp)}, expected {_fmt(exp, mine)} "
+            sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
+            msg = (f"{op.name}: wrong - {name} at {_idx(index)} (case {k + 1} of {op.n_cases}: {sizes}): "
+                   f"yours {_fmt(mine, exp)}, expected {_fmt(exp, mine)} "
                    f"(max abs err {max_abs:.2g}, max rel {max_rel:.2g}, tol {tol:g}; seed {seed})")
             result = CheckResult(status="wrong", passed=False, output=name, max_abs=max_abs, max_rel=max_rel,
                                  first_bad=index, ours=mine, expected=exp, hint=hint,
@@ -1137,59 +1505,73 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
 _SIGNATURE_DOC = """
     fn is called as fn(*inputs, *outputs, *ints) with arrays on the backend `arrays` ("numpy", "cupy", "numba");
     the outputs start filled with NaN and fn must write every element. dtype: np.float32 (default), np.float64,
-    np.float16 or "bfloat16". size: "small" (default; simulator-friendly) or "large" (GPU sizes: N up to 4096,
-    C = 768). seed: None for fresh random inputs, or the seed printed by a failed check to reproduce it.
+    np.float16 or "bfloat16". size: "small" (simulator-friendly), "large" (GPU sizes: past the capped grid of
+    4096 x 256 threads, more than 4096 rows) or None (default: "large" when the arrays live on a real GPU, else
+    "small"); CASE_DIMS lists the shapes of each case. seed: None for fresh random inputs, or the seed printed by
+    a failed check to reproduce it.
     task: a label recorded for grading. quiet: do not print. Returns a CheckResult (truthy when correct);
     errors raised by fn are reported in it, never raised.
+    source, entries: for a HIP task, the kernel source (a str or a zero-argument function returning it) and its
+    entry point names: with arrays="cupy" on a machine without a GPU the checker grades the source with
+    hip_compile_only (compiles for both vendors, portability lint; status "compiled") instead of "skipped".
+    On a GPU they are ignored: fn (which launches the kernel) is run and checked.
 """
 
 
 def check_linear_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                          quiet=False) -> CheckResult:
+                          quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (N,OC), inp (N,C), weight (C,OC), dinp (N,C), dweight (C,OC), dbias (OC,))."""
-    return _run(_LINEAR, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_LINEAR, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_softmax_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                           quiet=False) -> CheckResult:
+                           quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (N,n), out (N,n), dinp (N,n)); out is softmax's output (rows sum to 1)."""
-    return _run(_SOFTMAX, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_SOFTMAX, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_layernorm_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                             quiet=False) -> CheckResult:
+                             quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (N,C), inp (N,C), weight (C,), mean (N,), rstd (N,), dinp (N,C), dweight (C,), dbias (C,))."""
-    return _run(_LAYERNORM, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_LAYERNORM, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_gelu_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                        quiet=False) -> CheckResult:
+                        quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (n,), inp (n,), dinp (n,)) for the tanh-form GELU."""
-    return _run(_GELU, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_GELU, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_crossentropy_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                                quiet=False) -> CheckResult:
+                                quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(logits (N,V), targets (N,) int32, dlogits (N,V)) with dloss = 1 and the loss a mean over N rows."""
-    return _run(_CROSSENTROPY, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_CROSSENTROPY, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_attention_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                             quiet=False) -> CheckResult:
+                             quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (B,T,C), qkv (B,T,3C), att (B,nh,T,T), dqkv (B,T,3C), n_head) (causal attention)."""
-    return _run(_ATTENTION, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_ATTENTION, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_encoder_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                           quiet=False) -> CheckResult:
+                           quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C)): zero both, then scatter-add."""
-    return _run(_ENCODER, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_ENCODER, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 def check_residual_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                            quiet=False) -> CheckResult:
+                            quiet=False, source=None, entries=None) -> CheckResult:
     """Check fn(dout (n,), da (n,), db (n,))."""
-    return _run(_RESIDUAL, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return _run(_RESIDUAL, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                source=source, entries=entries)
 
 
 for _f in (check_linear_backward, check_softmax_backward, check_layernorm_backward, check_gelu_backward,

@@ -29,10 +29,12 @@ import secrets
 
 import numpy as np
 
+from . import arrays as _arrays
 from . import checks as _checks
+from . import device as _device
 
-__all__ = ["check_bf16_rne", "check_loss_scaler_update", "bf16_special_cases", "bf16_mistakes",
-           "SCALER_HINTS"]
+__all__ = ["check_bf16_rne", "check_loss_scaler_update", "check_bf16_kernel", "check_bf16_hip", "check_unscale_hip",
+           "bf16_special_cases", "bf16_mistakes", "SCALER_HINTS"]
 
 
 def _record(result, quiet):
@@ -58,6 +60,32 @@ def _error(name, task, quiet, exc, context, seed):
     hint = f"the error is in your code{' (at ' + where + ')' if where else ''}; {context}"
     return _record(_checks.CheckResult(name=name, task=task, status="error", passed=False, seed=seed,
                                        message=msg + "\n  hint: " + hint, hint=hint), quiet)
+
+
+def stub_kernel(fn):
+    """The name of a Numba kernel that the launcher fn launches and whose body still raises NotImplementedError (an
+    exercise not yet written), else None. Needed on a GPU: there Numba compiles the raise away and the kernel silently
+    does nothing, so the call would look like a wrong answer instead of "not attempted"."""
+    import inspect
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or names is None:
+        return None
+    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))   # kernels of an enclosing function
+    for name in code.co_names + code.co_freevars:
+        try:
+            obj = cells[name].cell_contents if name in cells else names.get(name)
+        except ValueError:          # an empty cell
+            continue
+        if type(obj).__name__ not in ("CUDADispatcher", "FakeCUDAKernel"):
+            continue
+        py = getattr(obj, "py_func", None) or getattr(obj, "fn", None)
+        try:
+            src = inspect.getsource(py)
+        except (OSError, TypeError):
+            continue
+        if "raise NotImplementedError" in src:
+            return name
+    return None
 
 
 def _check_fn(checker, fn):
@@ -122,16 +150,16 @@ def bf16_mistakes() -> tuple:
     trunc = lambda b: (b >> U(16)).astype(np.uint16)                                        # noqa: E731
     rne = _rne_bits
     rounding = [
-        ("truncation: you dropped the low 16 bits (round toward zero). Round to nearest: add 0x7FFF plus the "
-         "lowest kept bit ((bits >> 16) & 1) before the shift", trunc),
+        ("truncation: you dropped the low 16 bits (round toward zero). Round to nearest instead: the 16 bits you "
+         "drop decide (below half: down, above half: up, exactly half: to the even neighbour)", trunc),
         ("ties round away from zero (you added 0x8000): an exact tie (low 16 bits = 0x8000) must go to the EVEN "
-         "neighbour: add 0x7FFF + ((bits >> 16) & 1)",
+         "neighbour, the one whose lowest kept bit is 0",
          lambda b: ((b.astype(np.uint64) + 0x8000) >> 16).astype(np.uint16)),
-        ("ties round toward zero (you added 0x7FFF only): an exact tie must go to the EVEN neighbour, so add the "
-         "lowest kept bit too: 0x7FFF + ((bits >> 16) & 1)",
+        ("ties round toward zero (you added 0x7FFF only): an exact tie must go to the EVEN neighbour, so it "
+         "rounds up exactly when the lowest kept bit is 1",
          lambda b: ((b.astype(np.uint64) + 0x7FFF) >> 16).astype(np.uint16)),
         ("ties round to odd (you added 0x8000 - lowest kept bit, or flipped the parity test): the tie goes to "
-         "the EVEN neighbour: add 0x7FFF + ((bits >> 16) & 1)",
+         "the EVEN neighbour, the one whose lowest kept bit is 0",
          lambda b: ((b.astype(np.uint64) + 0x8000 - ((b >> U(16)) & U(1))) >> 16).astype(np.uint16)),
         ("subnormals were flushed to zero: bfloat16 keeps subnormals (exponent bits 0), and the same integer "
          "rounding works for them; do not special-case them",
@@ -145,11 +173,11 @@ def bf16_mistakes() -> tuple:
     ]
     nan = [
         ("NaN turned into inf (or 0): adding 0x7FFF to a NaN's bits carries its payload away (0x7F800001 -> "
-         "0x7F80 = inf; 0xFFFFFFFF wraps to 0). Test for NaN first (x != x, or (bits & 0x7FFFFFFF) > 0x7F800000) "
-         "and return the quiet NaN ((bits >> 16) & 0x8000) | 0x7FC0", rne),
+         "0x7F80 = inf; 0xFFFFFFFF wraps to 0). Test for NaN first (exponent bits all ones and a nonzero "
+         "mantissa) and return the quiet NaN 0x7FC0 with the sign bit kept", rne),
         ("NaN not special-cased (truncated): a NaN whose payload is only in the low 16 bits becomes inf "
-         "(0x7F800001 -> 0x7F80). Return the quiet NaN ((bits >> 16) & 0x8000) | 0x7FC0 for every NaN", trunc),
-        ("a NaN's sign was lost: NaN must become 0x7FC0 with the sign bit kept: ((bits >> 16) & 0x8000) | 0x7FC0",
+         "(0x7F800001 -> 0x7F80). Return the quiet NaN 0x7FC0 with the sign bit kept for every NaN", trunc),
+        ("a NaN's sign was lost: NaN must become the quiet NaN 0x7FC0 with the float32's sign bit as bit 15",
          lambda b: np.full(b.shape, 0x7FC0, np.uint16)),
         ("NaN payload kept: ml_dtypes (and the GPU kernels) return the quiet NaN 0x7FC0 with the sign kept for "
          "every NaN, whatever its payload", lambda b: (trunc(b) | np.uint16(0x0040)).astype(np.uint16)),
@@ -243,10 +271,11 @@ def _bf16_hint(bits, ours, want):
         if found:
             hints.append(found)
         else:
-            hints.append("no common mistake matches the wrong NaNs: test for NaN first and return "
-                         "((bits >> 16) & 0x8000) | 0x7FC0" if mistakes is nan_mistakes else
-                         "no common mistake matches: compute in uint32 on x.view(np.uint32): (bits + 0x7FFF + "
-                         "((bits >> 16) & 1)) >> 16, as uint16 (NaN handled first)")
+            hints.append("no common mistake matches the wrong NaNs: test for NaN first and return the quiet NaN "
+                         "0x7FC0 with the sign bit kept" if mistakes is nan_mistakes else
+                         "no common mistake matches: work on the float32 bits as unsigned integers; the 16 bits "
+                         "you drop decide (below half: down, above half: up, exactly half: to the even "
+                         "neighbour); NaN first")
     return ". Also: ".join(hints)
 
 
@@ -263,8 +292,8 @@ SCALER_HINTS = {
     "skip_clean": "a clean step was skipped: skip only when found_inf",
     "no_reset_inf": "on an overflow the clean-step counter must restart at 0: growth needs growth_interval clean "
                     "steps IN A ROW since the last overflow",
-    "floor": "the scale fell below min_scale = 1: back off with max(scale * 0.5, 1.0)",
-    "backoff": "on an overflow the scale is halved: max(scale * 0.5, 1.0)",
+    "floor": "the scale fell below min_scale = 1: halve it on an overflow, but never below 1",
+    "backoff": "on an overflow the scale is halved (never below min_scale = 1)",
     "grow_every": "the scale grew on a clean step before the count reached growth_interval: count clean steps and "
                   "double the scale only when the count reaches growth_interval (then restart the count)",
     "late": "the scale grew one step late (or not at all): grow when the count REACHES growth_interval "
@@ -366,3 +395,408 @@ def check_loss_scaler_update(fn, seed=None, task=None, quiet=False) -> "_checks.
     msg = f"{NAME_SCALER}: correct ({len(scripts)} sequences, {steps} steps, same as DynamicLossScaler)"
     return _record(_checks.CheckResult(status="correct", passed=True, message=msg, **base), quiet)
 
+
+
+# ================================================================================================================
+# Kernels with bf16 output: 07.4 (Numba, grid-stride) and 07.3 (HIP, float4 loads, scalar head and tail)
+# ================================================================================================================
+NAME_BF16_KERNEL = "bf16_kernel"
+NAME_BF16_HIP = "bf16_hip"
+BF16_HIP_ENTRY = "f32_to_bf16_vec4"
+OUT_POISON = 0x7FD5       # what an output holds before the call: a bf16 NaN pattern no correct rounding produces
+HIP_THREADS, HIP_MAX_BLOCKS = 256, 64   # how the HIP checkers launch: at most 64 blocks of 256 threads
+
+
+def _kernel_bits(rng, n, specials=True):
+    """n float32 bit patterns for a kernel case: fresh random ones (a third exact ties, NaNs included), with the
+    special cases written over the first and the last elements; never a pattern whose truncation is the poison."""
+    bits = _fresh_bits(rng, n)
+    if specials and n:
+        s = np.concatenate(list(bf16_special_cases().values()))
+        k = min(n, s.size)
+        bits[:k // 2 + k % 2] = s[:k // 2 + k % 2]
+        if k // 2:
+            bits[n - k // 2:] = s[s.size - k // 2:]
+    clash = (bits >> np.uint32(16)) & np.uint32(0x7FFF) == np.uint32(OUT_POISON & 0x7FFF)
+    bits[clash] ^= np.uint32(0x00010000)
+    return bits
+
+
+def _bf16_out_hint(bits, ours, want, grid_note=""):
+    """Where and why a kernel's bf16 output is wrong: elements never written (which ones: the tail, past the grid,
+    the head), else the rounding / NaN mistake that matches (check_bf16_rne's table)."""
+    bad = ours != want
+    untouched = bad & (ours == np.uint16(OUT_POISON))
+    n = bits.size
+    if untouched.any() and untouched.sum() * 2 >= bad.sum():
+        idx = np.flatnonzero(untouched)
+        if idx.size == n:
+            return "out was never written: write out[i] for every element i < n"
+        if idx[0] > 0 and idx.size == n - idx[0]:
+            return (f"every element from index {idx[0]} on was never written{grid_note}: the grid is capped, so each "
+                    f"thread must loop (a grid-stride loop) until it has covered all n = {n} elements")
+        return f"{idx.size} of {n} elements were never written, first at index {idx[0]}{grid_note}"
+    return _bf16_hint(bits, ours, want)
+
+
+def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+    """Check a launcher fn(x, out): x float32 (n,) and out uint16 (n,) on the backend `arrays` ("numba": Numba device
+    arrays, the default; "numpy"; "cupy"); fn must write out[i] = the bfloat16 bits of x[i], round to nearest even,
+    NaN -> the quiet NaN 0x7FC0 with its sign, bit for bit as ml_dtypes (check_bf16_rne's rule).
+
+    fn is called several times: the special cases (ties both ways, NaN payloads, inf, the largest float32,
+    subnormals, -0.0), n = 1, a partial last block of random floats, and more elements than the capped grid of the
+    exercise's launcher covers (MAX_BLOCKS x THREADS: 2 x 32 in the simulator; 4096 x 256 on a GPU, where this
+    case has over a million elements; size="small" leaves it out, "large" forces it). out starts as 0x7FD5 in every
+    element, so an element never written shows. Errors raised by fn are reported, never raised."""
+    name = NAME_BF16_KERNEL
+    seed = _checks.learner_fn_and_seed(name, fn, seed)
+    if type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel"):
+        raise TypeError(f"check_{name}(fn): fn is a Numba kernel; pass the launcher that calls it, fn(x, out)")
+    if arrays == "cupy" and not _device.has_gpu():
+        msg = (f"{name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{_device.kind()}'; it is "
+               f"checked on a GPU server")
+        return _record(_checks.CheckResult(name=name, task=task, status="skipped", passed=False, message=msg,
+                                           arrays=arrays), quiet)
+    _arrays.require(arrays)
+    if size not in (None, "small", "large"):
+        raise ValueError(f"size={size!r}: use 'small', 'large' or None (large on a GPU)")
+    if stub_kernel(fn):
+        return _not_attempted(name, task, quiet)
+    on_gpu = arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
+    rng = np.random.default_rng(seed)
+    specials = np.concatenate(list(bf16_special_cases().values()))
+    if size == "large" or (size is None and on_gpu):
+        big = 4096 * 256 + int(rng.integers(1, 30_000)) * 2 + 1      # past 4096 blocks x 256 threads
+    else:
+        big = int(rng.integers(300, 700)) * 2 + 1                     # past the simulator's 2 blocks x 32 threads
+    cases = [("the special cases", specials), ("n = 1", _kernel_bits(rng, 1, specials=False)),
+             ("random floats, a partial last block", _kernel_bits(rng, int(rng.integers(33, 63)) * 2 + 1))]
+    cases.append((f"n = {big:,}, more than the capped grid covers", _kernel_bits(rng, big)))
+    base = dict(name=name, task=task, seed=seed, dtype="float32", arrays=arrays)
+    for label, bits in cases:
+        x = bits.view(np.float32)
+        dx = _arrays.to_backend(x.copy(), arrays)
+        dout = _arrays.to_backend(np.full(x.size, OUT_POISON, np.uint16), arrays)
+        try:
+            fn(dx, dout)
+            ours = np.asarray(_arrays.to_numpy(dout))
+            after = np.asarray(_arrays.to_numpy(dx))
+        except NotImplementedError:
+            return _not_attempted(name, task, quiet)
+        except Exception as exc:   # the learner's error is reported, never raised
+            return _error(name, task, quiet, exc, f"{label}: x float32 ({x.size},), out uint16 ({x.size},) "
+                          f"(seed {seed})", seed)
+        if not np.array_equal(after.view(np.uint32), bits):
+            hint = "your kernel changed its input x: read x, write only out"
+            msg = f"{name}: wrong - {label}: x was modified"
+            return _record(_checks.CheckResult(status="wrong", passed=False, hint=hint,
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+        want = _expected_bf16(x)
+        if ours.dtype != np.uint16 or ours.shape != want.shape or not np.array_equal(ours, want):
+            i = int(np.flatnonzero(ours != want)[0])
+            grid = " (past the grid of MAX_BLOCKS x THREADS threads)" if label.startswith("n =") else ""
+            hint = _bf16_out_hint(bits, ours, want, grid)
+            msg = (f"{name}: wrong - {label}: {int((ours != want).sum())} of {x.size} wrong; first at index {i}: "
+                   f"x = {float(x[i])!r} (bits 0x{int(bits[i]):08X}): yours 0x{int(ours[i]):04X}, expected "
+                   f"0x{int(want[i]):04X} (seed {seed})")
+            return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), ours=float(ours[i]),
+                                               expected=float(want[i]), hint=hint, dims={"n": int(x.size)},
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+    ns = ", ".join(f"{bits.size:,}" for _, bits in cases)
+    msg = f"{name}: correct (bit-exact with ml_dtypes.bfloat16 in {len(cases)} calls, n = {ns})"
+    return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
+                                       **base), quiet)
+
+
+def _hip_source(name, source, task, quiet, banned=(), required=()):
+    """(text, None), or (None, the recorded verdict) when the source is missing, raised, or fails a task rule
+    checked on the text: banned = ((regex, hint), ...) that must not match, required = ((regex, hint), ...) that
+    must (comments ignored)."""
+    if not (isinstance(source, str) or callable(source)):
+        raise TypeError(f"check_{name}(source): pass your kernel source as a str, or the function that returns it "
+                        f"(without calling it); got {type(source).__name__}")
+    text, failed = _checks._source_text(source)
+    base = dict(name=name, task=task, arrays="cupy")
+    if failed is not None:
+        status, why = failed
+        if status == "not attempted":
+            return None, _not_attempted(name, task, quiet)
+        msg = f"{name}: error - {why}"
+        return None, _record(_checks.CheckResult(status="error", passed=False, message=msg, hint=why, **base), quiet)
+    import re
+    from .hip import _blank_comments
+    code = _blank_comments(text)
+    for pattern, hint in banned:
+        m = re.search(pattern, code)
+        if m:
+            line = code.count("\n", 0, m.start()) + 1
+            msg = f"{name}: wrong - line {line}: {m.group(0).strip()}\n  hint: {hint}"
+            return None, _record(_checks.CheckResult(status="wrong", passed=False, hint=hint, message=msg, **base),
+                                 quiet)
+    for pattern, hint in required:
+        if not re.search(pattern, code):
+            what = pattern.replace("\\b", "")
+            msg = f"{name}: wrong - your source has no {what}\n  hint: {hint}"
+            return None, _record(_checks.CheckResult(status="wrong", passed=False, hint=hint, message=msg, **base),
+                                 quiet)
+    return text, None
+
+
+def _hip_kernel(name, text, entry, task, quiet):
+    """(kernel, None) compiled on this GPU, or (None, the recorded 'wrong' verdict with the compiler's words)."""
+    from . import hip
+    try:
+        return hip.kernel_from_source(text, entry), None
+    except Exception as exc:   # CuPy's CompileException or the missing entry point
+        first = " | ".join(line.strip() for line in str(exc).splitlines() if "error" in line.lower())[:400] or \
+            " ".join(str(exc).split())[:400]
+        hint = f"your source does not compile here: {first}"
+        msg = f"{name}: wrong - compile error\n  hint: {hint}"
+        return None, _record(_checks.CheckResult(name=name, task=task, status="wrong", passed=False, hint=hint,
+                                                 message=msg, arrays="cupy"), quiet)
+
+
+def _hip_blocks(n, per_thread=1):
+    return max(1, min(-(-n // (HIP_THREADS * per_thread)), HIP_MAX_BLOCKS))
+
+
+_HALF_H = (r'#\s*include\s*"half\.h"', "write the conversion yourself: include only \"portable.h\" (half.h holds the "
+           "course's own rounding)")
+_FLOAT4 = (r"\bfloat4\b", "the task is float4 loads: read src 16 bytes (a float4) at a time where src is 16-byte "
+           "aligned, with scalar code for the elements before that and for the last n % 4")
+
+
+def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+    """Check a portable HIP/CUDA C++ kernel (a str, or a zero-argument function returning it) defining
+
+        extern "C" __global__ void f32_to_bf16_vec4(const float* src, unsigned short* dst, long long n)
+
+    dst[i] = the bfloat16 bits of src[i], round to nearest even, NaN -> 0x7FC0 with its sign (bit for bit as
+    ml_dtypes), reading src with float4 loads where it is 16-byte aligned and scalar loads elsewhere. On a GPU it is
+    compiled and launched with at most 64 blocks of 256 threads (so a grid-stride loop is needed) on: the special
+    cases, n = 1..7, a size past the grid, then src and dst offset by one and by three elements (a start that is
+    not 16-byte aligned, with and without a size past the grid); dst elements outside [0, n) must stay untouched.
+    Without a GPU it is compiled for NVIDIA and AMD and linted (status "compiled"). The source must include only
+    "portable.h" and use float4."""
+    name = NAME_BF16_HIP
+    text, verdict = _hip_source(name, source, task, quiet, banned=(_HALF_H,), required=(_FLOAT4,))
+    if verdict is not None:
+        return verdict
+    if not _device.has_gpu():
+        return _checks.hip_compile_only(name, text, [BF16_HIP_ENTRY], task=task, quiet=quiet)
+    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
+    kernel, verdict = _hip_kernel(name, text, BF16_HIP_ENTRY, task, quiet)
+    if verdict is not None:
+        return verdict
+    import cupy as cp
+    rng = np.random.default_rng(seed)
+    past = HIP_MAX_BLOCKS * HIP_THREADS * 4
+    specials = np.concatenate(list(bf16_special_cases().values()))
+    cases = [("the special cases", 0, specials)]
+    cases += [(f"n = {n}", 0, _kernel_bits(rng, n)) for n in (1, 2, 3, 4, 5, 7)]
+    cases += [(f"n = {past * 2 + 7:,}, past a grid of 64 x 256 threads", 0, _kernel_bits(rng, past * 2 + 7)),
+              ("src + 1 (not 16-byte aligned), n = 1001", 1, _kernel_bits(rng, 1001)),
+              ("src + 3 (not 16-byte aligned), n = 6", 3, _kernel_bits(rng, 6)),
+              ("src + 1, n = 2", 1, _kernel_bits(rng, 2)),
+              (f"src + 1 (not 16-byte aligned), n = {past * 2 + 5:,}, past the grid", 1,
+               _kernel_bits(rng, past * 2 + 5))]
+    base = dict(name=name, task=task, seed=seed, dtype="float32", arrays="cupy")
+    for label, off, bits in cases:
+        n = bits.size
+        src_all = np.zeros(n + off + 4, np.uint32)
+        src_all[off:off + n] = bits
+        d_src = cp.asarray(src_all.view(np.float32))
+        d_dst = cp.full(n + off + 4, OUT_POISON, cp.uint16)
+        try:
+            kernel((_hip_blocks(n, 4),), (HIP_THREADS,), (d_src[off:], d_dst[off:], np.int64(n)))
+            cp.cuda.get_current_stream().synchronize()
+            got = cp.asnumpy(d_dst)
+        except Exception as exc:   # e.g. a misaligned float4 load: the launch fails
+            text_exc = " ".join(str(exc).split())[:200]
+            hint = (f"the launch failed ({text_exc}) on {label}: "
+                    + ("a float4 load from an address that is not a multiple of 16 faults; convert the elements "
+                       "before the first 16-byte boundary with scalar loads, then use float4. (A failed launch can "
+                       "leave the GPU context unusable: restart the notebook kernel before running GPU code again.)"
+                       if off else "an out-of-bounds access? check every index against n"))
+            msg = f"{name}: error - {label}: the kernel failed (seed {seed})"
+            return _record(_checks.CheckResult(status="error", passed=False, hint=hint,
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+        ours = got[off:off + n]
+        outside = np.concatenate([got[:off], got[off + n:]])
+        if (outside != np.uint16(OUT_POISON)).any():
+            k = int(np.flatnonzero(got != np.uint16(OUT_POISON))[0] if (got[:off] != OUT_POISON).any() else
+                    off + n + np.flatnonzero(got[off + n:] != OUT_POISON)[0])
+            hint = (f"your kernel wrote outside dst[0 .. n-1] (at dst[{k - off}]): the last float4 may only be used "
+                    f"when all 4 of its elements are < n, the rest is the scalar tail")
+            msg = f"{name}: wrong - {label}: a write past the end of dst (seed {seed})"
+            return _record(_checks.CheckResult(status="wrong", passed=False, hint=hint,
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+        want = _expected_bf16(bits.view(np.float32))
+        if not np.array_equal(ours, want):
+            bad = np.flatnonzero(ours != want)
+            i = int(bad[0])
+            hint = _bf16_out_hint(bits, ours, want, " (past the 64 x 256 threads of the grid)" if "past" in label
+                                  else "")
+            untouched = (ours == np.uint16(OUT_POISON)) & (ours != want)
+            if untouched.any() and untouched.sum() * 2 >= bad.size:
+                idx = np.flatnonzero(untouched)
+                if off and idx.max() < 4:
+                    hint = (f"the first {idx.size} element(s) were never written: src + {off} is not 16-byte aligned, "
+                            f"so the elements before the first 16-byte boundary need scalar code (a head)")
+                elif idx.min() >= n - (n % 4 or 4) and "past" not in label:
+                    hint = (f"the last {idx.size} element(s) (n = {n}, n % 4 = {n % 4}) were never written: after the "
+                            f"float4 part, convert the remaining elements one by one (a scalar tail)")
+            msg = (f"{name}: wrong - {label}: {bad.size} of {n} wrong; first at index {i}: x = "
+                   f"{float(bits[i:i + 1].view(np.float32)[0])!r} (bits 0x{int(bits[i]):08X}): yours "
+                   f"0x{int(ours[i]):04X}, expected 0x{int(want[i]):04X} (seed {seed})")
+            return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), ours=float(ours[i]),
+                                               expected=float(want[i]), hint=hint, dims={"n": n, "offset": off},
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+    msg = (f"{name}: correct (bit-exact with ml_dtypes.bfloat16 in {len(cases)} launches: n = 1..7, past the grid, "
+           f"src + 1 and src + 3 not 16-byte aligned; nothing written outside dst)")
+    return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
+                                       **base), quiet)
+
+
+# ================================================================================================================
+# 06.2 the loss-scale unscale and the inf/NaN count, in one pass (HIP)
+# ================================================================================================================
+NAME_UNSCALE = "unscale_nonfinite"
+UNSCALE_ENTRY = "unscale_nonfinite"
+
+
+def _unscale_case(rng, n, log2_scale):
+    """Scaled gradients float32 (n,) with up to 80 infs and NaNs (4 infs for 3 NaNs, of every sign and payload)
+    spread evenly over the whole buffer: the first and last elements, every block, warps past the first, past the
+    grid. Spread over every block in those proportions, the counting mistakes give different numbers (only inf, only
+    NaN, one block's total, the first warp of each block)."""
+    g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 0, n) * 2.0 ** log2_scale).astype(np.float32)
+    if n == 0:
+        return g
+    k = max(1, min(n // 4, 40))
+    spots = np.unique(np.linspace(0, n - 1, 2 * k).round().astype(np.int64))
+    bits = np.array([0x7F800000, 0x7FC00000, 0xFF800000, 0xFFC00000, 0x7F800000, 0x7F800001, 0xFF800000],
+                    dtype=np.uint32)                   # 4 infs for 3 NaNs: + inf, NaN, - inf, - NaN, ...
+    g.view(np.uint32)[spots] = bits[np.arange(spots.size) % bits.size]
+    return g
+
+
+def _count_hint(g, got, want, blocks, threads=HIP_THREADS):
+    """Which counting mistake gives `got` for the scaled gradient g (want = the right count)."""
+    bits = g.view(np.uint32)
+    inf = (bits & np.uint32(0x7FFFFFFF)) == np.uint32(0x7F800000)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    bad = inf | nan
+    n = g.size
+    stride = blocks * threads
+    i = np.arange(n)
+    lane = (i % stride) % threads
+    block_of = (i % stride) // threads
+    per_block = np.bincount(block_of[bad], minlength=blocks)
+    if got == 0 and want > 0:
+        return ("count stayed 0: each block must add its total to count[0] (one atomicAdd per block, from one "
+                "thread, after the block's reduction)")
+    if got == int(inf.sum()) and nan.any():
+        return "NaN was not counted: a float whose exponent bits are all ones is inf OR NaN (x != x for NaN)"
+    if got == int(nan.sum()) and inf.any():
+        return "inf was not counted: count every float whose exponent bits are all ones (inf and NaN)"
+    if got == int(bad[:stride].sum()) and n > stride:
+        return (f"only the first {stride} elements were counted (one per thread of the grid): loop over i, "
+                f"i + stride, ... (grid-stride) and count every element")
+    for width in (32, 64):
+        if width < threads and got == int((bad & (lane < width)).sum()):
+            return (f"only the first warp of each block reached the count: after the warp reductions, combine the "
+                    f"partials of all blockDim.x / warpSize warps (shared memory) before the atomicAdd")
+        if width < threads and got == int((bad & (lane % width == 0)).sum()):
+            return ("only lane 0 of each warp was counted: reduce over every lane of the warp (shfl_down / shfl_xor "
+                    "with offsets from warpSize / 2 down to 1)")
+    if got in set(int(t) for t in per_block if t > 0):
+        return ("count holds one block's total: blocks must ADD (atomicAdd) their totals; a plain store keeps "
+                "whichever block wrote last")
+    if got == int((per_block > 0).sum()):
+        return "count counts blocks that saw an inf/NaN; it must count the elements"
+    if want and got % want == 0 and got // want in (threads, threads // 32, threads // 64, 2):
+        return (f"count is {got // want} x too large: the block total was added more than once; add it from one "
+                f"thread only (threadIdx.x == 0)")
+    return f"count is {got}, expected {want}: every inf or NaN element must be counted exactly once"
+
+
+def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+    """Check a portable HIP/CUDA C++ kernel (a str, or a zero-argument function returning it) defining
+
+        extern "C" __global__ void unscale_nonfinite(float* grads, long long n, float inv_scale, int* count)
+
+    which multiplies every grads[i] by inv_scale in place and adds to count[0] (zeroed by the caller) the number of
+    elements that are inf or NaN, with one atomicAdd per block after a reduction across the block. On a GPU it is
+    launched with at most 64 blocks of 256 threads on n = 0, 1, a partial block, several blocks, a size past the
+    grid and ~1M elements, inf / -inf / NaN placed in the first and last elements, in warps past the first, past
+    the grid; grads must equal float32 g * inv_scale bit for bit (NaN stays NaN) and count must be exact. Without a
+    GPU it is compiled for NVIDIA and AMD and linted (status "compiled")."""
+    name = NAME_UNSCALE
+    text, verdict = _hip_source(name, source, task, quiet,
+                                required=((r"\batomicAdd\b", "add each block's total to count[0] with atomicAdd "
+                                           "(blocks run in any order)"),))
+    if verdict is not None:
+        return verdict
+    if not _device.has_gpu():
+        return _checks.hip_compile_only(name, text, [UNSCALE_ENTRY], task=task, quiet=quiet)
+    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
+    kernel, verdict = _hip_kernel(name, text, UNSCALE_ENTRY, task, quiet)
+    if verdict is not None:
+        return verdict
+    import cupy as cp
+    rng = np.random.default_rng(seed)
+    past = HIP_MAX_BLOCKS * HIP_THREADS
+    plan = [0, 1, 255, 257 * 3, past * 3 + 101, 1_000_003]
+    base = dict(name=name, task=task, seed=seed, dtype="float32", arrays="cupy")
+    for n in plan:
+        log2s = int(rng.integers(4, 17))
+        g = _unscale_case(rng, n, log2s)
+        inv = np.float32(2.0 ** -log2s)
+        d_g = cp.asarray(g)
+        d_count = cp.zeros(1, cp.int32)
+        blocks = _hip_blocks(n)
+        label = f"n = {n:,}, loss scale 2^{log2s}, {blocks} block{'s' if blocks > 1 else ''} of {HIP_THREADS}"
+        try:
+            kernel((blocks,), (HIP_THREADS,), (d_g, np.int64(n), inv, d_count))
+            cp.cuda.get_current_stream().synchronize()
+            got_g, got_count = cp.asnumpy(d_g), int(cp.asnumpy(d_count)[0])
+        except Exception as exc:
+            hint = f"the launch failed ({' '.join(str(exc).split())[:200]}): check every index against n"
+            msg = f"{name}: error - {label}: the kernel failed (seed {seed})"
+            return _record(_checks.CheckResult(status="error", passed=False, hint=hint,
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+        with np.errstate(invalid="ignore"):
+            want_g = g * inv
+        same = (got_g.view(np.uint32) == want_g.view(np.uint32)) | (np.isnan(got_g) & np.isnan(want_g))
+        want_count = int((~np.isfinite(g)).sum())
+        if not same.all():
+            bad = np.flatnonzero(~same)
+            i = int(bad[0])
+            if np.array_equal(got_g.view(np.uint32), g.view(np.uint32)):
+                hint = "grads were not changed: multiply every grads[i] by inv_scale and store it back"
+            elif np.allclose(got_g[np.isfinite(g)], (g.astype(np.float64) / inv)[np.isfinite(g)]):
+                hint = "grads were divided by inv_scale: multiply by it (inv_scale = 1 / loss_scale)"
+            elif (got_g.view(np.uint32)[bad] == g.view(np.uint32)[bad]).all():
+                kept = got_g.view(np.uint32) == g.view(np.uint32)
+                hint = (f"{bad.size} of {n} elements were not unscaled, first at index {i}"
+                        + (f" (every element from there on: past the grid of {blocks} x {HIP_THREADS} threads; each "
+                           f"thread must loop over i, i + stride, ... (a grid-stride loop))" if kept[i:].all() else ""))
+            else:
+                hint = f"grads[{i}] should be grads[{i}] * inv_scale = {float(want_g[i])!r} (float32)"
+            msg = (f"{name}: wrong - {label}: grads at [{i}]: yours {float(got_g[i])!r}, expected {float(want_g[i])!r} "
+                   f"({bad.size} of {n} wrong; seed {seed})")
+            return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), output="grads",
+                                               ours=float(got_g[i]), expected=float(want_g[i]), hint=hint,
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+        if got_count != want_count:
+            hint = _count_hint(g, got_count, want_count, blocks)
+            msg = (f"{name}: wrong - {label}: count is {got_count}, expected {want_count} inf/NaN elements "
+                   f"(seed {seed})")
+            return _record(_checks.CheckResult(status="wrong", passed=False, output="count", ours=float(got_count),
+                                               expected=float(want_count), hint=hint,
+                                               message=msg + "\n  hint: " + hint, **base), quiet)
+    msg = (f"{name}: correct ({len(plan)} launches, n = 0 .. {plan[-1]:,}; grads unscaled bit for bit, every inf/NaN "
+           f"counted once)")
+    return _record(_checks.CheckResult(status="correct", passed=True, message=msg, **base), quiet)

@@ -3,25 +3,27 @@
 They follow the conventions of ``gpullm_lessons.checks`` (fresh random settings on every call, the seed printed, one
 verdict printed: not attempted / error / wrong with a hint naming the mistake / correct; your exceptions reported,
 never raised; ``task=`` for grading, ``quiet=``). Both functions return plain Python numbers, so the comparison is
-a relative tolerance of 1e-9 (float64 arithmetic; float32 arithmetic passes too, see RTOL).
+a relative tolerance of 1e-6 (float64 arithmetic; float32 arithmetic passes too, see RTOL). The settings that decide
+are fixed, not drawn (only the values are random): no warmup, a decay phase of a single step, steps past the end of
+the run; a zero gradient, a norm exactly at max_norm, norms so small that the eps matters.
 
 ``check_lr_schedule(fn)`` (exercise 09.1), fn called as
 
     lr = fn(step, max_lr, warmup, total, min_lr)
 
-step: 0-based step of a run of `total` steps (the checker also asks for a few steps past the end); the expected
-values are ``gpullm_lessons.optim.lr_schedule``'s:
-
-    steps 0 .. warmup-1:      max_lr * (step + 1) / warmup        (linear warmup; step 0 already trains)
-    steps warmup .. total-1:  min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr),  r = (step - warmup) / (total - 1 - warmup)
-    step >= total:            min_lr                               (r held at 1)
+step: 0-based step of a run of `total` steps; the expected values are ``gpullm_lessons.optim.lr_schedule``'s:
+a linear warmup over steps 0 .. warmup-1 that already trains at step 0 and reaches max_lr at step warmup-1; then a
+half cosine from max_lr at step `warmup` down to min_lr at the last step, total-1 (a decay phase of a single step,
+total = warmup + 1, stays at max_lr there; warmup = 0 starts the cosine at step 0); min_lr after the run. Checked on
+five runs (a typical one, no warmup, a single decay step, a short one, a long warmup), every step and four past
+the end.
 
 ``check_clip_coef(fn)`` (exercise 09.2), fn called as
 
     coef = fn(grad_norm, max_norm)
 
-the factor the gradient is multiplied by in global-norm clipping, as ``torch.nn.utils.clip_grad_norm_``:
-max_norm / (grad_norm + 1e-6) when that is below 1, else 1.0 (a gradient already inside the ball is left alone).
+the factor the gradient is multiplied by in global-norm clipping, as ``torch.nn.utils.clip_grad_norm_`` computes it
+(with its eps of 1e-6 added to the norm), never above 1 (a gradient already inside the ball is left alone).
 """
 from __future__ import annotations
 
@@ -72,6 +74,15 @@ def _call(name, fn, args, seed, what):
         if isinstance(exc, ZeroDivisionError) and name == "clip_coef":
             hint = (f"a gradient norm of 0 (every gradient zero) divides by zero: that is what the + 1e-6 in "
                     f"max_norm / (grad_norm + 1e-6) is for; called as {what} (seed {seed})")
+        elif isinstance(exc, ZeroDivisionError) and name == "lr_schedule":
+            step, _, warmup, total, _ = args
+            if warmup == 0:
+                hint = (f"warmup = 0 (no warmup) divides by zero: with no warmup steps the cosine starts at step 0, "
+                        f"so the warmup branch must not run (nor divide by warmup); called as {what} (seed {seed})")
+            elif total - 1 - warmup <= 0:
+                hint = (f"a decay phase of a single step (total = warmup + 1) divides by zero: total - 1 - warmup is "
+                        f"0 there; this course's schedule keeps the ratio's denominator at least 1 (max(1, ...)), "
+                        f"so that step stays at max_lr; called as {what} (seed {seed})")
         return None, ("error", msg, hint)
     try:
         value = float(out)
@@ -92,9 +103,16 @@ def _close(a, b, floor=0.0):
 # ------------------------------------------------------------------------------------------------------------
 # 09.1 the learning-rate schedule
 # ------------------------------------------------------------------------------------------------------------
-def _lr_variant(step, max_lr, warmup, total, min_lr, *, warm="ref", span="ref", shape="cos", floor=True,
-                hold=True):
-    """optim.lr_schedule (the defaults) or one common mistake."""
+def _lr_variant(step, max_lr, warmup, total, min_lr, **kind):
+    """optim.lr_schedule (no keywords) or one common mistake; nan where the mistake would divide by zero."""
+    try:
+        return _lr_variant_raw(step, max_lr, warmup, total, min_lr, **kind)
+    except ZeroDivisionError:
+        return math.nan
+
+
+def _lr_variant_raw(step, max_lr, warmup, total, min_lr, *, warm="ref", span="ref", shape="cos", floor=True,
+                    hold=True):
     in_warmup = step <= warmup if warm == "le" else step < warmup
     if in_warmup:
         if warm == "zero":                      # starts at 0
@@ -103,8 +121,12 @@ def _lr_variant(step, max_lr, warmup, total, min_lr, *, warm="ref", span="ref", 
             return max_lr * (step + 1) / (warmup + 1)
         return max_lr * (step + 1) / warmup
     start, decay = {"ref": (warmup, total - 1 - warmup), "total": (warmup, total), "total-1": (warmup, total - 1),
-                    "from0": (0, total), "from0-1": (0, total - 1), "total-warmup": (warmup, total - warmup)}[span]
-    ratio = (step - start) / max(1, decay)
+                    "from0": (0, total), "from0-1": (0, total - 1), "total-warmup": (warmup, total - warmup),
+                    "short-min": (warmup, total - 1 - warmup)}[span]
+    if span == "short-min" and decay <= 0:
+        ratio = 1.0                             # a one-step decay phase sent straight to min_lr
+    else:
+        ratio = (step - start) / max(1, decay)
     if hold:
         ratio = min(1.0, ratio)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio)) if shape == "cos" else 1.0 - ratio
@@ -134,19 +156,34 @@ _LR_MISTAKES = (
      "the decay phase; r = (step - warmup) / (total - 1 - warmup) is 0 at the end of the warmup"),
     (dict(span="total-warmup"), "the cosine ends one step late: it reaches min_lr at step total, one past the last "
      "step (total - 1); divide by total - 1 - warmup, not total - warmup"),
+    (dict(span="short-min"), "a decay phase of a single step (total = warmup + 1) went straight to min_lr: the "
+     "course's schedule keeps the ratio's denominator at least 1, so the decay starts at max_lr at step = warmup "
+     "as in every other run (and reaches min_lr only after the run)"),
     (dict(shape="linear"), "linear decay instead of cosine: the decay phase is "
      "min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr), slow at both ends, not a straight line"),
 )
 
 
+_RUN_KINDS = ("typical", "no-warmup", "one-decay-step", "short", "long-warmup")
+_RUN_NAMES = {"typical": "a typical run", "no-warmup": "no warmup", "one-decay-step": "a decay phase of one step",
+              "short": "a short run", "long-warmup": "a long warmup"}
+
+
 def _lr_settings(rng):
-    """Three runs: a typical one, a short one with a short warmup, one with a long warmup."""
+    """Five runs, their kinds fixed (the values drawn): a typical one, no warmup, a decay phase of a single step,
+    a short one with a short warmup, one with a long warmup."""
     out = []
-    for kind in ("typical", "short", "long-warmup"):
+    for kind in _RUN_KINDS:
         max_lr = float(10 ** rng.uniform(-4, -2.3))
         if kind == "typical":
             warmup = int(rng.integers(5, 40))
             total = warmup + int(rng.integers(50, 400))
+        elif kind == "no-warmup":
+            warmup = 0
+            total = int(rng.integers(6, 20))
+        elif kind == "one-decay-step":
+            warmup = int(rng.integers(2, 7))
+            total = warmup + 1
         elif kind == "short":
             warmup = int(rng.integers(1, 4))
             total = warmup + int(rng.integers(6, 15))
@@ -164,7 +201,8 @@ def _phase(step, warmup, total):
 
 def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
     """Check fn(step, max_lr, warmup, total, min_lr) -> the learning rate at 0-based `step` (see the module
-    docstring) against optim.lr_schedule on three random runs (every step, and a few past the end). seed: None for
+    docstring) against optim.lr_schedule on five runs (a typical one, no warmup, a decay phase of a single step, a
+    short one, a long warmup: every step, and four past the end). seed: None for
     fresh settings, or the seed a failed check printed. task: label for grading. quiet: do not print.
     Returns a checks.CheckResult (truthy when correct); errors raised by fn are reported, never raised."""
     from .optim import lr_schedule
@@ -172,43 +210,54 @@ def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "_checks.CheckRe
     seed = _validate(name, fn, seed)
     rng = np.random.default_rng(seed)
     runs = _lr_settings(rng)
-    max_rel = 0.0
-    for max_lr, warmup, total, min_lr in runs:
-        dims = {"max_lr": max_lr, "warmup": warmup, "total": total, "min_lr": min_lr}
+    done = []                      # per run that ran: (settings, steps, ours, expected)
+    for run, (max_lr, warmup, total, min_lr) in enumerate(runs):
+        dims = {"max_lr": max_lr, "warmup": warmup, "total": total, "min_lr": min_lr, "run": _RUN_KINDS[run]}
         steps = list(range(total + 4))
         ours, expected = [], [lr_schedule(s, max_lr, warmup, total, min_lr) for s in steps]
+        early = None
         for s in steps:
-            what = f"fn({s}, {max_lr:.4g}, {warmup}, {total}, {min_lr:.4g})"
+            what = f"fn({s}, {max_lr:.4g}, {warmup}, {total}, {min_lr:.4g}) ({_RUN_NAMES[_RUN_KINDS[run]]})"
             value, early = _call(name, fn, (s, max_lr, warmup, total, min_lr), seed, what)
             if early is not None:
-                status, msg, hint = early
-                return _result(name, task, status, msg, hint=hint, seed=seed, dims=dims, quiet=quiet)
+                break
             ours.append(value)
+        if early is not None:
+            if any(not all(_close(a, b, RTOL * m) for a, b in zip(o, e)) for (m, *_), _, o, e in done):
+                break                      # a wrong value came before the error: report that
+            status, msg, hint = early
+            return _result(name, task, status, msg, hint=hint, seed=seed, dims=dims, quiet=quiet)
+        done.append(((max_lr, warmup, total, min_lr), steps, ours, expected))
+    max_rel = 0.0
+    for run, ((max_lr, warmup, total, min_lr), steps, ours, expected) in enumerate(done):
+        dims = {"max_lr": max_lr, "warmup": warmup, "total": total, "min_lr": min_lr, "run": _RUN_KINDS[run]}
         floor = RTOL * max_lr
         bad = [i for i, (a, b) in enumerate(zip(ours, expected)) if not _close(a, b, floor)]
         if bad:
             s = steps[bad[0]]
             hint = None
-            for kwargs, text in _LR_MISTAKES:
-                mis = [_lr_variant(t, max_lr, warmup, total, min_lr, **kwargs) for t in steps]
-                if all(_close(a, b, floor) for a, b in zip(ours, mis)):
+            for kwargs, text in _LR_MISTAKES:   # the mistake that explains every run that ran
+                if all(_close(a, _lr_variant(t, *st[:3], st[3], **kwargs), RTOL * st[0])
+                       for st, sts, o, _ in done for t, a in zip(sts, o)):
                     hint = text
                     break
             if hint is None:
                 phase = _phase(s, warmup, total)
                 hint = {"warmup": "the warmup is wrong: steps 0 .. warmup-1 get max_lr * (step + 1) / warmup",
                         "decay": "the decay phase is wrong: min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr) "
-                                 "with r = (step - warmup) / (total - 1 - warmup)",
+                                 "with r = (step - warmup) / max(1, total - 1 - warmup)",
                         "after the run": "after the last step (step >= total) the learning rate must stay at "
                                          "min_lr"}[phase]
-            msg = (f"{name}: wrong - at step {s} ({_phase(s, warmup, total)}; max_lr {max_lr:.4g}, warmup {warmup}, "
-                   f"total {total}, min_lr {min_lr:.4g}): yours {ours[bad[0]]:.9g}, expected {expected[bad[0]]:.9g} "
+            msg = (f"{name}: wrong - at step {s} ({_phase(s, warmup, total)}) of run {run + 1} of {len(runs)}, "
+                   f"{_RUN_NAMES[_RUN_KINDS[run]]} (max_lr {max_lr:.4g}, warmup {warmup}, total {total}, min_lr "
+                   f"{min_lr:.4g}): yours {ours[bad[0]]:.9g}, expected {expected[bad[0]]:.9g} "
                    f"({len(bad)} of {len(steps)} steps wrong; seed {seed})")
             return _result(name, task, "wrong", msg, hint=hint, seed=seed, dims=dims, quiet=quiet,
                            first_bad=(s,), ours=ours[bad[0]], expected=expected[bad[0]])
         max_rel = max(max_rel, max(abs(a - b) / abs(b) for a, b in zip(ours, expected)))
     desc = ", ".join(f"warmup {w}/total {t}" for _, w, t, _ in runs)
-    msg = (f"{name}: correct (every step of 3 runs ({desc}) and 4 steps past each end match optim.lr_schedule, "
+    msg = (f"{name}: correct (every step of {len(runs)} runs ({desc}) and 4 steps past each end match "
+           f"optim.lr_schedule, "
            f"max rel err {max_rel:.2g}; seed {seed})")
     return _result(name, task, "correct", msg, seed=seed, max_rel=max_rel, quiet=quiet,
                    dims={"runs": [dict(max_lr=m, warmup=w, total=t, min_lr=n) for m, w, t, n in runs]})
@@ -235,6 +284,10 @@ def _clip_variant(norm, max_norm, kind):
         return max(1.0, (norm + CLIP_EPS) / max_norm)
     if kind == "inverted-raw":
         return (norm + CLIP_EPS) / max_norm
+    if kind == "cmp-norm":
+        return 1.0 if norm <= max_norm else max_norm / (norm + CLIP_EPS)
+    if kind == "unit-max":
+        return min(1.0, 1.0 / (norm + CLIP_EPS))
     raise ValueError(kind)
 
 
@@ -247,21 +300,30 @@ _CLIP_MISTAKES = (
      "max_norm / (grad_norm + 1e-6) (or 1.0 when that is not below 1)"),
     ("inverted", "the ratio is upside down: the factor is max_norm / (grad_norm + 1e-6), at most 1"),
     ("inverted-raw", "the ratio is upside down: the factor is max_norm / (grad_norm + 1e-6), at most 1"),
+    ("cmp-norm", "you compare grad_norm with max_norm instead of the coefficient with 1: at grad_norm = max_norm "
+     "(and just above it) torch still scales, by max_norm / (grad_norm + 1e-6), which is below 1"),
+    ("unit-max", "max_norm is not used (taken as 1.0): the coefficient is max_norm / (grad_norm + 1e-6), capped "
+     "at 1"),
     ("no-eps", "the eps is missing: torch computes max_norm / (grad_norm + 1e-6); without the + 1e-6 small norms "
      "give a different factor, and a zero gradient divides by zero"),
 )
 
 
 def _clip_cases(rng):
-    """(grad_norm, max_norm) pairs: far above, just above, below, equal, tiny (where eps shows), zero."""
+    """(grad_norm, max_norm) pairs, their kinds fixed: far above, just above, below, equal, for an ordinary max_norm
+    and a large one; tiny norms (where the eps shows), tiny and equal; zero."""
     max_norm = float(rng.uniform(0.5, 2.0))
+    big_max = float(rng.uniform(3.0, 8.0))
     tiny_max = float(10 ** rng.uniform(-5.5, -4.5))
     cases = [(max_norm * float(rng.uniform(3, 50)), max_norm),            # far above: clipped
              (max_norm * float(1 + rng.uniform(0.01, 0.2)), max_norm),    # just above
              (max_norm * float(rng.uniform(0.1, 0.9)), max_norm),         # below: left alone
              (max_norm, max_norm),                                        # equal: coef just below 1 (the eps)
+             (big_max * float(rng.uniform(1.5, 4)), big_max),             # another max_norm, above
+             (big_max * float(rng.uniform(0.2, 0.9)), big_max),           # and below
              (tiny_max * float(rng.uniform(2, 10)), tiny_max),            # tiny norms: the eps changes the factor
              (tiny_max * float(rng.uniform(0.1, 0.5)), tiny_max),         # tiny and below
+             (tiny_max, tiny_max),                                        # tiny and equal: coef well below 1
              (0.0, max_norm)]                                             # no gradient at all
     return cases
 
@@ -307,7 +369,7 @@ def check_clip_coef(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResu
         return _result(name, task, "wrong", msg, hint=hint, seed=seed, quiet=quiet,
                        dims={"grad_norm": norm, "max_norm": max_norm}, ours=ours[i], expected=expected[i])
     max_rel = max(abs(a - b) / abs(b) for a, b in zip(ours, expected))
-    msg = (f"{name}: correct ({len(cases)} cases: norms above, at and below max_norm, tiny and zero; max rel err "
-           f"{max_rel:.2g}; seed {seed})")
+    msg = (f"{name}: correct ({len(cases)} cases: norms above, at and below two max_norms, tiny ones and zero; "
+           f"max rel err {max_rel:.2g}; seed {seed})")
     return _result(name, task, "correct", msg, seed=seed, max_rel=max_rel, quiet=quiet,
                    dims={"cases": len(cases)})

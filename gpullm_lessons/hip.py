@@ -5,9 +5,14 @@ it on NVIDIA, hiprtc on AMD (CuPy's ROCm build), from the same source. Local ``#
 into the source text before CuPy sees it, so CuPy's on-disk compile cache (keyed on the source text and options)
 notices an edit of ``portable.h`` too. Modules are also cached in memory per process.
 
-Without a GPU the sources are still compiled, to prove portability (tests/test_hip_compile.py):
+Without a GPU the sources are still compiled, to prove portability (tests/test_hip.py):
 ``compile_nvrtc`` (NVIDIA, NVRTC from pip's CUDA wheels, sm_90), ``compile_nvcc`` and ``compile_hipcc`` (AMD,
-``HIP_PLATFORM=amd hipcc --offload-arch=gfx90a --genco``).
+``HIP_PLATFORM=amd hipcc --offload-arch=gfx90a --genco``), and linted for portability (``lint_source``, the rules in
+``LINT_RULES``: no 32-lane masks or other warp-size assumptions, no raw shuffles, no CUDA-only headers).
+
+A learner's kernel source (the HIP exercises) is graded the same way without a GPU: ``grade_source(text, entries)``
+compiles it for both vendors, checks its ``extern "C"`` entry points and lints it; ``checks.hip_compile_only`` turns
+that into a verdict ("compiled" or "wrong").
 """
 from __future__ import annotations
 
@@ -201,3 +206,262 @@ def compile_hipcc(name: str, arch: str = "gfx90a") -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as tmp:
         return _run_compiler([hipcc, f"--offload-arch={arch}", "--genco", f"-I{kernel_dir()}",
                               str(source_path(name)), "-o", os.path.join(tmp, f"{name}.hsaco")], env=env)
+
+
+# ---- grading a learner's source without a GPU: portability lint + both compilers -----------------------------------
+
+# Each rule: (regex on the source with comments blanked, what is wrong and the portable fix). The lint runs line by
+# line, so every finding names its line. Only portable.h may hold platform specifics; it is not linted.
+LINT_RULES: list[tuple[str, str]] = [
+    (r"\b0x[fF]{8}(?![0-9a-fA-F])[uU]?[lL]{0,2}\b",
+     "hard-coded 32-lane mask 0xffffffff: use FULL_MASK / lanemask_t from portable.h (a wavefront has 64 lanes)"),
+    (r"&\s*(?:31|0x1[fF])\b(?!\.)",
+     "lane index via & 31 assumes 32 lanes: use threadIdx.x % warpSize"),
+    (r"%\s*32\b(?!\.)",
+     "lane index via % 32 assumes 32 lanes: use % warpSize"),
+    (r"(?<![/*])/\s*32\b(?!\.)",
+     "warp index via / 32 assumes 32 lanes: use / warpSize"),
+    (r">>\s*5\b",
+     "warp index via >> 5 assumes 32 lanes: use / warpSize"),
+    (r"\bwarpSize\s*(?:[=!]=|=|\s)\s*32\b|\b32\s*[=!]=\s*warpSize\b",
+     "warpSize == 32 is an NVIDIA assumption (AMD CDNA wavefronts have 64 lanes): write code for any warpSize"),
+    (r"(?i)#\s*define\s+\w*(?:warp|warp_?size|lanes)\s+32\b|"
+     r"\b(?:const|constexpr)\s+(?:unsigned\s+|int\s+|unsigned\s+int\s+)*\w*(?:warp|warp_?size|lanes)\s*=\s*32\b",
+     "a warp size constant of 32: use warpSize (32 on NVIDIA, 64 on AMD CDNA)"),
+    (r"\b32\s*\*\s*32\b",
+     "32 * 32 assumes 32 lanes: use warpSize (and MAX_WARPS_PER_BLOCK from portable.h for shared buffers)"),
+    (r"\bshfl(?:_xor|_down|_up)?\s*\([^;]*,\s*32\s*\)",
+     "shuffle width 32 assumes 32 lanes: pass warpSize as the width"),
+    (r"\bfor\s*\([^;]*=\s*16\s*;[^;]*>\s*0\s*;",
+     "a shuffle loop starting at offset 16 reduces 32 lanes only: start at warpSize / 2"),
+    (r"\b__shfl\w*\s*\(",
+     "raw shuffle (__shfl_*): use shfl_xor / shfl_down / shfl from portable.h (CUDA's take a 32-bit mask, HIP's none)"),
+    (r"\b__(?:ballot_sync|any_sync|all_sync|activemask|match_any_sync|match_all_sync|syncwarp|reduce_\w+_sync)\s*\(",
+     "CUDA-only warp intrinsic with a 32-bit lane mask: use the portable.h helpers (warp_sum, warp_max, shfl_*)"),
+    (r"\bstd::", "no C++ standard library under NVRTC (std::): use fmaxf, fminf, ... from the device math library"),
+    (r"#\s*include\s*<", 'CUDA-only or system header (#include <...>): include only "portable.h"'),
+    (r"\basm\s*(?:volatile\s*)?\(", "no inline PTX/assembly: it compiles for one vendor only"),
+    (r"cooperative_groups", "no cooperative groups: use __syncthreads and the portable.h warp helpers"),
+]
+_LINT_COMPILED = [(re.compile(p), why) for p, why in LINT_RULES]
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+'
+                    r'(?:__launch_bounds__\s*\([^)]*\)\s+)?(\w+)\s*\(')
+SOURCE_NAME = "kernel.cu"   # the file name compiler messages give the learner's source
+
+
+def _blank_comments(text: str) -> str:
+    """Comments replaced by spaces (newlines kept), so line numbers still match the source."""
+    def repl(m):
+        return re.sub(r"[^\n]", " ", m.group(0))
+    return re.sub(r"//[^\n]*|/\*.*?\*/", repl, text, flags=re.S)
+
+
+def _line_of(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _extern_c_blocks(code: str) -> list[tuple[int, int]]:
+    """(start, end) offsets of every ``extern "C" { ... }`` block."""
+    spans = []
+    for m in re.finditer(r'extern\s+"C"\s*\{', code):
+        depth, i = 1, m.end()
+        while i < len(code) and depth:
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            i += 1
+        spans.append((m.start(), i))
+    return spans
+
+
+def shared_headers() -> list[str]:
+    """Headers of kernels/hip a source may include after portable.h (e.g. half.h)."""
+    return sorted(p.name for p in kernel_dir().glob("*.h") if p.name != "portable.h")
+
+
+def entry_points(text: str) -> list[str]:
+    """Names of the ``extern "C" __global__`` functions of a source (also inside an ``extern "C" { }`` block)."""
+    code = _blank_comments(text)
+    names = _ENTRY.findall(code)
+    for start, end in _extern_c_blocks(code):
+        names += re.findall(r'__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+'
+                            r'(?:__launch_bounds__\s*\([^)]*\)\s+)?(\w+)\s*\(', code[start:end])
+    return list(dict.fromkeys(names))
+
+
+def lint_source(text: str, *, require_portable_h: bool = False) -> list[str]:
+    """The course's portability lint: findings ``"line N: what is wrong: the fix"``, [] when clean.
+
+    Catches what breaks on the other vendor or under NVRTC/hiprtc: 32-lane masks and other warp-size assumptions
+    (``& 31``, ``% 32``, ``warpSize == 32``, a width or start offset of 32 lanes), raw or CUDA-only warp intrinsics,
+    the C++ standard library, system/CUDA headers, inline assembly, cooperative groups; local includes other than
+    portable.h (first) and the shared headers of kernels/hip; ``__global__`` functions that are not
+    ``extern "C"``. ``require_portable_h``: the source must include portable.h (the course's own kernels do).
+    """
+    code = _blank_comments(text)
+    findings = []
+    for lineno, line in enumerate(code.split("\n"), 1):
+        for pattern, why in _LINT_COMPILED:
+            if pattern.search(line):
+                findings.append((lineno, why))
+    # multi-line shuffle loops / calls: rules that may span lines, checked on the whole text once
+    for pattern, why in _LINT_COMPILED:
+        for m in pattern.finditer(code):
+            line = _line_of(code, m.start())
+            if "\n" in m.group(0) and (line, why) not in findings:
+                findings.append((line, why))
+    includes = [(m.group(1), _line_of(code, m.start())) for m in re.finditer(r'#\s*include\s*"([^"]+)"', code)]
+    allowed = set(shared_headers())
+    if includes and includes[0][0] != "portable.h":
+        findings.append((includes[0][1], f'include "portable.h" first (found "{includes[0][0]}")'))
+    elif not includes and require_portable_h:
+        findings.append((1, 'include "portable.h" (the one header that knows the vendor)'))
+    for name, line in includes[1:]:
+        if name not in allowed:
+            findings.append((line, f'#include "{name}": include only "portable.h"'
+                                   + (f", then {', '.join(sorted(allowed))}" if allowed else "")))
+    blocks = _extern_c_blocks(code)
+    for m in re.finditer(r"__global__", code):
+        before = code[max(0, m.start() - 40):m.start()]
+        if re.search(r'extern\s+"C"\s+$', before) or any(s <= m.start() < e for s, e in blocks):
+            continue
+        findings.append((_line_of(code, m.start()), 'kernels must be extern "C" __global__ (unmangled names, '
+                                                    "so CuPy finds them by name)"))
+    findings.sort(key=lambda f: f[0])
+    return [f"line {line}: {why}" for line, why in dict.fromkeys(findings)]
+
+
+def _grading_text(text: str) -> str:
+    """The source with its local includes expanded as the course does, plus ``#line`` markers so compiler errors
+    give the lines of the learner's own text (``kernel.cu``) or of the header."""
+    out, seen = [f'#line 1 "{SOURCE_NAME}"'], set()
+    for i, line in enumerate(text.split("\n"), 1):
+        m = _INCLUDE.match(line)
+        if not m:
+            out.append(line)
+            continue
+        name = m.group(1)
+        path = kernel_dir() / name
+        if name in seen:
+            out.append(f"// (already included: {name})")
+            continue
+        if not path.exists():
+            raise FileNotFoundError(f'line {i}: #include "{name}": no such header in kernels/hip; include only '
+                                    f'"portable.h"')
+        seen.add(name)
+        body = path.read_text().replace("#pragma once", "")
+        out += [f'#line 1 "{name}"', expand_includes(body, kernel_dir(), seen), f'#line {i + 1} "{SOURCE_NAME}"']
+    return "\n".join(out) + "\n"
+
+
+_ERROR_LINE = [
+    re.compile(r"^(?:.*/)?([\w.]+)\((\d+)\): (?:catastrophic )?error\b:?\s*(.*)$"),       # NVRTC: f.cu(12): error: ...
+    re.compile(r"^(?:.*/)?([\w.]+):(\d+):\d+: (?:fatal )?error:\s*(.*)$"),               # clang: f.cu:12:5: error: ...
+]
+
+
+def _first_errors(log: str, limit: int = 3) -> list[str]:
+    """The first compiler error lines, as 'line N: error: ...' (N a line of the learner's source)."""
+    errors = []
+    for raw in log.splitlines():
+        for pat in _ERROR_LINE:
+            m = pat.match(raw.strip())
+            if m:
+                where = f"line {m.group(2)}" if m.group(1) == SOURCE_NAME else f"{m.group(1)} line {m.group(2)}"
+                errors.append(f"{where}: error: {m.group(3).strip()}")
+                break
+    if not errors:
+        errors = [" ".join(raw.split()) for raw in log.splitlines() if raw.strip()][:limit]
+    return list(dict.fromkeys(errors))[:limit]
+
+
+def _require_compilers() -> bool:
+    return os.environ.get("GPULLM_REQUIRE_COMPILERS") == "1"
+
+
+def _nvrtc_learner(text: str) -> tuple[bool | None, str]:
+    """(ok, log) from NVRTC sm_90; ok None when NVRTC is not installed."""
+    try:
+        import cuda.bindings.nvrtc  # noqa: F401
+    except ImportError:
+        return None, "NVRTC (cuda-python) is not installed"
+    return _nvrtc(text.encode(), SOURCE_NAME, "sm_90")
+
+
+def _hipcc_learner(text: str) -> tuple[bool | None, str]:
+    """(ok, log) from hipcc --offload-arch=gfx90a; ok None when hipcc is not installed."""
+    hipcc = shutil.which("hipcc")
+    if hipcc is None:
+        return None, "hipcc not found"
+    env = dict(os.environ, HIP_PLATFORM="amd")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, SOURCE_NAME)
+        Path(src).write_text(text)
+        try:
+            return _run_compiler([hipcc, "--offload-arch=gfx90a", "--genco", f"-I{kernel_dir()}", src,
+                                  "-o", os.path.join(tmp, "kernel.hsaco")], env=env)
+        except subprocess.TimeoutExpired:
+            return False, "hipcc took longer than 300 s"
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_both(full: str) -> tuple:
+    """((vendor, what, ok, log), ...) for NVRTC sm_90 and hipcc gfx90a; ok None when that compiler is missing."""
+    return tuple((vendor, what, *compile_(full)) for vendor, what, compile_ in
+                 (("NVIDIA", "NVRTC sm_90", _nvrtc_learner), ("AMD", "hipcc gfx90a", _hipcc_learner)))
+
+
+def _grade(text: str, entries: tuple, require: bool) -> tuple[bool, str]:
+    problems, checked, unchecked = [], [], []
+    found = entry_points(text)
+    missing = [e for e in entries if e not in found]
+    if missing:
+        problems.append(f"no extern \"C\" __global__ function named {', '.join(repr(e) for e in missing)} "
+                        f"(entry points found: {', '.join(found) or 'none'})")
+    elif not entries and not found:
+        problems.append('no extern "C" __global__ function in the source')
+    findings = lint_source(text)
+    if findings:
+        more = f" (and {len(findings) - 3} more)" if len(findings) > 3 else ""
+        problems.append("portability lint: " + "; ".join(findings[:3]) + more)
+    try:
+        full = _grading_text(text)
+    except FileNotFoundError as e:
+        problems.append(str(e))
+        return False, "; ".join(problems)
+    for vendor, what, ok, log in _compile_both(full):
+        if ok is None:
+            if require:
+                problems.append(f"not compiled for {vendor}: {log} (GPULLM_REQUIRE_COMPILERS=1)")
+            else:
+                unchecked.append(f"{vendor} not checked ({log})")
+        elif ok:
+            checked.append(f"{vendor} ({what.split()[1]})")
+        else:
+            problems.append(f"does not compile for {vendor} ({what}): " + " | ".join(_first_errors(log)))
+    if problems:
+        return False, "; ".join(problems)
+    if checked:
+        report = "compiles for " + " and ".join(checked) + ", portability lint clean"
+    else:
+        report = "portability lint clean, not compiled (no compiler on this machine)"
+    if unchecked:
+        report += "; " + "; ".join(unchecked)
+    return True, report
+
+
+def grade_source(text: str, entries) -> tuple[bool, str]:
+    """Check a learner's kernel source without a GPU: ``(ok, report)``.
+
+    Compiles it (its ``#include "portable.h"`` expanded as the course does) for NVIDIA with NVRTC (sm_90) and for
+    AMD with hipcc (gfx90a, when hipcc is installed; ``GPULLM_REQUIRE_COMPILERS=1`` makes a missing compiler a
+    failure), checks that every name in ``entries`` is an ``extern "C" __global__`` function of it, and runs
+    ``lint_source``. The report says what was checked, or what failed: the missing entry point, the lint findings,
+    the first compiler error lines (``line N`` is a line of your source). Compiles are cached per source text.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"grade_source(text): text must be the kernel source as a str, got {type(text).__name__}")
+    if isinstance(entries, str):
+        entries = (entries,)
+    entries = tuple(entries or ())
+    if not all(isinstance(e, str) for e in entries):
+        raise TypeError(f"grade_source(entries): entry point names must be str, got {entries!r}")
+    return _grade(text, entries, _require_compilers())

@@ -14,6 +14,7 @@ import pytest
 import gpullm_lessons  # noqa: F401  (first: switches the CUDA simulator on before numba loads)
 from gpullm_lessons import arrays, checks, device
 from numba import cuda  # noqa: E402  (after gpullm_lessons)
+from numba import float32 as numba_float32  # noqa: E402
 
 from gpullm_lessons.checks import (
     check_attention_backward, check_crossentropy_backward, check_encoder_backward, check_gelu_backward,
@@ -406,7 +407,7 @@ def test_wrong_in_float64_too():
 def test_rectangular_case_turns_transposes_into_shape_errors():
     """After the square case, the rectangular one (C != OC): a missing transpose fails on shape, with shape hints."""
     rect = dataclasses.replace(checks._LINEAR, n_cases=1,
-                               make=lambda rng, dt, size, k: checks._make_linear(rng, dt, size, 1))
+                               make=lambda rng, dt, size, k: checks._make_linear(rng, dt, size, 2))
     for fn in (lin_no_transpose, lin_dbias_axis):
         r = checks._run(rect, fn, seed=4, quiet=True)
         assert r.status == "error" and "ValueError" in r.message, r.message
@@ -504,14 +505,15 @@ def test_square_case_then_rectangular():
         shapes.append((dout.shape, inp.shape, weight.shape))
         linear_backward(dout, inp, weight, dinp, dweight, dbias)
 
-    for seed in range(5):
+    for seed in range(2):
         shapes.clear()
         assert check_linear_backward(spy, seed=seed, quiet=True)
-        (sq_dout, sq_inp, _), (dout_shape, inp_shape, weight_shape) = shapes
-        assert sq_dout[0] == sq_dout[1] == sq_inp[1]          # N = C = OC
+        (sq_dout, sq_inp, _), again, (dout_shape, inp_shape, weight_shape), row = shapes
+        assert sq_dout[0] == sq_dout[1] == sq_inp[1] and again == shapes[0]   # N = C = OC, then the same again
         N, OC = dout_shape
         C = inp_shape[1]
         assert C != OC and weight_shape == (C, OC) and N % 16 and C % 16 and OC % 16
+        assert min(N, C, OC) > 16 and row[0][0] == 1                           # several tiles; a single row
 
 
 def test_encoder_inputs_have_repeats_and_unused_rows():
@@ -525,7 +527,9 @@ def test_encoder_inputs_have_repeats_and_unused_rows():
         assert check_encoder_backward(spy, seed=seed, quiet=True)
     for idx, (V, C), (maxT, _), poisoned in seen:
         counts = np.bincount(idx.ravel(), minlength=V)
-        assert counts.max() >= 2 and (counts == 0).any() and maxT > idx.shape[1] and poisoned and idx.dtype == np.int32
+        assert (counts == 0).any() and maxT > idx.shape[1] and poisoned and idx.dtype == np.int32
+        assert counts.max() >= 2 or idx.size == 1                 # a repeated token, except in the B = T = 1 case
+    assert any(idx.shape == (1, 1) for idx, *_ in seen)
 
 
 def test_input_mutation_is_noted():
@@ -649,7 +653,7 @@ def test_numba_kernels_in_the_simulator():
     assert r.passed, r.message
     r = check_residual_backward(residual_numba_short, arrays="numba", seed=1, quiet=True)
     assert r.status == "wrong" and "never written" in r.hint and "last partial block" in r.hint
-    assert "only the last" in r.hint and r.output == "da"
+    assert r.output == "da" and ("elements 64..96" in r.hint or device.numba_on_gpu())   # 97 elements (simulator)
     if not device.numba_on_gpu():
         # The simulator bounds-checks every access; a real GPU does not, so there the unguarded kernel's
         # out-of-range accesses go unseen (or corrupt other memory): the reason every kernel guards with `if i < n`.
@@ -666,3 +670,295 @@ def test_scalar_broadcast_into_output():
 
     r = check_linear_backward(dbias_scalar, seed=8, quiet=True)
     assert r.status == "wrong" and r.output == "dbias" and "has the same value" in r.hint
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkers that size cannot fool: deterministic cases, stale state, tiles, blocks, capped grids
+# ------------------------------------------------------------------------------------------------------------
+SIM_MAX_BLOCKS, SIM_THREADS = 2, 32          # the exercises' capped launchers in the simulator
+GPU_GRID = 4096 * 256                        # ... and on a GPU
+
+
+def _cases(op_name, size):
+    return checks.CASE_DIMS[op_name][size]
+
+
+@pytest.mark.parametrize("name", sorted(checks._OPS))
+def test_case_lists_are_deterministic_repeat_and_include_awkward_shapes(name):
+    op = checks._OPS[name]
+    for size in checks.SIZES:
+        cases = _cases(name, size)
+        assert len(cases) == op.n_cases >= 3
+        assert cases[0] == cases[1]                   # the same shapes twice, new values: stale state fails
+        assert any(c.get(d) == 1 for c in cases for d in ("N", "n", "T")), cases   # one row / n = 1 / T = 1
+        if size == "small":                           # shapes never depend on the seed
+            for k in range(op.n_cases):
+                a, b = (op.make(np.random.default_rng(s), np.dtype(np.float32), size, k) for s in (0, 1))
+                assert a.dims == b.dims and a.dims.items() >= cases[k].items()
+
+
+def test_case_sizes_span_tiles_blocks_and_capped_grids():
+    lin = _cases("linear_backward", "small")
+    assert any(all(c[d] > 16 and c[d] % 16 for d in ("N", "C", "OC")) and c["C"] != c["OC"] for c in lin)
+    assert any(c["N"] == 1 for c in lin)
+    for name in ("gelu_backward", "residual_backward"):
+        small, large = [c["n"] for c in _cases(name, "small")], [c["n"] for c in _cases(name, "large")]
+        assert max(small) > SIM_MAX_BLOCKS * SIM_THREADS and any(32 < n < 64 for n in small) and 1 in small
+        assert max(large) > GPU_GRID and any(256 < n < GPU_GRID and n % 256 for n in large) and 1 in large
+        assert all(n % 4 for n in small + large)      # float4 loads need a scalar tail
+    for name in ("softmax_backward", "layernorm_backward", "crossentropy_backward"):
+        small, large = _cases(name, "small"), _cases(name, "large")
+        assert max(c["N"] for c in small) > SIM_MAX_BLOCKS * SIM_THREADS and any(c["N"] == 1 for c in small)
+        assert max(c["N"] for c in large) > 4096 and any(c["N"] == 1 for c in large)
+        assert any(max(v for k, v in c.items() if k != "N") > 32 for c in small)   # rows longer than a warp
+    att = _cases("attention_backward", "small")
+    assert any(c["T"] == 1 for c in att) and any(c["T"] > 32 for c in att)
+    assert any(c["B"] * c["nh"] * c["T"] > 64 for c in att)
+    enc = _cases("encoder_backward", "small")
+    assert all(c["B"] * c["T"] * c["C"] > 64 for c in enc[:3]) and any(c["T"] == 1 for c in enc)
+    assert any(c["B"] * c["T"] * c["C"] > GPU_GRID for c in _cases("encoder_backward", "large"))
+
+
+def test_size_none_means_large_on_a_gpu(monkeypatch):
+    assert checks.default_size("numpy") == "small" and checks.default_size("cupy") == "large"
+    monkeypatch.setattr(device, "numba_on_gpu", lambda: False)
+    assert checks.default_size("numba") == "small"
+    monkeypatch.setattr(device, "numba_on_gpu", lambda: True)
+    assert checks.default_size("numba") == "large" and checks.default_size("numba", "small") == "small"
+    assert checks._validate("residual_backward", residual_backward, "numba", np.float32, None, None)[1] == "large"
+
+
+def _caching(fn):
+    """A function that computes its first answer once and copies it out on every later call."""
+    memo = {}
+
+    def cached(*args):
+        n_out = {"linear_backward": 3, "layernorm_backward": 3, "encoder_backward": 2, "residual_backward": 2}
+        if not memo:
+            fn(*args)
+            memo["outs"] = [a.copy() for a in args if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
+        outs = [a for a in args if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
+        for dst, src in zip(outs[len(outs) - len(memo["outs"]):], memo["outs"]):
+            if dst.shape == src.shape:
+                dst[...] = src
+        del n_out
+    return cached
+
+
+@pytest.mark.parametrize("check,fn", CORRECT, ids=IDS)
+def test_a_function_that_keeps_its_first_answer_fails_on_the_second_call(check, fn):
+    r = check(_caching(fn), seed=3, quiet=True)
+    assert r.status == "wrong", r.message
+    assert "EARLIER call" in r.hint and "keeps state between calls" in r.hint, r.message
+
+
+# ---- a tiled GEMM (Numba, simulator) that sums only the first tile along K ----------------------------------
+TILE = 16
+
+
+@cuda.jit
+def _gemm_first_k_tile(a, b, out, trans_a, trans_b):
+    """out = op(a) @ op(b) with 16 x 16 shared tiles, but the loop over K tiles is missing: only k0 = 0."""
+    sa = cuda.shared.array((16, 16), numba_float32)
+    sb = cuda.shared.array((16, 16), numba_float32)
+    M, P = out.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    i, j = cuda.blockIdx.y * 16 + ty, cuda.blockIdx.x * 16 + tx
+    acc = numba_float32(0.0)
+    k0 = 0                                            # BUG: for k0 in range(0, K, 16) is missing
+    r, c = (k0 + tx, i) if trans_a else (i, k0 + tx)
+    sa[ty, tx] = a[r, c] if r < a.shape[0] and c < a.shape[1] and k0 + tx < K and i < M else 0.0
+    r, c = (j, k0 + ty) if trans_b else (k0 + ty, j)
+    sb[ty, tx] = b[r, c] if r < b.shape[0] and c < b.shape[1] and k0 + ty < K and j < P else 0.0
+    cuda.syncthreads()
+    for kk in range(16):
+        acc += sa[ty, kk] * sb[kk, tx]
+    cuda.syncthreads()
+    if i < M and j < P:
+        out[i, j] = acc
+
+
+@cuda.jit
+def _column_sum(dout, dbias):
+    o = cuda.grid(1)
+    if o < dbias.shape[0]:
+        s = numba_float32(0.0)
+        for n in range(dout.shape[0]):
+            s += dout[n, o]
+        dbias[o] = s
+
+
+def _linear_with(gemm_kernel):
+    """dweight = inp^T dout through the tiled kernel (K = N); dinp and dbias right (keeps the simulator cheap)."""
+    def launcher(dout, inp, weight, dinp, dweight, dbias):
+        M, P = dweight.shape
+        gemm_kernel[((P + TILE - 1) // TILE, (M + TILE - 1) // TILE), (TILE, TILE)](inp, dout, dweight, 1, 0)
+        dinp.copy_to_device(dout.copy_to_host() @ weight.copy_to_host().T)
+        _column_sum[(dbias.shape[0] + 31) // 32, 32](dout, dbias)
+    return launcher
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="the simulator case; on a GPU test_checks_gpu runs large sizes")
+def test_tiled_gemm_summing_only_the_first_k_tile_fails_naming_it():
+    r = check_linear_backward(_linear_with(_gemm_first_k_tile), arrays="numba", seed=5, quiet=True)
+    assert r.status == "wrong" and r.output == "dweight" and r.dims["N"] > 16, r.message   # passes while K <= 16
+    assert r.hint.startswith("only the first tile along K is summed (a 16-wide tile; K = 37 needs several): your "
+                             "dweight equals the sum over the first 16 of its K = N = 37 products"), r.hint
+
+
+def lin_first_k_tile_32(dout, inp, weight, dinp, dweight, dbias):
+    dinp[...] = dout[:, :32] @ weight[:, :32].T          # a 32-wide tile, the K loop stops after one tile
+    dweight[...] = inp[:32].T @ dout[:32]
+    dbias[...] = dout.sum(axis=0)
+
+
+def lin_whole_k_tiles_only(dout, inp, weight, dinp, dweight, dbias):
+    K1, K2 = (weight.shape[1] // 16) * 16, (inp.shape[0] // 16) * 16   # range(K // TILE): the partial tile is lost
+    dinp[...] = dout[:, :K1] @ weight[:, :K1].T
+    dweight[...] = inp[:K2].T @ dout[:K2]
+    dbias[...] = dout.sum(axis=0)
+
+
+def test_k_tile_mistakes_mimicked_in_numpy():
+    r = check_linear_backward(lin_first_k_tile_32, seed=1, quiet=True)
+    assert r.status == "wrong" and "your dweight equals the sum over the first 32 of its K = N = 37" in r.hint
+    r = check_linear_backward(lin_whole_k_tiles_only, seed=1, quiet=True)   # K = 7 < 16 first: nothing summed
+    assert r.status == "wrong" and "as a loop over K // TILE tiles gives when K < TILE" in r.hint, r.message
+    # past the first cases (K > 16): a loop over whole tiles only
+    big = dataclasses.replace(checks._LINEAR, n_cases=1,
+                              make=lambda rng, dt, size, k: checks._make_linear(rng, dt, size, 2))
+    r = checks._run(big, lin_whole_k_tiles_only, seed=1, quiet=True)
+    assert r.status == "wrong" and r.output == "dinp", r.message     # K = OC = 18: 16 products either way
+    assert r.hint.startswith("only the first tile along K is summed (16 wide), or the partial last"), r.message
+    assert "Also: " in r.hint and "your dweight equals the sum over the first 32 of its K = N = 37" in r.hint
+
+
+# ---- launchers that cover too little: one block, a capped grid without a grid-stride loop, 0 blocks ----------
+@cuda.jit
+def gelu_no_stride_kernel(dout, inp, dinp):
+    i = cuda.grid(1)                                 # one element per thread, no grid-stride loop
+    if i < inp.shape[0]:
+        x = inp[i]
+        t = math.tanh(S * (x + K * x * x * x))
+        dinp[i] = dout[i] * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * S * (1 + 3 * K * x * x))
+
+
+@cuda.jit
+def gelu_stride_kernel(dout, inp, dinp):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, inp.shape[0], stride):
+        x = inp[i]
+        t = math.tanh(S * (x + K * x * x * x))
+        dinp[i] = dout[i] * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * S * (1 + 3 * K * x * x))
+
+
+def _capped(kernel):
+    def launcher(dout, inp, dinp):                  # the exercises' launcher: the grid is capped
+        n = inp.shape[0]
+        kernel[min(SIM_MAX_BLOCKS, (n + SIM_THREADS - 1) // SIM_THREADS), SIM_THREADS](dout, inp, dinp)
+    return launcher
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="simulator sizes")
+def test_kernel_without_grid_stride_loop_fails_under_a_capped_launcher():
+    assert check_gelu_backward(_capped(gelu_stride_kernel), arrays="numba", seed=2, quiet=True).passed
+    r = check_gelu_backward(_capped(gelu_no_stride_kernel), arrays="numba", seed=2, quiet=True)
+    assert r.status == "wrong" and r.first_bad == (64,), r.message
+    assert "every element past index G = 64" in r.hint and "grid-stride loop" in r.hint, r.message
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="simulator sizes")
+def test_launcher_covering_only_the_first_block_fails_naming_it():
+    def one_block(dout, da, db):
+        residual_kernel[1, 32](dout, da, db)         # n > 32: only the first block of elements
+
+    r = check_residual_backward(one_block, arrays="numba", seed=4, quiet=True)
+    assert r.status == "wrong" and "only the first 32 elements are right" in r.hint, r.message
+    assert "only the first block?" in r.hint and "(n + threads - 1) // threads" in r.hint
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="simulator sizes")
+def test_launch_of_zero_blocks_is_named_not_called_rebinding():
+    def floor_blocks(dout, da, db):
+        residual_kernel[dout.shape[0] // 128, 128](dout, da, db)   # 0 blocks whenever n < 128
+
+    r = check_residual_backward(floor_blocks, arrays="numba", seed=4, quiet=True)
+    assert r.status == "wrong" and "launch of 0 blocks" in r.hint and "rebinds" not in r.hint, r.message
+
+
+def sm_rows_capped(dout, out, dinp):
+    """A row kernel launched on a capped grid of 64 threads, one row per thread, no grid-stride loop."""
+    softmax_backward(dout[:64], out[:64], dinp[:64])
+
+
+def test_row_kernel_without_grid_stride_loop_names_the_rows():
+    r = check_softmax_backward(sm_rows_capped, seed=1, quiet=True)
+    assert r.status == "wrong" and "every row past index G = 64" in r.hint and "grid-stride" in r.hint, r.message
+
+
+# ---- hints that say where ---------------------------------------------------------------------------------
+def test_hint_names_a_range_of_wrong_rows():
+    def rows_3_to_6(dout, out, dinp):
+        softmax_backward(dout, out, dinp)
+        dinp[3:7] *= 1.5
+
+    r = check_softmax_backward(rows_3_to_6, seed=1, quiet=True)
+    assert r.status == "wrong" and "rows 3..6 of dinp are wrong" in r.hint, r.message
+
+
+def test_hint_names_every_kth_element():
+    def every_other(dout, da, db):
+        da[...] = 0
+        da[::2] = dout[::2]                          # a stride bug: only even indices
+        db[...] = dout
+
+    r = check_residual_backward(every_other, seed=1, quiet=True)
+    assert r.status == "wrong" and "every 2nd element of da is wrong (flat indices 1, 3, 5, ...)" in r.hint, r.message
+
+    def every_third_right(dout, da, db):
+        da[...] = 0
+        da[1::3] = dout[1::3]
+        db[...] = dout
+
+    r = check_residual_backward(every_third_right, seed=1, quiet=True)
+    assert r.status == "wrong" and "only every 3rd element of da is right (flat indices 1, 4, 7" in r.hint, r.message
+
+
+def test_sign_flip_wording():
+    def neg_dweight(dout, inp, weight, dinp, dweight, dbias):
+        linear_backward(dout, inp, weight, dinp, dweight, dbias)
+        dweight *= -1
+
+    r = check_linear_backward(neg_dweight, seed=2, quiet=True)
+    assert r.status == "wrong" and r.hint.startswith("the sign of dweight is flipped (x-1)"), r.message
+    assert "is the sign" not in r.hint
+
+
+def test_scattered_wrong_elements_counted_once():
+    def scattered(dout, inp, dinp):
+        gelu_backward(dout, inp, dinp)
+        dinp[[3, 10, 11, 40, 41, 42, 70, 90]] += 1.0
+
+    r = check_gelu_backward(scattered, seed=3, quiet=True)
+    assert r.status == "wrong" and r.hint.count("elements") == 1 and "8 of 97 elements of dinp are wrong" in r.hint
+
+
+@cuda.jit
+def gelu_sqrt_kernel(dout, inp, dinp):
+    i = cuda.grid(1)
+    if i < inp.shape[0]:
+        dinp[i] = dout[i] * math.sqrt(inp[i])        # a math domain error for inp < 0
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="the simulator raises inside the kernel; a GPU does not")
+def test_errors_inside_a_kernel_name_thread_block_and_cause():
+    def unguarded(dout, da, db):
+        unguarded_kernel[(dout.shape[0] + 31) // 32, 32](dout, da, db)
+
+    r = check_residual_backward(unguarded, arrays="numba", seed=1, quiet=True)
+    assert r.status == "error" and "your kernel raised IndexError in thread (" in r.message, r.message
+    assert "tid=" not in r.message and "of block (" in r.hint and "guard it (if i < n:)" in r.hint
+    assert "transposes and axes" not in r.hint
+    r = check_gelu_backward(lambda d, x, o: gelu_sqrt_kernel[4, 32](d, x, o), arrays="numba", seed=1, quiet=True)
+    assert r.status == "error" and "math domain error" in r.hint and "sqrt or log of a negative" in r.hint, r.message

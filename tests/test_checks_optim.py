@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.checks_optim import check_adamw_step
+from gpullm_lessons.checks_optim import check_adamw_mixed, check_adamw_step
 
 SEEDS = range(8)
 
@@ -103,3 +103,103 @@ def test_hip_launchers_pass_on_gpu():
             r = check_adamw_step(lambda *a: hipk.adamw_step(*a, version=version), arrays="cupy", size=size,
                                  seed=2, quiet=True)
             assert r.status == "correct", (version, size, r.message)
+
+
+# ---- check_adamw_mixed (06.1): unscale + AdamW + bf16 copy -------------------------------------------------------
+
+def make_mixed(unscale="once", copy="rne", copy_when="after", zero=True, stale=None, walk="ok", decay="table"):
+    """A NumPy mixed-precision step in float32 with one mistake switched on (stale: keep the first call's 'step'
+    or 'scale'; walk='if': the tensor index advanced at most once per element, restarting every 64 elements as a
+    grid of 64 threads would)."""
+    import ml_dtypes
+    first = {}
+
+    def step_fn(p, g, m, v, half, lr, b1, b2, eps, wd, t, S, table):
+        first.setdefault("t", t)
+        first.setdefault("S", S)
+        t = first["t"] if stale == "step" else t
+        S = first["S"] if stale == "scale" else S
+        bounds, flags = (np.asarray(a) for a in table)
+        mask = np.repeat(flags != 0, np.diff(bounds))
+        if walk == "if":
+            mask = mask.copy()
+            for start in range(64):
+                j = 0
+                for i in range(start, p.size, 64):
+                    if bounds[j + 1] <= i:
+                        j += 1
+                    mask[i] = flags[j] != 0
+        if decay == "all":
+            mask[:] = True
+        f = np.float32
+        before = p.copy()
+        gg = g * {"once": f(1 / S), "none": f(1), "twice": f(1 / S / S), "mult": f(S)}[unscale]
+        p -= f(lr * wd) * p * mask
+        m[...] = f(b1) * m + f(1 - b1) * gg
+        v[...] = f(b2) * v + f(1 - b2) * gg * gg
+        p -= f(lr) * (m / f(1 - b1 ** t)) / (np.sqrt(v / f(1 - b2 ** t)) + f(eps))
+        src = before if copy_when == "before" else p
+        half[...] = src.astype(ml_dtypes.bfloat16).view(np.uint16) if copy == "rne" else \
+            (src.view(np.uint32) >> 16).astype(np.uint16)
+        if zero:
+            g[...] = 0
+    return step_fn
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_correct_passes(seed):
+    r = check_adamw_mixed(make_mixed(), arrays="numpy", seed=seed, quiet=True)
+    assert r.status == "correct", r.message
+    assert "3 calls" in r.message and "bf16 copy bit-exact" in r.message
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(unscale="none"), "loss scale was not undone"),
+    (dict(unscale="twice"), "undone twice"),
+    (dict(unscale="mult"), "multiplied by the loss scale"),
+    (dict(copy="trunc"), "copy is truncated"),
+    (dict(copy_when="before"), "BEFORE the update"),
+    (dict(zero=False), "not zeroed"),
+    (dict(stale="step"), "bias corrections are those of your previous call"),
+    (dict(stale="scale"), "previous call's loss scale"),
+    (dict(walk="if"), "decay flag is wrong"),
+    (dict(decay="all"), "applied to every tensor"),
+])
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_mistake_fails_with_its_hint(mistake, words, seed):
+    r = check_adamw_mixed(make_mixed(**mistake), arrays="numpy", seed=seed, quiet=True)
+    assert r.status == "wrong", r.message
+    assert words in r.hint, r.message
+
+
+def test_mixed_large_size_runs_past_the_gpu_grid():
+    r = check_adamw_mixed(make_mixed(), arrays="numpy", size="large", seed=0, quiet=True)
+    assert r.status == "correct" and r.dims["calls"] == 4 and max(r.dims["n"]) > 4096 * 256, r.message
+
+
+def test_mixed_reports_not_attempted_error_and_bad_arguments(capsys):
+    def todo(*a):
+        raise NotImplementedError
+    assert check_adamw_mixed(todo, arrays="numpy", quiet=True).status == "not attempted"
+
+    def boom(*a):
+        raise IndexError("index 7 is out of bounds")
+    r = check_adamw_mixed(boom, arrays="numpy", quiet=True)
+    assert r.status == "error" and "IndexError" in r.message and "call 1 of" in r.hint
+    with pytest.raises(TypeError, match="pass the function itself"):
+        check_adamw_mixed(np.zeros(3))
+    with pytest.raises(ValueError, match="size="):
+        check_adamw_mixed(make_mixed(), arrays="numpy", size="huge")
+    check_adamw_mixed(make_mixed(), arrays="numpy", seed=0)
+    assert capsys.readouterr().out.startswith("adamw_mixed: correct")
+
+
+def test_mixed_seed_repeats_and_labels_the_task():
+    a = check_adamw_mixed(make_mixed(copy="trunc"), arrays="numpy", seed=11, task="06.1 t", quiet=True)
+    b = check_adamw_mixed(make_mixed(copy="trunc"), arrays="numpy", seed=11, quiet=True)
+    assert a.message == b.message and "seed 11" in a.message and a.task == "06.1 t"
+
+
+@pytest.mark.skipif(device.has_gpu(), reason="the skip path is for machines without a GPU")
+def test_mixed_cupy_without_gpu_is_skipped():
+    assert check_adamw_mixed(make_mixed(), arrays="cupy", quiet=True).status == "skipped"

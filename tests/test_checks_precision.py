@@ -3,7 +3,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpullm_lessons.checks_precision import check_bf16_rne, check_loss_scaler_update
+from gpullm_lessons.checks_precision import (check_bf16_hip, check_bf16_kernel, check_bf16_rne,
+                                             check_loss_scaler_update, check_unscale_hip)
 from gpullm_lessons.precision import f32_to_bf16_bits
 
 U = np.uint32
@@ -209,3 +210,72 @@ def test_scaler_errors_and_not_attempted():
     def todo(*a):
         raise NotImplementedError
     assert check_loss_scaler_update(todo, quiet=True).status == "not attempted"
+
+
+# ---- 07.4 check_bf16_kernel: a launcher fn(x, out) writing bf16 bits ---------------------------------------------
+
+def launcher(mistake=None, cap=None):
+    """A NumPy stand-in for a kernel launcher: writes out[i] for i < cap (a grid that does not stride)."""
+    def fn(x, out):
+        n = x.size if cap is None else min(cap, x.size)
+        got = right_mine(x)
+        if mistake == "trunc":
+            got = truncate(x)
+        if mistake == "tail":
+            n -= x.size % 4
+        if mistake == "modify":
+            x[...] = 0
+        out[:n] = got[:n]
+    return fn
+
+
+def test_bf16_kernel_numpy_launcher_passes():
+    r = check_bf16_kernel(launcher(), arrays="numpy", seed=3, quiet=True)
+    assert r.status == "correct" and "4 calls" in r.message, r.message
+
+
+@pytest.mark.parametrize("fn, words", [
+    (launcher("trunc"), "truncation"),
+    (launcher(cap=64), "grid-stride"),         # right on the special cases, n = 1; wrong past 64 elements
+    (launcher("tail"), "never written"),
+    (launcher("modify"), "changed its input"),
+])
+def test_bf16_kernel_mistakes_are_named(fn, words):
+    r = check_bf16_kernel(fn, arrays="numpy", seed=3, quiet=True)
+    assert r.status == "wrong" and words in (r.hint or ""), r.message
+
+
+def test_bf16_kernel_bad_arguments():
+    with pytest.raises(TypeError, match="pass the function itself"):
+        check_bf16_kernel(np.zeros(3))
+    with pytest.raises(ValueError, match="size="):
+        check_bf16_kernel(launcher(), arrays="numpy", size="tiny")
+
+
+# ---- 06.2 / 07.3: HIP sources, the parts that need no GPU --------------------------------------------------------
+
+def test_hip_checkers_take_a_source_or_a_function_returning_it():
+    with pytest.raises(TypeError, match="kernel source"):
+        check_bf16_hip(42)
+    with pytest.raises(TypeError, match="kernel source"):
+        check_unscale_hip(None)
+
+    def boom():
+        raise KeyError("oops")
+    r = check_bf16_hip(boom, quiet=True)
+    assert r.status == "error" and "KeyError" in r.message
+
+    def todo():
+        raise NotImplementedError
+    assert check_unscale_hip(todo, quiet=True).status == "not attempted"
+    assert check_unscale_hip(lambda: 3, quiet=True).status == "error"
+
+
+def test_hip_task_rules_are_checked_on_the_text():
+    src = '#include "portable.h"\n#include "half.h"\nextern "C" __global__ void f32_to_bf16_vec4(const float4* s) {}\n'
+    r = check_bf16_hip(src, quiet=True)
+    assert r.status == "wrong" and "line 2" in r.message and "half.h" in r.hint
+    r = check_bf16_hip('#include "portable.h"\n// float4 in a comment does not count\n', quiet=True)
+    assert r.status == "wrong" and "float4" in r.hint
+    r = check_unscale_hip('#include "portable.h"\nextern "C" __global__ void unscale_nonfinite() {}\n', quiet=True)
+    assert r.status == "wrong" and "atomicAdd" in r.hint

@@ -59,6 +59,51 @@ def test_lr_mistake_fails_with_its_hint(mistake, words, seed):
     assert words in r.hint, r.message
 
 
+# wrong answers that used to pass: the old checker never ran warmup = 0 nor a decay phase of a single step
+def lr_no_guard(step, max_lr, warmup, total, min_lr):         # divides by total - 1 - warmup
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    r = min(1.0, (step - warmup) / (total - 1 - warmup))
+    return min_lr + 0.5 * (1 + math.cos(math.pi * r)) * (max_lr - min_lr)
+
+
+def lr_warmup_fraction_first(step, max_lr, warmup, total, min_lr):   # divides by warmup before the branch
+    frac = (step + 1) / warmup
+    if step < warmup:
+        return max_lr * frac
+    return lr_right(step, max_lr, warmup, total, min_lr)
+
+
+def lr_short_decay_to_min(step, max_lr, warmup, total, min_lr):       # a one-step decay phase jumps to min_lr
+    if step >= warmup and total - 1 - warmup <= 0:
+        return min_lr
+    return lr_right(step, max_lr, warmup, total, min_lr)
+
+
+@pytest.mark.parametrize("fn, status, words", [
+    (lr_no_guard, "error", "decay phase of a single step"),
+    (lr_warmup_fraction_first, "error", "warmup = 0"),
+    (lr_short_decay_to_min, "wrong", "went straight to min_lr"),
+])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_lr_edge_runs_are_always_checked(fn, status, words, seed):
+    r = check_lr_schedule(fn, seed=seed, quiet=True)
+    assert r.status == status, r.message
+    assert words in r.hint, r.message
+
+
+def test_lr_runs_every_kind_and_names_the_run():
+    seen = set()
+
+    def spy(step, max_lr, warmup, total, min_lr):
+        seen.add((warmup, total))
+        return lr_right(step, max_lr, warmup, total, min_lr)
+    assert check_lr_schedule(spy, seed=0, quiet=True).status == "correct"
+    assert any(w == 0 for w, _ in seen) and any(t == w + 1 for w, t in seen) and len(seen) == 5
+    r = check_lr_schedule(lr_short_decay_to_min, seed=0, quiet=True)
+    assert "a decay phase of one step" in r.message and "at step" in r.message, r.message
+
+
 def test_lr_unknown_mistake_gets_the_phase_hint():
     r = check_lr_schedule(lambda s, m, w, t, n: m, seed=0, quiet=True)    # constant: right only in places
     assert r.status == "wrong" and r.hint
@@ -98,6 +143,24 @@ def test_clip_mistake_fails_with_its_hint(fn, words, seed):
     r = check_clip_coef(fn, seed=seed, quiet=True)
     assert r.status == "wrong", r.message
     assert words in r.hint, r.message
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda n, m: 1.0 if n <= m else m / (n + 1e-6), "instead of the coefficient with 1"),
+    (lambda n, m: min(1.0, 1.0 / (n + 1e-6)), "max_norm is not used"),
+])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clip_edge_cases_always_checked(fn, words, seed):
+    """Comparing the norms (not the coefficient) used to pass whenever max_norm > 1 was drawn."""
+    r = check_clip_coef(fn, seed=seed, quiet=True)
+    assert r.status == "wrong" and words in r.hint, r.message
+
+
+def test_clip_calls_with_several_settings():
+    seen = []
+    check_clip_coef(lambda n, m: seen.append((n, m)) or coef_right(n, m), seed=0, quiet=True)
+    assert len(set(seen)) == len(seen) >= 8 and (0.0, seen[-1][1]) in seen
+    assert sum(n == m for n, m in seen) == 2 and len({m for _, m in seen}) == 3
 
 
 def test_clip_no_eps_dividing_by_zero_names_the_eps():

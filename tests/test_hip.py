@@ -1,12 +1,14 @@
 """Every kernels/hip source: compiled for NVIDIA (NVRTC, sm_90) and AMD (hipcc, gfx90a) without a GPU; portability lint;
 and run through CuPy against NumPy where a GPU exists."""
+import json
 import re
+import shutil
 
 import numpy as np
 import pytest
 
 from conftest import require_tool
-from gpullm_lessons import hip
+from gpullm_lessons import device, hip
 
 SOURCES = [p.stem for p in hip.sources()]
 SHARED_HEADERS = sorted(p.name for p in hip.kernel_dir().glob("*.h") if p.name != "portable.h")   # e.g. half.h
@@ -39,29 +41,10 @@ def test_compiles_for_amd_with_hipcc(name):
     assert ok, log
 
 
-# Constructs that break on the other vendor or under NVRTC. Only portable.h may hold platform specifics.
-NON_PORTABLE = [
-    (r"0xffffffff", "hard-coded 32-lane mask: use FULL_MASK / lanemask_t"),
-    (r"&\s*31\b", "lane index via & 31 assumes 32 lanes: use % warpSize"),
-    (r"__shfl\w*\(", "raw shuffle: use shfl_xor / shfl_down / shfl from portable.h"),
-    (r"\bstd::", "no C++ standard library under NVRTC"),
-    (r"#\s*include\s*<", "include only \"portable.h\""),
-    (r"\basm\s*(volatile\s*)?\(", "no inline PTX/assembly"),
-    (r"cooperative_groups", "no cooperative groups"),
-    (r"\bwarpSize\s*=\s*32|\b32\s*\*\s*32\b", "do not assume 32 lanes"),
-]
-
-
+# The portability lint lives in the library (hip.lint_source, rules in hip.LINT_RULES): the exercises grade
+# learners' HIP sources with it too. Only portable.h may hold platform specifics.
 def lint(text: str) -> list[str]:
-    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
-    problems = [why for pat, why in NON_PORTABLE if re.search(pat, code)]
-    includes = re.findall(r'#\s*include\s*"([^"]+)"', code)
-    # portable.h first; after it only shared headers of kernels/hip (half.h: the bf16/fp16 rounding), linted below
-    if includes[:1] != ["portable.h"] or not set(includes[1:]) <= set(SHARED_HEADERS):
-        problems.append(f'include "portable.h" first, then only {", ".join(SHARED_HEADERS)} (found {includes})')
-    if re.search(r"__global__", code) and not re.search(r'extern\s+"C"\s+__global__', code):
-        problems.append('entry points must be extern "C" __global__')
-    return problems
+    return hip.lint_source(text, require_portable_h=True)
 
 
 @pytest.mark.parametrize("name", SOURCES)
@@ -79,6 +62,177 @@ def test_lint_catches_non_portable_code():
            'x[0] = __shfl_xor_sync(0xffffffff, x[0], 16); std::max(1, 2); }')
     problems = lint(bad)
     assert len(problems) >= 5, problems
+    assert all(p.startswith(("line 1: ", "line 2: ")) for p in problems), problems
+
+
+CLEAN = """#include "portable.h"
+extern "C" __global__ void k(const float* __restrict__ x, float* __restrict__ y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = i < n ? x[i] : 0.0f;   // line 4: planted lines replace this one
+    v = warp_sum(v);
+    if (i < n && threadIdx.x % warpSize == 0) y[i / warpSize] = v;
+}
+"""
+
+# (a line planted as line 4 of CLEAN, words the finding must contain): one per rule of hip.LINT_RULES, plus the
+# include and extern "C" rules
+PLANTED = [
+    ("    unsigned m = 0xffffffff;", "hard-coded 32-lane mask 0xffffffff"),
+    ("    lanemask_t m = 0xFFFFFFFFu;", "hard-coded 32-lane mask"),
+    ("    int lane = threadIdx.x & 31;", "& 31 assumes 32 lanes"),
+    ("    int lane = threadIdx.x % 32;", "% 32 assumes 32 lanes"),
+    ("    int warp = threadIdx.x / 32;", "/ 32 assumes 32 lanes"),
+    ("    int warp = threadIdx.x >> 5;", ">> 5 assumes 32 lanes"),
+    ("    float v = warpSize == 32 ? 1.0f : 2.0f;", "warpSize == 32"),
+    ("    const int WARP_SIZE = 32; float v = 0.0f;", "warp size constant of 32"),
+    ("    __shared__ float s[32 * 32]; float v = 0.0f;", "32 * 32 assumes 32 lanes"),
+    ("    float v = shfl_xor(x[0], 1, 32);", "shuffle width 32"),
+    ("    float v = 0.0f; for (int o = 16; o > 0; o /= 2) v += shfl_down(v, o, warpSize);", "offset 16"),
+    ("    float v = __shfl_down_sync(FULL_MASK, x[0], 1);", "raw shuffle"),
+    ("    float v = __ballot_sync(FULL_MASK, 1) ? 1.0f : 0.0f;", "CUDA-only warp intrinsic"),
+    ("    float v = std::max(x[0], 0.0f);", "no C++ standard library"),
+    ("#include <cuda_runtime.h>\n    float v = 0.0f;", "#include <...>"),
+    ('    float v = 0.0f; asm volatile("nop;");', "inline PTX"),
+    ("    float v = cooperative_groups::this_grid().size();", "cooperative groups"),
+    ('#include "vector_add.cu"\n    float v = 0.0f;', 'include only "portable.h"'),
+]
+
+
+@pytest.mark.parametrize("line,words", PLANTED, ids=[w for _, w in PLANTED])
+def test_each_lint_rule_fires_on_a_planted_line(line, words):
+    assert hip.lint_source(CLEAN) == []
+    lines = CLEAN.split("\n")
+    lines[3] = line
+    found = hip.lint_source("\n".join(lines))
+    assert any(f.startswith("line 4: ") and words in f for f in found), found
+    # the same text in a comment is not code
+    lines[3] = "    float v = 0.0f;  // " + line.replace("\n", " ")
+    assert hip.lint_source("\n".join(lines)) == []
+
+
+def test_every_lint_rule_has_a_planted_line():
+    fired = set()
+    for line, _ in PLANTED:
+        lines = CLEAN.split("\n")
+        lines[3] = line
+        fired.update(f.split(": ", 1)[1] for f in hip.lint_source("\n".join(lines)))
+    assert {why for _, why in hip.LINT_RULES} <= fired
+
+
+def test_lint_include_order_and_extern_c():
+    found = hip.lint_source('#include "half.h"\n#include "portable.h"\n')
+    assert any('include "portable.h" first' in f for f in found), found
+    assert hip.lint_source('#include "portable.h"\n#include "half.h"\n') == []
+    no_include = 'extern "C" __global__ void k(float* x) { x[0] = 1.0f; }'
+    assert lint(no_include) == ['line 1: include "portable.h" (the one header that knows the vendor)']
+    assert hip.lint_source("extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }") == []
+    found = hip.lint_source('#include "portable.h"\n\n__global__ void k(float* x) { x[0] = 1.0f; }')
+    assert found == ['line 3: kernels must be extern "C" __global__ (unmangled names, so CuPy finds them by name)']
+    block = '#include "portable.h"\nextern "C" {\n__global__ void a(float* x) { x[0] = 1.0f; }\n}\n'
+    assert hip.lint_source(block) == [] and hip.entry_points(block) == ["a"]
+    assert hip.entry_points(CLEAN) == ["k"]
+
+
+# ---- grading a learner's source without a GPU (hip.grade_source, checks.hip_compile_only) ----------------------
+
+NO_SEMICOLON = CLEAN.replace("v = warp_sum(v);", "v = warp_sum(v)")
+MASK_32 = CLEAN.replace("float v = i < n ? x[i] : 0.0f;",
+                        "float v = i < n ? __shfl_xor_sync(0xffffffff, x[i], 1) : 0.0f;").replace(
+                        "threadIdx.x % warpSize", "threadIdx.x % 32")
+
+
+def _needs_compilers():
+    pytest.importorskip("cuda.bindings", reason="NVRTC bindings come with the [dev] extra (numba-cuda[cu13])")
+
+
+def test_grade_source_correct_and_named_failures():
+    _needs_compilers()
+    ok, report = hip.grade_source(CLEAN, ["k"])
+    assert ok, report
+    assert "compiles for NVIDIA (sm_90)" in report and "portability lint clean" in report
+    if shutil.which("hipcc"):
+        assert "AMD (gfx90a)" in report
+    ok, report = hip.grade_source(NO_SEMICOLON, ["k"])
+    # a missing `;` is seen at the next token: NVRTC names line 6, clang line 5
+    assert not ok and re.search(r"does not compile for NVIDIA \(NVRTC sm_90\): line [56]: error", report), report
+    if shutil.which("hipcc"):
+        assert "does not compile for AMD (hipcc gfx90a): line 5: error: expected ';'" in report, report
+    ok, report = hip.grade_source(CLEAN, ["k", "k_v2"])
+    assert not ok and "no extern \"C\" __global__ function named 'k_v2' (entry points found: k)" in report
+    ok, report = hip.grade_source(MASK_32, ["k"])
+    assert not ok and "portability lint: line 4: hard-coded 32-lane mask 0xffffffff" in report, report
+    assert "line 6: lane index via % 32 assumes 32 lanes" in report, report
+    ok, report = hip.grade_source('#include "cuda_fp16.h"\n' + CLEAN, ["k"])
+    assert not ok and '#include "cuda_fp16.h"' in report, report
+
+
+def test_grade_source_requires_compilers_when_asked(monkeypatch):
+    monkeypatch.setattr(hip.shutil, "which", lambda name: None)
+    source = CLEAN + "// no hipcc here\n"      # a text of its own: compile results are cached per text
+    monkeypatch.delenv("GPULLM_REQUIRE_COMPILERS", raising=False)
+    ok, report = hip.grade_source(source, ["k"])
+    assert ok and "AMD not checked (hipcc not found)" in report, report
+    monkeypatch.setenv("GPULLM_REQUIRE_COMPILERS", "1")
+    ok, report = hip.grade_source(source, ["k"])
+    assert not ok and "not compiled for AMD: hipcc not found (GPULLM_REQUIRE_COMPILERS=1)" in report, report
+    with pytest.raises(TypeError, match="kernel source as a str"):
+        hip.grade_source(None, ["k"])
+
+
+def test_hip_compile_only_verdicts(tmp_path, monkeypatch, capsys):
+    _needs_compilers()
+    from gpullm_lessons import checks
+    log = tmp_path / "grades.jsonl"
+    monkeypatch.setenv("GPULLM_GRADE_LOG", str(log))
+    assert "compiled" in checks.STATUSES
+    r = checks.hip_compile_only("gelu_backward", CLEAN, ["k"], task="05.9 t")
+    out = capsys.readouterr().out
+    assert r.status == "compiled" and not r.passed, r.message
+    assert out.strip() == r.message and r.message.startswith("gelu_backward: compiled - compiles for NVIDIA (sm_90)")
+    assert r.message.endswith("; not run: no GPU (it is run and checked on a GPU server)")
+    if shutil.which("hipcc"):
+        assert r.message == ("gelu_backward: compiled - compiles for NVIDIA (sm_90) and AMD (gfx90a), portability lint "
+                             "clean; not run: no GPU (it is run and checked on a GPU server)")
+    else:
+        assert "portability lint clean; AMD not checked (hipcc not found)" in r.message
+    r = checks.hip_compile_only("gelu_backward", lambda: NO_SEMICOLON, "k", quiet=True)
+    assert r.status == "wrong" and re.search(r"line [56]: error", r.hint) and r.hint in r.message   # the missing `;`
+    r = checks.hip_compile_only("gelu_backward", MASK_32, "k", quiet=True)
+    assert r.status == "wrong" and "line 4: hard-coded 32-lane mask 0xffffffff" in r.hint, r.message
+    assert "line 6: lane index via % 32 assumes 32 lanes" in r.hint
+    r = checks.hip_compile_only("gelu_backward", CLEAN, ["k", "k2"], quiet=True)
+    assert r.status == "wrong" and "'k2'" in r.hint
+
+    def stub():
+        raise NotImplementedError
+
+    r = checks.hip_compile_only("gelu_backward", stub, "k", quiet=True)
+    assert r.status == "not attempted" and "NotImplementedError" in r.message
+    r = checks.hip_compile_only("gelu_backward", lambda: None, "k", quiet=True)
+    assert r.status == "error" and "returned NoneType" in r.message
+    r = checks.hip_compile_only("gelu_backward", lambda: 1 / 0, "k", quiet=True)
+    assert r.status == "error" and "ZeroDivisionError" in r.message
+    with pytest.raises(TypeError, match="kernel source"):
+        checks.hip_compile_only("gelu_backward", 3, "k")
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["status"] for e in entries] == ["compiled", "wrong", "wrong", "wrong", "not attempted", "error", "error"]
+    assert entries[0]["task"] == "05.9 t" and entries[0]["check"] == "check_gelu_backward"
+
+
+@pytest.mark.skipif(device.has_gpu(), reason="what a checker does with a HIP source without a GPU")
+def test_op_checker_grades_the_source_without_a_gpu():
+    _needs_compilers()
+    from gpullm_lessons import checks
+
+    def launcher(*args):  # never called without a GPU
+        raise AssertionError("launched without a GPU")
+
+    r = checks.check_gelu_backward(launcher, arrays="cupy", source=CLEAN, entries=["k"], quiet=True)
+    assert r.status == "compiled" and r.name == "gelu_backward", r.message
+    r = checks.check_gelu_backward(launcher, arrays="cupy", source=lambda: CLEAN, entries="k_missing", quiet=True)
+    assert r.status == "wrong" and "k_missing" in r.hint
+    r = checks.check_gelu_backward(launcher, arrays="cupy", quiet=True)   # no source: nothing to compile
+    assert r.status == "skipped"
 
 
 @pytest.mark.gpu

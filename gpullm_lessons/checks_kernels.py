@@ -1,0 +1,814 @@
+"""Checkers for the kernels a learner writes in lessons 00, 02 and 03: shapes chosen so that size cannot fool them.
+
+Each checker calls your destination-passing launcher on several cases, drawn deterministically (values are random,
+shapes are not), and compares what it wrote with a float64 NumPy answer, like ``gpullm_lessons.checks`` (whose
+``_Op`` / ``_Mistake`` machinery runs them: NaN-poisoned outputs, the same tolerances, a table of named mistakes):
+
+check_bias_add(fn)               fn(inp (N, C), bias (C,), out (N, C))            00.1 (Numba), 00.2 (HIP)
+check_dweight_tiled(fn)          fn(inp (N, C), dout (N, OC), dweight (C, OC))     02.2 (Numba), dweight = inp^T dout
+check_dinp_tiled(fn)             fn(dout (N, OC), weight (C, OC), dinp (N, C))     02.3 (HIP), dinp = dout weight^T
+check_row_max(fn)                fn(x (N, n), m (N,))                              03.1 (Numba), m = max over each row
+check_softmax_backward_warp(fn)  fn(dout (N, n), out (N, n), dinp (N, n))          03.2 (Numba), 03.3 (HIP)
+
+The cases. In the simulator (and for arrays="numpy") the sizes are small; on a GPU (arrays="cupy", or "numba" on an
+NVIDIA GPU) they are large. Either way they include: a size larger than the capped grid the exercise launchers use
+(MAX_BLOCKS x THREADS threads: 2 x 32 in the simulator, 4096 x 256 on a GPU; rows: more rows than blocks or warps),
+so a kernel without a grid-stride loop leaves elements unwritten; sizes spanning several blocks / tiles / warps with
+a partial last one (never a multiple of 16 or 32); the edge cases 1 x 1, n = 1, n < 32, K = 1; a square case where
+a transpose gives wrong numbers rather than a shape error. The function is called once per case, so a function
+that returns a stale answer fails too.
+
+HIP tasks pass ``source=`` (the kernel source, or a function returning it) and ``entries=``: with arrays="cupy" on
+a machine without a GPU the source is compiled for both vendors and linted (status "compiled", see
+``checks.hip_compile_only``); on a GPU the launcher runs and is checked.
+
+An exception raised inside a simulated kernel is reported with the thread and block that raised it and the likely
+cause (an index past the end: a missing guard or loop bound).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import traceback
+
+import numpy as np
+
+from . import device as _device
+from . import reference as ref
+from .checks import CheckResult, _Case, _Mistake, _Op, _SOFTMAX, _is_learner_code, _run, _source_text
+
+__all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_row_max",
+           "check_softmax_backward_warp", "CASES"]
+
+# The grids the exercise launchers cap at (for the hints): blocks x threads in the simulator / on a GPU.
+SIM_GRID = (2, 32)
+GPU_GRID = (4096, 256)
+
+# Deterministic shapes per op and size. Values are drawn from the seed; shapes never are.
+CASES = {
+    # (N, C): n = N*C elements. small: 21 < one block; 143 and 333 > 2 x 32 (the simulator's capped grid); 1 x 1.
+    "bias_add": {"small": [(3, 7), (13, 11), (1, 1), (9, 37)],
+                 "large": [(3, 7), (1, 1), (1531, 1031), (4099, 771)]},      # > 4096 x 256 = 1,048,576
+    # (N, C, OC) = (K, M, P) of dweight = inp^T dout: K = N spans several 16-row tiles with a partial last one.
+    # (the large cases stay moderate: the exercise kernel is compiled with debug=True, which runs unoptimized)
+    "linear_dweight": {"small": [(19, 19, 19), (37, 20, 11), (1, 3, 5)],
+                       "large": [(333, 333, 333), (1037, 259, 517), (1, 3, 5)]},
+    # (N, C, OC): dinp = dout weight^T, K = OC.
+    "linear_dinp": {"small": [(19, 19, 19), (20, 11, 37), (1, 3, 5)],
+                    "large": [(333, 333, 333), (1031, 771, 2309), (1, 3, 5)]},
+    # (N, n): rows > 2 blocks (simulator) / > 4096 blocks (GPU); n < threads, n > threads, n = 1.
+    "row_max": {"small": [(3, 20), (7, 45), (1, 1), (5, 70)],
+                "large": [(3, 200), (8193, 517), (1, 1), (4099, 1029)]},
+    # (N, n): rows > 2 x 2 warps (simulator) / > 4096 x 8 warps (GPU); n > 32 and not a multiple, n < 32, n = 1.
+    "softmax_backward": {"small": [(9, 70), (3, 1), (6, 20), (5, 37)],
+                         "large": [(33001, 37), (3, 1), (40000, 20), (777, 1029)]},
+}
+
+
+def _auto_size(arrays: str, size) -> str:
+    """small in the simulator and for NumPy, large where the kernels run on a GPU."""
+    if size is not None:
+        return size
+    on_gpu = arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
+    return "large" if on_gpu else "small"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pattern mistakes: a test on your output that names where it is wrong (the hint is built from what it found)
+# ------------------------------------------------------------------------------------------------------------
+def _pattern(describe) -> _Mistake:
+    """A _Mistake whose hint is written by `describe(case, name, ours, expected, bad)` (None: does not apply)."""
+    m = _Mistake(hint="")
+
+    def test(case, name, ours, expected, bad):
+        text = describe(case, name, ours, expected, bad)
+        if text:
+            m.hint = text
+            return True
+        return False
+
+    m.test = test
+    return m
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[(start, end_inclusive)] of the True runs of a 1-D mask."""
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
+    ends = np.concatenate([idx[breaks], [idx[-1]]])
+    return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def _runs_text(runs, limit=3) -> str:
+    parts = [f"{a}" if a == b else f"{a}..{b}" for a, b in runs[:limit]]
+    return ", ".join(parts) + (f", ... ({len(runs)} runs)" if len(runs) > limit else "")
+
+
+def _flat_unwritten(case, name, ours, expected, bad):
+    """(unwritten mask, written-part-correct) over the flattened output."""
+    o, b = ours.ravel(), bad.ravel()
+    nan = np.isnan(o)
+    return nan, not (b & ~nan).any()
+
+
+def _past_the_grid(case, name, ours, expected, bad):
+    nan, rest_ok = _flat_unwritten(case, name, ours, expected, bad)
+    n = nan.size
+    if not nan.any() or nan.all() or not rest_ok:
+        return None
+    g = int(np.argmax(nan))
+    if not nan[g:].all() or g % 32 or n - g < 2:
+        return None
+    return (f"the first {g} elements of {name} are right and every element past index G = {g} is unwritten "
+            f"(still NaN; {n} elements in all): G = blocks x threads, the number of threads your launch starts "
+            f"(the launcher caps the grid at MAX_BLOCKS x THREADS), and each thread wrote one element. Each thread "
+            f"must loop over the elements i, i + stride, i + 2*stride, ... with stride = the number of threads in "
+            f"the whole grid (a grid-stride loop)")
+
+
+def _last_element(case, name, ours, expected, bad):
+    nan, rest_ok = _flat_unwritten(case, name, ours, expected, bad)
+    n = nan.size
+    if n < 2 or not rest_ok or not nan[-1] or nan[:-1].any():
+        return None
+    return (f"only the last element of {name} (index {n - 1}) is unwritten: an off-by-one in the loop bound; "
+            f"the valid indices are 0 .. n-1, so the loop runs while i < n")
+
+
+def _stripes(case, name, ours, expected, bad):
+    nan, rest_ok = _flat_unwritten(case, name, ours, expected, bad)
+    runs = _runs(nan)
+    if len(runs) < 2 or not rest_ok:
+        return None
+    return (f"{int(nan.sum())} of {nan.size} elements of {name} were never written, in {len(runs)} separate runs "
+            f"(flat indices {_runs_text(runs)}): the threads' elements leave holes. Each thread must start at its "
+            f"own global index (blockIdx.x * blockDim.x + threadIdx.x) and step by the number of threads in the "
+            f"whole grid (gridDim.x * blockDim.x), so together they cover every index once")
+
+
+def _rows_past_grid(unit):
+    """Rows 0..R-1 right, rows R.. never written: a grid of R blocks (or warps) without a loop over rows."""
+    def describe(case, name, ours, expected, bad):
+        o = ours.reshape(ours.shape[0], -1)
+        b = bad.reshape(bad.shape[0], -1)
+        nan_rows = np.isnan(o).all(axis=1)
+        N = nan_rows.size
+        if not nan_rows.any() or nan_rows.all() or b[~nan_rows].any():
+            return None
+        r = int(np.argmax(nan_rows))
+        if not nan_rows[r:].all():
+            return None
+        text = (f"rows 0..{r - 1} of {name} are right and rows {r}..{N - 1} were never written: your launch has "
+                f"{r} {unit}s (the launcher caps the grid), one row each. Each {unit} must loop over rows: row, "
+                f"row + (number of {unit}s in the grid), ... until N")
+        if r == N - 1:
+            text = (f"only the last row of {name} (row {r}) was never written: either the row loop stops one short "
+                    f"(it runs while row < N), or your launch has {r} {unit}s and each {unit} took one row: each "
+                    f"{unit} must loop over rows: row, row + (number of {unit}s in the grid), ... until N")
+        return text
+    return describe
+
+
+def _edge_unwritten(case, name, ours, expected, bad):
+    """Whole rows or columns of out never written (and everything else right): the store's guard or the grid."""
+    if ours.ndim != 2:
+        return None
+    nan = np.isnan(ours)
+    if not nan.any() or nan.all() or (bad & ~nan).any():
+        return None
+    rows, cols = nan.all(axis=1), nan.all(axis=0)
+    if not (nan == (rows[:, None] | cols[None, :])).all():
+        return None
+    parts = []
+    if rows.any():
+        parts.append(f"rows {_runs_text(_runs(rows))}")
+    if cols.any():
+        parts.append(f"columns {_runs_text(_runs(cols))}")
+    return (f"{' and '.join(parts)} of {name} (shape {ours.shape}) were never written, the rest is right: the grid "
+            f"must have a tile for every row and column (rounded up), and the final store's guard must let every "
+            f"element inside the matrix through (row < rows and column < columns)")
+
+
+def _row_holes(unit):
+    """Some rows never written, not a prefix pattern: the loop over rows starts or steps wrong."""
+    def describe(case, name, ours, expected, bad):
+        o = ours.reshape(ours.shape[0], -1)
+        nan_rows = np.isnan(o).all(axis=1)
+        if not nan_rows.any() or nan_rows.all() or (bad.reshape(o.shape)[~nan_rows]).any():
+            return None
+        return (f"rows {_runs_text(_runs(nan_rows))} of {name} were never written ({int(nan_rows.sum())} of "
+                f"{nan_rows.size}), the others are right: each {unit} must start at its own index in the grid and "
+                f"step by the number of {unit}s in the grid, so that together they take every row once")
+    return describe
+
+
+def _tile_catchall(op_name, tile=16):
+    """Wrong values scattered over the tiles of out, matching no known mistake: most often a missing barrier."""
+    def describe(case, name, ours, expected, bad):
+        if not bad.any() or ours.ndim != 2:
+            return None
+        nan = np.isnan(ours)
+        if nan.any():
+            # NaN in whole output tiles is an unwritten tile (the grid, the store); NaN scattered inside tiles comes
+            # from reading shared memory nobody wrote (a missing barrier, a skipped slot)
+            blocks = [nan[a:a + tile, b:b + tile] for a in range(0, nan.shape[0], tile)
+                      for b in range(0, nan.shape[1], tile)]
+            if not any(0 < blk.sum() < blk.size for blk in blocks):
+                return None
+        rows, cols = np.nonzero(bad)
+        tiles = sorted({(int(r) // tile, int(c) // tile) for r, c in zip(rows, cols)})
+        n_tiles = (-(-bad.shape[0] // tile)) * (-(-bad.shape[1] // tile))
+        shown = ", ".join(f"({a}, {b})" for a, b in tiles[:4]) + (", ..." if len(tiles) > 4 else "")
+        return (f"{int(bad.sum())} of {bad.size} elements of {name} are wrong, in {len(tiles)} of the {n_tiles} "
+                f"{tile}x{tile} output tiles ({shown}), with no pattern of a known mistake. Check the barriers: "
+                f"every thread must wait (cuda.syncthreads() / __syncthreads()) after the tile loads, before anyone "
+                f"reads the tiles, and again after the products, before the next loads overwrite them. Then check "
+                f"which shared slot each thread writes: one element of each tile per thread, none left unwritten")
+    return describe
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Errors raised inside a simulated kernel: name the thread, the block and the likely cause
+# ------------------------------------------------------------------------------------------------------------
+_SIM_ERROR = re.compile(r"tid=\[(?P<tid>[\d, ]+)\]\s+ctaid=\[(?P<ctaid>[\d, ]+)\]:?\s*(?P<msg>.*)", re.S)
+_OUT_OF_RANGE = re.compile(r"index (?P<index>-?\d+) is out of bounds for axis (?P<axis>\d+) with size (?P<size>\d+)")
+
+
+class KernelError(RuntimeError):
+    """An exception raised by one thread of your kernel (in the simulator), with where and why."""
+
+
+_INDEX_ADVICE = {
+    "tile": "In a tiled kernel a thread whose element of a tile lies past the matrix edge must not load it: it "
+            "writes 0 into its shared slot instead; the final store is guarded the same way",
+    "row": "Rows past N and columns past n belong to no one: the loops over rows and columns stop there",
+}
+
+
+def _explain(exc: BaseException, advice: str = ""):
+    """(short message, hint) for an exception raised inside a simulated kernel, or None."""
+    m = _SIM_ERROR.match(str(exc))
+    if m is None:
+        return None
+    tid = tuple(int(x) for x in m.group("tid").split(","))
+    ctaid = tuple(int(x) for x in m.group("ctaid").split(","))
+    inner = " ".join(m.group("msg").split())
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if _is_learner_code(frame.filename):
+            where = f" at line {frame.lineno} in {frame.name}"
+            break
+    thread = f"thread threadIdx={tid} of block blockIdx={ctaid}"
+    oob = _OUT_OF_RANGE.search(inner)
+    if isinstance(exc, IndexError) and oob:
+        index, size = int(oob.group("index")), int(oob.group("size"))
+        past = "at the end (index = size)" if index == size else "past the end"
+        short = f"IndexError in {thread}{where}: {inner}"
+        hint = (f"{thread} indexed an array {past}: index {index} on an axis of size {size}. The grid is rounded up "
+                f"to whole blocks, so some threads have no element: check every index before it is used (a guard, "
+                f"or the loop condition i < n; not i <= n)." + (f" {advice}" if advice else ""))
+    elif type(exc).__name__ == "WarpError":
+        short = f"WarpError in {thread}{where}: a warp shuffle could not complete"
+        hint = inner
+    elif isinstance(exc, ZeroDivisionError):
+        short = f"ZeroDivisionError in {thread}{where}: {inner}"
+        hint = f"{thread} divided by zero: check the sizes your kernel divides by"
+    else:
+        short = f"{type(exc).__name__} in {thread}{where}: {inner}"
+        hint = f"the error was raised by {thread}{where}: {inner}"
+    return short, hint
+
+
+def _with_kernel_errors(fn, box, advice=""):
+    """fn, with simulator thread errors turned into a KernelError that names the thread (explanation in box)."""
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return fn(*args)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - explained, then reported by the checker
+            explained = _explain(exc, advice)
+            if explained is None:
+                raise
+            box["hint"] = explained[1]
+            raise KernelError(explained[0]) from exc
+    return call
+
+
+def _check(op: _Op, fn, *, arrays, dtype, size, seed, task, quiet, source=None, entries=None, advice=""):
+    """Run `op` through checks._run at the right size; rewrite the hint of an error raised inside a kernel."""
+    size = _auto_size(arrays, size)
+    box = {}
+    is_kernel = type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel")   # checks._run says what to pass instead
+    wrapped = _with_kernel_errors(fn, box, advice) if callable(fn) and not is_kernel else fn
+    result = _run(op, wrapped, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=True,
+                  source=source, entries=entries)
+    if result.status == "error" and "hint" in box:
+        head = result.message.splitlines()[0]
+        result.hint = box["hint"] + (f" (seed {result.seed})" if result.seed is not None else "")
+        result.message = head + "\n  hint: " + result.hint
+    if not quiet:
+        print(result.message)
+    return result
+
+
+def _source_rules(name, source, rules, task, quiet):
+    """A CheckResult 'wrong' when the source breaks a task rule [(regex, why)], else None (also when no source)."""
+    if source is None:
+        return None
+    text, failed = _source_text(source)
+    if failed is not None:
+        return None   # hip_compile_only / the run reports it
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S)
+    for pattern, why in rules:
+        m = re.search(pattern, code)
+        if m:
+            line = code.count("\n", 0, m.start()) + 1
+            msg = f"{name}: wrong - line {line} of your source: {why}"
+            result = CheckResult(name=name, task=task, status="wrong", passed=False, message=msg, hint=why,
+                                 arrays="cupy")
+            from . import grading
+            grading.record(check=f"check_{name}", task=task, status="wrong", message=msg)
+            if not quiet:
+                print(msg)
+            return result
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bias_add(inp (N, C), bias (C,), out (N, C)): out[n, c] = inp[n, c] + bias[c]       (00.1, 00.2)
+# ------------------------------------------------------------------------------------------------------------
+def _make_bias_add(rng, dt, size, k):
+    N, C = CASES["bias_add"][size][k]
+    c = _Case(dt, {"N": N, "C": C})
+    c.add_float("inp", ("N", "C"), rng.standard_normal((N, C)))
+    c.add_float("bias", ("C",), rng.standard_normal(C) + 0.5)
+    c.add_output("out", ("N", "C"))
+    return c
+
+
+def _bias_by_row(c):
+    N, C = c.dims["N"], c.dims["C"]
+    if N > C or N == C == 1:
+        return {}
+    return {"out": c.x["inp"] + c.x["bias"][:N, None]}
+
+
+def _bias_flat(c):
+    N, C = c.dims["N"], c.dims["C"]
+    if N > C or N == 1:
+        return {}
+    return {"out": c.x["inp"] + c.x["bias"][np.arange(N * C) % N].reshape(N, C)}
+
+
+_BIAS_ADD = _Op(
+    "bias_add", _make_bias_add,
+    lambda c: {"out": c.x["inp"] + c.x["bias"][None, :]},
+    n_cases=4,
+    formula="out[n, c] = inp[n, c] + bias[c]: element i of the flattened (N, C) array is row i // C, column i % C",
+    shape_hint="inp and out are (N, C), bias is (C,): element i (flat) is row i // C, column i % C, and adds bias[i % C]",
+    mistakes=[
+        _Mistake("the bias is indexed by the row: bias has one value per column (channel), so element (n, c) "
+                 "adds bias[c], the column index (i % C for flat index i)", _bias_by_row),
+        _Mistake("the bias is indexed by i % N: the column of flat element i is i % C (C = the row length)",
+                 _bias_flat),
+        _Mistake("the bias was not added: out = inp + bias, bias[c] added to every row",
+                 lambda c: {"out": c.x["inp"].copy()}),
+        _Mistake("inp is missing: out = inp + bias, not bias alone",
+                 lambda c: {"out": np.broadcast_to(c.x["bias"], c.outputs["out"]).copy()}),
+        _Mistake("the bias is added twice", lambda c: {"out": c.x["inp"] + 2 * c.x["bias"][None, :]}),
+        _pattern(_past_the_grid),
+        _pattern(_last_element),
+        _pattern(_stripes),
+    ])
+
+
+def check_bias_add(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
+                   source=None, entries=None) -> CheckResult:
+    """Check fn(inp (N, C), bias (C,), out (N, C)): out = inp + bias (bias broadcast over the rows).
+
+    Runs 4 cases, one with more elements than the exercise's capped grid (so one thread per element is not
+    enough) and 1 x 1. arrays: "numba" (a Numba kernel; simulator here), "cupy" (a HIP kernel: pass source= and
+    entries= too, so that without a GPU the source is compiled and linted), or "numpy". size: None picks small
+    in the simulator, large on a GPU.
+    """
+    return _check(_BIAS_ADD, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                  source=source, entries=entries)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The two GEMMs of linear backward, as tiled kernels
+#   linear_dweight: fn(inp (N, C), dout (N, OC), dweight (C, OC)), dweight = inp^T dout   (K = N)     02.2
+#   linear_dinp:    fn(dout (N, OC), weight (C, OC), dinp (N, C)), dinp = dout weight^T   (K = OC)    02.3
+# ------------------------------------------------------------------------------------------------------------
+_TILES = (8, 16, 32)
+
+
+def _make_dweight(rng, dt, size, k):
+    N, C, OC = CASES["linear_dweight"][size][k]
+    c = _Case(dt, {"N": N, "C": C, "OC": OC})
+    c.add_float("inp", ("N", "C"), rng.standard_normal((N, C)))
+    c.add_float("dout", ("N", "OC"), rng.standard_normal((N, OC)))
+    c.add_output("dweight", ("C", "OC"))
+    return c
+
+
+def _make_dinp(rng, dt, size, k):
+    N, C, OC = CASES["linear_dinp"][size][k]
+    c = _Case(dt, {"N": N, "C": C, "OC": OC})
+    c.add_float("dout", ("N", "OC"), rng.standard_normal((N, OC)))
+    c.add_float("weight", ("C", "OC"), rng.standard_normal((C, OC)))
+    c.add_output("dinp", ("N", "C"))
+    return c
+
+
+def _gemm_parts(c, which):
+    """(A, B) with out = A @ B and the reduction along A's columns / B's rows (K), for the op `which`."""
+    if which == "dweight":
+        return c.x["inp"].T, c.x["dout"]            # (C, N) @ (N, OC)
+    return c.x["dout"], c.x["weight"].T             # (N, OC) @ (OC, C)
+
+
+def _k_rows(c, which, rows):
+    A, B = _gemm_parts(c, which)
+    rows = np.asarray(rows, dtype=int)
+    return A[:, rows] @ B[rows, :]
+
+
+def _first_tile_any(which, name):
+    """The first K tile only, for each tile width (tried in turn by the pattern test below)."""
+    def describe(case, out_name, ours, expected, bad):
+        if out_name != name:
+            return None
+        A, _ = _gemm_parts(case, which)
+        K = A.shape[1]
+        for t in _TILES:
+            if K <= t:
+                continue
+            wrong = _k_rows(case, which, range(t))
+            if _close_to(ours, wrong) and not _close_to(expected, wrong):
+                if K < 2 * t:   # the first tile is also the only full one: the partial tile is what is missing
+                    return (f"{name} holds only the sum over k = 0..{t - 1}, the first and only full tile along K "
+                            f"(K = {K}, TILE = {t}): the last, partial tile (k = {t}..{K - 1}) is left out. The loop "
+                            f"over K must visit every tile, the partial one included (while k0 < K), with the "
+                            f"slots past K filled with 0")
+                return (f"{name} holds only the first tile along K (the sum over k = 0..{t - 1}; K = {K}): the loop "
+                        f"over K must visit every tile, k0 = 0, TILE, 2*TILE, ... while k0 < K, loading, syncing and "
+                        f"adding each one")
+        return None
+    return describe
+
+
+def _skip_partial(which, name):
+    def describe(case, out_name, ours, expected, bad):
+        if out_name != name:
+            return None
+        A, _ = _gemm_parts(case, which)
+        K = A.shape[1]
+        for t in _TILES:
+            full = (K // t) * t
+            if full in (0, K):
+                continue
+            wrong = _k_rows(case, which, range(full))
+            if _close_to(ours, wrong) and not _close_to(expected, wrong):
+                return (f"{name} leaves out the last, partial tile along K (k = {full}..{K - 1}, K = {K} is not a "
+                        f"multiple of TILE = {t}): the loop over tiles must include it (k0 < K), with the slots "
+                        f"past K filled with 0")
+        return None
+    return describe
+
+
+def _stale_tail(which, name):
+    """The last partial K tile with its empty slots still holding the previous tile's values (no zero fill)."""
+    def describe(case, out_name, ours, expected, bad):
+        if out_name != name:
+            return None
+        A, _ = _gemm_parts(case, which)
+        K = A.shape[1]
+        for t in _TILES:
+            r = K % t
+            k0 = K - r
+            if r == 0 or k0 < t:
+                continue
+            wrong = expected + _k_rows(case, which, range(k0 - t + r, k0))
+            if _close_to(ours, wrong):
+                return (f"{name} is off by exactly the products of rows {k0 - t + r}..{k0 - 1} of the previous tile: "
+                        f"in the last, partial tile along K (k = {k0}..{K - 1}), the slots past K still hold the "
+                        f"previous tile's values. Threads whose element lies past the matrix edge must write 0 into "
+                        f"their slot (of both tiles), not skip the load")
+        return None
+    return describe
+
+
+def _close_to(ours, wrong) -> bool:
+    from .checks import _close, _slack, TOLERANCES
+    wrong = np.asarray(wrong, dtype=np.float64)
+    return wrong.shape == ours.shape and _close(ours, wrong, _slack(TOLERANCES["float32"]))
+
+
+def _square(fn):
+    def wrapped(c):
+        try:
+            return fn(c)
+        except ValueError:
+            return {}
+    return wrapped
+
+
+_DWEIGHT = _Op(
+    "linear_dweight", _make_dweight,
+    lambda c: {"dweight": c.x["inp"].T @ c.x["dout"]},
+    n_cases=3,
+    formula="dweight[c, o] = sum over the N rows of inp[n, c] * dout[n, o] (dweight = inp^T dout, K = N)",
+    shape_hint="inp is (N, C), dout (N, OC), dweight (C, OC): the reduction runs over the N rows of both",
+    mistakes=[
+        _Mistake("dweight is inp @ dout, without the transpose: op(A) = inp^T, so the A tile at (i, k) is "
+                 "inp[k, i] (row k of inp, column i)", _square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
+        _Mistake("dweight is transposed: dweight[c, o] belongs at row c (from inp's column c), column o (from "
+                 "dout's column o); it looks like dout^T inp",
+                 _square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
+        _pattern(_first_tile_any("dweight", "dweight")),
+        _pattern(_skip_partial("dweight", "dweight")),
+        _pattern(_stale_tail("dweight", "dweight")),
+        _pattern(_edge_unwritten),
+        _pattern(_tile_catchall("linear_dweight")),
+    ])
+
+_DINP = _Op(
+    "linear_dinp", _make_dinp,
+    lambda c: {"dinp": c.x["dout"] @ c.x["weight"].T},
+    n_cases=3,
+    formula="dinp[n, c] = sum over the OC outputs of dout[n, o] * weight[c, o] (dinp = dout weight^T, K = OC)",
+    shape_hint="dout is (N, OC), weight (C, OC) stored (in, out), dinp (N, C): the reduction runs over OC",
+    mistakes=[
+        _Mistake("dinp is dout @ weight, without the transpose: op(B) = weight^T, so the B tile at (k, j) is "
+                 "weight[j, k] (row j of weight, column k)", _square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
+        _Mistake("dinp is transposed: dinp[n, c] belongs at row n (from dout's row n), column c (from weight's "
+                 "row c)", _square(lambda c: {"dinp": (c.x["dout"] @ c.x["weight"].T).T})),
+        _pattern(_first_tile_any("dinp", "dinp")),
+        _pattern(_skip_partial("dinp", "dinp")),
+        _pattern(_stale_tail("dinp", "dinp")),
+        _pattern(_edge_unwritten),
+        _pattern(_tile_catchall("linear_dinp")),
+    ])
+
+
+def check_dweight_tiled(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
+                        source=None, entries=None) -> CheckResult:
+    """Check fn(inp (N, C), dout (N, OC), dweight (C, OC)): dweight = inp^T dout, the reduction over the N rows.
+
+    Cases: N = C = OC = 19 (square: a missing transpose shows as numbers), N = 37 rows (three 16-row tiles, the
+    last partial) with C = 20, OC = 11 (partial tiles of dweight too), N = 1. Large sizes on a GPU.
+    """
+    return _check(_DWEIGHT, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                  source=source, entries=entries, advice=_INDEX_ADVICE["tile"])
+
+
+def check_dinp_tiled(fn, *, arrays="cupy", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
+                     source=None, entries=None) -> CheckResult:
+    """Check fn(dout (N, OC), weight (C, OC), dinp (N, C)): dinp = dout weight^T, the reduction over OC.
+
+    With arrays="cupy" and no GPU, pass source= and entries=: the source is compiled for both vendors and linted.
+    """
+    return _check(_DINP, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                  source=source, entries=entries, advice=_INDEX_ADVICE["tile"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# row_max(x (N, n), m (N,)): m[row] = max_j x[row, j]        (03.1)
+# ------------------------------------------------------------------------------------------------------------
+def _make_row_max(rng, dt, size, k):
+    N, n = CASES["row_max"][size][k]
+    c = _Case(dt, {"N": N, "n": n})
+    x = rng.standard_normal((N, n)) * 3.0
+    x[0] = -np.abs(x[0]) - 0.5          # row 0 all negative: a max tree that starts from 0 gets 0 there
+    if N > 2:
+        x[1, -1] = np.abs(x[1]).max() + 1.0   # row 1 has its max in the last column (the tail of the row)
+    c.add_float("x", ("N", "n"), x)
+    c.add_output("m", ("N",))
+    return c
+
+
+def _row_max_prefix(c):
+    n = c.dims["n"]
+    for t in (32, 64, 128, 256, 512):
+        if n > t:
+            return {"m": c.x["x"][:, :t].max(axis=1)}
+    return {}
+
+
+def _row_max_first_cols(case, name, ours, expected, bad):
+    n = case.dims["n"]
+    for t in (32, 64, 128, 256, 512, 1024):
+        if n <= t:
+            break
+        wrong = case.x["x"][:, :t].max(axis=1)
+        if _close_to(ours, wrong) and not _close_to(expected, wrong):
+            return (f"m is the max of the first {t} columns only (n = {n}): a row longer than the block needs each "
+                    f"thread to visit the columns t, t + blockDim.x, t + 2*blockDim.x, ... before the tree")
+    return None
+
+
+def _tree_catchall(case, name, ours, expected, bad):
+    """Wrong values (garbage or NaN read from shared memory) that match no known mistake: most often a tree without
+    its barriers."""
+    if not bad.any():
+        return None
+    rows = np.flatnonzero(bad)
+    shown = ", ".join(str(r) for r in rows[:5]) + (", ..." if rows.size > 5 else "")
+    return (f"{rows.size} of {bad.size} row results of {name} are wrong (rows {shown}), with no pattern of a known "
+            f"mistake. Check the barriers: a thread may read another thread's shared slot only after a "
+            f"cuda.syncthreads() that follows the write: one after the partial values are stored, one after each "
+            f"step of the tree; and the block must not start the next row before the result of this one is read. "
+            f"Then check the tree: at each step the first half of the active threads combine their slot with the "
+            f"slot one half further")
+
+
+_ROW_MAX = _Op(
+    "row_max", _make_row_max,
+    lambda c: {"m": c.x["x"].max(axis=1)},
+    n_cases=4,
+    formula="m[row] = max over j of x[row, j] (the softmax forward's first pass)",
+    shape_hint="x is (N, n), m is (N,): one value per row",
+    mistakes=[
+        _Mistake("rows whose values are all negative came out as 0: threads that have no element (or a tree "
+                 "that starts from 0) contributed 0. For a max the neutral start is -inf (a row of negative "
+                 "numbers has a negative max)", lambda c: {"m": np.maximum(c.x["x"].max(axis=1), 0.0)}),
+        _Mistake("m is the row sum: the tree must take the larger of the two values at each step, not add them",
+                 lambda c: {"m": c.x["x"].sum(axis=1)}),
+        _Mistake("m is the max of |x|: compare the values themselves (a row of negative numbers has a negative max)",
+                 lambda c: {"m": np.abs(c.x["x"]).max(axis=1)}),
+        _pattern(_row_max_first_cols),
+        _pattern(_rows_past_grid("block")),
+        _pattern(_row_holes("block")),
+        _pattern(_tree_catchall),
+    ])
+
+
+def check_row_max(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
+                  source=None, entries=None) -> CheckResult:
+    """Check fn(x (N, n), m (N,)): m = x.max(axis=1), one value per row.
+
+    Cases: rows shorter and longer than the block, more rows than the capped grid has blocks, 1 x 1; row 0 is all
+    negative (a max that starts at 0 fails there), row 1 has its max in the last column.
+    """
+    return _check(_ROW_MAX, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                  source=source, entries=entries, advice=_INDEX_ADVICE["row"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# softmax_backward with one warp per row (03.2 Numba, 03.3 HIP): checks.py's softmax op, warp-sized cases, and
+# the mistakes of a warp reduction
+# ------------------------------------------------------------------------------------------------------------
+def _make_softmax_rows(rng, dt, size, k):
+    N, n = CASES["softmax_backward"][size][k]
+    c = _Case(dt, {"N": N, "n": n})
+    logits = rng.standard_normal((N, n)) * 10.0 ** rng.uniform(-1.0, 1.0, (N, 1))
+    out, _ = ref.softmax_forward(logits)
+    c.add_float("dout", ("N", "n"), rng.standard_normal((N, n)) * 10.0 ** rng.uniform(-1.0, 0.5, (N, 1)))
+    c.add_float("out", ("N", "n"), out)
+    c.add_output("dinp", ("N", "n"))
+    return c
+
+
+def _lane_partials(c, W):
+    """p[row, l] = sum of out * dout over the columns l, l + W, l + 2W, ... (what lane l holds before the shuffles)."""
+    prod = c.x["out"] * c.x["dout"]
+    N, n = prod.shape
+    pad = (-n) % W
+    return np.pad(prod, ((0, 0), (0, pad))).reshape(N, -1, W).sum(axis=1)        # (N, W)
+
+
+def _with_lane_sums(c, s_lane, W):
+    """dinp when column j uses the sum held by lane j % W."""
+    n = c.dims["n"]
+    lanes = np.arange(n) % W
+    return {"dinp": c.x["out"] * (c.x["dout"] - s_lane[:, lanes])}
+
+
+def _down_no_broadcast(c, W=32, own=True):
+    """A shfl_down tree, then every lane uses its own value: lane 0 holds the total, the others partial sums.
+    own: a lane whose source is past the last lane gets its own value back (and adds it), else adds nothing."""
+    p = _lane_partials(c, W)
+    v = p.copy()
+    off = W // 2
+    lanes = np.arange(W)
+    while off:
+        src = lanes + off
+        other = np.where(src < W, v[:, np.minimum(src, W - 1)], v if own else 0.0)
+        v = v + other
+        off //= 2
+    return _with_lane_sums(c, v, W)
+
+
+def _partial_butterfly(c, W=32, start=8):
+    p = _lane_partials(c, W)
+    v = p.copy()
+    off = start
+    while off:
+        v = v + v[:, np.arange(W) ^ off]
+        off //= 2
+    return _with_lane_sums(c, v, W)
+
+
+def _first_chunk(c, W=32):
+    if c.dims["n"] <= W:
+        return {}
+    s = (c.x["out"][:, :W] * c.x["dout"][:, :W]).sum(axis=1, keepdims=True)
+    return {"dinp": c.x["out"] * (c.x["dout"] - s)}
+
+
+def _no_tail(c, W=32):
+    n = c.dims["n"]
+    full = (n // W) * W
+    if n % W == 0 or full == 0:
+        return {}
+    s = (c.x["out"][:, :full] * c.x["dout"][:, :full]).sum(axis=1, keepdims=True)
+    return {"dinp": c.x["out"] * (c.x["dout"] - s)}
+
+
+def _unwritten_columns(case, name, ours, expected, bad):
+    if ours.ndim != 2:
+        return None
+    nan_cols = np.isnan(ours).all(axis=0)
+    if not nan_cols.any() or nan_cols.all() or (bad & ~np.isnan(ours)).any():
+        return None
+    n = nan_cols.size
+    c0 = int(np.argmax(nan_cols))
+    if not nan_cols[c0:].all():
+        return None
+    full = (n // 32) * 32
+    if c0 in (32, 64) and c0 < full:
+        return (f"columns {c0}..{n - 1} of every row were never written (n = {n}): each lane must handle the "
+                f"columns lane, lane + warp size, lane + 2 x warp size, ... of its row, not only the first "
+                f"{c0}")
+    if c0 in (32, 64):
+        return (f"columns {c0}..{n - 1} of every row were never written (n = {n}): each lane must handle the "
+                f"columns lane, lane + warp size, ... of its row while the column is < n, the tail past the last "
+                f"full chunk of lanes included")
+    return (f"the last {n - c0} columns of every row ({c0}..{n - 1}, n = {n}) were never written: the tail past "
+            f"the last full chunk of lanes must be handled too (loop while the column < n)")
+
+
+_SOFTMAX_WARP = dataclasses.replace(
+    _SOFTMAX, make=_make_softmax_rows, n_cases=4,
+    mistakes=[
+        _Mistake("the row sum only reaches lane 0: a shfl_down tree leaves the total in lane 0 (the other lanes "
+                 "hold partial sums), so every lane must then read lane 0's value (a shuffle from lane 0), or use "
+                 "the xor butterfly, after which every lane holds the total", _down_no_broadcast),
+        _Mistake("the row sum only reaches lane 0: after a shfl_down tree only lane 0 holds the total, so every "
+                 "lane must then read lane 0's value (a shuffle from lane 0), or use the xor butterfly",
+                 lambda c: _down_no_broadcast(c, 32, own=False)),
+        _Mistake("the shuffles add up only 16 lanes: the reduction must start at an offset of half the warp (16 of "
+                 "32 lanes; warp size / 2 in portable code) and halve down to 1",
+                 lambda c: _partial_butterfly(c, 32, 8)),
+        _Mistake("the row sum covers only columns 0..31: a row longer than the warp needs each lane to add the "
+                 "columns lane, lane + 32, ... before the shuffles", _first_chunk),
+        _Mistake("the row sum leaves out the tail: when n is not a multiple of the warp size, the last n % 32 "
+                 "columns count too (loop while the column < n)", _no_tail),
+        _Mistake("the row sum only reaches lane 0 (64-lane wavefront): the other lanes hold partial sums; read lane "
+                 "0's value after a shfl_down tree, or use the xor butterfly",
+                 lambda c: _down_no_broadcast(c, 64)),
+        _Mistake("the shuffles add up only 32 of the wavefront's 64 lanes: start at warpSize / 2, not at 16",
+                 lambda c: _partial_butterfly(c, 64, 16)),
+        _Mistake("the row sum covers only columns 0..63 (one 64-lane wavefront): each lane must add the columns "
+                 "lane, lane + warpSize, ... before the shuffles", lambda c: _first_chunk(c, 64)),
+    ] + list(_SOFTMAX.mistakes) + [
+        _pattern(_rows_past_grid("warp")),
+        _pattern(_row_holes("warp")),
+        _pattern(_unwritten_columns),
+    ])
+
+# A HIP warp task writes the shuffle loop itself: portable.h's helpers would be the answer.
+_WARP_SOURCE_RULES = [
+    (r"\bwarp_(?:sum|max)\s*\(", "this task asks for the shuffle loop itself: portable.h's warp_sum / warp_max "
+                                 "would be the answer; reduce with shfl_xor (or shfl_down, then read lane 0) and "
+                                 "warpSize"),
+]
+
+
+def check_softmax_backward_warp(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
+                                quiet=False, source=None, entries=None) -> CheckResult:
+    """Check fn(dout (N, n), out (N, n), dinp (N, n)), softmax backward, at the shapes a warp kernel gets wrong.
+
+    Cases: n = 37 (more than a warp, not a multiple of 32), n = 1, n = 20 (less than a warp), n = 70, each with
+    more rows than the capped grid has warps. Named mistakes of warp reductions: the total left in lane 0 only,
+    16 lanes reduced, only the first 32 columns, the tail dropped, rows past the grid (and the 64-lane versions).
+    HIP (arrays="cupy", source=, entries=): the source must write the shuffle loop itself (not portable.h's
+    warp_sum); without a GPU it is compiled for both vendors and linted.
+    """
+    if arrays == "cupy":
+        broken = _source_rules(_SOFTMAX_WARP.name, source, _WARP_SOURCE_RULES, task, quiet)
+        if broken is not None:
+            return broken
+    return _check(_SOFTMAX_WARP, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                  source=source, entries=entries, advice=_INDEX_ADVICE["row"])
+
+
+CHECKERS = {"bias_add": check_bias_add, "linear_dweight": check_dweight_tiled, "linear_dinp": check_dinp_tiled,
+            "row_max": check_row_max, "softmax_backward_warp": check_softmax_backward_warp}
