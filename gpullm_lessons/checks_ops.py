@@ -93,30 +93,7 @@ def _simulating() -> bool:
 STUB = 'raise NotImplementedError("exercise: write this part")'   # what the exercise generator leaves in
 
 
-def unfinished_kernel(fn) -> Optional[str]:
-    """The name of a Numba kernel that `fn` refers to (by a global name in its code) whose source still holds the
-    exercise's stub, or None. Needed on a GPU: there a `raise` inside a kernel is compiled away (it only works with
-    debug=True), so an untouched exercise kernel runs, writes nothing and would read as "wrong", not "not attempted"."""
-    import inspect
-    code, glob = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or glob is None:
-        return None
-    names, todo = set(), [code]
-    while todo:
-        co = todo.pop()
-        names.update(co.co_names)
-        todo.extend(c for c in co.co_consts if hasattr(c, "co_names"))
-    for name in sorted(names):
-        obj = glob.get(name)
-        py = getattr(obj, "py_func", None)
-        if py is None or not callable(py):
-            continue
-        try:
-            if STUB in inspect.getsource(py):
-                return name
-        except (OSError, TypeError):
-            continue
-    return None
+unfinished_kernel = _checks.unfinished_kernel  # one detector for every checker
 
 
 def _who(w) -> str:

@@ -63,29 +63,8 @@ def _error(name, task, quiet, exc, context, seed):
 
 
 def stub_kernel(fn):
-    """The name of a Numba kernel that the launcher fn launches and whose body still raises NotImplementedError (an
-    exercise not yet written), else None. Needed on a GPU: there Numba compiles the raise away and the kernel silently
-    does nothing, so the call would look like a wrong answer instead of "not attempted"."""
-    import inspect
-    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or names is None:
-        return None
-    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))   # kernels of an enclosing function
-    for name in code.co_names + code.co_freevars:
-        try:
-            obj = cells[name].cell_contents if name in cells else names.get(name)
-        except ValueError:          # an empty cell
-            continue
-        if type(obj).__name__ not in ("CUDADispatcher", "FakeCUDAKernel"):
-            continue
-        py = getattr(obj, "py_func", None) or getattr(obj, "fn", None)
-        try:
-            src = inspect.getsource(py)
-        except (OSError, TypeError):
-            continue
-        if "raise NotImplementedError" in src:
-            return name
-    return None
+    """See checks.unfinished_kernel (kept under this name for the precision and optimizer checkers)."""
+    return _checks.unfinished_kernel(fn)
 
 
 def _check_fn(checker, fn):

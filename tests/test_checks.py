@@ -962,3 +962,31 @@ def test_errors_inside_a_kernel_name_thread_block_and_cause():
     assert "transposes and axes" not in r.hint
     r = check_gelu_backward(lambda d, x, o: gelu_sqrt_kernel[4, 32](d, x, o), arrays="numba", seed=1, quiet=True)
     assert r.status == "error" and "math domain error" in r.hint and "sqrt or log of a negative" in r.hint, r.message
+
+
+def test_a_launcher_of_an_unwritten_kernel_is_not_attempted_before_anything_runs():
+    """On a GPU Numba compiles a kernel's `raise` away and the stub runs, writing nothing: the checker must say
+    "not attempted" from the kernel's source, not "wrong" from its (unwritten) output."""
+    from numba import cuda
+
+    @cuda.jit
+    def stub_kernel(dout, inp, dinp):
+        raise NotImplementedError("exercise: write this part")
+
+    calls = []
+
+    def gelu_backward(dout, inp, dinp):
+        calls.append(1)
+        stub_kernel[1, 32](dout, inp, dinp)
+
+    assert checks.unfinished_kernel(gelu_backward) == "stub_kernel"
+    r = checks.check_gelu_backward(gelu_backward, arrays="numba", quiet=True)
+    assert r.status == "not attempted" and "stub_kernel" in r.message and calls == []
+
+    @cuda.jit
+    def written(dout, inp, dinp):
+        i = cuda.grid(1)
+        if i < dinp.shape[0]:
+            dinp[i] = dout[i]
+
+    assert checks.unfinished_kernel(lambda d, x, o: written[1, 32](d, x, o)) is None

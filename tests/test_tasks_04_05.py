@@ -297,18 +297,18 @@ def test_05_3_solution_passes():
 
 
 def test_05_3_mask_off_by_one_at_the_diagonal_is_named():
-    ns = load(NB05, [("s05-att-code", "for s in range(tid, t + 1, ROW_THREADS):",
-                      "for s in range(tid, t, ROW_THREADS):"),
+    ns = load(NB05, [("s05-att-code", "for s in range(lane, t + 1, ROW_THREADS):",
+                      "for s in range(lane, t, ROW_THREADS):"),
                      ("s05-att-code", "if s <= t:", "if s < t:")])
     wrong(check_attention_softmax_backward(ns["attention_softmax_backward"], arrays="numba", seed=6, quiet=True),
           "off by one", "s < t")
 
 
 def test_05_3_a_row_longer_than_the_block_is_named():
-    # each thread takes only entry s = tid: fine while T <= ROW_THREADS, wrong past the block edge (T = 33)
-    ns = load(NB05, [("s05-att-code", "for s in range(tid, t + 1, ROW_THREADS):",
-                      "for s in range(tid, min(t + 1, tid + 1)):"),
-                     ("s05-att-code", "for s in range(tid, T, ROW_THREADS):", "for s in range(tid, min(T, tid + 1)):")])
+    # each lane takes only entry s = lane: fine while T <= ROW_THREADS, wrong past the warp's edge (T = 33)
+    ns = load(NB05, [("s05-att-code", "for s in range(lane, t + 1, ROW_THREADS):",
+                      "for s in range(lane, min(t + 1, lane + 1)):"),
+                     ("s05-att-code", "for s in range(lane, T, ROW_THREADS):", "for s in range(lane, min(T, lane + 1)):")])
     r = check_attention_softmax_backward(ns["attention_softmax_backward"], arrays="numba", seed=6, quiet=True)
     wrong(r, "larger than your block of 8 threads" if SIM else "larger than your block", "blockDim.x")
     assert r.dims["T"] > ns["ROW_THREADS"]
@@ -485,6 +485,8 @@ def test_fresh_exercises_are_not_attempted_also_where_a_kernel_raise_would_be_co
     assert checks_ops.unfinished_kernel(ex05["gelu_backward"]) == "gelu_backward_kernel"
     assert checks_ops.unfinished_kernel(ex04["layernorm_backward"]) == "ln_backward_dinp"
     assert checks_ops.unfinished_kernel(load(NB05)["attention_softmax_backward"]) is None
+    from gpullm_lessons.exercises import RAISE_LINE
+    assert checks_ops.STUB == RAISE_LINE
 
 
 # ------------------------------------------------------------------------------------------------------------
