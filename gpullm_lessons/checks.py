@@ -53,6 +53,7 @@ GELU) are only detectable in fp32/fp64.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import re
@@ -1435,7 +1436,7 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
     tol = TOLERANCES[dt.name]
     short = _SHORT[dt.name]
     base = dict(name=op.name, task=task, tol=tol, seed=seed, dtype=dt.name, arrays=arrays)
-    stub = unfinished_kernel(fn) if arrays != "numpy" else None
+    stub = unfinished_kernel(inspect.unwrap(fn)) if arrays != "numpy" else None
     if stub is not None:
         msg = f"{op.name}: not attempted (your kernel {stub} still raises NotImplementedError)"
         result = CheckResult(status="not attempted", passed=False, message=msg,

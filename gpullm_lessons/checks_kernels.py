@@ -4,19 +4,20 @@ Each checker calls your destination-passing launcher on several cases, drawn det
 shapes are not), and compares what it wrote with a float64 NumPy answer, like ``gpullm_lessons.checks`` (whose
 ``_Op`` / ``_Mistake`` machinery runs them: NaN-poisoned outputs, the same tolerances, a table of named mistakes):
 
-check_bias_add(fn)               fn(inp (N, C), bias (C,), out (N, C))            00.1 (Numba), 00.2 (HIP)
-check_dweight_tiled(fn)          fn(inp (N, C), dout (N, OC), dweight (C, OC))     02.2 (Numba), dweight = inp^T dout
-check_dinp_tiled(fn)             fn(dout (N, OC), weight (C, OC), dinp (N, C))     02.3 (HIP), dinp = dout weight^T
-check_row_max(fn)                fn(x (N, n), m (N,))                              03.1 (Numba), m = max over each row
-check_softmax_backward_warp(fn)  fn(dout (N, n), out (N, n), dinp (N, n))          03.2 (Numba), 03.3 (HIP)
+check_bias_add(fn)              fn(inp (N, C), bias (C,), out (N, C))         00.1 (Numba, 1-D), 00.2 (HIP, 2-D grid)
+check_dweight_tiled(fn)         fn(inp (N, C), dout (N, OC), dweight (C, OC))  02.2 (Numba), dweight = inp^T dout
+check_dinp_tiled(fn)            fn(dout (N, OC), weight (C, OC), dinp (N, C))  02.3 (HIP), dinp = dout weight^T
+check_row_max(fn)               fn(x (N, n), m (N,))                           03.1 (Numba), m = max over each row
+check_softmax_forward_warp(fn)  fn(inp (N, n), out (N, n))                     03.2 (Numba), 03.3 (HIP), row softmax
 
 The cases. In the simulator (and for arrays="numpy") the sizes are small; on a GPU (arrays="cupy", or "numba" on an
 NVIDIA GPU) they are large. Either way they include: a size larger than the capped grid the exercise launchers use
 (MAX_BLOCKS x THREADS threads: 2 x 32 in the simulator, 4096 x 256 on a GPU; rows: more rows than blocks or warps),
 so a kernel without a grid-stride loop leaves elements unwritten; sizes spanning several blocks / tiles / warps with
 a partial last one (never a multiple of 16 or 32); the edge cases 1 x 1, n = 1, n < 32, K = 1; a square case where
-a transpose gives wrong numbers rather than a shape error. The function is called once per case, so a function
-that returns a stale answer fails too.
+a transpose gives wrong numbers rather than a shape error; for the softmax, a row of logits near +1000 and one near
+-1000 (exp overflows or underflows unless the row max is subtracted). The function is called once per case, so a
+function that returns a stale answer fails too.
 
 HIP tasks pass ``source=`` (the kernel source, or a function returning it) and ``entries=``: with arrays="cupy" on
 a machine without a GPU the source is compiled for both vendors and linted (status "compiled", see
@@ -27,7 +28,6 @@ cause (an index past the end: a missing guard or loop bound).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 import traceback
@@ -36,10 +36,10 @@ import numpy as np
 
 from . import device as _device
 from . import reference as ref
-from .checks import CheckResult, _Case, _Mistake, _Op, _SOFTMAX, _is_learner_code, _run, _source_text
+from .checks import CheckResult, _Case, _Mistake, _Op, _is_learner_code, _run, _source_text
 
 __all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_row_max",
-           "check_softmax_backward_warp", "CASES"]
+           "check_softmax_forward_warp", "CASES"]
 
 # The grids the exercise launchers cap at (for the hints): blocks x threads in the simulator / on a GPU.
 SIM_GRID = (2, 32)
@@ -51,18 +51,19 @@ CASES = {
     "bias_add": {"small": [(3, 7), (13, 11), (1, 1), (9, 37)],
                  "large": [(3, 7), (1, 1), (1531, 1031), (4099, 771)]},      # > 4096 x 256 = 1,048,576
     # (N, C, OC) = (K, M, P) of dweight = inp^T dout: K = N spans several 16-row tiles with a partial last one.
-    # (the large cases stay moderate: the exercise kernel is compiled with debug=True, which runs unoptimized)
+    # (the large cases stay moderate: a GPU run of every case and every named mistake stays quick)
     "linear_dweight": {"small": [(19, 19, 19), (37, 20, 11), (1, 3, 5)],
                        "large": [(333, 333, 333), (1037, 259, 517), (1, 3, 5)]},
     # (N, C, OC): dinp = dout weight^T, K = OC.
     "linear_dinp": {"small": [(19, 19, 19), (20, 11, 37), (1, 3, 5)],
                     "large": [(333, 333, 333), (1031, 771, 2309), (1, 3, 5)]},
-    # (N, n): rows > 2 blocks (simulator) / > 4096 blocks (GPU); n < threads, n > threads, n = 1.
+    # (N, n): rows > 2 blocks (simulator) / > 4096 blocks (GPU); n < threads, n > threads, n = 1 (the exercise's
+    # blocks: 24 threads in the simulator, 192 on a GPU, neither a power of two).
     "row_max": {"small": [(3, 20), (7, 45), (1, 1), (5, 70)],
-                "large": [(3, 200), (8193, 517), (1, 1), (4099, 1029)]},
+                "large": [(3, 150), (8193, 517), (1, 1), (4099, 1029)]},
     # (N, n): rows > 2 x 2 warps (simulator) / > 4096 x 8 warps (GPU); n > 32 and not a multiple, n < 32, n = 1.
-    "softmax_backward": {"small": [(9, 70), (3, 1), (6, 20), (5, 37)],
-                         "large": [(33001, 37), (3, 1), (40000, 20), (777, 1029)]},
+    "softmax_forward": {"small": [(9, 70), (3, 1), (6, 20), (5, 37)],
+                        "large": [(33001, 37), (3, 1), (40000, 20), (777, 1029)]},
 }
 
 
@@ -148,6 +149,38 @@ def _stripes(case, name, ours, expected, bad):
             f"(flat indices {_runs_text(runs)}): the threads' elements leave holes. Each thread must start at its "
             f"own global index (blockIdx.x * blockDim.x + threadIdx.x) and step by the number of threads in the "
             f"whole grid (gridDim.x * blockDim.x), so together they cover every index once")
+
+
+def _grid_2d_unwritten(case, name, ours, expected, bad):
+    """A 2-D grid without a grid-stride loop in x or y: the rows from R on, or the columns from P on, never written
+    (R, P: the threads the grid has in y and x), everything else right."""
+    if ours.ndim != 2:
+        return None
+    nan = np.isnan(ours)
+    if not nan.any() or nan.all() or (bad & ~nan).any():
+        return None
+    rows, cols = nan.all(axis=1), nan.all(axis=0)
+    if not (nan == (rows[:, None] | cols[None, :])).all():
+        return None
+    N, C = ours.shape
+    parts = []
+    if rows.any():
+        r = int(np.argmax(rows))
+        if not rows[r:].all() or r % 8:
+            return None
+        parts.append(f"rows {r}..{N - 1} were never written (rows 0..{r - 1} are right): your grid has {r} threads "
+                     f"in y (gridDim.y x blockDim.y) and each took one row. Each thread must also take the rows "
+                     f"row + {r}, row + {2 * r}, ... while the row is < N (a grid-stride loop in y, stepping by "
+                     f"gridDim.y * blockDim.y)")
+    if cols.any():
+        q = int(np.argmax(cols))
+        if not cols[q:].all() or q % 32:
+            return None
+        parts.append(f"columns {q}..{C - 1} of every row were never written (columns 0..{q - 1} are right): your "
+                     f"grid has {q} threads in x (gridDim.x x blockDim.x) and each took one column. Each thread must "
+                     f"also take the columns col + {q}, col + {2 * q}, ... while the column is < C (a grid-stride "
+                     f"loop in x, stepping by gridDim.x * blockDim.x)")
+    return f"{name} (shape {ours.shape}): " + "; and ".join(parts)
 
 
 def _rows_past_grid(unit):
@@ -247,9 +280,13 @@ _INDEX_ADVICE = {
             "writes 0 into its shared slot instead; the final store is guarded the same way",
     "row": "Rows past N and columns past n belong to no one: the loops over rows and columns stop there",
 }
+# What an overflow or a division by zero inside a softmax kernel means.
+_EXP_ADVICE = ("Subtract the row's max, combined over all the lanes, before exp: every exponent is then <= 0 and the "
+               "largest term is exp(0) = 1, so the sum is at least 1. Start the max at -inf, the neutral value of a "
+               "max (a max started at 0 is too large for a row of negative logits, and every exp underflows to 0)")
 
 
-def _explain(exc: BaseException, advice: str = ""):
+def _explain(exc: BaseException, advice: str = "", numeric: str = ""):
     """(short message, hint) for an exception raised inside a simulated kernel, or None."""
     m = _SIM_ERROR.match(str(exc))
     if m is None:
@@ -276,14 +313,19 @@ def _explain(exc: BaseException, advice: str = ""):
         hint = inner
     elif isinstance(exc, ZeroDivisionError):
         short = f"ZeroDivisionError in {thread}{where}: {inner}"
-        hint = f"{thread} divided by zero: check the sizes your kernel divides by"
+        hint = f"{thread} divided by zero: check the sizes your kernel divides by" + (f". {numeric}" if numeric else "")
+    elif isinstance(exc, OverflowError):
+        short = f"OverflowError in {thread}{where}: {inner}"
+        hint = (f"{thread} computed a number too large for a float (the simulator computes math.exp in float64, "
+                f"which overflows above exp(709); on a GPU float32 expf gives inf above exp(88.7), and inf / inf is "
+                f"NaN)" + (f". {numeric}" if numeric else ""))
     else:
         short = f"{type(exc).__name__} in {thread}{where}: {inner}"
         hint = f"the error was raised by {thread}{where}: {inner}"
     return short, hint
 
 
-def _with_kernel_errors(fn, box, advice=""):
+def _with_kernel_errors(fn, box, advice="", numeric=""):
     """fn, with simulator thread errors turned into a KernelError that names the thread (explanation in box)."""
     @functools.wraps(fn)
     def call(*args):
@@ -292,7 +334,7 @@ def _with_kernel_errors(fn, box, advice=""):
         except NotImplementedError:
             raise
         except Exception as exc:  # noqa: BLE001 - explained, then reported by the checker
-            explained = _explain(exc, advice)
+            explained = _explain(exc, advice, numeric)
             if explained is None:
                 raise
             box["hint"] = explained[1]
@@ -300,12 +342,13 @@ def _with_kernel_errors(fn, box, advice=""):
     return call
 
 
-def _check(op: _Op, fn, *, arrays, dtype, size, seed, task, quiet, source=None, entries=None, advice=""):
+def _check(op: _Op, fn, *, arrays, dtype, size, seed, task, quiet, source=None, entries=None, advice="",
+           numeric=""):
     """Run `op` through checks._run at the right size; rewrite the hint of an error raised inside a kernel."""
     size = _auto_size(arrays, size)
     box = {}
     is_kernel = type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel")   # checks._run says what to pass instead
-    wrapped = _with_kernel_errors(fn, box, advice) if callable(fn) and not is_kernel else fn
+    wrapped = _with_kernel_errors(fn, box, advice, numeric) if callable(fn) and not is_kernel else fn
     result = _run(op, wrapped, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=True,
                   source=source, entries=entries)
     if result.status == "error" and "hint" in box:
@@ -371,7 +414,8 @@ _BIAS_ADD = _Op(
     lambda c: {"out": c.x["inp"] + c.x["bias"][None, :]},
     n_cases=4,
     formula="out[n, c] = inp[n, c] + bias[c]: element i of the flattened (N, C) array is row i // C, column i % C",
-    shape_hint="inp and out are (N, C), bias is (C,): element i (flat) is row i // C, column i % C, and adds bias[i % C]",
+    shape_hint="inp and out are (N, C), bias is (C,): element i (flat) is row i // C, column i % C, and adds "
+               "bias[i % C]",
     mistakes=[
         _Mistake("the bias is indexed by the row: bias has one value per column (channel), so element (n, c) "
                  "adds bias[c], the column index (i % C for flat index i)", _bias_by_row),
@@ -382,6 +426,7 @@ _BIAS_ADD = _Op(
         _Mistake("inp is missing: out = inp + bias, not bias alone",
                  lambda c: {"out": np.broadcast_to(c.x["bias"], c.outputs["out"]).copy()}),
         _Mistake("the bias is added twice", lambda c: {"out": c.x["inp"] + 2 * c.x["bias"][None, :]}),
+        _pattern(_grid_2d_unwritten),
         _pattern(_past_the_grid),
         _pattern(_last_element),
         _pattern(_stripes),
@@ -393,9 +438,11 @@ def check_bias_add(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None
     """Check fn(inp (N, C), bias (C,), out (N, C)): out = inp + bias (bias broadcast over the rows).
 
     Runs 4 cases, one with more elements than the exercise's capped grid (so one thread per element is not
-    enough) and 1 x 1. arrays: "numba" (a Numba kernel; simulator here), "cupy" (a HIP kernel: pass source= and
-    entries= too, so that without a GPU the source is compiled and linted), or "numpy". size: None picks small
-    in the simulator, large on a GPU.
+    enough) and 1 x 1; the large ones also have more rows (1531, 4099) and columns (1031, 771) than the 2-D grid of
+    00.2 has threads in y (1024) and x (512), so a 2-D kernel needs a grid-stride loop along both axes.
+    arrays: "numba" (a Numba kernel; simulator here), "cupy" (a HIP kernel: pass source= and entries= too, so that
+    without a GPU the source is compiled and linted), or "numpy". size: None picks small in the simulator, large on
+    a GPU.
     """
     return _check(_BIAS_ADD, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
                   source=source, entries=entries)
@@ -594,17 +641,58 @@ def _make_row_max(rng, dt, size, k):
     return c
 
 
-def _row_max_prefix(c):
-    n = c.dims["n"]
-    for t in (32, 64, 128, 256, 512):
-        if n > t:
-            return {"m": c.x["x"][:, :t].max(axis=1)}
-    return {}
+# Block sizes a row-max kernel may have been launched with: the exercise's (24 in the simulator, 192 on a GPU, not
+# powers of two) and the usual ones.
+_BLOCKS = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def _halving_tree_slots(T: int) -> list:
+    """The threads whose values reach slot 0 when v2's tree (stride = T // 2, halved each step; thread t < stride
+    combines slot t + stride into slot t) runs on T threads. All T when T is a power of two."""
+    slots = [{t} for t in range(T)]
+    stride = T // 2
+    while stride > 0:
+        for t in range(stride):
+            slots[t] = slots[t] | slots[t + stride]
+        stride //= 2
+    return sorted(slots[0])
+
+
+def _pow2_tree(case, name, ours, expected, bad):
+    """A halving tree made for powers of two, run on a block that is not one: some threads' values are lost."""
+    x = case.x["x"]
+    n = x.shape[1]
+    found = []                                   # block sizes whose halving tree gives exactly your output
+    for T in (24, 192) + tuple(t for t in _BLOCKS if t not in (24, 192)):   # 03.1's launches first
+        if T & (T - 1) == 0:
+            continue
+        kept = _halving_tree_slots(T)
+        cols = np.flatnonzero(np.isin(np.arange(n) % T, kept))
+        if cols.size == 0:
+            continue
+        wrong = x[:, cols].max(axis=1)
+        if _close_to(ours, wrong) and not _close_to(expected, wrong):
+            found.append((T, kept))
+    if not found:
+        return None
+    T, kept = found[0]
+    lost = sorted(set(range(T)) - set(kept))
+    shown = ", ".join(str(t) for t in lost[:4]) + (", ..." if len(lost) > 4 else "")
+    steps, k = [], T
+    while k:
+        steps.append(str(k))
+        k //= 2
+    sizes = "blockDim.x = " + " or ".join(str(t) for t, _ in found[:2])
+    return (f"{name} leaves out some threads' values: the tree halves the block as if it were a power of two, and "
+            f"yours is not one ({sizes}; with {T} threads the halving goes {' -> '.join(steps)}, and at a step "
+            f"with an odd number of active slots the last one has no partner and is dropped: threads {shown}, "
+            f"{len(lost)} of {T}). Fold the upper part of the active slots onto the lower part with the half "
+            f"rounded up, so an odd slot is carried into the next step")
 
 
 def _row_max_first_cols(case, name, ours, expected, bad):
     n = case.dims["n"]
-    for t in (32, 64, 128, 256, 512, 1024):
+    for t in _BLOCKS:
         if n <= t:
             break
         wrong = case.x["x"][:, :t].max(axis=1)
@@ -643,6 +731,7 @@ _ROW_MAX = _Op(
                  lambda c: {"m": c.x["x"].sum(axis=1)}),
         _Mistake("m is the max of |x|: compare the values themselves (a row of negative numbers has a negative max)",
                  lambda c: {"m": np.abs(c.x["x"]).max(axis=1)}),
+        _pattern(_pow2_tree),
         _pattern(_row_max_first_cols),
         _pattern(_rows_past_grid("block")),
         _pattern(_row_holes("block")),
@@ -655,84 +744,115 @@ def check_row_max(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None,
     """Check fn(x (N, n), m (N,)): m = x.max(axis=1), one value per row.
 
     Cases: rows shorter and longer than the block, more rows than the capped grid has blocks, 1 x 1; row 0 is all
-    negative (a max that starts at 0 fails there), row 1 has its max in the last column.
+    negative (a max that starts at 0 fails there), row 1 has its max in the last column. A tree that only works for
+    power-of-two blocks is named when the launch used one that is not (24 or 192 threads: 03.1's launchers).
     """
     return _check(_ROW_MAX, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
                   source=source, entries=entries, advice=_INDEX_ADVICE["row"])
 
 
 # ------------------------------------------------------------------------------------------------------------
-# softmax_backward with one warp per row (03.2 Numba, 03.3 HIP): checks.py's softmax op, warp-sized cases, and
-# the mistakes of a warp reduction
+# softmax_forward with one warp per row (03.2 Numba, 03.3 HIP): out = softmax(inp) over each row, the row max and
+# the sum of exponentials each reduced across the lanes with shuffles; the mistakes of a warp reduction
 # ------------------------------------------------------------------------------------------------------------
-def _make_softmax_rows(rng, dt, size, k):
-    N, n = CASES["softmax_backward"][size][k]
+_HIGH, _LOW = 1000.0, -1000.0    # the logits of rows 0 and 1: exp overflows or underflows unless the max is subtracted
+
+
+def _make_softmax_logits(rng, dt, size, k):
+    N, n = CASES["softmax_forward"][size][k]
     c = _Case(dt, {"N": N, "n": n})
-    logits = rng.standard_normal((N, n)) * 10.0 ** rng.uniform(-1.0, 1.0, (N, 1))
-    out, _ = ref.softmax_forward(logits)
-    c.add_float("dout", ("N", "n"), rng.standard_normal((N, n)) * 10.0 ** rng.uniform(-1.0, 0.5, (N, 1)))
-    c.add_float("out", ("N", "n"), out)
-    c.add_output("dinp", ("N", "n"))
+    x = rng.standard_normal((N, n)) * 10.0 ** rng.uniform(-1.0, 1.0, (N, 1))   # rows from flat to peaky
+    x[0] += _HIGH                  # exp(x) is inf in float32 (and raises in the simulator's float64 math.exp)
+    if N > 1:
+        x[1] += _LOW               # exp(x - 0) is 0 for every column: a max that starts at 0 gives 0 / 0
+    c.add_float("inp", ("N", "n"), x)
+    c.add_output("out", ("N", "n"))
     return c
 
 
-def _lane_partials(c, W):
-    """p[row, l] = sum of out * dout over the columns l, l + W, l + 2W, ... (what lane l holds before the shuffles)."""
-    prod = c.x["out"] * c.x["dout"]
-    N, n = prod.shape
-    pad = (-n) % W
-    return np.pad(prod, ((0, 0), (0, pad))).reshape(N, -1, W).sum(axis=1)        # (N, W)
+def _expected_softmax_forward(c):
+    out, _ = ref.softmax_forward(c.x["inp"])
+    return {"out": out}
 
 
-def _with_lane_sums(c, s_lane, W):
-    """dinp when column j uses the sum held by lane j % W."""
-    n = c.dims["n"]
-    lanes = np.arange(n) % W
-    return {"dinp": c.x["out"] * (c.x["dout"] - s_lane[:, lanes])}
+_NEUTRAL = {"max": -np.inf, "sum": 0.0}
+_OPS = {"max": np.maximum, "sum": np.add}
 
 
-def _down_no_broadcast(c, W=32, own=True):
-    """A shfl_down tree, then every lane uses its own value: lane 0 holds the total, the others partial sums.
-    own: a lane whose source is past the last lane gets its own value back (and adds it), else adds nothing."""
-    p = _lane_partials(c, W)
-    v = p.copy()
-    off = W // 2
+def _across_lanes(v, kind, how, W):
+    """What each lane holds after combining the lanes' values v (N, W) with `how`: "all" (right: every lane holds
+    the total), "none" (no shuffles), "down" / "down0" (a shfl_down tree, no broadcast: a lane whose source is past
+    the last lane gets its own value back / nothing), or an int: an xor butterfly that starts at that offset."""
+    op = _OPS[kind]
     lanes = np.arange(W)
+    if how == "all":
+        total = v.max(axis=1) if kind == "max" else v.sum(axis=1)
+        return np.repeat(total[:, None], W, axis=1)
+    if how == "none":
+        return v.copy()
+    v = v.copy()
+    if how in ("down", "down0"):
+        off = W // 2
+        while off:
+            src = lanes + off
+            other = v[:, np.minimum(src, W - 1)]
+            past = src >= W
+            other[:, past] = v[:, past] if how == "down" else _NEUTRAL[kind]
+            v = op(v, other)
+            off //= 2
+        return v
+    off = int(how)
     while off:
-        src = lanes + off
-        other = np.where(src < W, v[:, np.minimum(src, W - 1)], v if own else 0.0)
-        v = v + other
+        v = op(v, v[:, lanes ^ off])
         off //= 2
-    return _with_lane_sums(c, v, W)
+    return v
 
 
-def _partial_butterfly(c, W=32, start=8):
-    p = _lane_partials(c, W)
-    v = p.copy()
-    off = start
-    while off:
-        v = v + v[:, np.arange(W) ^ off]
-        off //= 2
-    return _with_lane_sums(c, v, W)
+def _softmax_lanes(c, W=32, max_how="all", sum_how="all", cols="all", divide=True):
+    """softmax over each row as a warp of W lanes computes it, lane l holding columns l, l + W, ...; the row max
+    and the sum combined across the lanes with max_how / sum_how (see _across_lanes). cols: the columns the two
+    reductions see, "all", "first" (0..W-1 only) or "full" (whole chunks of W only: the tail dropped)."""
+    x = c.x["inp"]
+    N, n = x.shape
+    lane = np.arange(n) % W
+    seen = np.ones(n, dtype=bool)
+    if cols == "first":
+        seen = np.arange(n) < W
+    elif cols == "full":
+        seen = np.arange(n) < (n // W) * W
+    part_max = np.full((N, W), -np.inf)
+    for l in range(W):
+        mine = seen & (lane == l)
+        if mine.any():
+            part_max[:, l] = x[:, mine].max(axis=1)
+    m = _across_lanes(part_max, "max", max_how, W)[:, lane]                 # (N, n): the max column j's lane uses
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.exp(x - m)
+        part_sum = np.stack([(e * (seen & (lane == l))).sum(axis=1) for l in range(W)], axis=1)
+        s = _across_lanes(part_sum, "sum", sum_how, W)[:, lane]
+        return {"out": e / s if divide else e}
 
 
-def _first_chunk(c, W=32):
-    if c.dims["n"] <= W:
-        return {}
-    s = (c.x["out"][:, :W] * c.x["dout"][:, :W]).sum(axis=1, keepdims=True)
-    return {"dinp": c.x["out"] * (c.x["dout"] - s)}
+def _exp_range(case, name, ours, expected, bad):
+    """Only rows 0 (logits near +1000) and 1 (near -1000) wrong: exp overflowed, or underflowed to 0 / 0."""
+    rows = bad.reshape(bad.shape[0], -1).any(axis=1)
+    if not rows.any() or np.flatnonzero(rows).max() > 1:
+        return None
+    if rows[0]:
+        text = (f"row 0 of {name}, whose logits are all near +1000, came out wrong (yours {ours[0, 0]:.4g} at [0, "
+                f"0], expected {expected[0, 0]:.4g}), and the other rows are right: exp of such a logit overflows "
+                f"(float32 exp gives inf above 88.7, and inf / inf is NaN). Subtract the row's max before exp: every "
+                f"exponent is then <= 0, the largest term is exp(0) = 1")
+        if rows.size > 1 and rows[1]:
+            text += " (row 1, logits near -1000, is wrong too: there every exp(x) underflows to 0, and 0 / 0 is NaN)"
+        return text
+    return (f"row 1 of {name}, whose logits are all near -1000, came out wrong (yours {ours[1, 0]:.4g} at [1, 0], "
+            f"expected {expected[1, 0]:.4g}), and the other rows are right: every exp(x - m) there underflowed to 0 "
+            f"and 0 / 0 is NaN, so the m you subtracted was far above the row's values: a max that starts at 0 (or "
+            f"lanes without a column that offer 0). The neutral start of a max is -inf")
 
 
-def _no_tail(c, W=32):
-    n = c.dims["n"]
-    full = (n // W) * W
-    if n % W == 0 or full == 0:
-        return {}
-    s = (c.x["out"][:, :full] * c.x["dout"][:, :full]).sum(axis=1, keepdims=True)
-    return {"dinp": c.x["out"] * (c.x["dout"] - s)}
-
-
-def _unwritten_columns(case, name, ours, expected, bad):
+def _softmax_unwritten_columns(case, name, ours, expected, bad):
     if ours.ndim != 2:
         return None
     nan_cols = np.isnan(ours).all(axis=0)
@@ -742,73 +862,90 @@ def _unwritten_columns(case, name, ours, expected, bad):
     c0 = int(np.argmax(nan_cols))
     if not nan_cols[c0:].all():
         return None
-    full = (n // 32) * 32
-    if c0 in (32, 64) and c0 < full:
-        return (f"columns {c0}..{n - 1} of every row were never written (n = {n}): each lane must handle the "
-                f"columns lane, lane + warp size, lane + 2 x warp size, ... of its row, not only the first "
-                f"{c0}")
     if c0 in (32, 64):
-        return (f"columns {c0}..{n - 1} of every row were never written (n = {n}): each lane must handle the "
-                f"columns lane, lane + warp size, ... of its row while the column is < n, the tail past the last "
-                f"full chunk of lanes included")
+        return (f"columns {c0}..{n - 1} of every row were never written (n = {n}): each lane must write the "
+                f"columns lane, lane + warp size, lane + 2 x warp size, ... of its row while the column is < n, not "
+                f"only the first {c0}")
     return (f"the last {n - c0} columns of every row ({c0}..{n - 1}, n = {n}) were never written: the tail past "
-            f"the last full chunk of lanes must be handled too (loop while the column < n)")
+            f"the last full chunk of lanes must be written too (loop while the column < n)")
 
 
-_SOFTMAX_WARP = dataclasses.replace(
-    _SOFTMAX, make=_make_softmax_rows, n_cases=4,
-    mistakes=[
-        _Mistake("the row sum only reaches lane 0: a shfl_down tree leaves the total in lane 0 (the other lanes "
-                 "hold partial sums), so every lane must then read lane 0's value (a shuffle from lane 0), or use "
-                 "the xor butterfly, after which every lane holds the total", _down_no_broadcast),
-        _Mistake("the row sum only reaches lane 0: after a shfl_down tree only lane 0 holds the total, so every "
-                 "lane must then read lane 0's value (a shuffle from lane 0), or use the xor butterfly",
-                 lambda c: _down_no_broadcast(c, 32, own=False)),
-        _Mistake("the shuffles add up only 16 lanes: the reduction must start at an offset of half the warp (16 of "
-                 "32 lanes; warp size / 2 in portable code) and halve down to 1",
-                 lambda c: _partial_butterfly(c, 32, 8)),
-        _Mistake("the row sum covers only columns 0..31: a row longer than the warp needs each lane to add the "
-                 "columns lane, lane + 32, ... before the shuffles", _first_chunk),
-        _Mistake("the row sum leaves out the tail: when n is not a multiple of the warp size, the last n % 32 "
-                 "columns count too (loop while the column < n)", _no_tail),
-        _Mistake("the row sum only reaches lane 0 (64-lane wavefront): the other lanes hold partial sums; read lane "
-                 "0's value after a shfl_down tree, or use the xor butterfly",
-                 lambda c: _down_no_broadcast(c, 64)),
-        _Mistake("the shuffles add up only 32 of the wavefront's 64 lanes: start at warpSize / 2, not at 16",
-                 lambda c: _partial_butterfly(c, 64, 16)),
-        _Mistake("the row sum covers only columns 0..63 (one 64-lane wavefront): each lane must add the columns "
-                 "lane, lane + warpSize, ... before the shuffles", lambda c: _first_chunk(c, 64)),
-    ] + list(_SOFTMAX.mistakes) + [
+def _lane_mistakes(W):
+    half = "16 of 32" if W == 32 else "32 of 64"
+    start = "16, half the warp" if W == 32 else "warpSize / 2 = 32"
+    wave = "" if W == 32 else " (64-lane wavefront)"
+    return [
+        _Mistake(f"the row max and the sum reach only lane 0{wave}: a shfl_down tree leaves the total in lane 0 and "
+                 f"partial values in the other lanes, which then scaled and divided their columns by those. Use the "
+                 f"xor butterfly (after it every lane holds the total), or read lane 0's value after the tree "
+                 f"(a shuffle from lane 0)", lambda c: _softmax_lanes(c, W, "down", "down")),
+        _Mistake(f"the row max and the sum reach only lane 0{wave}: after a shfl_down tree only lane 0 holds the "
+                 f"total; every lane must read it from lane 0, or use the xor butterfly",
+                 lambda c: _softmax_lanes(c, W, "down0", "down0")),
+        _Mistake(f"the row max reaches only lane 0{wave} (the sum is right): the other lanes subtracted a partial "
+                 f"max. Use the xor butterfly for the max too, or read lane 0's max after the tree",
+                 lambda c: _softmax_lanes(c, W, "down", "all")),
+        _Mistake(f"the sum of exponentials reaches only lane 0{wave} (the max is right): the other lanes divided by "
+                 f"a partial sum. Use the xor butterfly for the sum too, or read lane 0's sum after the tree",
+                 lambda c: _softmax_lanes(c, W, "all", "down")),
+        _Mistake(f"the shuffles combine only {half} lanes: the butterfly must start at an offset of {start}, and "
+                 f"halve down to 1", lambda c: _softmax_lanes(c, W, W // 4, W // 4)),
+        _Mistake(f"the max and the sum cover only columns 0..{W - 1}{wave}: a row longer than the warp needs each "
+                 f"lane to visit the columns lane, lane + warp size, ... before the shuffles",
+                 lambda c: _softmax_lanes(c, W, cols="first") if c.dims["n"] > W else {}),
+        _Mistake(f"the max and the sum leave out the tail{wave}: when n is not a multiple of the warp size, the "
+                 f"last n % {W} columns count too (loop while the column < n)",
+                 lambda c: _softmax_lanes(c, W, cols="full") if c.dims["n"] > W and c.dims["n"] % W else {}),
+    ]
+
+
+_SOFTMAX_FWD_WARP = _Op(
+    "softmax_forward", _make_softmax_logits, _expected_softmax_forward, n_cases=4,
+    formula="out[row, j] = exp(inp[row, j] - m) / s with m = the row's max and s = the sum over the row of "
+            "exp(inp[row, j] - m): every lane needs both totals",
+    shape_hint="inp and out are (N, n): one softmax per row",
+    mistakes=_lane_mistakes(32) + [
+        _Mistake("each lane subtracted the max of its own columns: the row max must be combined across the lanes "
+                 "(shuffles) before any exp, or the lanes' exponentials are on different scales",
+                 lambda c: _softmax_lanes(c, 32, "none", "all")),
+        _Mistake("each lane divided by the sum of its own columns: the sum of exponentials must be combined across "
+                 "the lanes (shuffles) before the division", lambda c: _softmax_lanes(c, 32, "all", "none")),
+        _Mistake("out = exp(inp - max) was not divided by the row's sum of exponentials (a softmax row sums to 1)",
+                 lambda c: _softmax_lanes(c, 32, divide=False)),
+    ] + _lane_mistakes(64) + [
+        _pattern(_exp_range),
         _pattern(_rows_past_grid("warp")),
         _pattern(_row_holes("warp")),
-        _pattern(_unwritten_columns),
+        _pattern(_softmax_unwritten_columns),
     ])
 
-# A HIP warp task writes the shuffle loop itself: portable.h's helpers would be the answer.
+# A HIP warp task writes the shuffle loops itself: portable.h's helpers would be the answer.
 _WARP_SOURCE_RULES = [
-    (r"\bwarp_(?:sum|max)\s*\(", "this task asks for the shuffle loop itself: portable.h's warp_sum / warp_max "
+    (r"\bwarp_(?:sum|max)\s*\(", "this task asks for the shuffle loops themselves: portable.h's warp_sum / warp_max "
                                  "would be the answer; reduce with shfl_xor (or shfl_down, then read lane 0) and "
                                  "warpSize"),
 ]
 
 
-def check_softmax_backward_warp(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
-                                quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (N, n), out (N, n), dinp (N, n)), softmax backward, at the shapes a warp kernel gets wrong.
+def check_softmax_forward_warp(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
+                               quiet=False, source=None, entries=None) -> CheckResult:
+    """Check fn(inp (N, n), out (N, n)): out = softmax of each row of inp, at the shapes a warp kernel gets wrong.
 
-    Cases: n = 37 (more than a warp, not a multiple of 32), n = 1, n = 20 (less than a warp), n = 70, each with
-    more rows than the capped grid has warps. Named mistakes of warp reductions: the total left in lane 0 only,
-    16 lanes reduced, only the first 32 columns, the tail dropped, rows past the grid (and the 64-lane versions).
-    HIP (arrays="cupy", source=, entries=): the source must write the shuffle loop itself (not portable.h's
-    warp_sum); without a GPU it is compiled for both vendors and linted.
+    Cases: n = 70 and 37 (more than a warp, not a multiple of 32), n = 1, n = 20 (less than a warp), each with more
+    rows than the capped grid has warps; row 0's logits lie near +1000 (exp overflows unless the row max is
+    subtracted), row 1's near -1000 (a max that starts at 0 makes every exp underflow). Named mistakes of warp
+    reductions: the max or the sum left in lane 0 only, 16 lanes reduced, only the first 32 columns, the tail
+    dropped, a lane's own max or sum, rows past the grid (and the 64-lane versions).
+    HIP (arrays="cupy", source=, entries=): the source must write the shuffle loops itself (not portable.h's
+    warp_sum / warp_max); without a GPU it is compiled for both vendors and linted.
     """
     if arrays == "cupy":
-        broken = _source_rules(_SOFTMAX_WARP.name, source, _WARP_SOURCE_RULES, task, quiet)
+        broken = _source_rules(_SOFTMAX_FWD_WARP.name, source, _WARP_SOURCE_RULES, task, quiet)
         if broken is not None:
             return broken
-    return _check(_SOFTMAX_WARP, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                  source=source, entries=entries, advice=_INDEX_ADVICE["row"])
+    return _check(_SOFTMAX_FWD_WARP, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
+                  source=source, entries=entries, advice=_INDEX_ADVICE["row"], numeric=_EXP_ADVICE)
 
 
 CHECKERS = {"bias_add": check_bias_add, "linear_dweight": check_dweight_tiled, "linear_dinp": check_dinp_tiled,
-            "row_max": check_row_max, "softmax_backward_warp": check_softmax_backward_warp}
+            "row_max": check_row_max, "softmax_forward_warp": check_softmax_forward_warp}

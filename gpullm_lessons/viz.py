@@ -1326,7 +1326,8 @@ def show_kernel(fn, *args, op: Optional[str] = None, like=None, case: int = 0, *
     like=check_xxx (the arguments that checker passes on its first, small case; case=k for its k-th) or
     op="softmax_backward" (tiny inputs of an op in kernel_trace.EXAMPLE_DIMS). kw go to kernel_trace.trace
     (warp_size=...).
-    Returns the KernelTrace. On a GPU it prints one line (tracing runs in the simulator only) and runs nothing."""
+    Returns the KernelTrace (None for a kernel not written yet). On a GPU it prints one line (tracing runs in the
+    simulator only) and runs nothing."""
     from . import device, kernel_trace
 
     if (op is not None) + (like is not None) + bool(args) > 1:
@@ -1334,6 +1335,11 @@ def show_kernel(fn, *args, op: Optional[str] = None, like=None, case: int = 0, *
     if device.numba_on_gpu():
         print(f"show_kernel: {kernel_trace.SIM_ONLY}")
         return kernel_trace.trace(fn)
+    from .checks import unfinished_kernel
+    stub = unfinished_kernel(fn)
+    if stub is not None:
+        print(f"show_kernel: not attempted: your kernel {stub} still raises NotImplementedError (write it first)")
+        return None
     if op is not None:
         args = kernel_trace.example_args(op)
     elif like is not None:

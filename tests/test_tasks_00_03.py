@@ -3,12 +3,15 @@ that names the mistake.
 
 The solutions are the code cells of solutions/00, 02, 03 (run here without their checker cells); the wrong answers
 are small variants of them. Each one would pass a checker that only ran easy sizes: no grid-stride loop (passes
-while n fits in the capped grid), only the first K tile (passes while K <= 16), no zero fill of the partial tile
-(passes when K is a multiple of 16), a warp reduction that drops columns past 32 or the tail (passes while n <= 32
-or a multiple of 32), ... Numba tasks run in the simulator (warp shuffles through gpullm_lessons.simwarp); HIP
-tasks are compiled and linted without a GPU, and run by the gpu-marked tests on one.
+while n fits in the capped grid; in 00.2 along either axis of a 2-D grid), only the first K tile (passes while
+K <= 16), no zero fill of the partial tile (passes when K is a multiple of 16), a tree that only works for
+power-of-two blocks (03.1 launches 24 or 192 threads), a warp reduction that drops columns past 32 or the tail
+(passes while n <= 32 or a multiple of 32), a softmax without the row max (passes until a logit overflows exp), ...
+Numba tasks run in the simulator (warp shuffles through gpullm_lessons.simwarp); HIP tasks are compiled and linted
+without a GPU, and run by the gpu-marked tests on one.
 """
 import functools
+import math
 from pathlib import Path
 
 import nbformat
@@ -176,18 +179,53 @@ def test_00_2_non_portable_sources_fail_the_lint():
                                                                    "#include <cuda_runtime.h>")))
 
 
-@pytest.mark.gpu
-def test_00_2_on_a_gpu_runs_and_catches_a_missing_grid_stride_loop():
-    ns = solution("00_gpu_orientation")
-    assert ck.check_bias_add(ns["bias_add_hip"], arrays="cupy", seed=1, quiet=True).status == "correct"
-    src = ns["bias_add_source"]().replace("i += stride", "i += n")
+def test_00_2_a_2d_grid_without_its_loops_is_named_at_numpy_level():
+    """What a 2-D kernel without a grid-stride loop writes: the rows past the grid's threads in y, or the columns
+    past its threads in x, never written (here 8 rows and 32 columns of threads, the small cases' scale)."""
+    def rows_only(inp, bias, out, R=8):
+        out[:R] = inp[:R] + bias
 
-    def one_pass(inp, bias, out):
+    def cols_only(inp, bias, out, Q=32):
+        out[:, :Q] = inp[:, :Q] + bias[:Q]
+
+    def right(inp, bias, out):
+        out[...] = inp + bias
+
+    assert ck.check_bias_add(right, arrays="numpy", seed=2, quiet=True).status == "correct"
+    wrong(ck.check_bias_add(rows_only, arrays="numpy", seed=2, quiet=True), "rows 8..", "grid-stride loop in y")
+    wrong(ck.check_bias_add(cols_only, arrays="numpy", seed=2, quiet=True), "columns 32..", "grid-stride loop in x")
+    for N, C in ck.CASES["bias_add"]["large"]:       # 00.2's grid: 1024 threads down, 512 across
+        if N * C > 1000:
+            assert N > 1024 and C > 512 and N % 8 and C % 32
+
+
+def hip_bias_variant(old, new):
+    """00.2's solution source with one line changed, launched like the exercise's launcher."""
+    ns = solution("00_gpu_orientation")
+    src = ns["bias_add_source"]()
+    assert old in src
+    src = src.replace(old, new)
+
+    def launch(inp, bias, out):
         kernel = hip.kernel_from_source(src, "bias_add")
         N, C = out.shape
-        kernel((min(4096, (N * C + 255) // 256),), (256,), (inp, bias, out, np.int64(N * C), np.int32(C)))
+        bx, by = ns["HIP_BLOCK"]
+        gx, gy = ns["HIP_MAX_GRID"]
+        kernel((min(gx, (C + bx - 1) // bx), min(gy, (N + by - 1) // by)), (bx, by),
+               (inp, bias, out, np.int32(N), np.int32(C)))
+    return launch
 
-    wrong(ck.check_bias_add(one_pass, arrays="cupy", seed=1, quiet=True), "grid-stride")
+
+@pytest.mark.gpu
+def test_00_2_on_a_gpu_runs_and_names_a_missing_loop_along_each_axis():
+    ns = solution("00_gpu_orientation")
+    assert ck.check_bias_add(ns["bias_add_hip"], arrays="cupy", seed=1, quiet=True).status == "correct"
+    no_y = hip_bias_variant("r += gridDim.y * blockDim.y", "r += N")
+    wrong(ck.check_bias_add(no_y, arrays="cupy", seed=1, quiet=True), "grid-stride loop in y")
+    no_x = hip_bias_variant("c += gridDim.x * blockDim.x", "c += C")
+    wrong(ck.check_bias_add(no_x, arrays="cupy", seed=1, quiet=True), "grid-stride loop in x")
+    by_row = hip_bias_variant("inp[(long long)r * C + c] + b;", "inp[(long long)r * C + c] + bias[r % C];")
+    wrong(ck.check_bias_add(by_row, arrays="cupy", seed=1, quiet=True), "indexed by the row")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -335,9 +373,10 @@ def test_02_3_on_a_gpu_runs_and_catches_a_missing_zero_fill():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 03.1 row max, block tree (Numba)
+# 03.1 row max, block tree for any block size (Numba)
 # ------------------------------------------------------------------------------------------------------------
 def row_max_variant(variant):
+    """03.1's solution kernel with one mistake, launched like the exercise's launcher (THREADS = 24 here)."""
     ns = solution("03_softmax_backward")
     T = ns["THREADS"]
 
@@ -358,13 +397,22 @@ def row_max_variant(variant):
             part[t] = v
             if variant != "no_barrier":
                 cuda.syncthreads()
-            s = cuda.blockDim.x // 2
-            while s > 0:
-                if t < s:
-                    part[t] = part[t] + part[t + s] if variant == "sum" else max(part[t], part[t + s])
-                if variant != "no_barrier":
+            if variant == "pow2_tree":                 # lesson 03's v2 tree: right for powers of two only
+                s = cuda.blockDim.x // 2
+                while s > 0:
+                    if t < s:
+                        part[t] = max(part[t], part[t + s])
                     cuda.syncthreads()
-                s //= 2
+                    s //= 2
+            else:
+                active = cuda.blockDim.x
+                while active > 1:
+                    half = (active + 1) // 2
+                    if t + half < active:
+                        part[t] = part[t] + part[t + half] if variant == "sum" else max(part[t], part[t + half])
+                    if variant != "no_barrier":
+                        cuda.syncthreads()
+                    active = half
             if t == 0:
                 m[row] = part[0]
             cuda.syncthreads()
@@ -377,177 +425,296 @@ def row_max_variant(variant):
 @numba_ok
 def test_03_1_solution_is_correct():
     ns = solution("03_softmax_backward")
+    assert ns["THREADS"] & (ns["THREADS"] - 1), "03.1's blocks must not be a power of two"
     assert ck.check_row_max(ns["row_max"], arrays="numba", seed=7, quiet=True).status == "correct"
 
 
 @numba_ok
 @pytest.mark.parametrize("variant, words", [
     ("zero_start", ["-inf"]),
-    ("no_stride", ["first 32 columns"]),
+    ("no_stride", ["first 24 columns"]),
     ("sum", ["row sum"]),
     ("no_row_loop", ["never written", "loop over rows"]),
     ("no_barrier", ["barrier"]),
+    ("pow2_tree", ["as if it were a power of two", "blockDim.x = 24", "odd"]),
 ])
 def test_03_1_mistakes_are_named(variant, words):
     wrong(ck.check_row_max(row_max_variant(variant), arrays="numba", seed=7, quiet=True), *words)
 
 
+def test_03_1_the_power_of_two_tree_is_named_for_the_gpu_block_too():
+    """On a GPU the blocks have 192 threads: a halving tree keeps 128 of them (NumPy emulation of that launch)."""
+    kept = ck._halving_tree_slots(192)
+    assert len(kept) < 192 and ck._halving_tree_slots(256) == list(range(256))
+
+    def pow2_tree_192(x, m):
+        cols = np.isin(np.arange(x.shape[1]) % 192, kept)
+        m[...] = np.where(cols[None, :], x, -np.inf).max(axis=1)
+
+    wrong(ck.check_row_max(pow2_tree_192, arrays="numpy", size="large", seed=3, quiet=True),
+          "as if it were a power of two", "or 192")
+
+
 # ------------------------------------------------------------------------------------------------------------
-# 03.2 softmax backward, one warp per row with shuffles (Numba, in the simulator through simwarp)
+# 03.2 softmax forward, one warp per row with shuffles (Numba, in the simulator through simwarp)
 # ------------------------------------------------------------------------------------------------------------
 def warp_variant(variant):
+    """03.2's solution kernel with one mistake, launched like the exercise's launcher."""
     ns = solution("03_softmax_backward")
 
     @cuda.jit
-    def kernel(dout, out, dinp):
-        N, n = dout.shape
+    def kernel(inp, out):
+        N, n = inp.shape
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // 32
         n_warps = cuda.gridDim.x * cuda.blockDim.x // 32
         for row in range(warp, N if variant != "no_row_loop" else min(warp + 1, N), n_warps):
+            if variant == "no_max":
+                m = float32(0.0)
+            else:
+                m = float32(0.0) if variant == "zero_start" else float32(-math.inf)
+                if variant == "first_32":
+                    if lane < n:
+                        m = max(m, inp[row, lane])
+                elif variant == "no_tail":
+                    for j0 in range(0, n - n % 32, 32):
+                        m = max(m, inp[row, j0 + lane])
+                else:
+                    for j in range(lane, n, 32):
+                        m = max(m, inp[row, j])
+                if variant != "own_max":
+                    off = 8 if variant == "16_lanes" else 16
+                    while off > 0:
+                        if variant == "down_no_broadcast":
+                            m = max(m, cuda.shfl_down_sync(0xFFFFFFFF, m, off))
+                        else:
+                            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
+                        off //= 2
             s = float32(0.0)
-            if variant == "first_32":                  # drops the columns past the first 32 lanes
+            if variant == "first_32":
                 if lane < n:
-                    s = out[row, lane] * dout[row, lane]
-            elif variant == "no_tail":                 # only whole chunks of 32 columns
+                    s = math.exp(inp[row, lane] - m)
+            elif variant == "no_tail":
                 for j0 in range(0, n - n % 32, 32):
-                    s += out[row, j0 + lane] * dout[row, j0 + lane]
+                    s += math.exp(inp[row, j0 + lane] - m)
             else:
                 for j in range(lane, n, 32):
-                    s += out[row, j] * dout[row, j]
-            if variant == "down_no_broadcast":
-                off = 16
-                while off > 0:
+                    s += math.exp(inp[row, j] - m)
+            off = 8 if variant == "16_lanes" else 16
+            while off > 0:
+                if variant == "down_no_broadcast":
                     s += cuda.shfl_down_sync(0xFFFFFFFF, s, off)
-                    off //= 2
-            else:
-                off = 8 if variant == "16_lanes" else 16
-                while off > 0:
+                else:
                     s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
-                    off //= 2
+                off //= 2
             if variant == "writes_first_32":
                 if lane < n:
-                    dinp[row, lane] = out[row, lane] * (dout[row, lane] - s)
+                    out[row, lane] = math.exp(inp[row, lane] - m) / s
             else:
                 for j in range(lane, n, 32):
-                    dinp[row, j] = out[row, j] * (dout[row, j] - s)
+                    e = math.exp(inp[row, j] - m)
+                    out[row, j] = e if variant == "no_divide" else e / s
 
     @cuda.jit
-    def exits_early(dout, out, dinp):
-        N, n = dout.shape
+    def exits_early(inp, out):
+        N, n = inp.shape
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // 32
         n_warps = cuda.gridDim.x * cuda.blockDim.x // 32
         for row in range(warp, N, n_warps):
             if lane >= n:                              # lanes without a column leave: the shuffle misses them
                 return
-            s = out[row, lane] * dout[row, lane]
+            m = inp[row, lane]
             for j in range(lane + 32, n, 32):
-                s += out[row, j] * dout[row, j]
+                m = max(m, inp[row, j])
+            off = 16
+            while off > 0:
+                m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
+                off //= 2
+            s = float32(0.0)
+            for j in range(lane, n, 32):
+                s += math.exp(inp[row, j] - m)
             off = 16
             while off > 0:
                 s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
                 off //= 2
             for j in range(lane, n, 32):
-                dinp[row, j] = out[row, j] * (dout[row, j] - s)
+                out[row, j] = math.exp(inp[row, j] - m) / s
 
     k = exits_early if variant == "exits_early" else kernel
 
-    def launch(dout, out, dinp):
+    def launch(inp, out):
         T = ns["WARP_THREADS"]
-        N = dout.shape[0]
-        k[min(ns["MAX_BLOCKS"], (N + T // 32 - 1) // (T // 32)), T](dout, out, dinp)
+        N = inp.shape[0]
+        k[min(ns["MAX_BLOCKS"], (N + T // 32 - 1) // (T // 32)), T](inp, out)
     return launch
 
 
 @numba_ok
 def test_03_2_solution_is_correct_in_the_simulator_too():
     ns = solution("03_softmax_backward")
-    r = ck.check_softmax_backward_warp(ns["softmax_backward_warp"], arrays="numba", seed=8, quiet=True)
+    r = ck.check_softmax_forward_warp(ns["softmax_forward_warp"], arrays="numba", seed=8, quiet=True)
     assert r.status == "correct", r.message
 
 
 @numba_ok
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")     # 0 / 0 in the zero_start variant
 @pytest.mark.parametrize("variant, words", [
     ("first_32", ["only columns 0..31"]),
     ("no_tail", ["tail"]),
     ("down_no_broadcast", ["lane 0"]),
-    ("16_lanes", ["only 16 lanes"]),
+    ("16_lanes", ["only 16 of 32 lanes"]),
+    ("own_max", ["max of its own columns"]),
+    ("no_divide", ["not divided by the row's sum"]),
+    ("zero_start", ["near -1000", "-inf"]),
     ("writes_first_32", ["never written", "not only the first 32"]),
     ("no_row_loop", ["never written", "each warp must loop over rows"]),
     ("exits_early", ["returned from the kernel", "every lane named in the mask"]),
 ])
 def test_03_2_warp_mistakes_are_named(variant, words):
-    wrong(ck.check_softmax_backward_warp(warp_variant(variant), arrays="numba", seed=8, quiet=True), *words)
+    wrong(ck.check_softmax_forward_warp(warp_variant(variant), arrays="numba", seed=8, quiet=True), *words)
+
+
+@numba_ok
+def test_03_2_an_exp_without_the_row_max_is_named_in_the_simulator():
+    """exp(1000) overflows: in the simulator math.exp raises (float64), named with the thread and the fix."""
+    r = ck.check_softmax_forward_warp(warp_variant("no_max"), arrays="numba", seed=8, quiet=True)
+    wrong(r, "overflowerror", "subtract the row's max")
+
+
+def test_03_2_overflow_and_underflow_are_named_at_numpy_level():
+    """On a GPU an exp without the max gives inf and NaN instead of raising: rows 0 and 1 of every case."""
+    def no_max(inp, out):
+        with np.errstate(over="ignore", invalid="ignore"):
+            e = np.exp(inp)
+            out[...] = e / e.sum(axis=1, keepdims=True)
+
+    def zero_start(inp, out):
+        m = np.maximum(inp.max(axis=1, keepdims=True), 0.0)
+        with np.errstate(invalid="ignore"):
+            e = np.exp(inp - m)
+            out[...] = e / e.sum(axis=1, keepdims=True)
+
+    def right(inp, out):
+        e = np.exp(inp - inp.max(axis=1, keepdims=True))
+        out[...] = e / e.sum(axis=1, keepdims=True)
+
+    assert ck.check_softmax_forward_warp(right, arrays="numpy", seed=5, quiet=True).status == "correct"
+    wrong(ck.check_softmax_forward_warp(no_max, arrays="numpy", seed=5, quiet=True), "near +1000", "overflows",
+          "subtract the row's max")
+    wrong(ck.check_softmax_forward_warp(zero_start, arrays="numpy", seed=5, quiet=True), "near -1000", "-inf")
+
+
+def wavefront_softmax(inp, out, W=64, start=None, down=False):
+    """NumPy emulation of a 64-lane wavefront running 03.3's kernel: lane l holds columns l, l + W, ...; the lanes
+    combine with an xor butterfly from `start` (default W // 2), or a shfl_down tree without a broadcast."""
+    N, n = inp.shape
+    lane = np.arange(n) % W
+    lanes = np.arange(W)
+
+    def combine(v, op):
+        off = W // 2 if start is None else start
+        while off:
+            if down:
+                src = lanes + off
+                other = np.where(src < W, v[:, np.minimum(src, W - 1)], v)
+            else:
+                other = v[:, lanes ^ off]
+            v = op(v, other)
+            off //= 2
+        return v
+
+    part = np.full((N, W), -np.inf)
+    for l in range(W):
+        if (lane == l).any():
+            part[:, l] = inp[:, lane == l].max(axis=1)
+    m = combine(part, np.maximum)[:, lane]
+    e = np.exp(inp - m)
+    s = combine(np.stack([e[:, lane == l].sum(axis=1) for l in range(W)], axis=1), np.add)[:, lane]
+    out[...] = e / s
+
+
+def test_03_3_64_lane_mistakes_are_named_at_numpy_level():
+    assert ck.check_softmax_forward_warp(wavefront_softmax, arrays="numpy", seed=6, quiet=True).status == "correct"
+    half = functools.partial(wavefront_softmax, start=16)             # a loop that starts at 16, not warpSize / 2
+    wrong(ck.check_softmax_forward_warp(half, arrays="numpy", seed=6, quiet=True), "only 32 of 64 lanes",
+          "warpSize / 2")
+    lane0 = functools.partial(wavefront_softmax, down=True)
+    wrong(ck.check_softmax_forward_warp(lane0, arrays="numpy", seed=6, quiet=True), "lane 0", "64-lane")
 
 
 def test_03_2_cases_cover_every_row_length_a_warp_gets_wrong():
     for size in ("small", "large"):
-        ns_ = [n for _, n in ck.CASES["softmax_backward"][size]]
+        ns_ = [n for _, n in ck.CASES["softmax_forward"][size]]
         assert 1 in ns_ and any(1 < n < 32 for n in ns_) and any(n > 64 and n % 32 for n in ns_), ns_
         assert any(n > 32 and n % 32 for n in ns_)
+    assert ck.CASES["softmax_forward"]["large"][0][0] > 4096 * 256 // 32     # more rows than the grid has warps
 
 
 # ------------------------------------------------------------------------------------------------------------
-# 03.3 the warp reduction in portable HIP (32 and 64 lanes)
+# 03.3 the warp softmax in portable HIP (32 and 64 lanes)
 # ------------------------------------------------------------------------------------------------------------
 @no_gpu
 def test_03_3_solution_compiles_for_both_vendors_and_lints_clean():
     ns = solution("03_softmax_backward")
-    fn, good = ns["softmax_backward_warp_hip"], ns["softmax_backward_warp_source"]
-    r = ck.check_softmax_backward_warp(fn, arrays="cupy", source=good, entries="softmax_backward_warp", quiet=True)
+    fn, good = ns["softmax_forward_warp_hip"], ns["softmax_forward_warp_source"]
+    r = ck.check_softmax_forward_warp(fn, arrays="cupy", source=good, entries="softmax_forward_warp", quiet=True)
     assert r.status == "compiled", r.message
 
 
 @no_gpu
 def test_03_3_a_hard_coded_32_lane_mask_is_wrong_with_the_lint_finding():
     ns = solution("03_softmax_backward")
-    bad = ns["softmax_backward_warp_source"]().replace("shfl_xor(s, offset, warpSize)",
-                                                        "__shfl_xor_sync(0xffffffff, s, offset)")
-    wrong(ck.check_softmax_backward_warp(ns["softmax_backward_warp_hip"], arrays="cupy", source=bad,
-                                         entries="softmax_backward_warp", quiet=True), "32-lane mask 0xffffffff")
+    bad = ns["softmax_forward_warp_source"]().replace("shfl_xor(s, offset, warpSize)",
+                                                       "__shfl_xor_sync(0xffffffff, s, offset)")
+    wrong(ck.check_softmax_forward_warp(ns["softmax_forward_warp_hip"], arrays="cupy", source=bad,
+                                        entries="softmax_forward_warp", quiet=True), "32-lane mask 0xffffffff")
 
 
 def test_03_3_the_lint_rejects_every_32_lane_assumption():
     ns = solution("03_softmax_backward")
-    good = ns["softmax_backward_warp_source"]()
+    good = ns["softmax_forward_warp_source"]()
     assert hip.lint_source(good) == []
     for old, new, says in [
         ("threadIdx.x % warpSize", "threadIdx.x % 32", "% 32"),
         ("threadIdx.x / warpSize", "threadIdx.x / 32", "/ 32"),
         ("offset = warpSize / 2", "offset = 16", "offset 16"),
         ("shfl_xor(s, offset, warpSize)", "shfl_xor(s, offset, 32)", "width 32"),
-        ("shfl_xor(s, offset, warpSize)", "__shfl_xor_sync(0xffffffff, s, offset)", "0xffffffff"),
+        ("shfl_xor(m, offset, warpSize)", "__shfl_xor_sync(0xffffffff, m, offset)", "0xffffffff"),
     ]:
         assert old in good
         findings = hip.lint_source(good.replace(old, new))
         assert any(says in f for f in findings), (new, findings)
 
 
-def test_03_3_portable_h_warp_sum_is_not_the_answer():
+def test_03_3_portable_h_warp_sum_and_max_are_not_the_answer():
     ns = solution("03_softmax_backward")
-    good = ns["softmax_backward_warp_source"]()
-    loop = "for (int offset = warpSize / 2; offset > 0; offset /= 2) s += shfl_xor(s, offset, warpSize);"
-    assert loop in good
-    r = ck.check_softmax_backward_warp(ns["softmax_backward_warp_hip"], arrays="cupy",
-                                       source=good.replace(loop, "s = warp_sum(s);"),
-                                       entries="softmax_backward_warp", quiet=True)
-    wrong(r, "shuffle loop itself")
+    good = ns["softmax_forward_warp_source"]()
+    for loop, call in [
+        ("for (int offset = warpSize / 2; offset > 0; offset /= 2) s += shfl_xor(s, offset, warpSize);",
+         "s = warp_sum(s);"),
+        ("for (int offset = warpSize / 2; offset > 0; offset /= 2) m = fmaxf(m, shfl_xor(m, offset, warpSize));",
+         "m = warp_max(m);"),
+    ]:
+        assert loop in good
+        r = ck.check_softmax_forward_warp(ns["softmax_forward_warp_hip"], arrays="cupy",
+                                          source=good.replace(loop, call), entries="softmax_forward_warp", quiet=True)
+        wrong(r, "shuffle loops themselves")
 
 
 @pytest.mark.gpu
 def test_03_3_on_a_gpu_runs_and_names_a_lane_0_only_reduction():
     ns = solution("03_softmax_backward")
-    r = ck.check_softmax_backward_warp(ns["softmax_backward_warp_hip"], arrays="cupy", seed=9, quiet=True)
+    r = ck.check_softmax_forward_warp(ns["softmax_forward_warp_hip"], arrays="cupy", seed=9, quiet=True)
     assert r.status == "correct", r.message
-    src = ns["softmax_backward_warp_source"]().replace("shfl_xor(s, offset, warpSize)", "shfl_down(s, offset, warpSize)")
+    src = ns["softmax_forward_warp_source"]().replace("shfl_xor(", "shfl_down(")
 
-    def lane0(dout, out, dinp):
-        kernel = hip.kernel_from_source(src, "softmax_backward_warp")
-        N, n = dout.shape
-        kernel((min(4096, (N + 7) // 8),), (256,), (dout, out, dinp, np.int32(N), np.int32(n)))
+    def lane0(inp, out):
+        kernel = hip.kernel_from_source(src, "softmax_forward_warp")
+        N, n = inp.shape
+        kernel((min(4096, (N + 7) // 8),), (256,), (inp, out, np.int32(N), np.int32(n)))
 
-    wrong(ck.check_softmax_backward_warp(lane0, arrays="cupy", seed=9, quiet=True), "lane 0")
+    wrong(ck.check_softmax_forward_warp(lane0, arrays="cupy", seed=9, quiet=True), "lane 0")
 
 
 # ------------------------------------------------------------------------------------------------------------

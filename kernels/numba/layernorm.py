@@ -15,7 +15,9 @@ Versions (the wrapper's version= picks one; KERNELS holds every kernel, helper k
   v2_reduce     dweight/dbias stage 2: one thread per column adds up the n_chunks partials.
   v3_forward    GPU-only: v2_forward with warp-shuffle reductions (cuda.shfl_xor_sync), one shared slot per warp.
   v3            GPU-only: v2 (dinp) with warp-shuffle reductions; dweight/dbias reuse v2_partials + v2_reduce.
-The simulator cannot run warp shuffles: v3 runs only on an NVIDIA GPU (it is still compiled to PTX on CI).
+v3 uses warp shuffles. Numba's own simulator has none; gpullm_lessons.simwarp adds them when the simulator is on, so
+the v3 kernels run there when launched directly, but the launch wrappers keep v3 for an NVIDIA GPU (where it is
+fast; in the simulator a block per row with shuffles is the slowest case). It is compiled to PTX on CI.
 
 Atomics vs determinism: dweight could be written with one atomicAdd per (row, column) into a zeroed dweight, in a
 single kernel. That is shorter, but float addition is not associative and the order in which the atomics land
@@ -320,7 +322,7 @@ SIGNATURES = {
     "v2_reduce": f"void({_M}, {_M}, {_V}, {_V})",
 }
 VERSIONS = ("v1", "v2", "v3")  # what the wrappers' version= accepts
-GPU_ONLY = {"v3"}             # warp shuffles: not in the simulator (every "v3*" kernel)
+GPU_ONLY = {"v3"}             # warp shuffles: the wrappers run every "v3*" kernel on a GPU only (simwarp can run them)
 
 
 # ---- launch wrappers ----------------------------------------------------------------------------------------------
@@ -378,8 +380,9 @@ def _check_launch(fn, version, threads):
     check_version(fn, version, VERSIONS)
     if version in GPU_ONLY and _simulating():
         from gpullm_lessons.device import NoGPUError
-        raise NoGPUError(f"{fn}: version {version!r} uses warp shuffles (cuda.shfl_xor_sync), which Numba's CUDA "
-                         f"simulator cannot run: use it on an NVIDIA GPU, or pick v1 / v2 here")
+        raise NoGPUError(f"{fn}: version {version!r} uses warp shuffles (cuda.shfl_xor_sync), and this wrapper keeps "
+                         f"it for an NVIDIA GPU (in the simulator, where gpullm_lessons.simwarp provides the shuffles, "
+                         f"launch the kernel directly); pick v1 / v2 here")
     threads = check_block(fn, version, threads)
     if version == "v3" and threads % WARP:
         raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP} for v3 (whole warps)")
