@@ -32,3 +32,22 @@ def require_tool(name: str):
     if os.environ.get("GPULLM_REQUIRE_COMPILERS") == "1":
         pytest.fail("GPULLM_REQUIRE_COMPILERS=1 but " + msg)
     pytest.skip(msg)
+
+
+def solution_cells(nb):
+    """(index, source) of the code cells a test runs to get a solution notebook's functions: not the checker
+    cells (the tests make their own calls) and not the `viz.show_kernel` cells (drawing is not under test there)."""
+    from gpullm_lessons.grading import checker_only_cells
+    skip = checker_only_cells(nb)
+    return [(i, c.source) for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and i not in skip and "show_kernel(" not in c.source]
+
+
+def solution_namespace(name: str) -> dict:
+    """The namespace of solutions/<name>.ipynb after running solution_cells (cache it in the caller)."""
+    import nbformat
+    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    ns: dict = {"__name__": f"solution_{name}"}
+    for i, src in solution_cells(nb):
+        exec(compile(src, f"<solution {name} cell {i}>", "exec"), ns)
+    return ns

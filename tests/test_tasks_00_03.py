@@ -26,21 +26,15 @@ from gpullm_lessons.grading import checker_only_cells
 
 from numba import cuda, float32  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, solution_namespace  # noqa: E402
 numba_ok = pytest.mark.skipif(not device.numba_available(), reason="Numba kernels need a GPU or the simulator")
 no_gpu = pytest.mark.skipif(device.has_gpu(), reason="the no-GPU path (compile + lint) of a HIP task")
 
 
 @functools.lru_cache(maxsize=None)
 def solution(name: str) -> dict:
-    """The namespace of solutions/<name>.ipynb after running its code cells, checker cells left out."""
-    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
-    skip = checker_only_cells(nb)
-    ns: dict = {"__name__": f"solution_{name}"}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and i not in skip:
-            exec(compile(cell.source, f"<solution {name} cell {i}>", "exec"), ns)
-    return ns
+    """The namespace of solutions/<name>.ipynb (see conftest.solution_namespace)."""
+    return solution_namespace(name)
 
 
 def wrong(result, *words):

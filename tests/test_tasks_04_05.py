@@ -33,7 +33,7 @@ def load(path, edits=()):
     todo = list(edits)
     ns = {"__name__": "solution"}
     for cell in nb.cells:
-        if cell.cell_type != "code" or cell.source.lstrip().startswith("check_"):
+        if cell.cell_type != "code" or cell.source.lstrip().startswith("check_") or "show_kernel(" in cell.source:
             continue
         src = cell.source
         for cid, old, new in [e for e in todo if e[0] == cell.id]:
