@@ -12,9 +12,7 @@ without a GPU, and run by the gpu-marked tests on one.
 """
 import functools
 import math
-from pathlib import Path
 
-import nbformat
 import numpy as np
 import pytest
 
@@ -22,11 +20,10 @@ import gpullm_lessons  # noqa: F401  (before numba)
 from gpullm_lessons import checks_kernels as ck
 from gpullm_lessons import device, hip
 from gpullm_lessons.checks import check_linear_backward
-from gpullm_lessons.grading import checker_only_cells
 
 from numba import cuda, float32  # noqa: E402
 
-from conftest import ROOT, solution_namespace  # noqa: E402
+from conftest import solution_namespace  # noqa: E402
 numba_ok = pytest.mark.skipif(not device.numba_available(), reason="Numba kernels need a GPU or the simulator")
 no_gpu = pytest.mark.skipif(device.has_gpu(), reason="the no-GPU path (compile + lint) of a HIP task")
 

@@ -13,7 +13,6 @@ import math
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import ml_dtypes
 import nbformat
