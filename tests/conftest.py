@@ -51,3 +51,11 @@ def solution_namespace(name: str) -> dict:
     for i, src in solution_cells(nb):
         exec(compile(src, f"<solution {name} cell {i}>", "exec"), ns)
     return ns
+
+
+def wrong(result, *words):
+    """The verdict is wrong (or an error) and its message or hint says every one of `words` (case-insensitive)."""
+    assert result.status in ("wrong", "error"), result.message
+    text = (result.message + " " + (result.hint or "")).lower()
+    missing = [w for w in words if w.lower() not in text]
+    assert not missing, f"the hint does not say {missing}: {result.message}"

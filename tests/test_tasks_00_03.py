@@ -23,7 +23,7 @@ from gpullm_lessons.checks import check_linear_backward
 
 from numba import cuda, float32  # noqa: E402
 
-from conftest import solution_namespace  # noqa: E402
+from conftest import solution_namespace, wrong  # noqa: E402
 numba_ok = pytest.mark.skipif(not device.numba_available(), reason="Numba kernels need a GPU or the simulator")
 no_gpu = pytest.mark.skipif(device.has_gpu(), reason="the no-GPU path (compile + lint) of a HIP task")
 
@@ -34,12 +34,6 @@ def solution(name: str) -> dict:
     return solution_namespace(name)
 
 
-def wrong(result, *words):
-    """The verdict is wrong (or an error) and the hint names the mistake: every word appears in it."""
-    assert result.status in ("wrong", "error"), result.message
-    text = (result.message + " " + (result.hint or "")).lower()
-    missing = [w for w in words if w.lower() not in text]
-    assert not missing, f"hint does not say {missing}: {result.message}"
 
 
 def capped(kernel, threads_name="THREADS", ns_name="00_gpu_orientation"):

@@ -29,7 +29,7 @@ from gpullm_lessons.checks_precision import (check_bf16_hip, check_bf16_kernel, 
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from conftest import ROOT, solution_namespace  # noqa: E402
+from conftest import ROOT, solution_namespace, wrong  # noqa: E402
 numba_ok = pytest.mark.skipif(not device.numba_available(), reason="Numba kernels need a GPU or the simulator")
 no_gpu = pytest.mark.skipif(device.has_gpu(), reason="the no-GPU path (compile + lint) of a HIP task")
 
@@ -40,12 +40,6 @@ def solution(name: str) -> dict:
     return solution_namespace(name)
 
 
-def wrong(result, *words):
-    """The verdict is wrong (or an error) and the message or hint says every one of `words`."""
-    assert result.status in ("wrong", "error"), result.message
-    text = (result.message + " " + (result.hint or "")).lower()
-    missing = [w for w in words if w.lower() not in text]
-    assert not missing, f"the hint does not say {missing}: {result.message}"
 
 
 def test_task_headers_and_labels():
