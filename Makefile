@@ -13,8 +13,10 @@ SETUP  := $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed-$(EXTRAS),)
 # One BLAS thread per process: tests and notebook kernels run side by side on small CI machines.
 PYTEST := OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} $(PY) -m pytest -p no:cacheprovider
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=900
+# The lessons go to nbval only where the browser test cannot run them (no Chromium, or no playwright in PY's env).
+BROWSER_OR_NBVAL := $$(test -x "$${GPULLM_CHROMIUM:-/usr/bin/chromium}" && $(PY) -c "import playwright" 2>/dev/null || echo notebooks)
 
-.PHONY: help setup train test unit notebooks gpu-test bench lab doctor exercises grade grade-solutions clean clean-notebooks
+.PHONY: help setup train test unit notebooks browser-test gpu-test bench lab doctor exercises grade grade-solutions clean clean-notebooks
 
 help:
 	@sed -n 's/^## //p' $(MAKEFILE_LIST)
@@ -33,13 +35,21 @@ setup: $(SETUP)
 train: $(SETUP)
 	$(PY) -m gpullm_lessons.train $(ARGS)
 
-## test        unit tests + every lesson and solution notebook under nbval + grading of fresh exercises
+## test        unit tests + every lesson run in JupyterLab in headless Chromium + solutions under nbval + grading
+# The lessons of notebooks/ run in the browser test (tests/test_browser.py) instead of under nbval: it runs every
+# cell too and also checks what a learner sees (figures, widgets, stderr); running them twice would cost CI minutes.
+# Without Chromium the browser test skips and the lessons run under nbval (CI sets GPULLM_REQUIRE_BROWSER=1: fails).
 test: $(SETUP)
-	$(PYTEST) -q $(NBVAL) tests notebooks solutions
+	$(PYTEST) -q $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
 
-## unit        unit tests only (fast)
+## unit        unit tests only (fast; no browser)
 unit: $(SETUP)
-	$(PYTEST) -q tests
+	$(PYTEST) -q -m "not browser" tests
+
+## browser-test  every lesson and one exercise in JupyterLab + headless Chromium: Run All, then errors, figures,
+##               widgets (needs /usr/bin/chromium: apt-get install chromium); screenshots in runs/browser/
+browser-test: $(SETUP)
+	$(PYTEST) -q -m browser tests/test_browser.py
 
 ## notebooks   lesson and solution notebooks under nbval only
 notebooks: $(SETUP)
@@ -49,7 +59,7 @@ notebooks: $(SETUP)
 gpu-test: $(SETUP)
 	$(PY) -m gpullm_lessons doctor
 	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make gpu-test')"
-	$(PYTEST) -q -rs $(NBVAL) tests notebooks solutions
+	$(PYTEST) -q -rs -m "not browser" $(NBVAL) tests notebooks solutions
 
 ## bench       GPU: every kernel version beside PyTorch -> runs/bench_kernels.json and runs/roofline.png
 bench: $(SETUP)

@@ -6,6 +6,8 @@ Without a GPU, lessons show a stored measurement instead (``stored_ceilings()``,
 
     python -m gpullm_lessons.bench ceilings [--json PATH]
     python -m gpullm_lessons.bench kernels [--ops softmax,layernorm] [--json PATH] [--plot roofline.png]
+    python -m gpullm_lessons.bench timeline [--presets course]   (one eager and one CUDA-graph step, CUPTI trace)
+    python -m gpullm_lessons.bench ncu [--ops softmax,layernorm,crossentropy,adamw] [--json PATH]  (Nsight Compute)
     python -m gpullm_lessons.bench train | checkpointing [--presets course,gpt2]   (gpullm_lessons/bench_train.py)
 """
 from __future__ import annotations
@@ -154,12 +156,36 @@ def stored_ceilings() -> dict:
     return json.loads(text)
 
 
+# The card makers' peak figures (dense: no 2:4 sparsity), beside which the measured ceilings are read: a kernel's
+# "fraction of the measured copy rate" says how close it is to what this card achieves, "of spec" how close to
+# the datasheet. Keyed by the name the driver reports.
+SPEC_PEAKS = {
+    "NVIDIA H200": {"source": "NVIDIA H200 SXM datasheet (dense)", "hbm_GB/s": 4800.0, "fp32_TFLOP/s": 67.0,
+                    "tf32_tc_TFLOP/s": 494.5, "bf16_tc_TFLOP/s": 989.5, "fp16_tc_TFLOP/s": 989.5},
+}
+
+
+def spec_peaks(card: str) -> Optional[dict]:
+    """The datasheet peaks of `card` (None for a card the course has no figures for)."""
+    return SPEC_PEAKS.get(card)
+
+
 def format_ceilings(c: dict) -> str:
-    lines = [f"{c['card']} ({c['date']})", f"  copy bandwidth     {c['copy']['GB/s']:8.0f} GB/s"]
-    for key in ("matmul_fp32", "matmul_fp16", "matmul_bf16"):
+    """Measured ceilings, each beside the card's datasheet peak and the fraction of it reached."""
+    spec = c.get("spec") or spec_peaks(c["card"]) or {}
+
+    def of_spec(value, key):
+        peak = spec.get(key)
+        return f"  spec {peak:6.0f}  ({100 * value / peak:3.0f}% of spec)" if peak else ""
+    lines = [f"{c['card']} ({c['date']})" + (f"; spec: {spec['source']}" if spec else ""),
+             f"  {'copy bandwidth':<24}{c['copy']['GB/s']:7.0f} GB/s   " + of_spec(c['copy']['GB/s'], "hbm_GB/s")]
+    keys = {"matmul_fp32": "fp32_TFLOP/s", "matmul_fp16": "fp16_tc_TFLOP/s", "matmul_bf16": "bf16_tc_TFLOP/s"}
+    for key, spec_key in keys.items():
         m = c.get(key)
         if m and "TFLOP/s" in m:
-            lines.append(f"  {m['what']:<18} {m['TFLOP/s']:8.1f} TFLOP/s")
+            lines.append(f"  {m['what']:<24}{m['TFLOP/s']:7.1f} TFLOP/s" + of_spec(m['TFLOP/s'], spec_key))
+    if spec:
+        lines.append("  (fp32: FMA units, no tensor cores; fp16/bf16: dense tensor-core peak)")
     return "\n".join(lines)
 
 
@@ -292,63 +318,78 @@ def _backends():
     return out
 
 
-def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
-    """Time every version of every kernel backend on each case, beside PyTorch, against this run's ceilings."""
-    info = device.require_gpu("benchmarking kernels")
+def case_runs(case, args) -> list:
+    """(backend, version, call) for every kernel version of every backend that runs here, and PyTorch's op."""
     import cupy as cp
-    ceil = {"copy": copy_bandwidth(256 * 2**20 if small else 2 * 2**30), "matmul_fp32": matmul_rate(2048 if small else 8192)}
-    rows = []
-    rng = np.random.default_rng(0)
+    runs = []
+    for bname, mod in _backends():
+        fn = getattr(mod, case.launcher_name(), None)
+        for version in (mod.versions(case.op) if fn is not None else []):
+            runs.append((bname, version, lambda fn=fn, version=version: fn(*args, version=version)))
     try:
         import torch
     except Exception:  # noqa: BLE001 - PyTorch is optional
         torch = None
+    if torch is not None and case.torch is not None:
+        targs = [torch.as_tensor(a, device="cuda") if isinstance(a, cp.ndarray) else a for a in args]
+        runs.append(("torch", torch.__version__, lambda: case.torch(targs)))
+    return runs
+
+
+def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
+    """Time every version of every kernel backend on each case, beside PyTorch, against this run's ceilings.
+
+    ms: GPU time per call from a CUDA graph of the calls, replayed ('graph': HIP and PyTorch), or queued launches
+    from Python where the calls cannot be captured ('queued': Numba launches on a stream of its own, so its rows
+    include Python's launch overhead); ms_launch: queued launches for every row."""
+    info = device.require_gpu("benchmarking kernels")
+    import cupy as cp
+    ceil = ceilings(small=small)
+    rows = []
+    rng = np.random.default_rng(0)
     for case in _cases(small):
         if ops and case.op not in ops:
             continue
         args = case.make(rng)
-        runs = []
-        for bname, mod in _backends():
-            fn = getattr(mod, case.launcher_name(), None)
-            for version in (mod.versions(case.op) if fn is not None else []):
-                runs.append((bname, version, lambda fn=fn, version=version: fn(*args, version=version)))
-        if torch is not None and case.torch is not None:
-            targs = [torch.as_tensor(a, device="cuda") if isinstance(a, cp.ndarray) else a for a in args]
-            runs.append(("torch", torch.__version__, lambda: case.torch(targs)))
-        for bname, version, run in runs:
+        for bname, version, run in case_runs(case, args):
+            row = {"op": case.op, "shape": case.shape, "backend": bname, "version": version}
             try:
                 t_launch = time_gpu(run, warmup=3, iters=iters, reps=3)
             except Exception as e:  # noqa: BLE001 - one failing version must not stop the table
-                rows.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version,
-                             "error": f"{type(e).__name__}: {e}"[:200]})
+                rows.append(dict(row, error=f"{type(e).__name__}: {e}"[:200]))
+                _recover()
                 continue
             t, timing = _graph_time(run, bname, iters), "graph"
             if t is None:                              # not capturable (e.g. a host sync inside): the queued time
                 t, timing = t_launch, "queued"
             gbs, tflops = case.bytes / t / 1e9, case.flops / t / 1e12
             frac = gbs / ceil["copy"]["GB/s"] if case.bound == "memory" else tflops / ceil["matmul_fp32"]["TFLOP/s"]
-            rows.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version, "ms": t * 1e3,
-                         "ms_launch": t_launch * 1e3, "timing": timing,
-                         "bytes": case.bytes, "flops": case.flops, "GB/s": gbs, "TFLOP/s": tflops, "bound": case.bound,
-                         "fraction_of_ceiling": frac})
+            rows.append(dict(row, ms=t * 1e3, ms_launch=t_launch * 1e3, timing=timing,
+                             bytes=case.bytes, flops=case.flops, **{"GB/s": gbs, "TFLOP/s": tflops},
+                             bound=case.bound, fraction_of_ceiling=frac))
         del args
         cp.get_default_memory_pool().free_all_blocks()
-    return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil, "rows": rows}
+    return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil,
+            "spec": spec_peaks(info.gpu.name), "rows": rows}
+
+
+def _recover():
+    import cupy as cp
+    try:
+        cp.cuda.Device().synchronize()
+    except Exception:  # noqa: BLE001 - a failed launch can leave an error behind; the next op reports it
+        pass
 
 
 def _graph_time(run, backend, iters):
     """GPU time per call from a CUDA graph of `iters` calls (time_gpu_graph / time_torch_graph); None when the call
-    cannot be captured (Numba launches on their own stream, a host sync, an allocation PyTorch refuses)."""
+    cannot be captured (Numba launches on its own stream, a host sync, an allocation PyTorch refuses)."""
     if backend == "numba":
         return None
     try:
         return (time_torch_graph if backend == "torch" else time_gpu_graph)(run, iters=iters, reps=3)
-    except Exception:  # noqa: BLE001 - not capturable: the caller keeps the queued time
-        import cupy as cp
-        try:
-            cp.cuda.Device().synchronize()
-        except Exception:  # noqa: BLE001 - a failed capture can leave an error behind; the next op reports it
-            pass
+    except Exception:  # noqa: BLE001 - not capturable
+        _recover()
         return None
 
 
@@ -366,27 +407,29 @@ def kernel_results(ops, live=None) -> dict:
 
 
 def format_kernels(result: dict) -> str:
+    """The kernel table: GPU time ('g': a CUDA graph replayed; 'q': queued launches), queued launch time, rates."""
     c = result["ceilings"]
     lines = [f"{result['card']} ({result['date']}): copy {c['copy']['GB/s']:.0f} GB/s, "
              f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s",
-             "ms: GPU time per call (a CUDA graph of the calls, replayed: 'g'), or queued launches from Python ('q'); "
-             "launch ms: queued launches, Python's launch overhead included",
-             f"{'op':<13}{'shape':<22}{'backend':<8}{'version':<10}{'ms':>10}{'launch ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
-             f"{'of ceiling':>12}"]
+             "ms: GPU time per call ('g': a CUDA graph of the calls, replayed; 'q': queued launches)",
+             "launch ms: queued launches from Python, launch overhead included",
+             f"{'op':<13}{'backend':<7}{'version':<9}{'ms':>9}{'launch ms':>10}{'GB/s':>7}{'TFLOP/s':>8}"
+             f"{'of ceiling':>11}"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}  error: {r['error']}")
+            lines.append(f"{r['op']:<13}{r['backend']:<7}{str(r['version'])[:8]:<9}  error: {r['error'][:60]}")
             continue
         mark = {"graph": "g", "queued": "q"}.get(r.get("timing"), " ")
-        lines.append(f"{r['op']:<13}{r['shape']:<22}{r['backend']:<8}{r['version']:<10}{r['ms']:9.3f}{mark}"
-                     f"{r.get('ms_launch', r['ms']):10.3f}{r['GB/s']:9.0f}"
-                     f"{r['TFLOP/s']:9.2f}{100 * r['fraction_of_ceiling']:11.0f}% ({'copy' if r['bound'] == 'memory' else 'fp32 mm'})")
+        lines.append(f"{r['op']:<13}{r['backend']:<7}{str(r['version'])[:8]:<9}{r['ms']:8.3f}{mark}"
+                     f"{r.get('ms_launch', r['ms']):10.3f}{r['GB/s']:7.0f}"
+                     f"{r['TFLOP/s']:8.2f}{100 * r['fraction_of_ceiling']:6.0f}% "
+                     f"{'copy' if r['bound'] == 'memory' else 'mm'}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels", "train", "checkpointing", "profile", "gputime"],
+    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "checkpointing", "profile", "gputime"],
                     help="what to measure")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
     ap.add_argument("--precisions", default=None,
@@ -420,6 +463,15 @@ def main(argv=None) -> int:
                 precs = tuple((args.precisions or "fp32").split(","))
                 result = bt.bench_checkpointing(presets, precs)
                 print(bt.format_checkpointing(result))
+        elif args.what == "timeline":
+            from .profiling import format_timeline, step_timeline
+            result = step_timeline(args.presets.split(",")[0], (args.precisions or "bf16").split(",")[0])
+            print(format_timeline(result))
+        elif args.what == "ncu":
+            from .profiling import format_ncu, ncu_kernels
+            ops = args.ops.split(",") if args.ops else ["softmax", "layernorm", "crossentropy", "adamw"]
+            result = ncu_kernels(ops=ops, small=args.small)
+            print(format_ncu(result))
         else:
             result = bench_kernels(ops=args.ops.split(",") if args.ops else None, small=args.small)
             print(format_kernels(result))

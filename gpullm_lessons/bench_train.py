@@ -214,7 +214,8 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
 
 
 def format_train(result) -> str:
-    lines = [f"training step on {result['card']} ({result['date']}); MFU against the measured matmul rate: "
+    lines = [f"training step on {result['card']} ({result['date']})",
+             "MFU against the measured matmul rate: "
              + ", ".join(f"{p} {r['TFLOP/s']:.0f} TFLOP/s" for p, r in result["matmul_rates"].items()),
              f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<12}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
              f"{'MFU':>7}{'peak GiB':>10}"]

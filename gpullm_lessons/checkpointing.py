@@ -311,18 +311,22 @@ def format_breakdown(cfg, B, T, precision="fp32") -> str:
     """activation_breakdown as a text table, with per-policy totals (n_layer blocks + the top tensors)."""
     rows = activation_breakdown(cfg, B, T, precision)
     mark = {True: "kept", False: "recomp."}
-    lines = [f"{'tensor':44s} {'shape':>20s} {'bytes':>12s}  {'none':>7s} {'selective':>9s} {'full':>7s}"]
-    for r in rows:
-        lines.append(f"{r['tensor']:44s} {str(r['shape']):>20s} {r['bytes']:>12,}  {mark[r['none']]:>7s} "
-                     f"{mark[r['selective']]:>9s} {mark[r['full']]:>7s}")
     totals = {p: memory_model(cfg, B, T, precision, p) for p in POLICIES}
-    lines.append(f"{'one block keeps':44s} {'':>20s} {'':>12s}  "
-                 + " ".join(f"{_mib(totals[p]['activations_per_block']):>{w}s}" for p, w in
-                            zip(POLICIES, (7, 9, 7))))
-    lines.append(f"{'all activations (x ' + str(cfg.n_layer) + ' blocks + top)':44s} {'':>20s} {'':>12s}  "
-                 + " ".join(f"{_mib(totals[p]['activations']):>{w}s}" for p, w in zip(POLICIES, (7, 9, 7))))
-    lines.append(f"{'+ one block recomputed in backward':44s} {'':>20s} {'':>12s}  "
-                 + " ".join(f"{_mib(totals[p]['recompute_peak']):>{w}s}" for p, w in zip(POLICIES, (7, 9, 7))))
+    sums = [("one block keeps", "activations_per_block"),
+            (f"all activations (x {cfg.n_layer} blocks + top)", "activations"),
+            ("+ one block recomputed in backward", "recompute_peak")]
+    # columns as wide as their widest entry, so the course model's table stays within 100 characters a line
+    wt = max(len(s) for s in [r["tensor"] for r in rows] + [label for label, _ in sums])
+    ws = max(len("shape"), *(len(str(r["shape"])) for r in rows))
+    wb = max(len("bytes"), *(len(f"{r['bytes']:,}") for r in rows))
+    widths = (7, 9, 7)
+    lines = [f"{'tensor':{wt}s} {'shape':>{ws}s} {'bytes':>{wb}s} {'none':>7s} {'selective':>9s} {'full':>7s}"]
+    for r in rows:
+        lines.append(f"{r['tensor']:{wt}s} {str(r['shape']):>{ws}s} {r['bytes']:>{wb},} {mark[r['none']]:>7s} "
+                     f"{mark[r['selective']]:>9s} {mark[r['full']]:>7s}")
+    for label, key in sums:
+        lines.append(f"{label:{wt}s} {'':>{ws}s} {'':>{wb}s} "
+                     + " ".join(f"{_mib(totals[p][key]):>{w}s}" for p, w in zip(POLICIES, widths)))
     return "\n".join(lines)
 
 
@@ -422,11 +426,15 @@ def load_h200(path=None):
     return json.loads(path.read_text())
 
 
-def max_batch(cfg, T, capacity_bytes, precision="fp32", policy="none", limit=1 << 20) -> int:
-    """The largest batch size B whose memory_model total fits in capacity_bytes (0 if not even B = 1 fits).
-    The total grows linearly with B, so a doubling then a bisection finds it."""
+def max_batch(cfg, T, capacity_bytes, precision="fp32", policy="none", limit=1 << 20, model=None) -> int:
+    """The largest batch size B whose predicted total fits in capacity_bytes (0 if not even B = 1 fits).
+    model: the memory model, (cfg, B, T, precision, policy) -> {"total": bytes, ...}; memory_model (the reference's
+    cache) by default, engine.engine_memory for the GPU engine. The total grows linearly with B, so a doubling then
+    a bisection finds it."""
+    model = memory_model if model is None else model
+
     def fits(B):
-        return memory_model(cfg, B, T, precision, policy)["total"] <= capacity_bytes
+        return model(cfg, B, T, precision, policy)["total"] <= capacity_bytes
     if not fits(1):
         return 0
     lo, hi = 1, 2

@@ -886,6 +886,51 @@ def _is_poison(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(uint) == bits
 
 
+# Guard zones: on a real GPU nothing traps a write past the end of an array (the simulator raises IndexError and
+# the checker names the thread), so there each output is a view into a larger buffer with a zone of poison before
+# and after it. A zone that changed is an out-of-bounds write. 256 bytes keep the view on the 256-byte alignment
+# of a fresh allocation, so vector (float4) loads and stores stay legal. GUARDS: None = on a real GPU only,
+# True / False to force (the tests exercise the zones with NumPy arrays).
+GUARD_BYTES = 256
+GUARDS: Optional[bool] = None
+
+
+def _guards_on(arrays: str) -> bool:
+    if GUARDS is not None:
+        return bool(GUARDS)
+    return arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
+
+
+def _guarded_outputs(shapes, dt, arrays, guards: bool):
+    """(output arrays to pass, their guarded buffers or None) for the output shapes, all filled with the poison."""
+    outs, bufs = [], []
+    for shape in shapes:
+        if not guards:
+            outs.append(_arrays.to_backend(_poison(shape, dt), arrays))
+            bufs.append(None)
+            continue
+        g, n = GUARD_BYTES // dt.itemsize, int(np.prod(shape, dtype=np.int64))
+        big = _arrays.to_backend(_poison((g + n + g,), dt), arrays)
+        outs.append(big[g:g + n].reshape(shape))
+        bufs.append(big)
+    return outs, bufs
+
+
+def _guard_breach(names, shapes, bufs, dt):
+    """(output name, elements written before its start, after its end, first flat index past the end or None) for
+    the first output whose guard zones changed, else None."""
+    for name, shape, big in zip(names, shapes, bufs):
+        if big is None:
+            continue
+        host = np.asarray(_arrays.to_numpy(big))
+        g, n = GUARD_BYTES // dt.itemsize, int(np.prod(shape, dtype=np.int64))
+        before, after = ~_is_poison(host[:g]), ~_is_poison(host[g + n:])
+        if before.any() or after.any():
+            first = n + int(np.argmax(after)) if after.any() else None
+            return name, int(before.sum()), int(after.sum()), first
+    return None
+
+
 def _compare(o, e, tol, terms=0.0, parts=1):
     """Per-element verdict: (bad mask, |o - e|, rel err, atol).
 
@@ -1459,7 +1504,7 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
         history.append((shapes, expected))
         try:
             dev_in = [_arrays.to_backend(a, arrays) for a in case.inputs.values()]
-            dev_out = [_arrays.to_backend(_poison(shape, dt), arrays) for shape in case.outputs.values()]
+            dev_out, guard_bufs = _guarded_outputs(case.outputs.values(), dt, arrays, _guards_on(arrays))
         except _arrays.BackendUnavailableError:
             raise
         except Exception as exc:  # e.g. a dtype the backend cannot hold
@@ -1490,6 +1535,26 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             result = CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint, **info)
             break
 
+        breach = _guard_breach(case.outputs, case.outputs.values(), guard_bufs, dt)
+        if breach is not None:
+            name, n_before, n_after, first = breach
+            n = int(np.prod(case.outputs[name], dtype=np.int64))
+            where = []
+            if n_after:
+                where.append(f"{n_after} element{'s' if n_after > 1 else ''} past its end (its last is flat index "
+                             f"{n - 1}; the first written past it: {first})")
+            if n_before:
+                where.append(f"{n_before} element{'s' if n_before > 1 else ''} before its start (a negative index)")
+            sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
+            hint = (f"an out-of-bounds write: a thread whose index lies outside {name} still wrote. Every thread must "
+                    f"test its index against the size before it writes (if i < n, not i <= n; with a grid-stride "
+                    f"loop, the loop's condition is that guard). On a GPU nothing stops such a write: it lands in "
+                    f"whatever memory lies there (seed {seed})")
+            msg = (f"{op.name}: wrong - your kernel wrote outside {name}: {' and '.join(where)} (case {k + 1} of "
+                   f"{op.n_cases}: {sizes}; seed {seed})")
+            result = CheckResult(status="wrong", passed=False, output=name, hint=hint,
+                                 message=msg + "\n  hint: " + hint, **info)
+            break
         ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
         bads, stats, atols, wrong = {}, {}, {}, []
         terms = op.terms(case) if op.terms is not None else {}

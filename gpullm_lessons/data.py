@@ -104,8 +104,11 @@ class Corpus:
                 f"Use a longer file or a smaller block size.")
 
     def describe(self) -> str:
-        return (f"{self.name}: {len(self.tokens):,} bytes ({len(self.train):,} train / {len(self.val):,} val), "
-                f"from {self.source}")
+        """What the corpus is and where it came from: one line, or two where one would pass 90 characters (a
+        notebook wraps output lines past ~100 anywhere, even inside a number)."""
+        size = f"{self.name}: {len(self.tokens):,} bytes ({len(self.train):,} train / {len(self.val):,} val)"
+        line = f"{size}, from {self.source}"
+        return line if len(line) <= 90 else f"{size},\n  from {self.source}"
 
 
 def load_corpus(path: Optional[Union[str, Path]] = None, block_size: Optional[int] = None) -> Corpus:

@@ -142,6 +142,7 @@ def detect(environ=None) -> DeviceInfo:
 
 _INFO: Optional[DeviceInfo] = None
 _ANNOUNCED = False
+_DESCRIBED = False   # describe() was called: a notebook printed the device line itself
 
 
 def configure(quiet: bool = False) -> DeviceInfo:
@@ -160,8 +161,37 @@ def configure(quiet: bool = False) -> DeviceInfo:
     _INFO = info
     if not quiet and not _ANNOUNCED and info.kind != "cuda":
         _ANNOUNCED = True
-        print(f"[gpullm_lessons] device: {info.kind} - {info.reason}", file=sys.stderr)
+        _announce(f"[gpullm_lessons] device: {info.kind} - {info.reason}")
     return info
+
+
+def _ipython_shell():
+    """The running IPython shell (a Jupyter kernel, or IPython in a terminal), or None. Never imports IPython."""
+    ipython = sys.modules.get("IPython")
+    try:
+        return ipython.get_ipython() if ipython is not None else None
+    except Exception:
+        return None
+
+
+def _announce(line: str) -> None:
+    """Say where code runs, once. A script or a test: on stderr, at import. A notebook: as ordinary output
+    (stdout) at the end of the cell that imported the package, and only if that cell did not print
+    ``describe()`` itself (every lesson does), so the line appears once and not in an error-coloured box."""
+    shell = _ipython_shell()
+    if shell is None or not hasattr(shell, "events"):
+        print(line, file=sys.stderr)
+        return
+
+    def after_cell(*_):
+        try:
+            shell.events.unregister("post_run_cell", after_cell)
+        except ValueError:
+            pass
+        if not _DESCRIBED:
+            print(line, flush=True)
+
+    shell.events.register("post_run_cell", after_cell)
 
 
 def _numba_simulating() -> bool:
@@ -210,6 +240,8 @@ def require_gpu(what: str = "this") -> DeviceInfo:
 
 def describe() -> str:
     """One line for notebooks: what runs where."""
+    global _DESCRIBED
+    _DESCRIBED = True
     i = configure()
     if i.gpu is not None:
         g = i.gpu

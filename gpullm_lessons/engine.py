@@ -51,6 +51,7 @@ import math
 import numpy as np
 
 from .params import GPTConfig, ParamBuffer, init_params, num_params
+from .profiling import nvtx_range
 
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -752,9 +753,12 @@ class GPUEngine(Engine):
             if graph is not None:
                 return graph.step(x, y, lr, weight_decay, grad_clip)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        loss = self.forward(x, y)[1]      # the logits are not kept: (B, T, V) would stay alive through backward
-        self.backward(loss_scale=scale)
-        return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
+        with nvtx_range("forward"):
+            loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
+        with nvtx_range("backward"):
+            self.backward(loss_scale=scale)
+        with nvtx_range("optimizer"):
+            return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
 
     def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
         """After backward(loss_scale=self.scaler.scale or 1): the overflow check (fp16), clipping, fused AdamW.

@@ -74,7 +74,10 @@ class GradcheckResult:
 
     def __str__(self):
         verdict = "PASSED" if self.passed else "FAILED"
-        lines = [f"{self.title}: {verdict}  (float64, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})"]
+        setting = f"(float64, eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})"
+        head = f"{self.title}: {verdict}  {setting}"
+        # at most 100 characters a line: JupyterLab wraps longer output lines anywhere, even inside a number
+        lines = [head] if len(head) <= 100 else [f"{self.title}: {verdict}", f"  {setting}"]
         width = max([5] + [len(row.name) for row in self.rows])
         lines.append(f"{'input':<{width}}  {'shape':<16} {'checked':>7}  {'max abs err':>11}  {'max rel err':>11}  ok")
         for row in self.rows:
@@ -275,4 +278,6 @@ def gpt_gradcheck(cfg, seed: int = 0, n_checks: int = 6, B: int = 2, T: Optional
         numerical = np.array([_partial(loss, x, ix, eps) for ix in index])
         rows.append(compare(name, np.array([analytic[ix] for ix in index]), numerical, rtol, atol))
         rows[-1].shape = tuple(x.shape)
-    return GradcheckResult(f"gpt_gradcheck (B={B}, T={T}, {cfg})", rows, eps, rtol, atol)
+    shape = (f"L={cfg.n_layer} nh={cfg.n_head} C={cfg.d_model} block_size={cfg.block_size} "
+             f"V={cfg.vocab_size}")
+    return GradcheckResult(f"gpt_gradcheck (B={B}, T={T}, {shape})", rows, eps, rtol, atol)

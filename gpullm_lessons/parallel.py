@@ -768,8 +768,10 @@ def selftest(comm: Communicator) -> bool:
         results.append((f"a ring without its all-gather phase is caught ({msg})", not ok_wrong))
     comm.barrier()
     if r == 0:
-        for name, ok in results:
-            print(f"[{'OK' if ok else 'FAIL'}] {name}")
+        import textwrap
+        for name, ok in results:   # lines of at most 100 characters (a notebook shows this output)
+            print(textwrap.fill(f"[{'OK' if ok else 'FAIL'}] {name}", 100, subsequent_indent="     ",
+                                break_long_words=False, break_on_hyphens=False))
         print(f"selftest: {sum(ok for _, ok in results)}/{len(results)} passed on {N} ranks ({comm.name})")
     return all(ok for _, ok in results)
 

@@ -273,6 +273,17 @@ FORMATS = {  # name: (exponent bits, mantissa bits, total bits)
     "fp32": (8, 23, 32), "fp16": (5, 10, 16), "bf16": (8, 7, 16)}
 
 
+def relative_error(value: float, stored: float) -> float:
+    """|stored - value| / |value| for a value and what a format stored of it: 0 for an exact value (and for NaN
+    kept as NaN), inf where a finite value overflowed, NaN where a number became NaN."""
+    v, stored = float(value), float(stored)
+    if math.isnan(v) or math.isnan(stored):
+        return 0.0 if (math.isnan(v) and math.isnan(stored)) else math.nan
+    if math.isinf(stored) and not math.isinf(v):
+        return math.inf
+    return 0.0 if v == 0 or stored == v else abs(stored - v) / abs(v)
+
+
 def format_rows(value: float) -> list:
     """How `value` (a Python float) is stored in fp32, fp16 and bf16, each rounded to nearest even from the
     float32 value: a list of dicts with name, bits (str 'sign exponent mantissa'), hex, stored (the value the
@@ -293,24 +304,21 @@ def format_rows(value: float) -> list:
             bits = int(b[0])
             stored = float(bf16_bits_to_f32(b)[0])
         s = format(bits, f"0{n}b")
-        v = float(value)
-        if math.isnan(v) or math.isnan(stored):
-            rel = 0.0 if (math.isnan(v) and math.isnan(stored)) else math.nan
-        elif math.isinf(stored) and not math.isinf(v):
-            rel = math.inf
-        else:
-            rel = 0.0 if v == 0 or stored == v else abs(stored - v) / abs(v)
+        rel = relative_error(value, stored)
         rows.append({"name": name, "bits": f"{s[0]} {s[1:1 + e]} {s[1 + e:]}", "hex": f"0x{bits:0{n // 4}X}",
                      "stored": stored, "rel_err": rel})
     return rows
 
 
 def format_table(value: float) -> str:
-    """format_rows(value) as a text table (one line per format)."""
-    lines = [f"value {float(value)!r}", f"{'format':6s} {'sign exponent mantissa':38s} {'hex':10s} "
-             f"{'stored value':>24s} {'rel. error':>10s}"]
+    """format_rows(value) as a text table (one line per format), the sign, exponent and mantissa bits each in a
+    column under its header."""
+    lines = [f"value {float(value)!r}", f"{'format':6s} {'s':1s} {'exponent':8s} {'mantissa':23s} {'hex':10s} "
+             f"{'stored value':>18s} {'rel. error':>10s}"]
     for r in format_rows(value):
-        lines.append(f"{r['name']:6s} {r['bits']:38s} {r['hex']:10s} {r['stored']:24.10g} {r['rel_err']:10.2e}")
+        sign, exponent, mantissa = r["bits"].split()
+        lines.append(f"{r['name']:6s} {sign:1s} {exponent:8s} {mantissa:23s} {r['hex']:10s} {r['stored']:18.10g} "
+                     f"{r['rel_err']:10.2e}")
     return "\n".join(lines)
 
 
@@ -345,7 +353,7 @@ def _gpt_backward_scaled(cache, grads, dloss: float) -> None:
 def compare_precisions(cfg, steps: int = 60, batch: int = 8, precisions=("fp32", "bf16", "fp16"), seed: int = 0,
                        loss_scale: bool = True, lr: float = 1e-3, warmup: Optional[int] = None,
                        weight_decay: float = 0.1, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
-                       data=None) -> dict:
+                       data=None, dloss: float = 1.0) -> dict:
     """Train the reference GPT `cfg` for `steps` steps under each matmul precision, from the same init
     (init_params(cfg, seed)) on the same batches (BatchSampler(corpus.train, batch, cfg.block_size, seed)).
 
@@ -354,6 +362,10 @@ def compare_precisions(cfg, steps: int = 60, batch: int = 8, precisions=("fp32",
     matmul_precision). fp16 with loss_scale=True: the backward starts from dloss = scale (DynamicLossScaler(
     init_scale, growth_interval)) and the step is scaled_step (unscale, skip on inf/NaN, back off / grow).
     fp16 with loss_scale=False, and bf16: dloss = 1 and a plain step.
+    dloss: what the backward starts from (times the loss scale), divided back out of the fp32 gradients before the
+    step. Below 1 it gives this small model's gradients the size a larger run's have: the loss is a mean over
+    N = B*T tokens, so a dlogits element is about 1 / (N * V), 3e-5 here and 1e-9 for GPT-2 (B*T = 16384,
+    V = 50257), below fp16's smallest subnormal. A power of two leaves the fp32 run bit for bit unchanged.
 
     Returns {precision: {"loss": [per-step loss of the batch before its update], "scale": [scale used per step],
     "skipped": [steps skipped, 1-based], "flushed": fraction of nonzero backward-matmul inputs that underflowed to
@@ -386,7 +398,9 @@ def compare_precisions(cfg, steps: int = 60, batch: int = 8, precisions=("fp32",
                 _, loss, cache = gpt_forward(params.views, cfg, x, y)
             scale = scaler.scale if scaled else 1.0
             with np.errstate(over="ignore", invalid="ignore"), matmul_precision(name) as bs:
-                _gpt_backward_scaled(cache, grads.views, scale)
+                _gpt_backward_scaled(cache, grads.views, scale * dloss)
+            if dloss != 1.0:
+                grads.flat /= np.float32(dloss)
             for total, s in ((fwd_total, fs), (bwd_total, bs)):
                 total.values += s.values
                 total.nonzero += s.nonzero

@@ -822,59 +822,132 @@ def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
 # ---- lesson 07: mixed precision ------------------------------------------------------------------------------------
 
 def plot_float_formats(ax=None):
-    """The bit layouts of fp32, fp16 and bf16 (sign, exponent, mantissa boxes, one per bit) with each format's
-    largest value, smallest normal and subnormal, and machine epsilon."""
+    """The bit layouts of fp32, TF32, fp16 and bf16 (sign, exponent, mantissa boxes, one per bit) with each format's
+    largest value, smallest normal and subnormal, and machine epsilon. TF32 is what tensor cores read of an fp32
+    input in an fp32 matmul (cuBLAS's TF32 mode): fp32's sign and 8 exponent bits and the top 10 mantissa bits."""
     plt = _pyplot()
     from matplotlib.patches import Patch, Rectangle
+    fmts = [("fp32", 8, 23), ("tf32", 8, 10), ("fp16", 5, 10), ("bf16", 8, 7)]
     if ax is None:
-        fig, ax = plt.subplots(figsize=(11, 3.2))
+        fig, ax = plt.subplots(figsize=(11, 4.0))
     else:
         fig = ax.figure
-    fmts = [("fp32", 8, 23), ("fp16", 5, 10), ("bf16", 8, 7)]
     colors = {"sign": "tab:red", "exponent": "tab:green", "mantissa": "tab:blue"}
     for row, (name, e, m) in enumerate(fmts):
         y = -row * 1.2
         kinds = ["sign"] + ["exponent"] * e + ["mantissa"] * m
         for i, kind in enumerate(kinds):
             ax.add_patch(Rectangle((i, y), 0.92, 0.8, color=colors[kind], alpha=0.75))
+        if name == "tf32":   # the 13 low bits of the fp32 word that the tensor core ignores
+            for i in range(len(kinds), 32):
+                ax.add_patch(Rectangle((i, y), 0.92, 0.8, facecolor="none", edgecolor="0.5", ls=":"))
         bias = 2 ** (e - 1) - 1
         largest = (2 - 2.0 ** -m) * 2.0 ** bias
         info = (f"{name}: 1 + {e} + {m} bits | max {largest:.4g} | min normal 2^{1 - bias} = {2.0 ** (1 - bias):.2g} | "
                 f"min subnormal 2^{1 - bias - m} = {2.0 ** (1 - bias - m):.2g} | eps 2^-{m} = {2.0 ** -m:.2g}")
         ax.text(0, y + 0.88, info, fontsize=8.5, va="bottom")
-    ax.legend(handles=[Patch(color=c, alpha=0.75, label=k) for k, c in colors.items()], loc="lower right",
-              fontsize=8, ncol=3)
+    handles = [Patch(color=c, alpha=0.75, label=k) for k, c in colors.items()]
+    handles.append(Patch(facecolor="none", edgecolor="0.5", ls=":", label="tf32: the fp32 bits a tensor core ignores"))
+    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=4)
     ax.set_xlim(-0.5, 33)
-    ax.set_ylim(-2.6, 1.4)
+    ax.set_ylim(-(len(fmts) - 1) * 1.2 - 0.9, 1.4)
     ax.axis("off")
-    ax.set_title("fp32, fp16, bf16: bf16 keeps fp32's 8 exponent bits (its range), fp16 keeps more mantissa "
-                 "(its precision)", fontsize=10)
+    ax.set_title("bf16 keeps fp32's 8 exponent bits (its range), fp16 keeps more mantissa (its precision); TF32, "
+                 "what tensor cores read of fp32 in an fp32 matmul, has both", fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def float_formats_widget(value: float = 0.1):
-    """An ipywidgets box: type a value (or move the slider, log10 of |value|) and see its fp32, fp16 and bf16 bits,
-    the value each format stores and the relative error (precision.format_table). Needs a widget frontend."""
+def _tf32_row(value: float) -> dict:
+    """How `value` is stored as TF32: the float32 value rounded to 10 mantissa bits (to nearest, ties to even),
+    in a 32-bit word whose low 13 bits are zero. Keys as precision.format_rows."""
+    import numpy as np
+
+    from . import precision
+    with np.errstate(over="ignore"):                     # past fp32's range: inf, as a cast gives
+        bits = int(np.array(np.float32(value)).view(np.uint32))
+    if (bits >> 23) & 0xFF == 0xFF:                      # inf stays inf; NaN stays a (quiet) NaN
+        bits = (bits | (0x400000 if bits & 0x7FFFFF else 0)) & 0xFFFFE000
+    else:
+        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    stored = float(np.array(bits, np.uint32).view(np.float32))
+    rel = precision.relative_error(value, stored)
+    s = format(bits, "032b")
+    return {"name": "tf32", "bits": f"{s[0]} {s[1:9]} {s[9:19]}", "hex": f"0x{bits:08X}", "stored": stored,
+            "rel_err": rel}
+
+
+def float_formats_html(value: float) -> str:
+    """An HTML table of how `value` is stored in fp32, fp16, bf16 (precision.format_rows) and TF32: one column
+    each for the sign, exponent and mantissa bits (monospace, so the bits line up), the hex word, the value the
+    format holds and the relative error."""
     import html
+
+    from .precision import format_rows
+    rows = format_rows(value) + [_tf32_row(value)]
+    mono = "font-family: var(--jp-code-font-family, monospace); white-space: pre;"
+    cell = f"padding: 1px 8px; text-align: left; {mono}"
+    head = "".join(f'<th style="padding: 1px 8px; text-align: {a}">{h}</th>' for h, a in (
+        ("format", "left"), ("sign", "left"), ("exponent", "left"), ("mantissa", "left"), ("hex", "left"),
+        ("stored value", "right"), ("rel. error", "right")))
+    body = []
+    for r in rows:
+        sign, exponent, mantissa = r["bits"].split()
+        tds = [(r["name"], "left"), (sign, "left"), (exponent, "left"), (mantissa, "left"), (r["hex"], "left"),
+               (f"{r['stored']:.10g}", "right"), (f"{r['rel_err']:.2e}", "right")]
+        body.append("<tr>" + "".join(f'<td style="{cell} text-align: {a}">{html.escape(t)}</td>' for t, a in tds)
+                    + "</tr>")
+    return (f'<div style="{mono}">value {html.escape(repr(float(value)))}</div>'
+            f'<table style="border-collapse: collapse"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table>')
+
+
+def float_formats_widget(value: float = 0.1):
+    """An ipywidgets box: type a value, or move the slider (log10 of |value|), and see its fp32, fp16, bf16 and
+    TF32 bits, the value each format stores and the relative error (float_formats_html). The text box and the
+    slider follow each other. Needs a widget frontend."""
+    import math
 
     import ipywidgets as widgets
 
-    from .precision import format_table
-
+    lo, hi, step = -9.0, 6.0, 0.05
     box = widgets.FloatText(value=value, description="value", step=0.1)
-    exp = widgets.FloatSlider(value=0.0, min=-9.0, max=6.0, step=0.05, description="or 10^",
+    exp = widgets.FloatSlider(value=0.0, min=lo, max=hi, step=step, description="or 10^",
                               continuous_update=True, readout_format=".2f")
     out = widgets.HTML()
+    syncing = []                     # non-empty while one control sets the other: no echo back
 
     def show(*_):
-        out.value = f"<pre>{html.escape(format_table(box.value))}</pre>"
+        out.value = float_formats_html(box.value)
+
+    def to_slider(value):
+        if value != 0 and math.isfinite(value):
+            exp.value = min(hi, max(lo, round(math.log10(abs(value)) / step) * step))
+
+    def from_box(change):
+        show()
+        if not syncing:
+            syncing.append(1)
+            try:
+                to_slider(change["new"])
+            finally:
+                syncing.clear()
 
     def from_slider(change):
-        box.value = float(f"{10.0 ** change['new']:.6g}")
+        if syncing:
+            return
+        syncing.append(1)
+        try:
+            sign = -1.0 if box.value < 0 else 1.0
+            box.value = sign * float(f"{10.0 ** change['new']:.6g}")
+        finally:
+            syncing.clear()
 
-    box.observe(show, names="value")
+    box.observe(from_box, names="value")
     exp.observe(from_slider, names="value")
+    syncing.append(1)                # the slider starts at the value's log10, the value itself stays as given
+    to_slider(value)
+    syncing.clear()
     show()
     return widgets.VBox([widgets.HBox([box, exp]), out])
 
@@ -938,29 +1011,43 @@ def plot_loss_scale(scales, skipped=(), ax=None):
 
 
 def plot_precision_losses(result: dict, rtol: Optional[float] = None, reference: str = "fp32"):
-    """Top: the training loss per step of each run of precision.compare_precisions(...). Bottom: each run's
-    (loss - reference loss) / reference loss, with the band +-rtol (the tracking tolerance)."""
+    """Top: the training loss per step of each run of precision.compare_precisions(...), each with its own line
+    style and markers (runs that track the reference lie on top of it; the markers show them). Bottom: each run's
+    |loss - reference loss| / reference loss on a log scale, so a run 1e-5 and one 30% away both stay readable,
+    with the tracking tolerance rtol as a line (below it: tracks)."""
     import numpy as np
     plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     ref = np.asarray(result[reference]["loss"], dtype=np.float64)
     steps = np.arange(1, len(ref) + 1)
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 2)), "P")]
+    every = max(1, len(ref) // 10)
+    floor = 1e-8                       # |deviation| 0 (bit-identical losses) is drawn here on the log axis
     for i, (name, run) in enumerate(result.items()):
         loss = np.asarray(run["loss"], dtype=np.float64)
+        ls, marker = styles[i % len(styles)]
         label = name + (f" ({len(run['skipped'])} skipped)" if run.get("skipped") else "")
-        top.plot(steps, loss, lw=1.2, color=f"C{i}", label=label)
-        if name != reference:
-            bottom.plot(steps, (loss - ref) / ref, lw=1, color=f"C{i}", label=name)
+        kw = dict(color=f"C{i}", ls=ls, marker=marker, ms=4, markevery=(i * every // max(1, len(result)), every))
+        if name == reference:
+            top.plot(steps, loss, lw=2.5, alpha=0.5, label=f"{label} (reference)", **kw)
+            continue
+        dev = np.abs(loss - ref) / ref
+        top.plot(steps, loss, lw=1.2, label=f"{label}: max |rel. dev.| {dev.max():.1e}", **kw)
+        bottom.plot(steps, np.maximum(dev, floor), lw=1, label=name, **kw)
+    bottom.set_yscale("log")
+    lo, hi = bottom.get_ylim()
     if rtol is not None:
-        bottom.axhspan(-rtol, rtol, color="tab:green", alpha=0.12, label=f"tolerance +-{rtol:g}")
-        bottom.set_ylim(-3 * rtol, 3 * rtol)
+        bottom.axhline(rtol, color="tab:green", lw=1.2, label=f"tolerance {rtol:g}")
+        bottom.axhspan(floor / 10, rtol, color="tab:green", alpha=0.08)
+        lo, hi = min(lo, rtol / 10), max(hi, rtol * 10)
+    bottom.set_ylim(max(lo, floor / 2), hi)
     top.set_ylabel("loss (nats per byte)")
     top.set_title("the same model, init and batches under each matmul precision", fontsize=10)
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
     bottom.set_xlabel("step")
-    bottom.set_ylabel(f"relative to {reference}")
-    bottom.legend(fontsize=8, ncol=4)
+    bottom.set_ylabel(f"|loss - {reference}| / {reference}")
+    bottom.legend(fontsize=8, ncol=4, loc="lower right")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -1338,7 +1425,7 @@ def show_kernel(fn, *args, op: Optional[str] = None, like=None, case: int = 0, *
     from .checks import unfinished_kernel
     stub = unfinished_kernel(fn)
     if stub is not None:
-        print(f"show_kernel: not attempted: your kernel {stub} still raises NotImplementedError (write it first)")
+        print(f"show_kernel: not attempted: {stub} still raises NotImplementedError (write it first)")
         return None
     if op is not None:
         args = kernel_trace.example_args(op)

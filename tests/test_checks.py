@@ -990,3 +990,57 @@ def test_a_launcher_of_an_unwritten_kernel_is_not_attempted_before_anything_runs
             dinp[i] = dout[i]
 
     assert checks.unfinished_kernel(lambda d, x, o: written[1, 32](d, x, o)) is None
+
+
+# ---- guard zones: an out-of-bounds write, which nothing traps on a real GPU --------------------------------------
+def _gelu_right(dout, inp, dinp):
+    import gpullm_lessons.reference as ref
+    dinp[...] = ref.gelu_backward(dout.astype(np.float64), {"inp": inp.astype(np.float64)})
+
+
+def _gelu_one_past_the_end(dout, inp, dinp):
+    """Right, and one element past the end written too: what `i <= n` does on a GPU (a view of a larger buffer)."""
+    _gelu_right(dout, inp, dinp)
+    base = dinp.base
+    g = (base.size - dinp.size) // 2
+    base[g + dinp.size] = 0.0
+
+
+def _gelu_before_the_start(dout, inp, dinp):
+    _gelu_right(dout, inp, dinp)
+    dinp.base[0] = 1.0
+
+
+@pytest.fixture
+def guards(monkeypatch):
+    monkeypatch.setattr(checks, "GUARDS", True)
+
+
+def test_guard_zones_leave_a_right_answer_right(guards):
+    r = checks.check_gelu_backward(_gelu_right, arrays="numpy", seed=3, quiet=True)
+    assert r.status == "correct", r.message
+
+
+def test_a_write_past_the_end_is_named_with_the_guard(guards):
+    r = checks.check_gelu_backward(_gelu_one_past_the_end, arrays="numpy", seed=3, quiet=True)
+    assert r.status == "wrong" and "wrote outside dinp" in r.message and "1 element past its end" in r.message
+    assert "i < n, not i <= n" in r.hint and "out-of-bounds write" in r.hint
+
+
+def test_a_write_before_the_start_is_named(guards):
+    r = checks.check_gelu_backward(_gelu_before_the_start, arrays="numpy", seed=3, quiet=True)
+    assert r.status == "wrong" and "before its start" in r.message, r.message
+
+
+def test_guard_zones_by_default_only_where_nothing_traps_a_stray_write(monkeypatch):
+    """The simulator and NumPy raise IndexError on a write out of bounds (the checker names the thread); a GPU's
+    arrays (CuPy, Numba on a GPU) do not: there the zones are on."""
+    monkeypatch.setattr(checks, "GUARDS", None)
+    assert checks._guards_on("numpy") is False and checks._guards_on("cupy") is True
+    assert checks._guards_on("numba") is device.numba_on_gpu()
+
+
+def test_guard_zones_keep_vector_alignment():
+    outs, bufs = checks._guarded_outputs([(3, 5)], np.dtype(np.float16), "numpy", True)
+    g = (bufs[0].size - 15) // 2
+    assert g * 2 == checks.GUARD_BYTES and outs[0].shape == (3, 5) and checks._is_poison(bufs[0]).all()

@@ -203,8 +203,15 @@ def test_hip_on_gpu(version, size):
 def test_hip_on_gpu_other_block_sizes(version, threads):
     pytest.importorskip("cupy")
     from gpullm_lessons.backends._hip_softmax import softmax_backward
-    r = check_softmax_backward(lambda *a: softmax_backward(*a, version=version, threads=threads),
-                               arrays="cupy", size="large")
+    fn = lambda *a: softmax_backward(*a, version=version, threads=threads)  # noqa: E731
+    if version == "v6":
+        # v6 keeps a row in registers (at most 32 floats a thread): the large cases' vocabulary row (n = 50257)
+        # does not fit any block, and the launcher says so instead of computing it wrong
+        r = check_softmax_backward(fn, arrays="cupy", size="large")
+        assert r.status == "error" and "holds at most 32 floats per thread" in r.message, r.message
+        r = check_softmax_backward(fn, arrays="cupy", size="small")
+    else:
+        r = check_softmax_backward(fn, arrays="cupy", size="large")
     assert r.passed, r.message
 
 

@@ -172,3 +172,47 @@ def test_too_large_scale_skips_and_backs_off():
     assert r["skipped"][:2] == [1, 2] and r["overflowed"] > 0
     s = r["scale"]
     assert s[0] == 2.0 ** 30 and all(b == a / 2 for a, b, k in zip(s, s[1:], range(1, 9)) if k in r["skipped"])
+
+
+# ---- lesson 07's demo: gradients of GPT-2's size, where fp16 without the loss scale fails --------------------------
+LESSON07 = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)   # lesson 07's simulator run
+DLOSS = 2.0 ** -15
+
+
+@pytest.fixture(scope="module")
+def gpt2_sized():
+    kw = dict(steps=60, batch=8, seed=0, dloss=DLOSS)
+    r = P.compare_precisions(LESSON07, precisions=("fp32", "bf16", "fp16"), growth_interval=8, **kw)
+    r["fp16 unscaled"] = P.compare_precisions(LESSON07, precisions=("fp16",), loss_scale=False, **kw)["fp16"]
+    return r
+
+
+def test_a_power_of_two_dloss_leaves_the_fp32_run_bit_for_bit(gpt2_sized):
+    plain = P.compare_precisions(LESSON07, steps=60, batch=8, precisions=("fp32",), seed=0)["fp32"]
+    assert gpt2_sized["fp32"]["loss"] == plain["loss"]
+
+
+def test_at_gpt2_gradient_size_only_the_loss_scale_keeps_fp16_on_track(gpt2_sized):
+    ref = gpt2_sized["fp32"]["loss"]
+    assert P.tracks(gpt2_sized["bf16"]["loss"], ref) and P.tracks(gpt2_sized["fp16"]["loss"], ref)
+    unscaled = gpt2_sized["fp16 unscaled"]
+    assert not P.tracks(unscaled["loss"], ref)                       # visibly off: the lesson's point
+    assert np.max(np.abs(np.subtract(unscaled["loss"], ref)) / np.asarray(ref)) > 0.05
+    assert unscaled["flushed"] > 0.2 > 0.02 > gpt2_sized["fp16"]["flushed"]
+
+
+def test_tf32_row_rounds_to_nearest_even_on_10_mantissa_bits():
+    """The formats widget's TF32 row against an independent rounding: the significand scaled to 11 bits, np.rint."""
+    from gpullm_lessons import viz
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(2000) * np.exp2(rng.integers(-100, 100, 2000))).astype(np.float32)
+    ties = (np.float32(1.0) + np.float32(2.0 ** -11) * np.array([1, 3, 5, 7], np.float32))   # exactly halfway
+    for v in np.concatenate([x, ties, -ties]):
+        m, e = np.frexp(np.float64(v))                       # v = m * 2**e, 0.5 <= |m| < 1
+        want = np.ldexp(np.rint(m * 2.0 ** 11), int(e) - 11)
+        row = viz._tf32_row(float(v))
+        assert row["stored"] == want, (v, row)
+        assert int(row["hex"], 16) & 0x1FFF == 0             # the 13 low bits of the word are zero
+    assert viz._tf32_row(1.0 + 2.0 ** -11)["stored"] == 1.0              # a tie goes to the even neighbour
+    assert viz._tf32_row(1.0 + 3 * 2.0 ** -11)["stored"] == 1.0 + 2.0 ** -9
+    assert viz._tf32_row(float("inf"))["stored"] == float("inf") and math.isnan(viz._tf32_row(float("nan"))["stored"])

@@ -268,7 +268,8 @@ __device__ __forceinline__ void dpre_warp(const TA* __restrict__ att, const TD* 
 #pragma unroll
     for (int j = 0; j < K; j++) {
         int s = lane + j * warpSize;
-        if (s < T) store_f32<OF>(dpre + row * T + s, scale * av[j] * (dv[j] - dot));   // 0 for s > t
+        // +0 above the diagonal, written as such: 0 * (0 - dot) would be -0 (sign bit set) wherever dot > 0
+        if (s < T) store_f32<OF>(dpre + row * T + s, s <= t ? scale * av[j] * (dv[j] - dot) : 0.0f);
     }
 }
 

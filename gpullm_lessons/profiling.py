@@ -1,0 +1,359 @@
+"""Why a kernel is as fast as it is: Nsight Compute's counters per kernel version, NVTX ranges, a step's timeline.
+
+``ncu_kernels`` runs the kernel benchmark's cases under Nsight Compute (``ncu``) and returns per-kernel counters:
+DRAM throughput, sectors per request, achieved occupancy, registers per thread, warp stall reasons.
+
+    python -m gpullm_lessons.bench ncu [--ops softmax,layernorm,crossentropy,adamw] [--json PATH]
+    python -m gpullm_lessons.bench timeline [--presets course]   (one eager and one CUDA-graph step)
+
+On AMD GPUs the same questions are answered by ROCm's profilers: ``rocprofv3 --kernel-trace --stats -- python ...``
+for per-kernel GPU time, and ``rocprof-compute profile -n run -- python ...`` (formerly omniperf) for memory
+throughput, occupancy and stall counters.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from . import device
+
+# A kernel that does nothing: launched before each profiled version with grid size k + 1, it tells ncu's rows apart.
+_MARKER_SRC = r"""
+extern "C" __global__ void bench_marker(int k) { }
+"""
+_kernels = {}
+
+
+def _kernel(name):
+    if name not in _kernels:
+        import cupy as cp
+        module = cp.RawModule(code=_MARKER_SRC)
+        _kernels["bench_marker"] = module.get_function("bench_marker")
+    return _kernels[name]
+
+
+def _numba_sync_off():
+    """Numba synchronises the producer's stream when it imports a CuPy array (the CUDA array interface's default);
+    while profiling, the arrays are already complete, so that wait is switched off (restored after)."""
+    try:
+        from numba.cuda.core import config
+    except ImportError:  # noqa: BLE001 - older numba-cuda layout
+        from numba import config
+    old = config.CUDA_ARRAY_INTERFACE_SYNC
+    config.CUDA_ARRAY_INTERFACE_SYNC = False
+    return config, old
+
+
+# ---- Nsight Compute -------------------------------------------------------------------------------------------
+
+STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "membar", "mio_throttle", "lg_throttle",
+          "math_pipe_throttle", "wait", "not_selected", "selected", "no_instruction", "branch_resolving",
+          "dispatch_stall", "drain", "imc_miss", "sleeping", "tex_throttle", "misc")
+METRICS = {
+    "gpu__time_duration.sum": "duration_ns",
+    "dram__bytes_read.sum": "dram_read_bytes",
+    "dram__bytes_write.sum": "dram_write_bytes",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct_of_peak",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct_of_peak",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
+    "launch__registers_per_thread": "registers_per_thread",
+    "launch__grid_size": "grid_size",
+    "launch__block_size": "block_size",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": "ld_sectors",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum": "ld_requests",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum": "st_sectors",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum": "st_requests",
+    **{f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio": f"stall_{s}" for s in STALLS},
+}
+
+CORE_METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
+                "launch__grid_size"]
+
+
+def _number(text: str):
+    text = text.replace(",", "").strip()
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_ncu_csv(text: str) -> list:
+    """Rows of `ncu --csv --page raw` (a header row, a units row, then one row per kernel) as dicts of our names."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return []
+    reader = list(csv.reader(io.StringIO("\n".join(lines))))
+    header, body = reader[0], reader[1:]
+    if body and body[0] and body[0][0] == "":              # the units row
+        body = body[1:]
+    rows = []
+    for rec in body:
+        cell = dict(zip(header, rec))
+        row = {"kernel": cell.get("Kernel Name", ""), "id": cell.get("ID", "")}
+        for metric, name in METRICS.items():
+            if metric in cell:
+                row[name] = _number(cell[metric])
+        if row.get("grid_size") is None and cell.get("Grid Size"):     # "(3, 1, 1)": the launch's grid
+            dims = [_number(d) or 1 for d in cell["Grid Size"].strip("()").split(",")]
+            row["grid_size"] = float(np.prod(dims))
+        rows.append(row)
+    return rows
+
+
+def _attribute(kernel_rows: list, labels: list) -> list:
+    """Each kernel row after marker k (its grid size is k + 1) belongs to labels[k]; markers themselves dropped."""
+    out, current = [], None
+    for row in kernel_rows:
+        if row["kernel"].startswith("bench_marker"):
+            k = int(row.get("grid_size") or 0) - 1
+            current = labels[k] if 0 <= k < len(labels) else None
+            continue
+        if current is not None:
+            out.append(dict(current, **row))
+    return out
+
+
+def summarise(rows: list) -> list:
+    """One line per (op, backend, version): the longest kernel's counters (the one that dominates its time),
+    the sum of durations, sectors per request and the three largest stall reasons."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["backend"], r["version"]), []).append(r)
+    out = []
+    for (op, backend, version), rs in groups.items():
+        main = max(rs, key=lambda r: r.get("duration_ns") or 0)
+        line = {"op": op, "backend": backend, "version": version, "kernels": len(rs),
+                "duration_us": sum((r.get("duration_ns") or 0) for r in rs) / 1e3, "main_kernel": main["kernel"][:80]}
+        for key in ("dram_pct_of_peak", "achieved_occupancy_pct", "theoretical_occupancy_pct", "registers_per_thread",
+                    "grid_size", "block_size", "sm_pct_of_peak"):
+            line[key] = main.get(key)
+        for kind in ("ld", "st"):
+            sec, req = main.get(f"{kind}_sectors"), main.get(f"{kind}_requests")
+            line[f"{kind}_sectors_per_request"] = sec / req if sec and req else None
+        read, write = sum((r.get("dram_read_bytes") or 0) for r in rs), sum((r.get("dram_write_bytes") or 0) for r in rs)
+        line["dram_bytes"] = read + write
+        stalls = {s: main.get(f"stall_{s}") for s in STALLS if main.get(f"stall_{s}") is not None}
+        line["top_stalls"] = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
+        out.append(line)
+    return out
+
+
+def ncu_target(ops, small: bool, labels_path: str) -> None:
+    """Run inside ncu: every version of every case once, each after a marker kernel, between profiler start/stop."""
+    import cupy as cp
+
+    from . import bench
+    rng = np.random.default_rng(0)
+    labels = []
+    marker = _kernel("bench_marker")
+    config, old = _numba_sync_off()
+    try:
+        for case in bench._cases(small):
+            if ops and case.op not in ops:
+                continue
+            args = case.make(rng)
+            runs = bench.case_runs(case, args)
+            for _b, _v, run in runs:                          # compile and warm up outside the profiled range
+                try:
+                    run()
+                except Exception:  # noqa: BLE001 - a version that fails is left out (the timing table says why)
+                    pass
+            cp.cuda.Device().synchronize()
+            cp.cuda.profiler.start()
+            for bname, version, run in runs:
+                labels.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version})
+                marker((len(labels),), (1,), (np.int32(len(labels)),))
+                try:
+                    run()
+                except Exception:  # noqa: BLE001
+                    pass
+                cp.cuda.Device().synchronize()
+            cp.cuda.profiler.stop()
+            del args, runs
+            cp.get_default_memory_pool().free_all_blocks()
+    finally:
+        config.CUDA_ARRAY_INTERFACE_SYNC = old
+    with open(labels_path, "w") as f:
+        json.dump(labels, f)
+
+
+def ncu_kernels(ops=None, small: bool = False, ncu: str = None, timeout: float = 900) -> dict:
+    """Nsight Compute counters for every kernel version of `ops` (and PyTorch's), one profiled call each."""
+    import datetime
+    info = device.require_gpu("profiling kernels with Nsight Compute")
+    ncu = ncu or shutil.which("ncu")
+    if not ncu:
+        raise FileNotFoundError("Nsight Compute's `ncu` is not on PATH (it ships with the CUDA toolkit)")
+    with tempfile.TemporaryDirectory() as tmp:
+        labels_path, log = os.path.join(tmp, "labels.json"), os.path.join(tmp, "ncu.csv")
+        target = [sys.executable, "-m", "gpullm_lessons.profiling", "ncu-target", "--labels", labels_path]
+        if ops:
+            target += ["--ops", ",".join(ops)]
+        if small:
+            target.append("--small")
+        for metrics in (list(METRICS), CORE_METRICS):    # a toolkit that lacks a metric: the core set
+            cmd = [ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--log-file", log,
+                   "--metrics", ",".join(metrics), *target]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode == 0 and os.path.exists(labels_path):
+                break
+        else:
+            tail = open(log).read()[-1500:] if os.path.exists(log) else (proc.stderr or proc.stdout)[-1500:]
+            raise RuntimeError(f"ncu failed (exit {proc.returncode}): {tail}")
+        with open(labels_path) as f:
+            labels = json.load(f)
+        with open(log) as f:
+            kernels = _attribute(parse_ncu_csv(f.read()), labels)
+    return {"card": info.gpu.name, "date": datetime.date.today().isoformat(),
+            "tool": "Nsight Compute (ncu --csv --page raw), one profiled call per version",
+            "metrics": {m: METRICS[m] for m in metrics}, "kernels": kernels, "rows": summarise(kernels)}
+
+
+def format_ncu(result: dict) -> str:
+    """The counters that explain a memory-bound kernel's speed, one line per version (≤ 100 characters)."""
+    lines = [f"{result['card']} ({result['date']}), Nsight Compute, one call per version",
+             f"{'op':<13}{'backend':<8}{'version':<9}{'us':>8}{'DRAM %':>8}{'sect/req':>9}{'occ %':>7}{'regs':>6}"
+             f"  top stall (cycles per issue)"]
+    for r in result["rows"]:
+        spr = r.get("ld_sectors_per_request")
+        stall = ", ".join(f"{k} {v:.1f}" for k, v in r["top_stalls"][:2])
+        stall = stall if len(stall) <= 30 else stall[:29] + "…"
+        lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:8]:<9}{r['duration_us']:8.1f}"
+                     f"{(r.get('dram_pct_of_peak') or 0):8.0f}{(spr or 0):9.1f}"
+                     f"{(r.get('achieved_occupancy_pct') or 0):7.0f}{int(r.get('registers_per_thread') or 0):6d}  {stall}")
+    return "\n".join(lines)
+
+
+# ---- NVTX ranges and a step timeline --------------------------------------------------------------------------
+
+_range_hooks = []          # callables name -> context manager, entered with every range (the timeline adds one)
+
+
+def _nvtx():
+    if "nvtx" not in _kernels:
+        try:
+            from cupy.cuda import nvtx
+            _kernels["nvtx"] = (nvtx.RangePush, nvtx.RangePop)
+        except Exception:  # noqa: BLE001 - CuPy without NVTX (or no CuPy): ranges are a no-op
+            _kernels["nvtx"] = None
+    return _kernels["nvtx"]
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """An NVTX range around a phase of the step (seen by Nsight Systems, `ncu --nvtx`, and the timeline below)."""
+    nv = _nvtx()
+    with contextlib.ExitStack() as stack:
+        for hook in _range_hooks:
+            stack.enter_context(hook(name))
+        if nv is not None:
+            nv[0](name)
+        try:
+            yield
+        finally:
+            if nv is not None:
+                nv[1]()
+
+
+def _trace_events(prof, t_ref=None):
+    """Kernels (GPU) and launches / phases (CPU) of a torch.profiler run, in microseconds from the first event."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    keep = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset", "cuda_runtime": "runtime",
+            "cuda_driver": "runtime", "user_annotation": "phase"}
+    rows = [{"kind": keep[e["cat"]], "name": e.get("name", "")[:70], "ts": float(e["ts"]), "dur": float(e.get("dur", 0)),
+             "stream": (e.get("args") or {}).get("stream")}
+            for e in events if e.get("ph") == "X" and e.get("cat") in keep]
+    if not rows:
+        return []
+    t0 = min(r["ts"] for r in rows)
+    for r in rows:
+        r["ts"] = round(r["ts"] - t0, 2)
+        r["dur"] = round(r["dur"], 2)
+    return sorted(rows, key=lambda r: r["ts"])
+
+
+def step_timeline(preset: str = "course", precision: str = "bf16", backend: str = "hip") -> dict:
+    """One eager step and one CUDA-graph step of the engine, traced with CUPTI through torch.profiler: every kernel
+    on the GPU's timeline, every launch call on the CPU's, and the step's phases (forward / backward / optimizer)."""
+    import datetime
+
+    import cupy as cp
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from . import bench_train, engine
+    info = device.require_gpu("tracing a training step")
+    cfg, B = bench_train._cfg(preset)
+    T = cfg.block_size
+    x, y = bench_train._batches(cfg, B, T, 1)[0]
+    out = {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "preset": preset,
+           "precision": precision, "backend": backend, "B": B, "T": T,
+           "tool": f"torch.profiler {torch.__version__} (CUPTI activity trace), one step after 3 warm-up steps"}
+    _range_hooks.append(record_function)
+    try:
+        for mode, key in (("off", "eager"), ("on", "graph")):
+            eng = engine.build(cfg, backend, precision=precision, graphs=mode)
+            for _ in range(3):
+                eng.train_step(x, y, lr=1e-4)
+            cp.cuda.Device().synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with record_function("step"):
+                    eng.train_step(x, y, lr=1e-4)
+                    cp.cuda.Device().synchronize()
+            ev = _trace_events(prof)
+            kernels = [e for e in ev if e["kind"] == "kernel"]
+            out[key] = {"events": ev, "kernels": len(kernels),
+                        "gpu_busy_us": round(sum(e["dur"] for e in kernels), 1),
+                        "span_us": round(max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev), 1)}
+            del eng
+            cp.get_default_memory_pool().free_all_blocks()
+    finally:
+        _range_hooks.remove(record_function)
+    return out
+
+
+def format_timeline(result: dict) -> str:
+    """Per mode: kernels, GPU busy time, the step's span, and the GPU's idle share (waiting for the CPU)."""
+    lines = [f"{result['preset']} B{result['B']} T{result['T']} {result['precision']} on {result['card']} "
+             f"({result['date']})"]
+    for key in ("eager", "graph"):
+        m = result.get(key)
+        if m:
+            idle = 1 - m["gpu_busy_us"] / m["span_us"] if m["span_us"] else 0.0
+            launches = sum(1 for e in m["events"] if e["kind"] == "runtime" and "aunch" in e["name"])
+            lines.append(f"  {key:<6} {m['kernels']:5d} kernels, {launches:4d} launch calls from the CPU, "
+                         f"GPU busy {m['gpu_busy_us'] / 1e3:7.2f} ms of {m['span_us'] / 1e3:7.2f} ms "
+                         f"({100 * idle:4.1f}% idle)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.profiling")
+    ap.add_argument("what", choices=["ncu-target"])
+    ap.add_argument("--ops")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--labels", required=True)
+    args = ap.parse_args(argv)
+    ncu_target(args.ops.split(",") if args.ops else None, args.small, args.labels)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
