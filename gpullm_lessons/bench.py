@@ -406,6 +406,14 @@ def kernel_results(ops, live=None) -> dict:
     return dict(result, rows=[r for r in result["rows"] if r["op"] in ops], live=bool(live))
 
 
+def result_source(result: dict) -> str:
+    """One line saying where a result of kernel_results / stored_* comes from: this machine now, or the course's
+    stored run (card and date)."""
+    if result.get("live"):
+        return f"measured now on {result['card']} ({result['date']})"
+    return f"no live measurement: the course's stored run on {result['card']}, {result['date']}"
+
+
 def format_kernels(result: dict) -> str:
     """The kernel table: GPU time ('g': a CUDA graph replayed; 'q': queued launches), queued launch time, rates."""
     c = result["ceilings"]
@@ -413,14 +421,14 @@ def format_kernels(result: dict) -> str:
              f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s",
              "ms: GPU time per call ('g': a CUDA graph of the calls, replayed; 'q': queued launches)",
              "launch ms: queued launches from Python, launch overhead included",
-             f"{'op':<13}{'backend':<7}{'version':<9}{'ms':>9}{'launch ms':>10}{'GB/s':>7}{'TFLOP/s':>8}"
+             f"{'op':<13}{'backend':<8}{'version':<10}{'ms':>8}{'launch ms':>10}{'GB/s':>7}{'TFLOP/s':>8}"
              f"{'of ceiling':>11}"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['op']:<13}{r['backend']:<7}{str(r['version'])[:8]:<9}  error: {r['error'][:60]}")
+            lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:9]:<10}  error: {r['error'][:60]}")
             continue
         mark = {"graph": "g", "queued": "q"}.get(r.get("timing"), " ")
-        lines.append(f"{r['op']:<13}{r['backend']:<7}{str(r['version'])[:8]:<9}{r['ms']:8.3f}{mark}"
+        lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:9]:<10}{r['ms']:7.3f}{mark}"
                      f"{r.get('ms_launch', r['ms']):10.3f}{r['GB/s']:7.0f}"
                      f"{r['TFLOP/s']:8.2f}{100 * r['fraction_of_ceiling']:6.0f}% "
                      f"{'copy' if r['bound'] == 'memory' else 'mm'}")

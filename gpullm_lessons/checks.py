@@ -931,6 +931,30 @@ def _guard_breach(names, shapes, bufs, dt):
     return None
 
 
+def guard_verdict(op, case, k, guard_bufs, dt, seed, info) -> Optional["CheckResult"]:
+    """'wrong' when case k's call wrote into a guard zone around one of its outputs (see _guarded_outputs)."""
+    breach = _guard_breach(case.outputs, case.outputs.values(), guard_bufs, dt)
+    if breach is None:
+        return None
+    name, n_before, n_after, first = breach
+    n = int(np.prod(case.outputs[name], dtype=np.int64))
+    where = []
+    if n_after:
+        where.append(f"{n_after} element{'s' if n_after > 1 else ''} past its end (its last is flat index "
+                     f"{n - 1}; the first written past it: {first})")
+    if n_before:
+        where.append(f"{n_before} element{'s' if n_before > 1 else ''} before its start (a negative index)")
+    sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
+    hint = (f"an out-of-bounds write: a thread whose index lies outside {name} still wrote. Every thread must test "
+            f"its index against the size before it writes (if i < n, not i <= n; with a grid-stride loop, the "
+            f"loop's condition is that guard). On a GPU nothing stops such a write: it lands in whatever memory "
+            f"lies there (seed {seed})")
+    msg = (f"{op.name}: wrong - your kernel wrote outside {name}: {' and '.join(where)} (case {k + 1} of "
+           f"{op.n_cases}: {sizes}; seed {seed})")
+    return CheckResult(status="wrong", passed=False, output=name, hint=hint, message=msg + "\n  hint: " + hint,
+                       **info)
+
+
 def _compare(o, e, tol, terms=0.0, parts=1):
     """Per-element verdict: (bad mask, |o - e|, rel err, atol).
 
@@ -1535,25 +1559,8 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             result = CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint, **info)
             break
 
-        breach = _guard_breach(case.outputs, case.outputs.values(), guard_bufs, dt)
-        if breach is not None:
-            name, n_before, n_after, first = breach
-            n = int(np.prod(case.outputs[name], dtype=np.int64))
-            where = []
-            if n_after:
-                where.append(f"{n_after} element{'s' if n_after > 1 else ''} past its end (its last is flat index "
-                             f"{n - 1}; the first written past it: {first})")
-            if n_before:
-                where.append(f"{n_before} element{'s' if n_before > 1 else ''} before its start (a negative index)")
-            sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
-            hint = (f"an out-of-bounds write: a thread whose index lies outside {name} still wrote. Every thread must "
-                    f"test its index against the size before it writes (if i < n, not i <= n; with a grid-stride "
-                    f"loop, the loop's condition is that guard). On a GPU nothing stops such a write: it lands in "
-                    f"whatever memory lies there (seed {seed})")
-            msg = (f"{op.name}: wrong - your kernel wrote outside {name}: {' and '.join(where)} (case {k + 1} of "
-                   f"{op.n_cases}: {sizes}; seed {seed})")
-            result = CheckResult(status="wrong", passed=False, output=name, hint=hint,
-                                 message=msg + "\n  hint: " + hint, **info)
+        result = guard_verdict(op, case, k, guard_bufs, dt, seed, info)
+        if result is not None:
             break
         ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
         bads, stats, atols, wrong = {}, {}, {}, []

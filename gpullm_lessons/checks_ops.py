@@ -222,7 +222,8 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
         """Run fn on fresh poisoned outputs: (ours_raw, returned, trace, dev_in, dev_out) or a CheckResult."""
         try:
             dev_in = [_arrays.to_backend(a, arrays) for a in case.inputs.values()]
-            dev_out = [_arrays.to_backend(_checks._poison(shape, dt), arrays) for shape in case.outputs.values()]
+            dev_out, guard_bufs = _checks._guarded_outputs(case.outputs.values(), dt, arrays,
+                                                           _checks._guards_on(arrays) and not trace_it)
         except _arrays.BackendUnavailableError:
             raise
         except Exception as exc:
@@ -238,6 +239,9 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
             else:
                 returned = fn(*args)
             ours_raw = {name: np.asarray(_arrays.to_numpy(d)) for name, d in zip(case.outputs, dev_out)}
+            stray = _checks.guard_verdict(op, case, k, guard_bufs, dt, seed, info)
+            if stray is not None:
+                return stray
         except NotImplementedError:
             msg = f"{op.name}: not attempted (your function raised NotImplementedError)"
             return _checks.CheckResult(status="not attempted", passed=False, message=msg,

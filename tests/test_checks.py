@@ -1044,3 +1044,23 @@ def test_guard_zones_keep_vector_alignment():
     outs, bufs = checks._guarded_outputs([(3, 5)], np.dtype(np.float16), "numpy", True)
     g = (bufs[0].size - 15) // 2
     assert g * 2 == checks.GUARD_BYTES and outs[0].shape == (3, 5) and checks._is_poison(bufs[0]).all()
+
+
+def test_the_ops_checkers_use_the_guard_zones_too(guards):
+    """checks_ops (the determinism / race / one-pass checkers) allocates its outputs the same way."""
+    from gpullm_lessons import checks_ops
+
+    def ce(logits, targets, dlogits):
+        x = logits.astype(np.float64)
+        p = np.exp(x - x.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        p[np.arange(len(targets)), targets] -= 1.0
+        dlogits[...] = p / len(targets)
+
+    def ce_one_too_far(logits, targets, dlogits):
+        ce(logits, targets, dlogits)
+        dlogits.base[(dlogits.base.size - dlogits.size) // 2 + dlogits.size] = 0.0
+
+    assert checks_ops.check_crossentropy_online(ce, arrays="numpy", seed=2, quiet=True).status == "correct"
+    r = checks_ops.check_crossentropy_online(ce_one_too_far, arrays="numpy", seed=2, quiet=True)
+    assert r.status == "wrong" and "wrote outside dlogits" in r.message and "i < n, not i <= n" in r.hint, r.message
