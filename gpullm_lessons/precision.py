@@ -310,6 +310,22 @@ def format_rows(value: float) -> list:
     return rows
 
 
+def tf32_row(value: float) -> dict:
+    """How `value` is stored as TF32, what tensor cores read of an fp32 input in an fp32 matmul (cuBLAS's TF32
+    mode): the float32 value rounded to 10 mantissa bits (to nearest, ties to even), in a 32-bit word whose low 13
+    bits are zero. Keys as format_rows."""
+    with np.errstate(over="ignore"):                     # past fp32's range: inf, as a cast gives
+        bits = int(np.array(np.float32(value)).view(np.uint32))
+    if (bits >> 23) & 0xFF == 0xFF:                      # inf stays inf; NaN stays a (quiet) NaN
+        bits = (bits | (0x400000 if bits & 0x7FFFFF else 0)) & 0xFFFFE000
+    else:
+        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    stored = float(np.array(bits, np.uint32).view(np.float32))
+    s = format(bits, "032b")
+    return {"name": "tf32", "bits": f"{s[0]} {s[1:9]} {s[9:19]}", "hex": f"0x{bits:08X}", "stored": stored,
+            "rel_err": relative_error(value, stored)}
+
+
 def format_table(value: float) -> str:
     """format_rows(value) as a text table (one line per format), the sign, exponent and mantissa bits each in a
     column under its header."""

@@ -858,33 +858,14 @@ def plot_float_formats(ax=None):
     return fig
 
 
-def _tf32_row(value: float) -> dict:
-    """How `value` is stored as TF32: the float32 value rounded to 10 mantissa bits (to nearest, ties to even),
-    in a 32-bit word whose low 13 bits are zero. Keys as precision.format_rows."""
-    import numpy as np
-
-    from . import precision
-    with np.errstate(over="ignore"):                     # past fp32's range: inf, as a cast gives
-        bits = int(np.array(np.float32(value)).view(np.uint32))
-    if (bits >> 23) & 0xFF == 0xFF:                      # inf stays inf; NaN stays a (quiet) NaN
-        bits = (bits | (0x400000 if bits & 0x7FFFFF else 0)) & 0xFFFFE000
-    else:
-        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
-    stored = float(np.array(bits, np.uint32).view(np.float32))
-    rel = precision.relative_error(value, stored)
-    s = format(bits, "032b")
-    return {"name": "tf32", "bits": f"{s[0]} {s[1:9]} {s[9:19]}", "hex": f"0x{bits:08X}", "stored": stored,
-            "rel_err": rel}
-
-
 def float_formats_html(value: float) -> str:
     """An HTML table of how `value` is stored in fp32, fp16, bf16 (precision.format_rows) and TF32: one column
     each for the sign, exponent and mantissa bits (monospace, so the bits line up), the hex word, the value the
     format holds and the relative error."""
     import html
 
-    from .precision import format_rows
-    rows = format_rows(value) + [_tf32_row(value)]
+    from .precision import format_rows, tf32_row
+    rows = format_rows(value) + [tf32_row(value)]
     mono = "font-family: var(--jp-code-font-family, monospace); white-space: pre;"
     cell = f"padding: 1px 8px; text-align: left; {mono}"
     head = "".join(f'<th style="padding: 1px 8px; text-align: {a}">{h}</th>' for h, a in (

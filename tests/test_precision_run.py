@@ -203,16 +203,15 @@ def test_at_gpt2_gradient_size_only_the_loss_scale_keeps_fp16_on_track(gpt2_size
 
 def test_tf32_row_rounds_to_nearest_even_on_10_mantissa_bits():
     """The formats widget's TF32 row against an independent rounding: the significand scaled to 11 bits, np.rint."""
-    from gpullm_lessons import viz
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(2000) * np.exp2(rng.integers(-100, 100, 2000))).astype(np.float32)
     ties = (np.float32(1.0) + np.float32(2.0 ** -11) * np.array([1, 3, 5, 7], np.float32))   # exactly halfway
     for v in np.concatenate([x, ties, -ties]):
         m, e = np.frexp(np.float64(v))                       # v = m * 2**e, 0.5 <= |m| < 1
         want = np.ldexp(np.rint(m * 2.0 ** 11), int(e) - 11)
-        row = viz._tf32_row(float(v))
+        row = P.tf32_row(float(v))
         assert row["stored"] == want, (v, row)
         assert int(row["hex"], 16) & 0x1FFF == 0             # the 13 low bits of the word are zero
-    assert viz._tf32_row(1.0 + 2.0 ** -11)["stored"] == 1.0              # a tie goes to the even neighbour
-    assert viz._tf32_row(1.0 + 3 * 2.0 ** -11)["stored"] == 1.0 + 2.0 ** -9
-    assert viz._tf32_row(float("inf"))["stored"] == float("inf") and math.isnan(viz._tf32_row(float("nan"))["stored"])
+    assert P.tf32_row(1.0 + 2.0 ** -11)["stored"] == 1.0              # a tie goes to the even neighbour
+    assert P.tf32_row(1.0 + 3 * 2.0 ** -11)["stored"] == 1.0 + 2.0 ** -9
+    assert P.tf32_row(float("inf"))["stored"] == float("inf") and math.isnan(P.tf32_row(float("nan"))["stored"])
