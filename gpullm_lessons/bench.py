@@ -19,7 +19,6 @@ import importlib
 import json
 import sys
 from typing import Callable, Optional
-from importlib import resources
 
 import numpy as np
 
@@ -46,6 +45,24 @@ def time_gpu(fn, warmup: int = 3, iters: int = 20, reps: int = 5) -> float:
         stop.record()
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters)
+    return float(np.median(times))
+
+
+def time_host(fn, iters: int = 20, reps: int = 3) -> float:
+    """Seconds of CPU time per fn() call while the calls are only queued (the GPU's work is waited for after the
+    clock stops): what Python, the launcher's checks and the driver's launch cost per call, the GPU aside."""
+    import time
+
+    import cupy as cp
+    fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) / iters)
+        cp.cuda.Device().synchronize()
     return float(np.median(times))
 
 
@@ -151,9 +168,12 @@ def ceilings(small: bool = False) -> dict:
 
 
 def stored_ceilings() -> dict:
-    """The ceilings measured on the course's reference GPU (see the file's card and date)."""
-    text = resources.files("gpullm_lessons").joinpath("results", "ceilings_h200.json").read_text()
-    return json.loads(text)
+    """The ceilings measured on the course's reference GPU (see the file's card and date): stored.load."""
+    from . import stored
+    result = stored.load("ceilings_h200")
+    if result is None:   # the lessons cannot do without it: an incomplete install
+        raise FileNotFoundError("gpullm_lessons/results/ceilings_h200.json is not in this installation")
+    return result
 
 
 # The card makers' peak figures (dense: no 2:4 sparsity), beside which the measured ceilings are read: a kernel's
@@ -339,9 +359,11 @@ def case_runs(case, args) -> list:
 def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
     """Time every version of every kernel backend on each case, beside PyTorch, against this run's ceilings.
 
-    ms: GPU time per call from a CUDA graph of the calls, replayed ('graph': HIP and PyTorch), or queued launches
-    from Python where the calls cannot be captured ('queued': Numba launches on a stream of its own, so its rows
-    include Python's launch overhead); ms_launch: queued launches for every row."""
+    One GPU-time measurement for every row: `iters` calls captured in a CUDA graph and replayed (`time_gpu_graph`
+    for Numba and HIP launchers, which launch on CuPy's current stream; `time_torch_graph` for PyTorch), marked
+    'graph'. A call that cannot be captured falls back to queued launches between events ('queued'). Beside it,
+    host_ms: the CPU's time to issue one call from Python (the launch overhead a loop of eager launches pays), and
+    ms_queued: the GPU time of the same calls queued from Python, which is the larger of the two."""
     info = device.require_gpu("benchmarking kernels")
     import cupy as cp
     ceil = ceilings(small=small)
@@ -354,23 +376,27 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
         for bname, version, run in case_runs(case, args):
             row = {"op": case.op, "shape": case.shape, "backend": bname, "version": version}
             try:
-                t_launch = time_gpu(run, warmup=3, iters=iters, reps=3)
+                t_queued = time_gpu(run, warmup=3, iters=iters, reps=3)
+                t_host = time_host(run, iters=iters, reps=3)
             except Exception as e:  # noqa: BLE001 - one failing version must not stop the table
                 rows.append(dict(row, error=f"{type(e).__name__}: {e}"[:200]))
                 _recover()
                 continue
             t, timing = _graph_time(run, bname, iters), "graph"
             if t is None:                              # not capturable (e.g. a host sync inside): the queued time
-                t, timing = t_launch, "queued"
+                t, timing = t_queued, "queued"
             gbs, tflops = case.bytes / t / 1e9, case.flops / t / 1e12
             frac = gbs / ceil["copy"]["GB/s"] if case.bound == "memory" else tflops / ceil["matmul_fp32"]["TFLOP/s"]
-            rows.append(dict(row, ms=t * 1e3, ms_launch=t_launch * 1e3, timing=timing,
+            rows.append(dict(row, ms=t * 1e3, host_ms=t_host * 1e3, ms_queued=t_queued * 1e3, timing=timing,
                              bytes=case.bytes, flops=case.flops, **{"GB/s": gbs, "TFLOP/s": tflops},
                              bound=case.bound, fraction_of_ceiling=frac))
         del args
         cp.get_default_memory_pool().free_all_blocks()
     return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil,
-            "spec": spec_peaks(info.gpu.name), "rows": rows}
+            "spec": spec_peaks(info.gpu.name), "iters": iters,
+            "timing": f"ms: GPU time per call, a CUDA graph of {iters} calls replayed; host_ms: Python's time to "
+                      f"issue one call; ms_queued: the same calls queued from Python between events",
+            "rows": rows}
 
 
 def _recover():
@@ -383,9 +409,7 @@ def _recover():
 
 def _graph_time(run, backend, iters):
     """GPU time per call from a CUDA graph of `iters` calls (time_gpu_graph / time_torch_graph); None when the call
-    cannot be captured (Numba launches on its own stream, a host sync, an allocation PyTorch refuses)."""
-    if backend == "numba":
-        return None
+    cannot be captured (a host sync or a host copy inside, an allocation PyTorch refuses)."""
     try:
         return (time_torch_graph if backend == "torch" else time_gpu_graph)(run, iters=iters, reps=3)
     except Exception:  # noqa: BLE001 - not capturable
@@ -394,9 +418,12 @@ def _graph_time(run, backend, iters):
 
 
 def stored_kernels() -> dict:
-    """The kernel benchmark measured on the course's reference GPU (card and date inside)."""
-    text = resources.files("gpullm_lessons").joinpath("results", "kernels_h200.json").read_text()
-    return json.loads(text)
+    """The kernel benchmark measured on the course's reference GPU (card and date inside): stored.load."""
+    from . import stored
+    result = stored.load("kernels_h200")
+    if result is None:   # the lessons cannot do without it: an incomplete install
+        raise FileNotFoundError("gpullm_lessons/results/kernels_h200.json is not in this installation")
+    return result
 
 
 def kernel_results(ops, live=None) -> dict:
@@ -411,25 +438,27 @@ def result_source(result: dict) -> str:
     stored run (card and date)."""
     if result.get("live"):
         return f"measured now on {result['card']} ({result['date']})"
-    return f"no live measurement: the course's stored run on {result['card']}, {result['date']}"
+    from . import stored
+    return f"no live measurement: {stored.describe(result)}"
 
 
 def format_kernels(result: dict) -> str:
-    """The kernel table: GPU time ('g': a CUDA graph replayed; 'q': queued launches), queued launch time, rates."""
+    """The kernel table: GPU time per call (a CUDA graph replayed: 'g'), Python's time to issue it, rates."""
     c = result["ceilings"]
     lines = [f"{result['card']} ({result['date']}): copy {c['copy']['GB/s']:.0f} GB/s, "
              f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s",
              "ms: GPU time per call ('g': a CUDA graph of the calls, replayed; 'q': queued launches)",
-             "launch ms: queued launches from Python, launch overhead included",
-             f"{'op':<13}{'backend':<8}{'version':<10}{'ms':>8}{'launch ms':>10}{'GB/s':>7}{'TFLOP/s':>8}"
+             "host us: Python's time to issue one call (launch overhead; an eager loop pays the larger of the two)",
+             f"{'op':<13}{'backend':<8}{'version':<10}{'ms':>8}{'host us':>9}{'GB/s':>7}{'TFLOP/s':>8}"
              f"{'of ceiling':>11}"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:9]:<10}  error: {r['error'][:60]}")
             continue
         mark = {"graph": "g", "queued": "q"}.get(r.get("timing"), " ")
+        host = f"{1e3 * r['host_ms']:9.0f}" if "host_ms" in r else f"{'-':>9}"
         lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:9]:<10}{r['ms']:7.3f}{mark}"
-                     f"{r.get('ms_launch', r['ms']):10.3f}{r['GB/s']:7.0f}"
+                     f"{host}{r['GB/s']:7.0f}"
                      f"{r['TFLOP/s']:8.2f}{100 * r['fraction_of_ceiling']:6.0f}% "
                      f"{'copy' if r['bound'] == 'memory' else 'mm'}")
     return "\n".join(lines)

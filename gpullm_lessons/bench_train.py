@@ -18,6 +18,7 @@ the fragmentation of its free blocks.
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import time
 
@@ -79,7 +80,8 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
     from . import engine
 
     pool = cp.get_default_memory_pool()
-    pool.free_all_blocks()
+    gc.collect()                                     # an earlier engine (and its graphs) must be gone: its arrays
+    pool.free_all_blocks()                           # would count in this one's bytes
     high = [0]
 
     def tracking_malloc(size):                       # every allocation goes through the pool; note the live peak
@@ -102,6 +104,7 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
         del eng
     finally:
         cp.cuda.set_allocator(pool.malloc)
+    gc.collect()
     pool.free_all_blocks()
     return {"step_ms": 1e3 * sec, "peak_bytes": int(high[0]), "reserved_bytes": int(reserved),
             "model_bytes": int(model_bytes), "cuda_graph": graphed}
@@ -227,7 +230,9 @@ def format_train(result) -> str:
 
 
 def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), policies=("none", "selective", "full"),
-                        steps=6, backend="hip") -> dict:
+                        steps=6, backend="hip", graphs=("off", "on")) -> dict:
+    """Step time and peak memory per checkpointing policy, each step launched from Python (graphs "off") and
+    replayed as a CUDA graph ("on": no launch overhead, so what is left of a policy's cost is its recompute)."""
     device.require_gpu("benchmarking activation checkpointing")
     from .checkpointing import memory_model
     from .engine import engine_memory
@@ -238,26 +243,31 @@ def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), polici
         T = cfg.block_size
         for prec in precisions:
             for policy in policies:
-                r = measure_engine(cfg, B, T, prec, policy, backend=backend, steps=steps)
                 mm = memory_model(cfg, B, T, precision=prec, policy=policy)
                 em = engine_memory(cfg, B, T, precision=prec, policy=policy)
-                rows.append({"preset": preset, "policy": policy, "batch": B, "T": T, "precision": prec, **r,
-                             "activation_bytes_measured": r["peak_bytes"] - r["model_bytes"],
-                             "activation_bytes_model": mm["activations"] + mm["recompute_peak"],
-                             "total_bytes_model": mm["total"], "total_bytes_engine_model": em["total"],
-                             "activation_bytes_engine_model": em["activations"] + em["working_set"]})
+                for mode in graphs:
+                    r = measure_engine(cfg, B, T, prec, policy, backend=backend, steps=steps, graphs=mode)
+                    rows.append({"preset": preset, "policy": policy, "batch": B, "T": T, "precision": prec,
+                                 "graphs": mode, **r,
+                                 "activation_bytes_measured": r["peak_bytes"] - r["model_bytes"],
+                                 "activation_bytes_model": mm["activations"] + mm["recompute_peak"],
+                                 "total_bytes_model": mm["total"], "total_bytes_engine_model": em["total"],
+                                 "activation_bytes_engine_model": em["activations"] + em["working_set"]})
     return {"card": _card(), "date": datetime.date.today().isoformat(), "rows": rows}
 
 
 def format_checkpointing(result) -> str:
     lines = [f"activation checkpointing on {result['card']} ({result['date']})",
-             "peak = most bytes in use in CuPy's pool (reserved: + its free blocks); engine_memory = the engine's own tensors (gpullm_lessons.engine);",
+             "graph: the step launched from Python (off) or replayed as a CUDA graph (on)",
+             "peak = most bytes in use in CuPy's pool (with a graph: + its private pool); engine_memory = the engine's "
+             "own tensors (gpullm_lessons.engine);",
              "memory_model = the NumPy reference's cache in one precision (gpullm_lessons.checkpointing)",
-             f"{'preset':<8}{'prec':<6}{'policy':<10}{'ms/step':>9}{'peak GiB':>10}{'reserved':>10}{'weights+opt':>12}"
+             f"{'preset':<8}{'prec':<6}{'policy':<10}{'graph':<6}{'ms/step':>9}{'peak GiB':>10}{'weights+opt':>12}"
              f"{'engine_memory':>15}{'ratio':>7}{'memory_model':>14}{'ratio':>7}"]
     for r in result["rows"]:
-        lines.append(f"{r['preset']:<8}{r['precision']:<6}{r['policy']:<10}{r['step_ms']:9.2f}"
-                     f"{r['peak_bytes'] / 2**30:10.2f}{r['reserved_bytes'] / 2**30:10.2f}{r['model_bytes'] / 2**30:12.2f}"
+        mode = "on" if r.get("cuda_graph") else "off"
+        lines.append(f"{r['preset']:<8}{r['precision']:<6}{r['policy']:<10}{mode:<6}{r['step_ms']:9.2f}"
+                     f"{r['peak_bytes'] / 2**30:10.2f}{r['model_bytes'] / 2**30:12.2f}"
                      f"{r['total_bytes_engine_model'] / 2**30:15.2f}{r['total_bytes_engine_model'] / r['peak_bytes']:7.3f}"
                      f"{r['total_bytes_model'] / 2**30:14.2f}{r['total_bytes_model'] / r['peak_bytes']:7.3f}")
     return "\n".join(lines)

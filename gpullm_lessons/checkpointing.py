@@ -286,7 +286,7 @@ def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
 # For lesson 08: the per-tensor breakdown, the live-memory timeline, CPU measurements, what fits on a card
 # ----------------------------------------------------------------------------------------------------------------
 
-RESULTS_H200 = "results/checkpointing_h200.json"   # the lead's H200 benchmark, relative to this package
+RESULTS_H200 = "checkpointing_h200"   # the stored checkpointing benchmark on an H200: stored.load(RESULTS_H200)
 
 
 def activation_breakdown(cfg, B, T, precision="fp32") -> list:
@@ -400,11 +400,11 @@ def measure_policies(cfg, B, T, repeats=5, seed=0, dtype=np.float32, policies=PO
 
 def relative_to_none(rows) -> dict:
     """{group: {policy: (activation bytes / none's, step time / none's)}} for rows shaped like measure_policies'
-    (or the H200 file's), grouped by (preset, batch, T, precision); groups without a "none" row are left out.
-    The group's name is "preset B=.. T=.. precision"."""
+    (or the H200 file's), grouped by (preset, batch, T, precision, and whether the step was a CUDA graph); groups
+    without a "none" row are left out. The group's name is "preset B=.. T=.. precision" (+ " graph")."""
     groups = {}
     for r in rows:
-        key = f"{r['preset']} B={r['batch']} T={r['T']} {r['precision']}"
+        key = f"{r['preset']} B={r['batch']} T={r['T']} {r['precision']}" + (" graph" if r.get("graphs") == "on" else "")
         groups.setdefault(key, {})[r["policy"]] = r
     out = {}
     for key, by_policy in groups.items():
@@ -416,11 +416,40 @@ def relative_to_none(rows) -> dict:
     return out
 
 
+def tradeoff_points(rows) -> dict:
+    """{group: {policy: (activation bytes / none's, step time / none's)}} from a GPU benchmark that ran each policy
+    launched from Python and replayed as a CUDA graph (bench_train.bench_checkpointing): the memory from the eager
+    rows (the live peak of the pool), the time from the graph rows (no launch overhead: what is left of a policy's
+    cost is its recompute on the GPU). Rows without graph runs give their eager times. Group: "preset precision"."""
+    out = {}
+    for r in rows:
+        if r.get("graphs", "off") == "off":
+            out.setdefault(f"{r['preset']} {r['precision']}", {})[r["policy"]] = {"eager": r}
+    for r in rows:
+        if r.get("graphs") == "on":
+            out.get(f"{r['preset']} {r['precision']}", {}).setdefault(r["policy"], {})["graph"] = r
+    points = {}
+    for key, by_policy in out.items():
+        base = by_policy.get("none")
+        if base is None:
+            continue
+        timed = "graph" if all("graph" in v for v in by_policy.values()) else "eager"
+        points[key] = {p: (v["eager"]["activation_bytes_measured"] / base["eager"]["activation_bytes_measured"],
+                           v[timed]["step_ms"] / base[timed]["step_ms"]) for p, v in by_policy.items() if "eager" in v}
+    return points
+
+
 def load_h200(path=None):
-    """The stored H200 checkpointing benchmark (dict with "card", "date", "rows"), or None if not stored yet."""
+    """The stored H200 checkpointing benchmark (dict with "card", "date", "rows"): stored.load(RESULTS_H200), or the
+    JSON file at `path` when one is given (a run of python -m gpullm_lessons.bench checkpointing --json PATH).
+    None when the file is not there."""
     import json
     from pathlib import Path
-    path = Path(__file__).resolve().parent / RESULTS_H200 if path is None else Path(path)
+
+    from . import stored
+    if path is None:
+        return stored.load(RESULTS_H200)
+    path = Path(path)
     if not path.exists():
         return None
     return json.loads(path.read_text())

@@ -167,6 +167,11 @@ def _resolve(expr: ast.AST, names: dict):
     return obj
 
 
+def _constant(node):
+    """The value of a literal argument (a start= or stop= string); None for anything else."""
+    return node.value if isinstance(node, ast.Constant) else None
+
+
 def _code_trees(nb):
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -209,7 +214,7 @@ def _lesson_literals_and_names(trees) -> tuple[set, set]:
 
 def shown_sources(nb) -> list[tuple[str, str]]:
     """(what, text) for everything a lesson notebook shows (see the module docstring)."""
-    from . import hip
+    from . import hip, show
 
     shown = []
     for index, cell in enumerate(nb.cells):
@@ -233,6 +238,20 @@ def shown_sources(nb) -> list[tuple[str, str]]:
                     try:
                         shown.append((f"inspect.getsource({ast.unparse(node.args[0])})", inspect.getsource(obj)))
                     except (TypeError, OSError):
+                        pass
+            elif name == "source" and node.args and _resolve(func, names) is show.source:
+                # show.source(obj or "hip name", start=..., stop=...): the excerpt it prints (all of it: max_lines
+                # only shortens what a learner sees at once)
+                args = [_constant(a) for a in node.args[1:3]]
+                kw = {k.arg: _constant(k.value) for k in node.keywords if k.arg in ("start", "stop")}
+                arg = node.args[0]
+                obj = arg.value if isinstance(arg, ast.Constant) else _resolve(arg, names)
+                if obj is not None:
+                    try:
+                        _, _, lines = show.excerpt(obj, *args, **kw)
+                        what = ", ".join(ast.unparse(a) for a in (*node.args, *node.keywords))
+                        shown.append((f"show.source({what})", "\n".join(lines)))
+                    except (TypeError, OSError, ValueError):
                         pass
             elif name == "source_path" and node.args and isinstance(node.args[0], ast.Constant):
                 files.add(hip.source_path(str(node.args[0].value)))

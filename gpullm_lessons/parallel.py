@@ -524,8 +524,8 @@ def _size(b) -> str:
 
 
 def format_bench(result) -> str:
-    """The table of a bench result (dict with rows, world, comm, where, date)."""
-    lines = [f"all-reduce, {result['world']} ranks, {result['comm']} ({result['where']}, {result['date']}); "
+    """The table of a bench result (dict with rows, world, comm, card, date)."""
+    lines = [f"all-reduce, {result['world']} ranks, {result['comm']} ({result['card']}, {result['date']}); "
              f"busbw = algbw x 2(N-1)/N",
              f"{'size':>9} {'algo':<6}{'time us':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
     for r in result["rows"]:
@@ -564,7 +564,7 @@ def bench_result(comm, sizes=DEFAULT_SIZES, iters=None, ring=True) -> dict:
     import datetime
 
     rows = bench_allreduce(comm, sizes, iters=iters, ring=ring)
-    return {"world": comm.world_size, "comm": comm.name, "where": _where(comm),
+    return {"world": comm.world_size, "comm": comm.name, "card": _where(comm),
             "date": datetime.date.today().isoformat(), "rows": rows}
 
 

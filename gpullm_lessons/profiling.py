@@ -204,7 +204,9 @@ def ncu_kernels(ops=None, small: bool = False, ncu: str = None, timeout: float =
         if small:
             target.append("--small")
         for metrics in (list(METRICS), CORE_METRICS):    # a toolkit that lacks a metric: the core set
-            cmd = [ncu, "--profile-from-start", "off", "--csv", "--page", "raw", "--log-file", log,
+            # --clock-control none: measure the card at the clocks it runs (ncu would otherwise lock them to base)
+            cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "raw",
+                   "--log-file", log,
                    "--metrics", ",".join(metrics), *target]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if proc.returncode == 0 and os.path.exists(labels_path):
@@ -233,6 +235,41 @@ def format_ncu(result: dict) -> str:
         lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:8]:<9}{r['duration_us']:8.1f}"
                      f"{(r.get('dram_pct_of_peak') or 0):8.0f}{(spr or 0):9.1f}"
                      f"{(r.get('achieved_occupancy_pct') or 0):7.0f}{int(r.get('registers_per_thread') or 0):6d}  {stall}")
+    return "\n".join(lines)
+
+
+def counters(ncu: dict, kernels: dict, op: str) -> list:
+    """Per version of `op`: Nsight Compute's counters beside the kernel benchmark's row of the same version.
+
+    `moved` is the DRAM bytes ncu counted (reads + writes; writes still held in L2 when the kernel ends are not yet
+    counted, so a kernel that moves exactly the minimum reads a little under 1.0) over the minimum bytes the
+    benchmark's case counts: above 1, the version reads or writes some bytes more than once."""
+    minimum = {(r["backend"], str(r["version"])): r for r in kernels.get("rows", []) if r["op"] == op and "bytes" in r}
+    out = []
+    for r in ncu["rows"]:
+        if r["op"] != op:
+            continue
+        bench_row = minimum.get((r["backend"], str(r["version"])))
+        out.append({"backend": r["backend"], "version": r["version"], "us": r["duration_us"],
+                    "dram_MB": r["dram_bytes"] / 1e6, "moved": r["dram_bytes"] / bench_row["bytes"] if bench_row else None,
+                    "dram_pct": r.get("dram_pct_of_peak"), "occupancy_pct": r.get("achieved_occupancy_pct"),
+                    "registers": r.get("registers_per_thread"), "ld_sectors_per_request": r.get("ld_sectors_per_request"),
+                    "grid": r.get("grid_size"), "kernels": r["kernels"], "top_stall": (r.get("top_stalls") or [[None]])[0][0]})
+    return out
+
+
+def format_counters(ncu: dict, kernels: dict, op: str) -> str:
+    """The counters that say why each version of `op` takes its time (one line per version, <= 100 characters)."""
+    lines = [f"Nsight Compute on {ncu['card']} ({ncu['date']}), one call of each version at the benchmark's shape",
+             "moved: DRAM bytes counted / the minimum bytes; sect/req: 32-byte sectors per warp load (4: one float a "
+             "lane; 16: float4)",
+             f"{'backend':<8}{'version':<9}{'us':>8}{'DRAM MB':>9}{'moved':>7}{'DRAM %':>8}{'occ %':>7}{'regs':>6}"
+             f"{'sect/req':>9}  main stall"]
+    for r in counters(ncu, kernels, op):
+        moved = f"{r['moved']:7.2f}" if r["moved"] is not None else f"{'-':>7}"
+        lines.append(f"{r['backend']:<8}{str(r['version'])[:8]:<9}{r['us']:8.1f}{r['dram_MB']:9.0f}{moved}"
+                     f"{(r['dram_pct'] or 0):8.0f}{(r['occupancy_pct'] or 0):7.0f}{int(r['registers'] or 0):6d}"
+                     f"{(r['ld_sectors_per_request'] or 0):9.1f}  {r['top_stall'] or ''}")
     return "\n".join(lines)
 
 
@@ -288,6 +325,16 @@ def _trace_events(prof, t_ref=None):
     return sorted(rows, key=lambda r: r["ts"])
 
 
+def step_span(events: list) -> float:
+    """Microseconds from the step's first call into CUDA to the end of its last GPU work (kernel, copy or memset):
+    what the step costs the GPU's timeline, without the profiler's own bookkeeping around it."""
+    gpu = [e for e in events if e["kind"] in ("kernel", "memcpy", "memset")]
+    calls = [e for e in events if e["kind"] in ("runtime", "kernel", "memcpy", "memset")]
+    if not gpu:
+        return 0.0
+    return round(max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in calls), 1)
+
+
 def step_timeline(preset: str = "course", precision: str = "bf16", backend: str = "hip") -> dict:
     """One eager step and one CUDA-graph step of the engine, traced with CUPTI through torch.profiler: every kernel
     on the GPU's timeline, every launch call on the CPU's, and the step's phases (forward / backward / optimizer)."""
@@ -319,8 +366,7 @@ def step_timeline(preset: str = "course", precision: str = "bf16", backend: str 
             ev = _trace_events(prof)
             kernels = [e for e in ev if e["kind"] == "kernel"]
             out[key] = {"events": ev, "kernels": len(kernels),
-                        "gpu_busy_us": round(sum(e["dur"] for e in kernels), 1),
-                        "span_us": round(max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev), 1)}
+                        "gpu_busy_us": round(sum(e["dur"] for e in kernels), 1), "span_us": step_span(ev)}
             del eng
             cp.get_default_memory_pool().free_all_blocks()
     finally:
@@ -337,9 +383,48 @@ def format_timeline(result: dict) -> str:
         if m:
             idle = 1 - m["gpu_busy_us"] / m["span_us"] if m["span_us"] else 0.0
             launches = sum(1 for e in m["events"] if e["kind"] == "runtime" and "aunch" in e["name"])
-            lines.append(f"  {key:<6} {m['kernels']:5d} kernels, {launches:4d} launch calls from the CPU, "
-                         f"GPU busy {m['gpu_busy_us'] / 1e3:7.2f} ms of {m['span_us'] / 1e3:7.2f} ms "
+            lines.append(f"  {key:<6} {m['kernels']:4d} kernels, {launches:4d} launch calls from the CPU, "
+                         f"GPU busy {m['gpu_busy_us'] / 1e3:6.2f} of {m['span_us'] / 1e3:6.2f} ms "
                          f"({100 * idle:4.1f}% idle)")
+    return "\n".join(lines)
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without its template arguments and signature; every cuBLAS product is "gemm (cuBLAS)"
+    (its kernels are named after their tiles: nvjet_*, sm90_xmma_gemm_*, cutlass_*), CuPy's own kernels "CuPy"."""
+    low = name.lower()
+    if any(k in low for k in ("gemm", "cutlass", "xmma", "cublas", "nvjet")):
+        return "gemm (cuBLAS)"
+    if low.startswith("cupy_"):
+        return "CuPy elementwise / reduction"
+    for sep in ("<", "(", "["):
+        name = name.split(sep)[0]
+    return name.strip() or "?"
+
+
+def kernel_families(result: dict, mode: str = "graph") -> list:
+    """The kernels of one traced step (step_timeline's `mode`: "eager" or "graph") grouped by family: (family,
+    launches, GPU microseconds), most time first."""
+    groups = {}
+    for e in result[mode]["events"]:
+        if e["kind"] == "kernel":
+            g = groups.setdefault(kernel_family(e["name"]), [0, 0.0])
+            g[0] += 1
+            g[1] += e["dur"]
+    return sorted(((k, n, us) for k, (n, us) in groups.items()), key=lambda r: -r[2])
+
+
+def format_kernel_families(result: dict, mode: str = "graph", top: int = 10) -> str:
+    fams = kernel_families(result, mode)
+    busy = sum(us for _, _, us in fams) or 1.0
+    lines = [f"{mode} step, {result['preset']} {result['precision']}: GPU time by kernel family (CUPTI)",
+             f"{'kernel':<44}{'launches':>9}{'ms':>8}{'share':>7}"]
+    for name, n, us in fams[:top]:
+        lines.append(f"{name[:43]:<44}{n:9d}{us / 1e3:8.2f}{100 * us / busy:6.1f}%")
+    rest = fams[top:]
+    if rest:
+        us = sum(r[2] for r in rest)
+        lines.append(f"{f'{len(rest)} more families':<44}{sum(r[1] for r in rest):9d}{us / 1e3:8.2f}{100 * us / busy:6.1f}%")
     return "\n".join(lines)
 
 

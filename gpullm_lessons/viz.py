@@ -1192,6 +1192,47 @@ def plot_step_profile(result: dict, title: str = "", ax=None):
     return fig
 
 
+def plot_step_timeline(result: dict, axes=None):
+    """One traced training step launched from Python ("eager") above the same step replayed as a CUDA graph
+    ("graph"), on one time axis (profiling.step_timeline's dict): per step, the CPU's launch calls and the GPU's
+    kernels (cuBLAS products in blue, the course's kernels in orange, CuPy's in grey); the gaps in the GPU lane are
+    the GPU waiting."""
+    from .profiling import kernel_family
+    plt = _pyplot()
+    modes = [m for m in ("eager", "graph") if result.get(m)]
+    if axes is None:
+        fig, axes = plt.subplots(len(modes), 1, figsize=(9, 1.5 * len(modes) + 0.8), sharex=True, squeeze=False)
+        axes = axes[:, 0]
+    fig = axes[0].figure
+    span = max(e["ts"] + e["dur"] for m in modes for e in result[m]["events"]
+               if e["kind"] in ("kernel", "memcpy", "memset")) / 1e3
+    colors = {"gemm (cuBLAS)": "tab:blue", "CuPy elementwise / reduction": "tab:gray"}
+    for ax, mode in zip(axes, modes):
+        ev = result[mode]["events"]
+        launches = [(e["ts"] / 1e3, max(e["dur"] / 1e3, span / 2000)) for e in ev
+                    if e["kind"] == "runtime" and "aunch" in e["name"]]
+        ax.broken_barh(launches, (1.1, 0.8), color="tab:green")
+        kernels = [e for e in ev if e["kind"] == "kernel"]
+        for fam_color in ("tab:orange", "tab:gray", "tab:blue"):      # cuBLAS drawn last: thin bars stay visible
+            bars = [(e["ts"] / 1e3, max(e["dur"] / 1e3, span / 2000)) for e in kernels
+                    if colors.get(kernel_family(e["name"]), "tab:orange") == fam_color]
+            ax.broken_barh(bars, (0.1, 0.8), color=fam_color)
+        m = result[mode]
+        ax.set_yticks([0.5, 1.5], ["GPU kernels", "CPU launches"], fontsize=8)
+        ax.set_ylim(0, 2)
+        ax.set_xlim(0, span * 1.01)
+        ax.set_title(f"{mode}: {m['kernels']} kernels, GPU busy {m['gpu_busy_us'] / 1e3:.2f} ms of a "
+                     f"{m['span_us'] / 1e3:.2f} ms step", fontsize=9)
+    axes[-1].set_xlabel("ms from the start of the step")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange", "tab:gray", "tab:green")]
+    axes[0].legend(handles, ["cuBLAS", "course kernels", "CuPy", "launch call"], fontsize=7, ncol=4,
+                   loc="upper right", bbox_to_anchor=(1, 1.55))
+    fig.suptitle(f"{result['preset']} B{result['B']} T{result['T']} {result['precision']}, {result['card']} "
+                 f"({result['date']})", fontsize=10, y=1.0)
+    fig.tight_layout()
+    return fig
+
+
 def plot_train_bench(result: dict, axes=None):
     """Step time of our engine beside PyTorch eager (bench_train.bench_train's dict): one panel per preset, a pair
     of bars per precision, each labelled with its ms and our time / PyTorch's time."""
@@ -1353,7 +1394,7 @@ def plot_allreduce_bandwidth(result: dict, ax=None):
     ax.set_ylabel("bus bandwidth GB/s\n= bytes/time x 2(N-1)/N")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    ax.set_title(f"all-reduce on {result['world']} ranks, {result['comm']}: {result['where']} ({result['date']})",
+    ax.set_title(f"all-reduce on {result['world']} ranks, {result['comm']}: {result['card']} ({result['date']})",
                  fontsize=9)
     fig.tight_layout()
     return fig

@@ -4,6 +4,7 @@ import pytest
 
 from gpullm_lessons.checkpointing import (POLICIES, cache_bytes, gpt_backward_ckpt, gpt_forward_ckpt,
                                           memory_model)
+from gpullm_lessons import checkpointing as ck
 from gpullm_lessons.params import GPTConfig, init_params, num_params
 from gpullm_lessons.reference.gpt import gpt_backward, gpt_forward
 
@@ -114,3 +115,16 @@ def test_backward_without_targets_raises():
         assert loss is None and logits.shape == (1, 3, TINY.vocab_size)
         with pytest.raises(ValueError, match="no loss"):
             gpt_backward_ckpt(cache, params.zeros_like())
+
+
+def test_tradeoff_points_take_memory_from_eager_runs_and_time_from_graph_runs():
+    def row(policy, graphs, act, ms, preset="course"):
+        return {"preset": preset, "precision": "bf16", "policy": policy, "graphs": graphs,
+                "activation_bytes_measured": act, "step_ms": ms}
+    rows = [row("none", "off", 100, 30.0), row("none", "on", 999, 10.0),
+            row("full", "off", 25, 20.0), row("full", "on", 999, 13.0),
+            row("none", "off", 10, 5.0, preset="cpu"), row("selective", "off", 8, 6.0, preset="cpu")]
+    pts = ck.tradeoff_points(rows)
+    assert pts["course bf16"]["full"] == pytest.approx((0.25, 1.3))       # eager memory, graph time
+    assert pts["cpu bf16"]["selective"] == pytest.approx((0.8, 1.2))      # no graph runs: eager time
+    assert ck.tradeoff_points([row("full", "off", 1, 1.0)]) == {}        # no "none" to compare with

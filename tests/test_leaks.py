@@ -66,6 +66,21 @@ def test_a_printed_module_source_is_resolved_through_the_lessons_imports(tmp_pat
     assert rows[0].score > leaks.LEAK_THRESHOLD and "getsource" in rows[0].where
 
 
+def test_an_excerpt_shown_with_show_source_is_counted(tmp_path):
+    from gpullm_lessons import show
+    from gpullm_lessons.reference import softmax
+    C = nbformat.v4.new_code_cell
+    _, _, lines = show.excerpt(softmax.softmax_backward, start="=")
+    region = "\n".join(ln[4:] for ln in lines)
+    rows = _course(tmp_path, [C("from gpullm_lessons import show\nfrom gpullm_lessons import reference as ref\n"
+                                "show.source(ref.softmax.softmax_backward, start='=')")], region)
+    assert rows[0].score > leaks.LEAK_THRESHOLD and "show.source" in rows[0].where
+    (tmp_path / "b").mkdir()                       # the same cell showing a part without the region: not counted
+    rows = _course(tmp_path / "b", [C("from gpullm_lessons import show\nfrom gpullm_lessons import reference as ref\n"
+                                      "show.source(ref.softmax.softmax_backward, stop='=')")], region)
+    assert rows[0].score < leaks.LEAK_THRESHOLD
+
+
 def test_a_variant_is_not_flagged(tmp_path):
     C = nbformat.v4.new_code_cell
     other = ("m = x.max(axis=-1, keepdims=True)\ne = np.exp(x - m)\nout[...] = e / e.sum(axis=-1, keepdims=True)")

@@ -56,3 +56,96 @@ def test_ceilings_are_shown_beside_the_datasheet():
     assert f"{frac:3.0f}% of spec" in text
     assert bench.spec_peaks("a card nobody measured") is None
     assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def _ncu(rows):
+    return {"card": "card", "date": "d", "rows": rows}
+
+
+def test_counters_put_the_dram_bytes_beside_the_benchmarks_minimum():
+    ncu = _ncu([
+        {"op": "softmax", "backend": "hip", "version": "v3", "kernels": 1, "duration_us": 68.0, "dram_bytes": 190e6,
+         "dram_pct_of_peak": 58.0, "achieved_occupancy_pct": 93.0, "registers_per_thread": 16.0,
+         "ld_sectors_per_request": 4.0, "grid_size": 16384.0, "top_stalls": [["long_scoreboard", 17.0]]},
+        {"op": "softmax", "backend": "hip", "version": "v4", "kernels": 1, "duration_us": 79.0, "dram_bytes": 320e6,
+         "dram_pct_of_peak": 84.0, "achieved_occupancy_pct": 90.0, "registers_per_thread": 21.0,
+         "ld_sectors_per_request": 4.0, "grid_size": 2048.0, "top_stalls": []},
+        {"op": "layernorm", "backend": "hip", "version": "v5", "kernels": 2, "duration_us": 53.0, "dram_bytes": 1e6,
+         "top_stalls": []},
+        {"op": "softmax", "backend": "torch", "version": "2.11", "kernels": 2, "duration_us": 91.0,
+         "dram_bytes": 360e6, "top_stalls": []},                       # no benchmark row: no ratio, not a guess
+    ])
+    kernels = {"rows": [{"op": "softmax", "backend": "hip", "version": v, "bytes": 200e6} for v in ("v3", "v4")]
+               + [{"op": "softmax", "backend": "numba", "version": "v4", "bytes": 1.0}]}
+    rows = {(r["backend"], r["version"]): r for r in profiling.counters(ncu, kernels, "softmax")}
+    assert set(rows) == {("hip", "v3"), ("hip", "v4"), ("torch", "2.11")}        # layernorm left out
+    assert rows[("hip", "v3")]["moved"] == pytest.approx(0.95)
+    assert rows[("hip", "v4")]["moved"] == pytest.approx(1.6)                     # its own row, not numba's
+    assert rows[("torch", "2.11")]["moved"] is None
+    assert rows[("hip", "v3")]["top_stall"] == "long_scoreboard" and rows[("hip", "v4")]["top_stall"] is None
+    table = profiling.format_counters(ncu, kernels, "softmax")
+    assert "   1.60" in table and "   0.95" in table
+    assert all(len(line) <= 120 for line in table.splitlines())
+
+
+def test_the_stored_counters_cover_every_version_of_the_four_ops():
+    from gpullm_lessons import stored
+    ncu, kernels = stored.load("ncu_h200"), bench.stored_kernels()
+    for op in ("softmax", "layernorm", "crossentropy", "adamw"):
+        rows = profiling.counters(ncu, kernels, op)
+        ours = [r for r in rows if r["backend"] != "torch"]
+        bench_versions = {(r["backend"], r["version"]) for r in kernels["rows"] if r["op"] == op and r["backend"] != "torch"}
+        assert {(r["backend"], r["version"]) for r in ours} == bench_versions, op
+        assert all(r["moved"] and 0.5 < r["moved"] < 5 for r in ours), op
+
+
+@pytest.mark.parametrize("name, family", [
+    ("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm (cuBLAS)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm (cuBLAS)"),
+    ("cupy_add__float32_float32_float32", "CuPy elementwise / reduction"),
+    ("layernorm_backward_v5_w4_k3", "layernorm_backward_v5_w4_k3"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::Foo>(int, float*)",
+     "void at::native::vectorized_elementwise_kernel"),
+])
+def test_kernel_families(name, family):
+    assert profiling.kernel_family(name) == family
+
+
+def test_a_step_spans_from_its_first_call_to_its_last_gpu_work():
+    ev = [{"kind": "phase", "name": "step", "ts": 0.0, "dur": 100.0},
+          {"kind": "runtime", "name": "cudaLaunchKernel", "ts": 5.0, "dur": 1.0},
+          {"kind": "kernel", "name": "k", "ts": 7.0, "dur": 10.0},
+          {"kind": "memcpy", "name": "m", "ts": 20.0, "dur": 3.0},
+          {"kind": "runtime", "name": "cudaDeviceSynchronize", "ts": 90.0, "dur": 2.0}]
+    assert profiling.step_span(ev) == pytest.approx(18.0)
+    assert profiling.step_span([e for e in ev if e["kind"] != "kernel" and e["kind"] != "memcpy"]) == 0.0
+
+
+def test_the_stored_timelines_show_the_graph_step_without_launch_gaps():
+    from gpullm_lessons import stored, viz
+    for name in ("timeline_course_h200", "timeline_gpt2_h200"):
+        t = stored.load(name)
+        fams = profiling.kernel_families(t, "graph")
+        assert sum(n for _, n, _ in fams) == t["graph"]["kernels"]
+        assert fams[0][0] == "gemm (cuBLAS)"
+        eager, graph = t["eager"], t["graph"]
+        assert abs(eager["gpu_busy_us"] - graph["gpu_busy_us"]) < 0.05 * graph["gpu_busy_us"]   # same kernels
+        assert graph["span_us"] < eager["span_us"]                       # the graph removes the GPU's waiting
+        assert graph["span_us"] == pytest.approx(profiling.step_span(graph["events"]))
+        text = profiling.format_timeline(t) + "\n" + profiling.format_kernel_families(t)
+        assert all(len(line) <= 100 for line in text.splitlines())
+    fig = viz.plot_step_timeline(t)
+    assert len(fig.axes) == 2 and fig.axes[1].get_xlim()[1] >= graph["span_us"] / 1e3
+
+
+def test_the_kernel_table_shows_gpu_time_and_host_time_for_every_row():
+    result = bench.stored_kernels()
+    ok = [r for r in result["rows"] if "error" not in r]
+    assert ok and all("host_ms" in r and r["host_ms"] > 0 for r in ok)
+    numba = [r for r in ok if r["backend"] == "numba"]
+    assert numba and sum(r["timing"] == "graph" for r in numba) >= len(numba) - 1   # Numba captured like CuPy
+    table = bench.format_kernels(result)
+    assert "host us" in table and all(len(line) <= 100 for line in table.splitlines())
+    row = next(r for r in ok if r["backend"] == "numba" and r["timing"] == "graph")
+    line = next(ln for ln in table.splitlines() if ln.startswith(f"{row['op']:<13}numba   {row['version']}"))
+    assert f"{row['ms']:7.3f}g" in line and f"{1e3 * row['host_ms']:9.0f}" in line

@@ -51,6 +51,7 @@ from numba import cuda
 from gpullm_lessons.backends._args import check_threads, check_version
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
+from gpullm_lessons.kernels.numba import launch_stream
 
 ZERO = numba.float32(0.0)
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
@@ -414,15 +415,15 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min(math.ceil(n / threads), _max_blocks())
     if version == "v2":
-        KERNELS["v2"][blocks, threads](params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"],
+        KERNELS["v2"][blocks, threads, launch_stream()](params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"],
                                        s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
                                        s["bias1"], s["bias2"], s["eps"], s["grad_scale"])
     else:  # v1: five launches, each a full pass over its buffers
-        KERNELS["v1_decay"][blocks, threads](params, grads, bounds, flags, s["lr_wd"], s["grad_scale"])
-        KERNELS["v1_m"][blocks, threads](grads, m, s["beta1"], s["one_minus_beta1"])
-        KERNELS["v1_v"][blocks, threads](grads, v, s["beta2"], s["one_minus_beta2"])
-        KERNELS["v1_update"][blocks, threads](params, m, v, half_out, mode, s["lr"], s["bias1"], s["bias2"], s["eps"])
-        KERNELS["v1_zero"][blocks, threads](grads)
+        KERNELS["v1_decay"][blocks, threads, launch_stream()](params, grads, bounds, flags, s["lr_wd"], s["grad_scale"])
+        KERNELS["v1_m"][blocks, threads, launch_stream()](grads, m, s["beta1"], s["one_minus_beta1"])
+        KERNELS["v1_v"][blocks, threads, launch_stream()](grads, v, s["beta2"], s["one_minus_beta2"])
+        KERNELS["v1_update"][blocks, threads, launch_stream()](params, m, v, half_out, mode, s["lr"], s["bias1"], s["bias2"], s["eps"])
+        KERNELS["v1_zero"][blocks, threads, launch_stream()](grads)
 
 
 # ---- the graph-friendly step: scalars in GPU memory -------------------------------------------------------------
@@ -467,7 +468,7 @@ def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, deca
         return
     f = np.float32
     blocks = min(math.ceil(n / threads), _max_blocks())
-    KERNELS["device_v2"][blocks, threads](params, grads, m, v, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),
+    KERNELS["device_v2"][blocks, threads, launch_stream()](params, grads, m, v, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),
                                           f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
 
 
@@ -491,5 +492,5 @@ def grad_sumsq(flat, out, blocks=None):
         blocks = 1 if numba.config.ENABLE_CUDASIM else SUMSQ_BLOCKS
     blocks = min(max(1, math.ceil(n / SUMSQ_THREADS)), int(blocks))
     partial = _device(np.zeros(blocks, np.float32), flat)
-    KERNELS["sumsq_v1"][blocks, SUMSQ_THREADS](flat, partial)
-    KERNELS["sumsq_reduce_v1"][1, 1](partial, out)
+    KERNELS["sumsq_v1"][blocks, SUMSQ_THREADS, launch_stream()](flat, partial)
+    KERNELS["sumsq_reduce_v1"][1, 1, launch_stream()](partial, out)

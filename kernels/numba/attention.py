@@ -43,6 +43,7 @@ from numba import cuda, float32
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
 from gpullm_lessons.kernels.numba.convert import EXP, F16_MANT, SIGN16, U13, U16, f32_to_half_bits
+from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 
 # v1, step 1: datt[b, h, t, s] = sum_d dout[b, t, h*hs + d] * v[b, s, h*hs + d], zero above the diagonal
@@ -313,14 +314,14 @@ def attention_backward(dout, qkv, att, dqkv, n_head, version="v1"):
     if version not in VERSIONS:
         raise ValueError(f"attention_backward: version {version!r} unknown; Numba versions: {', '.join(VERSIONS)}")
     B, T, C, nh = check_attention_args("attention_backward", dout, qkv, att, dqkv, n_head)
-    datt = cuda.device_array((B, nh, T, T), dtype=np.float32)
-    dpre = cuda.device_array((B, nh, T, T), dtype=np.float32)
+    datt = device_scratch((B, nh, T, T), dtype=np.float32)
+    dpre = device_scratch((B, nh, T, T), dtype=np.float32)
     threads = min(128, max(32, T))
-    attention_datt_v1[(B * nh, T), threads](dout, qkv, datt, nh)
+    attention_datt_v1[(B * nh, T), threads, launch_stream()](dout, qkv, datt, nh)
     rows = B * nh * T
-    attention_dpre_v1[(rows + 127) // 128, 128](att, datt, dpre, np.float32(1.0 / math.sqrt(C // nh)))
+    attention_dpre_v1[(rows + 127) // 128, 128, launch_stream()](att, datt, dpre, np.float32(1.0 / math.sqrt(C // nh)))
     n = B * T * 3 * C
-    attention_dqkv_v1[(n + 255) // 256, 256](dout, qkv, att, dpre, dqkv, nh)
+    attention_dqkv_v1[(n + 255) // 256, 256, launch_stream()](dout, qkv, att, dpre, dqkv, nh)
 
 
 def check_softmax_rows(fn, arrays, T=None):
@@ -465,11 +466,11 @@ def attention_softmax_forward(pre, att, scale, att_half=None, half=None):
         return
     grid = ((rows + 127) // 128, 128)
     if pf != FMT_F32:
-        attention_softmax_fwd_half_in_v1[grid](pre, att_half, pf, np.float32(scale))
+        attention_softmax_fwd_half_in_v1[(*grid, launch_stream())](pre, att_half, pf, np.float32(scale))
     elif hf == FMT_F32:
-        attention_softmax_fwd_v1[grid](pre, att, np.float32(scale))
+        attention_softmax_fwd_v1[(*grid, launch_stream())](pre, att, np.float32(scale))
     else:   # att None: pre stands in for it (never written when write_f32 is 0)
-        attention_softmax_fwd_half_v1[grid](pre, pre if att is None else att, att_half, int(att is not None), hf,
+        attention_softmax_fwd_half_v1[(*grid, launch_stream())](pre, pre if att is None else att, att_half, int(att is not None), hf,
                                             np.float32(scale))
 
 
@@ -484,14 +485,14 @@ def attention_softmax_backward(att, datt, dpre, scale, half=None):
     if not rows:
         return
     if df != FMT_F32:
-        attention_dpre_half_in_v1[(rows + 127) // 128, 128](att, datt, dpre, df, np.float32(scale))
+        attention_dpre_half_in_v1[(rows + 127) // 128, 128, launch_stream()](att, datt, dpre, df, np.float32(scale))
         return
     if af == FMT_F32 and of == FMT_F32:
         shape4 = (1, rows // T, T, T)
-        attention_dpre_v1[(rows + 127) // 128, 128](att.reshape(shape4), datt.reshape(shape4),
+        attention_dpre_v1[(rows + 127) // 128, 128, launch_stream()](att.reshape(shape4), datt.reshape(shape4),
                                                      dpre.reshape(shape4), np.float32(scale))
         return
     half_bits = att if af != FMT_F32 else dpre           # a uint16 array: the placeholder of the unused half slot
-    attention_dpre_half_v1[(rows + 127) // 128, 128](att if af == FMT_F32 else datt, half_bits, datt,
+    attention_dpre_half_v1[(rows + 127) // 128, 128, launch_stream()](att if af == FMT_F32 else datt, half_bits, datt,
                                                      dpre if of == FMT_F32 else datt,
                                                      dpre if of != FMT_F32 else half_bits, af, of, np.float32(scale))

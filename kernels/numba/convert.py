@@ -34,6 +34,7 @@ from numba import cuda
 from gpullm_lessons.backends._args import check_array, check_threads, check_version
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
+from gpullm_lessons.kernels.numba import launch_stream
 
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 U16 = numba.uint32(16)
@@ -166,7 +167,7 @@ def _launch(fn, name, version, threads, n, args):
     if n == 0:
         return
     blocks = min(math.ceil(n / threads), MAX_BLOCKS)
-    KERNELS[f"{name}_{version}"][blocks, threads](*args)
+    KERNELS[f"{name}_{version}"][blocks, threads, launch_stream()](*args)
 
 
 LAUNCHERS = ("f32_to_bf16", "bf16_to_f32", "f32_to_f16", "nonfinite_count")  # gathered by backends/_collect.py
@@ -209,8 +210,8 @@ def nonfinite_count(flat, out, version="v1", threads=256):
     n = check_count_args(fn, flat, out)
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
-    KERNELS[f"nonfinite_zero_{version}"][1, 1](out)
+    KERNELS[f"nonfinite_zero_{version}"][1, 1, launch_stream()](out)
     if n == 0:
         return
     blocks = min(math.ceil(n / threads), MAX_BLOCKS)
-    KERNELS[f"nonfinite_count_{version}"][blocks, threads](flat, out)
+    KERNELS[f"nonfinite_count_{version}"][blocks, threads, launch_stream()](flat, out)

@@ -34,6 +34,7 @@ from numba import cuda
 
 from gpullm_lessons import device
 from gpullm_lessons.backends._args import check_array
+from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024               # the largest block: size of the shared arrays of v2
 WARP = 32                        # Numba CUDA runs on NVIDIA GPUs only: 32 lanes per warp
@@ -393,7 +394,7 @@ def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
     N, _ = check_inputs("crossentropy_backward", logits, targets, dlogits=dlogits)
     threads = _pick("crossentropy_backward", version, threads)
     if N:
-        KERNELS[version][_grid(version, N, threads), threads](logits, targets, dlogits)
+        KERNELS[version][_grid(version, N, threads), threads, launch_stream()](logits, targets, dlogits)
     return dlogits
 
 
@@ -402,7 +403,7 @@ def crossentropy_forward(logits, targets, losses, version="v2", threads=None):
     N, _ = check_inputs("crossentropy_forward", logits, targets, losses=losses)
     threads = _pick("crossentropy_forward", version, threads)
     if N:
-        KERNELS[version + "_forward"][_grid(version, N, threads), threads](logits, targets, losses)
+        KERNELS[version + "_forward"][_grid(version, N, threads), threads, launch_stream()](logits, targets, losses)
     return losses
 
 
@@ -411,7 +412,7 @@ def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2"
     N, _ = check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits)
     threads = _pick("crossentropy_forward_backward", version, threads, allowed=("v2",))
     if N:
-        KERNELS["v2_fused"][N, threads](logits, targets, losses, dlogits)
+        KERNELS["v2_fused"][N, threads, launch_stream()](logits, targets, losses, dlogits)
     return losses, dlogits
 
 
@@ -448,7 +449,7 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
         import cupy
         scratch = cupy.empty((N, V), cupy.float32)
     else:
-        scratch = cuda.device_array((N, V), np.float32)
+        scratch = device_scratch((N, V), np.float32)
     crossentropy_forward_backward(logits, targets, losses, scratch, threads=threads)
     (f32_to_bf16 if half == "bf16" else f32_to_f16)(scratch.reshape(-1), dlogits.reshape(-1))
     return losses, dlogits

@@ -37,6 +37,7 @@ from numba import cuda
 
 from gpullm_lessons import arrays, device
 from gpullm_lessons.backends._args import check_array
+from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024
 
@@ -281,7 +282,7 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None):
 
     Arrays: Numba device arrays or CuPy arrays on a GPU; Numba simulator arrays or NumPy arrays in the simulator.
     v1 and v3 do not check that idx is in [0, V) (that would need a copy to the host); v2 does.
-    v3 allocates its scratch (acc (V, C) int64, the partial maxima, scale) with cuda.device_array and never reads
+    v3 allocates its scratch (acc (V, C) int64, the partial maxima, scale) with device_scratch and never reads
     a device value on the host.
     """
     B, T, C, V, maxT = check_inputs(dout, idx, dwte, dwpe)
@@ -292,29 +293,29 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None):
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"encoder_backward: threads={threads}, expected 1..{MAX_THREADS}")
     if version == "v1":
-        encoder_zero_v1[_blocks(V * C, threads), threads](dwte)
-        encoder_zero_v1[_blocks(maxT * C, threads), threads](dwpe)
+        encoder_zero_v1[_blocks(V * C, threads), threads, launch_stream()](dwte)
+        encoder_zero_v1[_blocks(maxT * C, threads), threads, launch_stream()](dwpe)
         if B * T * C:
-            encoder_backward_v1[_blocks(B * T * C, threads), threads](dout, idx, dwte, dwpe)
+            encoder_backward_v1[_blocks(B * T * C, threads), threads, launch_stream()](dout, idx, dwte, dwpe)
     elif version == "v3":
         n = B * T * C
         on_gpu = device.numba_on_gpu()
         red = threads if on_gpu else min(threads, SIM_REDUCE_THREADS)   # any block size works (_block_max)
         n_partial = min(_blocks(n, red), AMAX_BLOCKS if on_gpu else SIM_BLOCKS)
         cap = ADD_BLOCKS if on_gpu else SIM_BLOCKS              # the grid-stride loops cover the rest
-        partial = cuda.device_array(n_partial, np.float32)      # scratch, every element written by v3_amax
-        scale = cuda.device_array(2, np.float32)                # [2^e, 2^-e], written by v3_scale
-        acc = cuda.device_array((V, C), np.int64)               # zeroed by v3_zero
-        encoder_backward_v3_amax[n_partial, red](dout, partial)
-        encoder_backward_v3_scale[1, red](partial, B * T, scale)
-        encoder_backward_v3_zero[min(_blocks(V * C, threads), cap), threads](acc)
-        encoder_backward_v3_add[min(_blocks(n, threads), cap), threads](dout, idx, scale, acc)
-        encoder_backward_v3_finish[min(_blocks(V * C, threads), cap), threads](acc, scale, dwte)
-        encoder_backward_v2_dwpe[_blocks(maxT * C, threads), threads](dout, dwpe)
+        partial = device_scratch(n_partial, np.float32)      # scratch, every element written by v3_amax
+        scale = device_scratch(2, np.float32)                # [2^e, 2^-e], written by v3_scale
+        acc = device_scratch((V, C), np.int64)               # zeroed by v3_zero
+        encoder_backward_v3_amax[n_partial, red, launch_stream()](dout, partial)
+        encoder_backward_v3_scale[1, red, launch_stream()](partial, B * T, scale)
+        encoder_backward_v3_zero[min(_blocks(V * C, threads), cap), threads, launch_stream()](acc)
+        encoder_backward_v3_add[min(_blocks(n, threads), cap), threads, launch_stream()](dout, idx, scale, acc)
+        encoder_backward_v3_finish[min(_blocks(V * C, threads), cap), threads, launch_stream()](acc, scale, dwte)
+        encoder_backward_v2_dwpe[_blocks(maxT * C, threads), threads, launch_stream()](dout, dwpe)
     else:
         order, starts = token_buckets(arrays.to_numpy(idx), V)
         kind = arrays.backend_of(idx)
         order, starts = arrays.to_backend(order, kind), arrays.to_backend(starts, kind)
-        encoder_backward_v2[_blocks(V * C, threads), threads](dout, order, starts, dwte)
-        encoder_backward_v2_dwpe[_blocks(maxT * C, threads), threads](dout, dwpe)
+        encoder_backward_v2[_blocks(V * C, threads), threads, launch_stream()](dout, order, starts, dwte)
+        encoder_backward_v2_dwpe[_blocks(maxT * C, threads), threads, launch_stream()](dout, dwpe)
     return dwte, dwpe

@@ -37,6 +37,7 @@ from numba import cuda
 
 from gpullm_lessons.backends._args import check_array, check_threads, check_version
 from gpullm_lessons.kernels.numba.convert import f32_to_half_bits
+from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_BLOCKS = 4096        # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 ROWS_PER_CHUNK = 32      # colsum stage 1: rows summed by one thread
@@ -325,7 +326,7 @@ def _launch(fn, key, version, threads, n, args):
     if n == 0:
         return
     blocks = min(math.ceil(n / threads), MAX_BLOCKS)
-    KERNELS[key][blocks, threads](*args)
+    KERNELS[key][blocks, threads, launch_stream()](*args)
 
 
 LAUNCHERS = ("bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
@@ -377,8 +378,8 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
     if C == 0:
         return
     chunks = colsum_chunks(N)
-    partial = cuda.device_array((chunks, C), np.float32)             # scratch, every element written
-    dummy = out if out is not None else cuda.device_array((1, 1), np.uint16)   # mode 0: never written
+    partial = device_scratch((chunks, C), np.float32)             # scratch, every element written
+    dummy = out if out is not None else device_scratch((1, 1), np.uint16)   # mode 0: never written
     _launch(fn, "colsum_partials_v1", version, threads, chunks * C, (inp, partial, dummy, mode))
     _launch(fn, "colsum_reduce_v1", version, threads, C, (partial, colsum))
 

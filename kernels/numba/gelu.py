@@ -20,6 +20,7 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons.backends._args import check_threads, check_version
+from gpullm_lessons.kernels.numba import launch_stream
 
 GELU_SCALE = numba.float32(math.sqrt(2.0 / math.pi))   # sqrt(2/pi), a float32 constant inside the kernels
 GELU_CUBE = numba.float32(0.044715)
@@ -93,7 +94,7 @@ def _launch(fn, prefix, version, threads, arrays):
     if n == 0:
         return
     blocks = min(math.ceil(n / threads), MAX_BLOCKS)
-    KERNELS[prefix + version][blocks, threads](*arrays)
+    KERNELS[prefix + version][blocks, threads, launch_stream()](*arrays)
 
 
 def gelu_forward(inp, out, version="v1", threads=256):

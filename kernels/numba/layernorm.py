@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda, float32
 
 from gpullm_lessons.backends._args import check_shape, check_version
+from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024              # largest block: the shared-memory tree buffer has one slot per thread
 WARP = 32                       # NVIDIA warp size (Numba CUDA targets NVIDIA only)
@@ -398,7 +399,7 @@ def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2"
         check_array(fn, name, x, shape)
     threads = _check_launch(fn, version, threads)
     blocks = (N + threads - 1) // threads if version == "v1" else N   # v1: a thread per row; v2, v3: a block
-    KERNELS[f"{version}_forward"][blocks, threads](inp, weight, bias, out, mean, rstd, np.float32(eps))
+    KERNELS[f"{version}_forward"][blocks, threads, launch_stream()](inp, weight, bias, out, mean, rstd, np.float32(eps))
     return out
 
 
@@ -420,15 +421,15 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
         raise ValueError(f"{fn}: rows_per_chunk={rows_per_chunk!r}, expected a positive int")
     col_blocks = (C + threads - 1) // threads
     if version == "v1":
-        KERNELS["v1"][(N + threads - 1) // threads, threads](dout, inp, weight, mean, rstd, dinp)
-        KERNELS["v1_dparams"][col_blocks, threads](dout, inp, mean, rstd, dweight, dbias)
+        KERNELS["v1"][(N + threads - 1) // threads, threads, launch_stream()](dout, inp, weight, mean, rstd, dinp)
+        KERNELS["v1_dparams"][col_blocks, threads, launch_stream()](dout, inp, mean, rstd, dweight, dbias)
         return dinp, dweight, dbias
-    KERNELS[version][N, threads](dout, inp, weight, mean, rstd, dinp)             # one block per row
+    KERNELS[version][N, threads, launch_stream()](dout, inp, weight, mean, rstd, dinp)             # one block per row
     rows_per_chunk = max(int(rows_per_chunk), (N + 65534) // 65535)                # gridDim.y is at most 65535
     n_chunks = (N + rows_per_chunk - 1) // rows_per_chunk
-    dweight_part = cuda.device_array((n_chunks, C), np.float32)                   # scratch, every element written
-    dbias_part = cuda.device_array((n_chunks, C), np.float32)
-    KERNELS["v2_partials"][(col_blocks, n_chunks), threads](dout, inp, mean, rstd, dweight_part, dbias_part,
+    dweight_part = device_scratch((n_chunks, C), np.float32)                   # scratch, every element written
+    dbias_part = device_scratch((n_chunks, C), np.float32)
+    KERNELS["v2_partials"][(col_blocks, n_chunks), threads, launch_stream()](dout, inp, mean, rstd, dweight_part, dbias_part,
                                                             np.int64(rows_per_chunk))
-    KERNELS["v2_reduce"][col_blocks, threads](dweight_part, dbias_part, dweight, dbias)
+    KERNELS["v2_reduce"][col_blocks, threads, launch_stream()](dweight_part, dbias_part, dweight, dbias)
     return dinp, dweight, dbias

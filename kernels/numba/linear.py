@@ -35,6 +35,7 @@ from numba import cuda, float32
 
 from gpullm_lessons import device
 from gpullm_lessons.backends._args import shape_of as _shape_of
+from gpullm_lessons.kernels.numba import launch_stream
 
 TILE = 16          # v2: block = TILE x TILE threads = one TILE x TILE tile of out
 REG = 4            # v3: each thread owns REG x REG elements of out
@@ -188,7 +189,7 @@ def matmul(a, b, out, trans_a=False, trans_b=False, version="v2"):
     if blocks[1] > MAX_GRID_Y:
         raise ValueError(f"linear_backward: {M} rows need {blocks[1]} row tiles, more than gridDim.y allows "
                          f"({MAX_GRID_Y})")
-    KERNELS[version][blocks, threads](a, b, out, np.int32(bool(trans_a)), np.int32(bool(trans_b)))
+    KERNELS[version][blocks, threads, launch_stream()](a, b, out, np.int32(bool(trans_a)), np.int32(bool(trans_b)))
     return out
 
 
@@ -234,4 +235,4 @@ def linear_backward(dout, inp, weight, dinp, dweight, dbias, version="v2"):
     matmul(inp, dout, dweight, trans_a=True, trans_b=False, version=version)    # (C, N) @ (N, OC) -> (C, OC)
     if OC > 0:
         blocks = (OC + DBIAS_THREADS - 1) // DBIAS_THREADS
-        dbias_v1[blocks, DBIAS_THREADS](dout, dbias)
+        dbias_v1[blocks, DBIAS_THREADS, launch_stream()](dout, dbias)

@@ -25,6 +25,7 @@ import math
 import numba
 import numpy as np
 from numba import cuda
+from gpullm_lessons.kernels.numba import launch_stream
 
 MAX_THREADS = 1024        # most threads a block may have: the size of v2's shared buffer
 WARP = 32                 # lanes per warp (NVIDIA; Numba targets NVIDIA only)
@@ -189,4 +190,4 @@ def softmax_backward(dout, out, dinp, version=None, threads=None):
         blocks = math.ceil(N / (threads // WARP))      # one warp per row
     else:
         blocks = N                                     # one block per row
-    KERNELS[version][blocks, threads](dout, out, dinp)
+    KERNELS[version][blocks, threads, launch_stream()](dout, out, dinp)

@@ -12,6 +12,7 @@ reads a transposed operand in place instead, with the same staging inside its lo
 C++ is kernels/hip/transpose.cu (lesson 02 prints that one).
 """
 from numba import cuda, float32
+from gpullm_lessons.kernels.numba import launch_stream
 
 TILE = 16
 TILE_PAD = TILE + 1       # one float wider than the tile: the column-wise reads hit different banks
@@ -45,5 +46,5 @@ def transpose(a, out):
     if R == 0 or S == 0:
         return out
     blocks = ((S + TILE - 1) // TILE, (R + TILE - 1) // TILE)   # (x: column tiles of a, y: row tiles of a)
-    transpose_tiled[blocks, (TILE, TILE)](a, out)
+    transpose_tiled[blocks, (TILE, TILE), launch_stream()](a, out)
     return out

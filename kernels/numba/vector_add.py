@@ -4,6 +4,7 @@ v1: one thread per element, guarded by `i < n` because the grid is rounded up to
 v2: grid-stride loop, so a fixed-size grid covers any n (the form every later kernel uses).
 """
 from numba import cuda
+from gpullm_lessons.kernels.numba import launch_stream
 
 
 # v1: one thread per element
@@ -35,5 +36,5 @@ def vector_add(a, b, out, version="v2", threads=256):
     if not (a.shape == b.shape == out.shape) or len(out.shape) != 1:
         raise ValueError(f"vector_add: a, b, out must be 1-D of one length; got {a.shape}, {b.shape}, {out.shape}")
     blocks = (n + threads - 1) // threads if version == "v1" else min((n + threads - 1) // threads, 1024)
-    KERNELS[version][max(blocks, 1), threads](a, b, out)
+    KERNELS[version][max(blocks, 1), threads, launch_stream()](a, b, out)
     return out
