@@ -168,12 +168,9 @@ def ceilings(small: bool = False) -> dict:
 
 
 def stored_ceilings() -> dict:
-    """The ceilings measured on the course's reference GPU (see the file's card and date): stored.load."""
+    """The ceilings measured on the course's reference GPU (see the file's card and date)."""
     from . import stored
-    result = stored.load("ceilings_h200")
-    if result is None:   # the lessons cannot do without it: an incomplete install
-        raise FileNotFoundError("gpullm_lessons/results/ceilings_h200.json is not in this installation")
-    return result
+    return stored.require("ceilings_h200")
 
 
 # The card makers' peak figures (dense: no 2:4 sparsity), beside which the measured ceilings are read: a kernel's
@@ -418,12 +415,9 @@ def _graph_time(run, backend, iters):
 
 
 def stored_kernels() -> dict:
-    """The kernel benchmark measured on the course's reference GPU (card and date inside): stored.load."""
+    """The kernel benchmark measured on the course's reference GPU (card and date inside)."""
     from . import stored
-    result = stored.load("kernels_h200")
-    if result is None:   # the lessons cannot do without it: an incomplete install
-        raise FileNotFoundError("gpullm_lessons/results/kernels_h200.json is not in this installation")
-    return result
+    return stored.require("kernels_h200")
 
 
 def kernel_results(ops, live=None) -> dict:

@@ -1205,6 +1205,35 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
     return f"{count}. {op.formula}"
 
 
+def compare_outputs(op, case, ours_raw: dict, expected: dict, tol: float):
+    """Every output of one case against its float64 reference (the tolerance rule of _compare, with the op's extra
+    terms and parts): (ours in float64, bad masks, (max abs, max rel) per output (NaN where the output is not
+    finite), atol per output, the names of the wrong outputs, in order)."""
+    ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
+    bads, stats, atols, wrong = {}, {}, {}, []
+    terms = op.terms(case) if op.terms is not None else {}
+    for name in case.outputs:
+        bad, err, rel, atol = _compare(ours[name], expected[name], tol, terms.get(name, 0.0),
+                                       (op.parts or {}).get(name, 1))
+        bads[name], atols[name] = bad, atol
+        finite = bool(np.isfinite(ours[name]).all())
+        stats[name] = (float(err.max()) if finite and err.size else (math.nan if not finite else 0.0),
+                       float(rel.max()) if finite and rel.size else (math.nan if not finite else 0.0))
+        if bad.any():
+            wrong.append(name)
+    return ours, bads, stats, atols, wrong
+
+
+def changed_inputs_note(case, dev_in) -> str:
+    """" (Note: your function changed its input ...)" when the learner's function wrote into an input, else ""."""
+    changed = [n for n, d in zip(case.inputs, dev_in)
+               if not np.array_equal(np.asarray(_arrays.to_numpy(d)), case.inputs[n], equal_nan=True)]
+    if not changed:
+        return ""
+    return (f" (Note: your function changed its input{'s' if len(changed) > 1 else ''} "
+            f"{', '.join(changed)}; inputs are read-only.)")
+
+
 def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) -> str:
     """Known mistakes first (per wrong output), then generic patterns; at most two hints."""
     cache = {}
@@ -1562,19 +1591,9 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
         result = guard_verdict(op, case, k, guard_bufs, dt, seed, info)
         if result is not None:
             break
-        ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
-        bads, stats, atols, wrong = {}, {}, {}, []
-        terms = op.terms(case) if op.terms is not None else {}
+        ours, bads, stats, atols, wrong = compare_outputs(op, case, ours_raw, expected, tol)
         for name in case.outputs:
-            bad, err, rel, atol = _compare(ours[name], expected[name], tol, terms.get(name, 0.0),
-                                           (op.parts or {}).get(name, 1))
-            bads[name], atols[name] = bad, atol
-            finite = bool(np.isfinite(ours[name]).all())
-            stats[name] = (float(err.max()) if finite and err.size else (math.nan if not finite else 0.0),
-                           float(rel.max()) if finite and rel.size else (math.nan if not finite else 0.0))
-            if bad.any():
-                wrong.append(name)
-            elif finite:
+            if name not in wrong and not math.isnan(stats[name][0]):
                 max_abs_all = max(max_abs_all, stats[name][0])
                 max_rel_all = max(max_rel_all, stats[name][1])
         info["atol"] = atols
@@ -1585,11 +1604,7 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             mine, exp = float(ours[name][index]), float(expected[name][index])
             max_abs, max_rel = stats[name]
             hint = _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned)
-            changed = [n for n, d in zip(case.inputs, dev_in)
-                       if not np.array_equal(np.asarray(_arrays.to_numpy(d)), case.inputs[n], equal_nan=True)]
-            if changed:
-                hint += f" (Note: your function changed its input{'s' if len(changed) > 1 else ''} " \
-                        f"{', '.join(changed)}; inputs are read-only.)"
+            hint += changed_inputs_note(case, dev_in)
             sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
             msg = (f"{op.name}: wrong - {name} at {_idx(index)} (case {k + 1} of {op.n_cases}: {sizes}): "
                    f"yours {_fmt(mine, exp)}, expected {_fmt(exp, mine)} "

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import device as _device
 from . import reference as ref
-from .checks import CheckResult, _Case, _Mistake, _Op, _is_learner_code, _run, _source_text
+from .checks import CheckResult, _Case, _Mistake, _Op, _if_square, _is_learner_code, _run, _source_text
 
 __all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_row_max",
            "check_softmax_forward_warp", "CASES"]
@@ -558,15 +558,6 @@ def _close_to(ours, wrong) -> bool:
     return wrong.shape == ours.shape and _close(ours, wrong, _slack(TOLERANCES["float32"]))
 
 
-def _square(fn):
-    def wrapped(c):
-        try:
-            return fn(c)
-        except ValueError:
-            return {}
-    return wrapped
-
-
 _DWEIGHT = _Op(
     "linear_dweight", _make_dweight,
     lambda c: {"dweight": c.x["inp"].T @ c.x["dout"]},
@@ -575,10 +566,10 @@ _DWEIGHT = _Op(
     shape_hint="inp is (N, C), dout (N, OC), dweight (C, OC): the reduction runs over the N rows of both",
     mistakes=[
         _Mistake("dweight is inp @ dout, without the transpose: op(A) = inp^T, so the A tile at (i, k) is "
-                 "inp[k, i] (row k of inp, column i)", _square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
+                 "inp[k, i] (row k of inp, column i)", _if_square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
         _Mistake("dweight is transposed: dweight[c, o] belongs at row c (from inp's column c), column o (from "
                  "dout's column o); it looks like dout^T inp",
-                 _square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
+                 _if_square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
         _pattern(_first_tile_any("dweight", "dweight")),
         _pattern(_skip_partial("dweight", "dweight")),
         _pattern(_stale_tail("dweight", "dweight")),
@@ -594,9 +585,9 @@ _DINP = _Op(
     shape_hint="dout is (N, OC), weight (C, OC) stored (in, out), dinp (N, C): the reduction runs over OC",
     mistakes=[
         _Mistake("dinp is dout @ weight, without the transpose: op(B) = weight^T, so the B tile at (k, j) is "
-                 "weight[j, k] (row j of weight, column k)", _square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
+                 "weight[j, k] (row j of weight, column k)", _if_square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
         _Mistake("dinp is transposed: dinp[n, c] belongs at row n (from dout's row n), column c (from weight's "
-                 "row c)", _square(lambda c: {"dinp": (c.x["dout"] @ c.x["weight"].T).T})),
+                 "row c)", _if_square(lambda c: {"dinp": (c.x["dout"] @ c.x["weight"].T).T})),
         _pattern(_first_tile_any("dinp", "dinp")),
         _pattern(_skip_partial("dinp", "dinp")),
         _pattern(_stale_tail("dinp", "dinp")),

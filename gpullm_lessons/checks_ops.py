@@ -287,19 +287,9 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
             break
         ours_raw, returned, trace, dev_in, dev_out = got
 
-        ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
-        bads, stats, atols, bad_names = {}, {}, {}, []
-        terms = op.terms(case) if op.terms is not None else {}
+        ours, bads, stats, atols, bad_names = _checks.compare_outputs(op, case, ours_raw, expected, tol)
         for name in case.outputs:
-            bad, err, rel, atol = _checks._compare(ours[name], expected[name], tol, terms.get(name, 0.0),
-                                                   (op.parts or {}).get(name, 1))
-            bads[name], atols[name] = bad, atol
-            finite = bool(np.isfinite(ours[name]).all())
-            stats[name] = (float(err.max()) if finite and err.size else (math.nan if not finite else 0.0),
-                           float(rel.max()) if finite and rel.size else (math.nan if not finite else 0.0))
-            if bad.any():
-                bad_names.append(name)
-            elif finite:
+            if name not in bad_names and not math.isnan(stats[name][0]):
                 max_abs_all = max(max_abs_all, stats[name][0])
                 max_rel_all = max(max_rel_all, stats[name][1])
         info["atol"] = atols
@@ -320,11 +310,7 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
                         break
             if hint is None:
                 hint = _checks._diagnose(op, case, ours_raw, ours, expected, bads, bad_names, tol, returned)
-            changed = [n for n, d in zip(case.inputs, dev_in)
-                       if not np.array_equal(np.asarray(_arrays.to_numpy(d)), case.inputs[n], equal_nan=True)]
-            if changed:
-                hint += (f" (Note: your function changed its input{'s' if len(changed) > 1 else ''} "
-                         f"{', '.join(changed)}; inputs are read-only.)")
+            hint += _checks.changed_inputs_note(case, dev_in)
             msg = (f"{op.name}: wrong - {name} at {_checks._idx(index)} ({_case_text(case, k, op)}): yours "
                    f"{_checks._fmt(mine, exp)}, expected {_checks._fmt(exp, mine)} (max abs err {max_abs:.2g}, "
                    f"max rel {max_rel:.2g}, tol {tol:g}; seed {seed})")

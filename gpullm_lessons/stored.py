@@ -9,6 +9,7 @@ Files are read through importlib.resources, so the package finds them wherever i
 wheel, a zip).
 
     load(name)        the result stored as results/<name>.json (a dict), or None when the package has no such file
+    require(name)     load, for a result that must be there (FileNotFoundError when it is not)
     names()           the names of the stored results, sorted
     describe(result)  one line naming the card and the date of a stored result
 """
@@ -45,6 +46,15 @@ def load(name: str) -> Optional[dict]:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"stored result {FOLDER}/{name}.json is not valid JSON: {e}") from e
+
+
+def require(name: str) -> dict:
+    """load(name) for a result the lessons cannot do without: a missing file is an incomplete installation and raises
+    FileNotFoundError naming it."""
+    result = load(name)
+    if result is None:
+        raise FileNotFoundError(f"gpullm_lessons/{FOLDER}/{_check_name(name)}.json is not in this installation")
+    return result
 
 
 def names() -> list[str]:

@@ -42,8 +42,8 @@ MAX_WARPS = MAX_THREADS // WARP  # size of the shared arrays of v3 (one pair per
 FULL_MASK = 0xFFFFFFFF           # every lane of the warp takes part in the shuffle
 
 
-# Every kernel is written out in full: Numba compiles @cuda.jit(device=True) helpers for the GPU it finds, so
-# kernels that call helpers could not be compiled to PTX on a machine without one (tests/test_kernels_numba.py).
+# Every kernel is written out in full (a shared helper would have to be @cuda.jit(device=True, inline=True): a plain
+# device function needs a CUDA driver to compile to PTX, and tests/test_kernels_numba.py compiles without one).
 # The steps repeat from kernel to kernel; comments name them:
 #   "online softmax": fold x into (m, s):  if x > m: s = s * exp(m - x) + 1; m = x   else: s += exp(x - m)
 #   "merge":          m = max(m_a, m_b); s = s_a * exp(m_a - m) + s_b * exp(m_b - m)
