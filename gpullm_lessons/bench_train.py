@@ -31,7 +31,7 @@ SHAPES = {"course": 64, "gpt2": 16}        # batch size per preset (T = the pres
 
 def _cfg(preset):
     from .params import GPTConfig
-    from .train import PRESETS
+    from .params import PRESETS
 
     p = dict(PRESETS[preset])
     B = p.pop("batch_size")

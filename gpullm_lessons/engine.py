@@ -15,7 +15,8 @@ products go through cuBLAS / hipBLAS (gpullm_lessons.blas.gemm), as lesson 02 co
 course's own kernels: LayerNorm forward/backward, GELU forward/backward, causal softmax forward/backward, the
 fused softmax + cross-entropy, the embedding backward, the fused AdamW and the precision kernels, and the glue
 kernels between the products (kernels/hip/fused.cu: bias + residual, bias + GELU, head split / merge, bias gradient
-+ half copy, LayerNorm with a half output), so that no CuPy elementwise operation runs inside a block.
++ half copy, LayerNorm with a half output). The only CuPy elementwise operations inside a block are the two
+residual-gradient additions of the backward (dx1 += dx, dx0 += dx1 in _block_backward).
 
 CUDA graphs (hip backend, fp32 / bf16, on by default): train_step captures the whole step once per batch shape and
 replays it (_StepGraph); see GPUEngine.train_step.

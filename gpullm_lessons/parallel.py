@@ -781,7 +781,7 @@ def dp_bench(comm, preset="gpt2", precision="bf16", batch_per_rank=16, steps=10,
     """Tokens/s of data-parallel training steps on random tokens: B = batch_per_rank rows per rank, T = block size."""
     from . import engine as engine_mod
     from .params import GPTConfig
-    from .train import PRESETS
+    from .params import PRESETS
 
     p = dict(PRESETS[preset])
     p.pop("batch_size")

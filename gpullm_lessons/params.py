@@ -54,6 +54,18 @@ class GPTConfig:
         return self.d_model // self.n_head
 
 
+# The model presets every entry point shares (the CLI's --preset, the benchmarks, the lessons): a GPTConfig's fields
+# plus the batch size and learning rate a run of that size uses.
+PRESETS = {
+    # the default: trains on the CPU with the NumPy reference in a couple of minutes
+    "tiny": dict(n_layer=2, n_head=2, d_model=64, block_size=64, vocab_size=256, batch_size=16, lr=1e-3),
+    # the course's GPU model (nanoGPT's shakespeare-char size, 10.8M parameters): for the GPU backends
+    "course": dict(n_layer=6, n_head=6, d_model=384, block_size=256, vocab_size=256, batch_size=64, lr=1e-3),
+    # GPT-2 small (124M parameters, vocab padded to 50304): for the GPU backends
+    "gpt2": dict(n_layer=12, n_head=12, d_model=768, block_size=1024, vocab_size=50304, batch_size=16, lr=6e-4),
+}
+
+
 def param_shapes(cfg: GPTConfig) -> dict:
     """name -> shape, in buffer order."""
     if not isinstance(cfg, GPTConfig):

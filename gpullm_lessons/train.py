@@ -50,19 +50,12 @@ for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from . import engine  # noqa: E402
+from .params import PRESETS  # noqa: E402,F401 - the presets live with the config; --preset reads them here
 from .data import BatchSampler, byte_unigram_entropy, decode, encode, load_corpus  # noqa: E402
 from .optim import lr_schedule  # noqa: E402
 
 # -----------------------------------------------------------------------------
-# config: model sizes and per-preset defaults (L = n_layer, nh = n_head, C = d_model, T = block_size, B = batch)
-PRESETS = {
-    # the default: trains on the CPU with the NumPy reference in a couple of minutes
-    "tiny": dict(n_layer=2, n_head=2, d_model=64, block_size=64, vocab_size=256, batch_size=16, lr=1e-3),
-    # the course's GPU model (nanoGPT's shakespeare-char size, ~10.7M parameters): for the GPU backends
-    "course": dict(n_layer=6, n_head=6, d_model=384, block_size=256, vocab_size=256, batch_size=64, lr=1e-3),
-    # GPT-2 small (124M parameters, vocab padded to 50304): for the GPU backends
-    "gpt2": dict(n_layer=12, n_head=12, d_model=768, block_size=1024, vocab_size=50304, batch_size=16, lr=6e-4),
-}
+# config: what the command line accepts (the model presets are params.PRESETS: L, nh, C, T, B and the learning rate)
 BACKENDS = ("auto",) + engine.BACKENDS  # the names --backend accepts; auto: hip on a GPU, numpy without one
 PRECISIONS = engine.PRECISIONS  # fp32 | bf16 | fp16 (half precision needs a kernel backend)
 POLICIES = engine.POLICIES  # activation checkpointing: none | selective | full
