@@ -79,6 +79,6 @@ def compile_report(name: str, arch: str = "sm_90") -> None:
     """Compile kernels/hip/<name>.cu for NVIDIA (NVRTC, sm_90) without running it."""
     try:
         ok, log = hip.compile_nvrtc(name, arch)
-        print(f"{name}.cu for NVIDIA {arch} (NVRTC):", "compiles" if ok else "FAILS\n" + log)
+        print(f"{name}.cu for NVIDIA {arch} (NVRTC): " + ("compiles" if ok else "FAILS\n" + log))
     except ImportError:
         print(f"{name}.cu: NVRTC bindings not installed (pip install -e '.[dev]'), compile check skipped")
