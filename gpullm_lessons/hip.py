@@ -176,7 +176,9 @@ def _nvrtc(text: bytes, filename: str, arch: str) -> tuple[bool, str]:
         opts.append(f"-I{inc}".encode())
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
+    # NVRTC writes the log into this buffer in place: it must be a bytes object of its own. b" " * 1 is CPython's
+    # cached one-byte b" " itself, and an empty log (size 1: its NUL) would turn every b" " of the process into NUL.
+    log = b" " * max(size, 2)
     nvrtc.nvrtcGetProgramLog(prog, log)
     nvrtc.nvrtcDestroyProgram(prog)
     return res == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").strip("\x00 \n")

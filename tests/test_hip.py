@@ -34,6 +34,16 @@ def test_compiles_for_nvidia_with_nvrtc(name):
     assert ok, log
 
 
+def test_an_empty_nvrtc_log_leaves_pythons_cached_bytes_alone():
+    """NVRTC writes its log into the buffer it is given; a clean compile's log is one NUL byte. The buffer must not be
+    CPython's cached one-byte b" " (that turned every space a later print wrote through a byte stream into NUL)."""
+    pytest.importorskip("cuda.bindings", reason="NVRTC bindings come with the [dev] extra (numba-cuda[cu13])")
+    ok, log = hip._nvrtc(b'extern "C" __global__ void k(float* x) { x[0] = 1.0f; }', "k.cu", "sm_90")
+    assert ok and log == ""
+    assert b" " == bytes([32]) and b" ".decode() == " "
+    assert "a b".encode() == b"a" + bytes([32]) + b"b"
+
+
 @pytest.mark.parametrize("name", SOURCES)
 def test_compiles_for_amd_with_hipcc(name):
     require_tool("hipcc")
