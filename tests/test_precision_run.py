@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import precision as P
+from gpullm_lessons.reference import rounding
 from gpullm_lessons.params import GPTConfig
 from gpullm_lessons.reference import attention_backward, attention_forward, linear_backward, linear_forward
 
@@ -43,7 +44,7 @@ def test_default_is_plain_fp32_bit_for_bit():
         np.testing.assert_array_equal(dinp, dout @ w.T)
         np.testing.assert_array_equal(dw, inp.reshape(-1, 7).T @ dout.reshape(-1, 6))
         np.testing.assert_array_equal(db, dout.reshape(-1, 6).sum(0))
-    assert P._mm_round(inp) is inp                        # no copy at all by default
+    assert P.mm_round(inp) is inp                        # no copy at all by default
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
@@ -103,23 +104,23 @@ def test_context_restores_nests_and_counts():
     x = np.array([1e-9, 1.0, 1e5, 0.0, 3.0e-8], np.float32)
     with P.matmul_precision("bf16"):
         with P.matmul_precision("fp16") as s16:
-            y = P._mm_round(x)
-        assert P._STATE["name"] == "bf16"
-    assert P._STATE["name"] == "fp32"
+            y = P.mm_round(x)
+        assert rounding._STATE["name"] == "bf16"
+    assert rounding._STATE["name"] == "fp32"
     assert y[0] == 0 and y[1] == 1 and math.isinf(y[2]) and y[4] != 0   # 1e-9 underflows, 1e5 overflows
     assert (s16.values, s16.nonzero, s16.flushed, s16.overflowed) == (5, 4, 1, 1)
     assert s16.flushed_fraction == 0.25
     with pytest.raises(RuntimeError):
         with P.matmul_precision("fp16"):
             raise RuntimeError("boom")
-    assert P._STATE["name"] == "fp32"
+    assert rounding._STATE["name"] == "fp32"
     with pytest.raises(ValueError, match="unknown precision 'fp12'"):
         with P.matmul_precision("fp12"):
             pass
     # float64 inputs (gradcheck) keep their dtype, values rounded
     z = np.array([1.0 + 2.0 ** -12], np.float64)
     with P.matmul_precision("bf16"):
-        assert P._mm_round(z).dtype == np.float64 and P._mm_round(z)[0] == 1.0
+        assert P.mm_round(z).dtype == np.float64 and P.mm_round(z)[0] == 1.0
 
 
 def test_format_rows():

@@ -13,7 +13,7 @@ import numpy as np
 from gpullm_lessons.kernels.numba.adamw import (HALF_NONE, check_buffers, check_device_args, check_hyper, check_table,
                                                 decay_table, half_mode_of, host_scalars)
 
-from ._args import check_array, check_threads, check_version
+from ..contracts import check_array, check_threads, check_version
 
 __all__ = ["adamw_step", "adamw_step_device", "grad_sumsq", "decay_table", "VERSIONS"]
 VERSIONS = ("v1", "v2", "v3")

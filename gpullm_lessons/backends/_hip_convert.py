@@ -10,7 +10,7 @@ import numpy as np
 
 from gpullm_lessons.kernels.numba.convert import check_count_args, check_pair
 
-from ._args import check_array, check_threads, check_version
+from ..contracts import check_array, check_threads, check_version
 
 __all__ = ["f32_to_bf16", "bf16_to_f32", "f32_to_f16", "nonfinite_count", "VERSIONS"]
 VERSIONS = ("v1",)

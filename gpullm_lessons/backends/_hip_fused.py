@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernels.numba.fused import (check_bias_add, check_bias_gelu, check_colsum, check_layernorm_half,
                                    check_merge, check_split)
-from ._args import check_array, check_threads, check_version
+from ..contracts import check_array, check_threads, check_version
 
 __all__ = ["bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
            "layernorm_forward_half", "VERSIONS"]

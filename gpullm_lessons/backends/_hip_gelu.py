@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._args import check_threads, check_version
+from ..contracts import check_threads, check_version
 from ._hip_softmax import check_cupy_args
 
 VERSIONS = ("v1",)

@@ -36,7 +36,7 @@ import numpy as np
 from .. import hip
 # the shape/dtype/threads checks are the Numba wrappers' (cupy=True: CuPy arrays, cupy in the hints)
 from ..kernels.numba.layernorm import check_array, check_block, check_rows
-from ._args import check_version, is_cupy
+from ..contracts import check_version, is_cupy
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4, v5 are backward kernels only

@@ -17,8 +17,8 @@ import numpy as np
 
 from .. import hip
 from ..kernels.numba.linear import validate
-from ._args import is_cupy
-from ._args import shape_of as _shape_of
+from ..contracts import is_cupy
+from ..contracts import shape_of as _shape_of
 
 VERSIONS = ("v1", "v2", "v3", "cublas")
 TILE = 16           # v1, v2: one 16x16 block per 16x16 tile of out

@@ -13,14 +13,14 @@ Backward, dy = dout reshaped to (B, nh, T, hs), scale = 1/sqrt(hs):
     preatt = scale q @ k^T   ->  dq = scale dpreatt @ k,   dk = scale dpreatt^T @ q
     dqkv = the three gradients merged back into (B, T, 3C), in the order q, k, v.
 
-The six matmuls pass their inputs through precision._mm_round (unchanged by default; rounded to bf16/fp16 inside
+The six matmuls pass their inputs through rounding.mm_round (unchanged by default; rounded to bf16/fp16 inside
 `with precision.matmul_precision(...)`, fp32 accumulation).
 """
 import math
 
 import numpy as np
 
-from ..precision import _mm_round
+from .rounding import mm_round
 from .softmax import softmax_backward, softmax_forward
 
 
@@ -56,11 +56,11 @@ def attention_forward(qkv, n_head):
     scale = 1.0 / math.sqrt(hs)                         # python float: keeps the dtype
 
     q, k, v = (_split_heads(x, n_head) for x in np.split(qkv, 3, axis=-1))  # each (B, nh, T, hs)
-    preatt = (_mm_round(q) @ _mm_round(k).swapaxes(-1, -2)) * scale   # (B, nh, T, T)
+    preatt = (mm_round(q) @ mm_round(k).swapaxes(-1, -2)) * scale   # (B, nh, T, T)
     causal = np.tril(np.ones((T, T), dtype=bool))       # (T, T) True where s <= t
     preatt = np.where(causal, preatt, -np.inf)          # future positions -> -inf -> probability 0
     att, _ = softmax_forward(preatt)                    # (B, nh, T, T)
-    y = _mm_round(att) @ _mm_round(v)                   # (B, nh, T, hs)
+    y = mm_round(att) @ mm_round(v)                   # (B, nh, T, hs)
     out = _merge_heads(y)                               # (B, T, C)
     cache = {"qkv": qkv, "att": att, "n_head": n_head}
     return out, cache
@@ -79,12 +79,12 @@ def attention_backward(dout, cache):
 
     q, k, v = (_split_heads(x, n_head) for x in np.split(qkv, 3, axis=-1))  # each (B, nh, T, hs)
     dy = _split_heads(dout, n_head)                     # (B, nh, T, hs)
-    dy_m = _mm_round(dy)                                # the matmuls' view of dy (identity in fp32)
-    datt = dy_m @ _mm_round(v).swapaxes(-1, -2)         # (B, nh, T, T)
-    dv = _mm_round(att).swapaxes(-1, -2) @ dy_m         # (B, nh, T, hs)
+    dy_m = mm_round(dy)                                # the matmuls' view of dy (identity in fp32)
+    datt = dy_m @ mm_round(v).swapaxes(-1, -2)         # (B, nh, T, T)
+    dv = mm_round(att).swapaxes(-1, -2) @ dy_m         # (B, nh, T, hs)
     dpreatt = softmax_backward(datt, {"out": att})      # (B, nh, T, T), zero where masked
-    dpreatt_m = _mm_round(dpreatt)
-    dq = (dpreatt_m @ _mm_round(k)) * scale             # (B, nh, T, hs)
-    dk = (dpreatt_m.swapaxes(-1, -2) @ _mm_round(q)) * scale   # (B, nh, T, hs)
+    dpreatt_m = mm_round(dpreatt)
+    dq = (dpreatt_m @ mm_round(k)) * scale             # (B, nh, T, hs)
+    dk = (dpreatt_m.swapaxes(-1, -2) @ mm_round(q)) * scale   # (B, nh, T, hs)
     dqkv = np.concatenate([_merge_heads(dq), _merge_heads(dk), _merge_heads(dv)], axis=-1)  # (B, T, 3C)
     return dqkv

@@ -12,12 +12,12 @@ Backward (chain rule, L the loss, dout = dL/dout)
     A shape check remembers these: each gradient has the shape of its input, and there is one way to
     multiply the available matrices to get it.
 
-Every matmul passes its inputs through precision._mm_round: they are unchanged by default (fp32), rounded to
-bf16/fp16 inside `with precision.matmul_precision(...)` (half inputs, fp32 accumulation, as a GPU GEMM).
+Every matmul passes its inputs through rounding.mm_round: they are unchanged by default (fp32), rounded to
+bf16/fp16 inside `with matmul_precision(...)` (rounding.py; also precision.matmul_precision) (half inputs, fp32 accumulation, as a GPU GEMM).
 """
 import numpy as np
 
-from ..precision import _mm_round
+from .rounding import mm_round
 from ._validate import _float_array
 
 
@@ -44,7 +44,7 @@ def linear_forward(inp, weight, bias=None):
             raise TypeError(f"linear_forward: inp is {inp.dtype} but bias is {bias.dtype}; "
                             f"pass arrays of one dtype")
 
-    out = _mm_round(inp) @ _mm_round(weight)            # (..., C) @ (C, OC) -> (..., OC)
+    out = mm_round(inp) @ mm_round(weight)            # (..., C) @ (C, OC) -> (..., OC)
     if bias is not None:
         out = out + bias                                # (OC,) broadcasts over the rows
     cache = {"inp": inp, "weight": weight, "has_bias": bias is not None}
@@ -59,9 +59,9 @@ def linear_backward(dout, cache):
     if dout.shape != inp.shape[:-1] + (OC,):
         raise ValueError(f"linear_backward: dout is {dout.shape} but out was {inp.shape[:-1] + (OC,)}")
     dout = dout.astype(inp.dtype, copy=False)
-    dout_m = _mm_round(dout)                            # the matmuls' view of dout (itself in fp32)
-    dinp = dout_m @ _mm_round(weight).T                 # (..., OC) @ (OC, C) -> (..., C)
-    inp2 = _mm_round(inp).reshape(-1, C)                # (N, C)
+    dout_m = mm_round(dout)                            # the matmuls' view of dout (itself in fp32)
+    dinp = dout_m @ mm_round(weight).T                 # (..., OC) @ (OC, C) -> (..., C)
+    inp2 = mm_round(inp).reshape(-1, C)                # (N, C)
     dweight = inp2.T @ dout_m.reshape(-1, OC)           # (C, N) @ (N, OC) -> (C, OC)
     dbias = dout.reshape(-1, OC).sum(axis=0) if cache["has_bias"] else None  # (OC,) a reduction: not rounded
     return dinp, dweight, dbias

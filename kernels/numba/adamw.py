@@ -48,7 +48,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons.backends._args import check_threads, check_version
+from gpullm_lessons.contracts import check_threads, check_version
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
 from gpullm_lessons.kernels.numba import launch_stream
@@ -403,7 +403,7 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     updated weights in half precision: float16 (half_dtype="float16") or bfloat16 bits in uint16
     (half_dtype="bfloat16"; ml_dtypes.bfloat16 arrays are accepted on the host too).
     """
-    from gpullm_lessons.backends._args import check_array
+    from gpullm_lessons.contracts import check_array
     fn = "adamw_step"
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
@@ -457,7 +457,7 @@ def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, deca
     """adamw_step with lr, weight decay, the step count, the loss scale and the clip threshold read from `hyper`
     (adamw_hyper(), on the device) and the gradient's squared norm from `sumsq` (grad_sumsq()): the step a CUDA
     graph replays. The clip factor is min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)), as the host computes it."""
-    from gpullm_lessons.backends._args import check_array
+    from gpullm_lessons.contracts import check_array
     fn = "adamw_step_device"
     threads = check_threads(fn, threads)
     n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
@@ -481,7 +481,7 @@ def grad_sumsq(flat, out, blocks=None):
     """out[0] = sum of flat[i]^2 (flat float32 (n,), out float32 (1,)): the squared global gradient norm, in two
     deterministic stages (block partials, then one fixed-order sum). blocks: the grid (grid-stride loop: any count
     gives the sum, each count its own fixed order); default SUMSQ_BLOCKS on a GPU, 1 in the simulator."""
-    from gpullm_lessons.backends._args import check_array
+    from gpullm_lessons.contracts import check_array
     fn = "grad_sumsq"
     if not hasattr(flat, "shape") or len(flat.shape) != 1:
         raise ValueError(f"{fn}: flat must be a 1-D float32 array, got shape {getattr(flat, 'shape', None)}")

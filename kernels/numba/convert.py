@@ -31,7 +31,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons.backends._args import check_array, check_threads, check_version
+from gpullm_lessons.contracts import check_array, check_threads, check_version
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
 from gpullm_lessons.kernels.numba import launch_stream

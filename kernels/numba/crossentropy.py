@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons import device
-from gpullm_lessons.backends._args import check_array
+from gpullm_lessons.contracts import check_array
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024               # the largest block: size of the shared arrays of v2

@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons import arrays, device
-from gpullm_lessons.backends._args import check_array
+from gpullm_lessons.contracts import check_array
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024

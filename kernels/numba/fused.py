@@ -35,7 +35,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons.backends._args import check_array, check_threads, check_version
+from gpullm_lessons.contracts import check_array, check_threads, check_version
 from gpullm_lessons.kernels.numba.convert import f32_to_half_bits
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons.backends._args import check_threads, check_version
+from gpullm_lessons.contracts import check_threads, check_version
 from gpullm_lessons.kernels.numba import launch_stream
 
 GELU_SCALE = numba.float32(math.sqrt(2.0 / math.pi))   # sqrt(2/pi), a float32 constant inside the kernels

@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from gpullm_lessons.backends._args import check_shape, check_version
+from gpullm_lessons.contracts import check_shape, check_version
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024              # largest block: the shared-memory tree buffer has one slot per thread

@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda, float32
 
 from gpullm_lessons import device
-from gpullm_lessons.backends._args import shape_of as _shape_of
+from gpullm_lessons.contracts import shape_of as _shape_of
 from gpullm_lessons.kernels.numba import launch_stream
 
 TILE = 16          # v2: block = TILE x TILE threads = one TILE x TILE tile of out

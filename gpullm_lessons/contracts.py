@@ -1,5 +1,6 @@
-"""Argument checks shared by the launch wrappers: the Numba ones (kernels/numba/<op>.py) and the HIP ones
-(gpullm_lessons/backends/_hip_<op>.py, which take CuPy arrays only).
+"""The launchers' contracts: argument checks shared by the launch wrappers of both backends, the Numba ones
+(kernels/numba/<op>.py) and the HIP ones (gpullm_lessons/backends/_hip_<op>.py, which take CuPy arrays only). It sits
+below both: kernels and backends import it, it imports neither.
 
 Each check raises TypeError (not an array, wrong dtype) or ValueError (wrong shape, not C-contiguous, bad launch
 setting) with a message that starts with the wrapper's name and names the argument. `cupy=True` is the HIP flavour:
