@@ -398,29 +398,12 @@ def measure_policies(cfg, B, T, repeats=5, seed=0, dtype=np.float32, policies=PO
             for policy in policies]
 
 
-def relative_to_none(rows) -> dict:
-    """{group: {policy: (activation bytes / none's, step time / none's)}} for rows shaped like measure_policies'
-    (or the H200 file's), grouped by (preset, batch, T, precision, and whether the step was a CUDA graph); groups
-    without a "none" row are left out. The group's name is "preset B=.. T=.. precision" (+ " graph")."""
-    groups = {}
-    for r in rows:
-        key = f"{r['preset']} B={r['batch']} T={r['T']} {r['precision']}" + (" graph" if r.get("graphs") == "on" else "")
-        groups.setdefault(key, {})[r["policy"]] = r
-    out = {}
-    for key, by_policy in groups.items():
-        base = by_policy.get("none")
-        if base is None:
-            continue
-        out[key] = {p: (r["activation_bytes_measured"] / base["activation_bytes_measured"],
-                        r["step_ms"] / base["step_ms"]) for p, r in by_policy.items()}
-    return out
-
-
 def tradeoff_points(rows) -> dict:
-    """{group: {policy: (activation bytes / none's, step time / none's)}} from a GPU benchmark that ran each policy
-    launched from Python and replayed as a CUDA graph (bench_train.bench_checkpointing): the memory from the eager
-    rows (the live peak of the pool), the time from the graph rows (no launch overhead: what is left of a policy's
-    cost is its recompute on the GPU). Rows without graph runs give their eager times. Group: "preset precision"."""
+    """{group: {policy: (activation bytes / none's, step time / none's)}} for rows shaped like measure_policies' or
+    bench_train.bench_checkpointing's. Where each policy also ran replayed as a CUDA graph (the GPU benchmark), the
+    memory comes from the eager rows (the live peak of the pool) and the time from the graph rows (no launch
+    overhead: what is left of a policy's cost is its recompute on the GPU); otherwise both from the eager rows.
+    Group: "preset precision"; groups without a "none" row are left out."""
     out = {}
     for r in rows:
         if r.get("graphs", "off") == "off":

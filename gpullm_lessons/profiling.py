@@ -41,18 +41,6 @@ def _kernel(name):
     return _kernels[name]
 
 
-def _numba_sync_off():
-    """Numba synchronises the producer's stream when it imports a CuPy array (the CUDA array interface's default);
-    while profiling, the arrays are already complete, so that wait is switched off (restored after)."""
-    try:
-        from numba.cuda.core import config
-    except ImportError:  # noqa: BLE001 - older numba-cuda layout
-        from numba import config
-    old = config.CUDA_ARRAY_INTERFACE_SYNC
-    config.CUDA_ARRAY_INTERFACE_SYNC = False
-    return config, old
-
-
 # ---- Nsight Compute -------------------------------------------------------------------------------------------
 
 STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "membar", "mio_throttle", "lg_throttle",
@@ -158,33 +146,29 @@ def ncu_target(ops, small: bool, labels_path: str) -> None:
     rng = np.random.default_rng(0)
     labels = []
     marker = _kernel("bench_marker")
-    config, old = _numba_sync_off()
-    try:
-        for case in bench._cases(small):
-            if ops and case.op not in ops:
-                continue
-            args = case.make(rng)
-            runs = bench.case_runs(case, args)
-            for _b, _v, run in runs:                          # compile and warm up outside the profiled range
-                try:
-                    run()
-                except Exception:  # noqa: BLE001 - a version that fails is left out (the timing table says why)
-                    pass
+    for case in bench._cases(small):
+        if ops and case.op not in ops:
+            continue
+        args = case.make(rng)
+        runs = bench.case_runs(case, args)
+        for _b, _v, run in runs:                          # compile and warm up outside the profiled range
+            try:
+                run()
+            except Exception:  # noqa: BLE001 - a version that fails is left out (the timing table says why)
+                pass
+        cp.cuda.Device().synchronize()
+        cp.cuda.profiler.start()
+        for bname, version, run in runs:
+            labels.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version})
+            marker((len(labels),), (1,), (np.int32(len(labels)),))
+            try:
+                run()
+            except Exception:  # noqa: BLE001
+                pass
             cp.cuda.Device().synchronize()
-            cp.cuda.profiler.start()
-            for bname, version, run in runs:
-                labels.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version})
-                marker((len(labels),), (1,), (np.int32(len(labels)),))
-                try:
-                    run()
-                except Exception:  # noqa: BLE001
-                    pass
-                cp.cuda.Device().synchronize()
-            cp.cuda.profiler.stop()
-            del args, runs
-            cp.get_default_memory_pool().free_all_blocks()
-    finally:
-        config.CUDA_ARRAY_INTERFACE_SYNC = old
+        cp.cuda.profiler.stop()
+        del args, runs
+        cp.get_default_memory_pool().free_all_blocks()
     with open(labels_path, "w") as f:
         json.dump(labels, f)
 

@@ -787,7 +787,7 @@ def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
     """Memory vs compute of the checkpointing policies: x = step time relative to policy "none", y = activation
     bytes relative to "none", one marker per policy, one colour per source.
 
-    sources: {name: {policy: (memory_rel, time_rel)}} (checkpointing.relative_to_none gives this per group).
+    sources: {name: {policy: (memory_rel, time_rel)}} (checkpointing.tradeoff_points gives this per group).
     claim: (memory_rel, (time_lo, time_hi)) drawn as a shaded box, the claim being tested (about half the memory
     for 30-40% more compute); None for no box."""
     plt = _pyplot()

@@ -134,6 +134,16 @@ def test_correct_passes(check, fn, dtype):
         assert r.max_rel <= r.tol
 
 
+def test_a_correct_verdict_reports_the_largest_error_of_every_output_and_case():
+    """A right answer off by a relative 4e-6 in dbias only: the verdict's max rel is that error, not 0 (the maximum
+    runs over every output of every case, not only over the first one)."""
+    def slightly_off(dout, inp, weight, dinp, dweight, dbias):
+        linear_backward(dout, inp, weight, dinp, dweight, dbias)
+        dbias *= np.float32(1 + 4e-6)
+    r = check_linear_backward(slightly_off, dtype=np.float32, seed=5, quiet=True)
+    assert r.passed and 1e-6 < r.max_rel < 1e-5, r.message   # float32 rounding alone: ~1e-7
+
+
 @pytest.mark.parametrize("check,fn", CORRECT, ids=IDS)
 def test_correct_passes_fresh_seeds_and_low_precision(check, fn):
     seeds = {check(fn, quiet=True).seed for _ in range(3)}   # seed=None: fresh inputs each call

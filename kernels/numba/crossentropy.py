@@ -445,11 +445,8 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
         return losses, dlogits
     if isinstance(logits, np.ndarray):
         scratch = np.empty((N, V), np.float32)
-    elif (type(logits).__module__ or "").startswith("cupy"):
-        import cupy
-        scratch = cupy.empty((N, V), cupy.float32)
     else:
-        scratch = device_scratch((N, V), np.float32)
+        scratch = device_scratch((N, V), np.float32)          # CuPy's pool on a GPU
     crossentropy_forward_backward(logits, targets, losses, scratch, threads=threads)
     (f32_to_bf16 if half == "bf16" else f32_to_f16)(scratch.reshape(-1), dlogits.reshape(-1))
     return losses, dlogits
