@@ -97,7 +97,7 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
         step = lambda x, y: eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)  # noqa: E731
         sec = _time_steps(step, batches)
         reserved = pool.total_bytes()                # what the pool holds: the live peak plus fragmentation
-        graph_bytes = sum(g.pool_bytes() for g in eng._graphs.values()) if eng.graphs else 0
+        graph_bytes = eng.graph_pool_bytes() if eng.graphs else 0
         high[0] += graph_bytes
         reserved += graph_bytes
         graphed = bool(eng.graphs)

@@ -51,6 +51,7 @@ import math
 
 import numpy as np
 
+from .optim import clip_coefficient
 from .params import GPTConfig, ParamBuffer, init_params, num_params
 from .profiling import nvtx_range
 
@@ -184,7 +185,7 @@ class Engine:
         self.t = int(state["t"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        self._params_changed()
+        self.params_changed()
 
     def _host(self, a):
         return np.array(a, dtype=np.float32, copy=True)
@@ -192,8 +193,78 @@ class Engine:
     def _dev(self, a):
         return a
 
-    def _params_changed(self):
-        pass
+    def params_changed(self):
+        """Call after writing self.params.flat from outside (a load, a broadcast, an all-gather): the engine refreshes
+        what it derives from the fp32 master weights (the half copy)."""
+
+    # ---- the optimizer update: one policy for the whole buffer, the graph step, data parallel and a ZeRO shard ------
+    def optimizer_state(self) -> "OptimizerShard":
+        """The whole flat buffer as the one shard optimizer_step updates."""
+        return OptimizerShard(self.params.flat, self.grads.flat, self.m, self.v, self.decay, half=self._half_copy())
+
+    def optimizer_shard(self, lo: int, hi: int, params, grads) -> "OptimizerShard":
+        """AdamW over elements [lo, hi) of a buffer padded with zeros past the n parameters (ZeRO-1: one rank's shard).
+
+        params, grads: the caller's views of that slice (params a view into the padded parameter storage, so the
+        update lands there); m and v start from this engine's moments over the slice (zero in the padding), so a
+        loaded checkpoint carries over; the decay rule is the slice's (no decay in the padding)."""
+        n = num_params(self.cfg)
+        xp = getattr(self, "xp", np)
+        m, v = xp.zeros(hi - lo, xp.float32), xp.zeros(hi - lo, xp.float32)
+        top = max(lo, min(hi, n))
+        if self.m.size == n:
+            m[:top - lo], v[:top - lo] = self.m[lo:top], self.v[lo:top]
+        return OptimizerShard(params, grads, m, v, self._decay_of(lo, hi))
+
+    def release_optimizer_state(self) -> None:
+        """Drop the full-size m and v (ZeRO: each rank keeps only its shard's); state_dict then has none of them."""
+        xp = getattr(self, "xp", np)
+        self.m = self.v = xp.zeros(0, xp.float32)
+
+    def update(self, lr, weight_decay, grad_clip, sumsq, nonfinite=0, shard=None) -> dict:
+        """After backward(loss_scale=S): the step's policy, then AdamW over `shard` (default: the whole buffer).
+
+        sumsq: the squared norm of the (scaled) gradient, over the whole model (data parallel: summed over the ranks'
+        shards); nonfinite: how many of its values are inf/NaN (fp16 only: a step with any is skipped and the loss
+        scale backs off; the scaler's decision must be the same on every rank, so the caller passes the global
+        count). Then the clip factor (optim.clip_coefficient of the unscaled norm) and 1/S are folded into one
+        grad_scale that AdamW applies as it reads the gradient. Returns {"grad_norm" (unscaled), "skipped", "scale"
+        (fp16)}."""
+        st = self.optimizer_state() if shard is None else shard
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        out = {"scale": scale} if self.scaler is not None else {}
+        if self.scaler is not None and self.scaler.update(nonfinite > 0):
+            st.grads[...] = 0
+            return {"grad_norm": float("nan"), "skipped": True, **out}
+        norm = math.sqrt(max(float(sumsq), 0.0)) / scale
+        coef = clip_coefficient(norm, grad_clip)
+        self.t += 1
+        self._adamw(st, lr, weight_decay, float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef))
+        return {"grad_norm": norm, "skipped": False, **out}
+
+    def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
+        """After backward(loss_scale=self.scaler.scale or 1): update() with this engine's own gradient norm (or
+        `grad_norm`, the scaled buffer's, when the caller already computed it: lesson 09's loop prints it) and
+        non-finite count. Returns {"grad_norm" (unscaled), "skipped", "scale" (fp16)}."""
+        bad = self.count_nonfinite() if self.scaler is not None else 0
+        sumsq = self.grad_sumsq() if grad_norm is None else float(grad_norm) ** 2
+        return self.update(lr, weight_decay, grad_clip, sumsq, bad)
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the flat gradient buffer."""
+        return math.sqrt(self.grad_sumsq())
+
+    def _half_copy(self):
+        return None
+
+
+class OptimizerShard:
+    """What one AdamW update runs over: flat params, grads, m and v of the same elements, and their decay rule
+    (the NumPy engine: a boolean mask; the kernel engines: the fused kernels' (bounds, flags) table); half: the
+    half copy of the weights the update also writes (the whole buffer in half precision), else None."""
+
+    def __init__(self, params, grads, m, v, decay, half=None):
+        self.params, self.grads, self.m, self.v, self.decay, self.half = params, grads, m, v, decay, half
 
 
 class NumpyEngine(Engine):
@@ -202,14 +273,14 @@ class NumpyEngine(Engine):
     backend = "numpy"
 
     def __init__(self, cfg, policy, seed, betas, eps):
-        from .optim import AdamW, decay_mask_for
+        from .optim import decay_mask_for
 
         super().__init__(cfg, "fp32", policy, seed, betas, eps)
         self.params = init_params(cfg, seed=seed, dtype=np.float32)
         self.grads = ParamBuffer(cfg, dtype=np.float32)
-        self.opt = AdamW(self.params.flat, lr=1.0, betas=self.betas, eps=self.eps, weight_decay=0.0,
-                         decay_mask=decay_mask_for(cfg))
-        self.m, self.v = self.opt.m, self.opt.v
+        n = num_params(cfg)
+        self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)   # AdamW's moments (optim.AdamW's)
+        self.decay = decay_mask_for(cfg)                                      # True where weight decay applies
 
     def forward(self, x, y=None):
         from .checkpointing import gpt_forward_ckpt
@@ -226,25 +297,34 @@ class NumpyEngine(Engine):
             self.grads.flat *= np.float32(loss_scale)
         self._cache = None
 
-    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
+        """Forward, backward, reduce_grads(grads_flat) if given (data parallel: the mean over ranks), clip, AdamW."""
         loss = self.forward(x, y)[1]      # the logits are not kept: (B, T, V) would stay alive through backward
         self.backward()
+        if reduce_grads is not None:
+            reduce_grads(self.grads.flat)
         return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
 
-    def grad_norm(self) -> float:
-        return float(np.sqrt(np.sum(np.square(self.grads.flat, dtype=np.float64))))
+    def grad_sumsq(self, g=None) -> float:
+        """The squared L2 norm of `g` (default: the whole gradient buffer), summed in float64."""
+        g = self.grads.flat if g is None else g
+        return float(np.sum(np.square(g, dtype=np.float64)))
 
-    def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
-        """Clip (global norm; `grad_norm` given: use it, e.g. after an all-reduce) and one AdamW step."""
-        norm = self.grad_norm() if grad_norm is None else float(grad_norm)
-        coef = grad_clip / (norm + 1e-6)                   # as torch.nn.utils.clip_grad_norm_ and optim.clip_grad_norm
-        if grad_clip > 0 and coef < 1.0:
-            self.grads.flat *= np.float32(coef)
-        self.opt.weight_decay = float(weight_decay)
-        self.opt.t = self.t
-        self.opt.step(self.grads.flat, lr=lr)
-        self.t = self.opt.t
-        return {"grad_norm": norm, "skipped": False}
+    def count_nonfinite(self, g=None) -> int:
+        return int(np.count_nonzero(~np.isfinite(self.grads.flat if g is None else g)))
+
+    def _decay_of(self, lo, hi):
+        mask = np.zeros(hi - lo, bool)
+        top = max(lo, min(hi, self.decay.size))
+        mask[:top - lo] = self.decay[lo:top]
+        return mask
+
+    def _adamw(self, st, lr, weight_decay, grad_scale):
+        from .optim import adamw_update
+
+        if grad_scale != 1.0:                              # the clip factor, applied to the gradient (as the kernels do)
+            st.grads *= np.float32(grad_scale)
+        adamw_update(st.params, st.grads, st.m, st.v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
 
     def eval_loss(self, x, y) -> float:
         from .reference import gpt_forward
@@ -257,9 +337,6 @@ class NumpyEngine(Engine):
 
         x, _ = self._check_batch("next_logits", np.asarray(context)[None, :])
         return gpt_forward(self.params.views, self.cfg, x, None)[0][0, -1].astype(np.float64)
-
-    def _params_changed(self):
-        self.opt.t = self.t
 
 
 class OpProfiler:
@@ -399,7 +476,7 @@ class GPUEngine(Engine):
             self.half = xp.zeros(n, xp.uint16)                         # the half copy of the weights (bits)
             self.half_views = {k: self.half[a:b].reshape(self.params.shapes[k])
                                for k, (a, b) in self.params.offsets.items()}
-            self._params_changed()
+            self.params_changed()
         if precision == "fp16":
             from .precision import DynamicLossScaler
 
@@ -416,7 +493,7 @@ class GPUEngine(Engine):
         if graphs == "on" and why_not:
             raise EngineError(f"graphs='on': this engine's step cannot be captured: {why_not}")
         self.graphs = graphs in ("auto", "on") and self.on_gpu and why_not is None
-        self._graphs = {}                                              # (B, T) -> _StepGraph
+        self._graphs = {}                                              # (B, T, split) -> _StepGraph
         self._graphs_required = graphs == "on"
 
     # ---- helpers ----------------------------------------------------------------------------------------------
@@ -426,8 +503,8 @@ class GPUEngine(Engine):
     def _dev(self, a):
         return self.xp.asarray(a)
 
-    def _params_changed(self):
-        """Refresh the half copy of the weights from the fp32 master (after init or a load)."""
+    def params_changed(self):
+        """Refresh the half copy of the weights from the fp32 master (after init, a load, a broadcast, a gather)."""
         if self.half is not None:
             self._to_half(self.params.flat, self.half)
 
@@ -725,24 +802,68 @@ class GPUEngine(Engine):
             self.grads["wpe"][T:] = 0
         self.grads["wte"] += dwte_enc
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of the flat gradient buffer: one kernel over it (grad_sumsq, deterministic)."""
-        self.K.grad_sumsq(self.grads.flat, self._sumsq)
-        return float(math.sqrt(float(self._sumsq[0])))
+    def grad_sumsq(self, g=None) -> float:
+        """The squared L2 norm of `g` (default: the flat gradient buffer): one kernel over it (deterministic)."""
+        self.K.grad_sumsq(self.grads.flat if g is None else g, self._sumsq)
+        return float(self._sumsq[0])
 
-    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+    def count_nonfinite(self, g=None) -> int:
+        """How many values of `g` (default: the gradient buffer) are inf or NaN: one pass (nonfinite_count)."""
+        self.K.nonfinite_count(self.grads.flat if g is None else g, self._count)
+        return int(self._count[0])
+
+    def _half_copy(self):
+        return self.half
+
+    def _decay_of(self, lo, hi):
+        from .arrays import to_backend
+        from .kernels.numba.adamw import decay_table
+        from .optim import shard_decay_table
+
+        b, f = shard_decay_table(*decay_table(self.params, arrays="numpy"), lo, hi)
+        where = "cupy" if self.on_gpu else "numpy"
+        return to_backend(b, where), to_backend(f, where)
+
+    def _adamw(self, st, lr, weight_decay, grad_scale):
+        self.K.adamw_step(st.params, st.grads, st.m, st.v, lr, self.betas[0], self.betas[1], self.eps, weight_decay,
+                          self.t, decay_bounds=st.decay, grad_scale=grad_scale, half_out=st.half,
+                          half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision)
+                          if st.half is not None else None, version=self.ver["adamw"])
+
+    def _hyper(self, lr, weight_decay, grad_clip):
+        """The graph step's update policy on the host: the step count advances and AdamW's scalars (lr, lr * wd, bias
+        corrections, clip threshold) go to adamw_step_device through GPU memory (_StepGraph replays fixed launches)."""
+        from .kernels.numba.adamw import adamw_hyper
+
+        self.t += 1
+        return adamw_hyper(lr, weight_decay, self.t, *self.betas, clip=float(grad_clip) if grad_clip > 0 else 0.0)
+
+    def _update_on_device(self, hyper):
+        """The update of _hyper's scalars, all on the GPU: the squared norm into _sumsq, the clip factor computed by
+        AdamW from it (the same clip_coefficient), AdamW over the whole buffer (the graph step: fp32 / bf16, no scaler)."""
+        st = self.optimizer_state()
+        self.K.grad_sumsq(st.grads, self._sumsq)
+        self.K.adamw_step_device(st.params, st.grads, st.m, st.v, hyper, self._sumsq, self.betas[0], self.betas[1],
+                                 self.eps, decay_bounds=st.decay, half_out=st.half,
+                                 half_dtype="bfloat16" if self.precision == "bf16" else None)
+
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
         """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off.
 
+        reduce_grads(grads_flat): called between backward and the update (data parallel: the all-reduce and the 1/N
+        that turn this rank's gradient into the mean over ranks); the norm, clipping and AdamW then see its result.
         With graphs on (build(graphs=...)), the first step of each batch shape (B, T) captures the whole step as a
-        CUDA graph (_StepGraph) and every step replays it: one launch instead of a few hundred from Python. Results
-        equal the eager step's (the same kernels; lr, the step count and the clip threshold are read by AdamW from
-        GPU memory, adamw_step_device). Profiling turns graphs off (every launch is timed from Python)."""
+        CUDA graph (_StepGraph) and every step replays it: one launch instead of a few hundred from Python (with
+        reduce_grads: two graphs, backward's and the update's, with reduce_grads run between them). Results equal
+        the eager step's (the same kernels; lr, the step count and the clip threshold are read by AdamW from GPU
+        memory, adamw_step_device). Profiling turns graphs off (every launch is timed from Python)."""
         if self.graphs and self.profiler is None:
             x, y = self._check_batch("train_step", x, y)
-            graph = self._graphs.get(x.shape)
+            key = (*x.shape, reduce_grads is not None)
+            graph = self._graphs.get(key)
             if graph is None:
                 try:
-                    graph = self._graphs[x.shape] = _StepGraph(self, *x.shape)
+                    graph = self._graphs[key] = _StepGraph(self, *x.shape, split=reduce_grads is not None)
                 except Exception as e:  # noqa: BLE001 - a platform without stream capture: say so, run eagerly
                     if self._graphs_required:
                         raise EngineError(f"capturing the training step as a CUDA graph failed: {e}") from e
@@ -752,40 +873,20 @@ class GPUEngine(Engine):
                     self.graphs = False
                     graph = None
             if graph is not None:
-                return graph.step(x, y, lr, weight_decay, grad_clip)
+                return graph.step(x, y, lr, weight_decay, grad_clip, reduce_grads)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with nvtx_range("forward"):
             loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
         with nvtx_range("backward"):
             self.backward(loss_scale=scale)
+        if reduce_grads is not None:
+            reduce_grads(self.grads.flat)
         with nvtx_range("optimizer"):
             return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
 
-    def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
-        """After backward(loss_scale=self.scaler.scale or 1): the overflow check (fp16), clipping, fused AdamW.
-
-        grad_norm: the norm of the scaled gradients when the caller already has it (data parallel: after the
-        all-reduce); None computes it here. Returns {"grad_norm" (unscaled), "skipped", "scale" (fp16)}."""
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.scaler is not None:
-            self.K.nonfinite_count(self.grads.flat, self._count)                 # one pass over the gradients
-            skipped = self.scaler.update(int(self._count[0]) > 0)
-            if skipped:
-                self.grads.flat[...] = 0
-                return {"grad_norm": float("nan"), "skipped": True, "scale": scale}
-        norm = (self.grad_norm() if grad_norm is None else float(grad_norm)) / scale
-        coef = grad_clip / (norm + 1e-6) if grad_clip > 0 and grad_clip / (norm + 1e-6) < 1.0 else 1.0
-        self.t += 1
-        self.K.adamw_step(self.params.flat, self.grads.flat, self.m, self.v, lr, self.betas[0], self.betas[1],
-                          self.eps, weight_decay, self.t, decay_bounds=self.decay,
-                          grad_scale=float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef),
-                          half_out=self.half if self.half is not None else None,
-                          half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision),
-                          version=self.ver["adamw"])
-        out = {"grad_norm": norm, "skipped": False}
-        if self.scaler is not None:
-            out["scale"] = scale
-        return out
+    def graph_pool_bytes(self) -> int:
+        """Bytes the captured steps' private memory pools hold (0 without graphs)."""
+        return sum(g.pool_bytes() for g in self._graphs.values())
 
     def eval_loss(self, x, y) -> float:
         x, y = self._check_batch("eval_loss", x, y)
@@ -814,13 +915,12 @@ class _StepGraph:
     Replay (every step): copy x, y and hyper into the static buffers, launch the graph, read back (loss, sumsq).
     The private pool is never used by anything else, so the addresses baked into the graph stay valid."""
 
-    def __init__(self, eng, B, T):
+    def __init__(self, eng, B, T, split=False):
         import cupy as cp
 
         from .kernels.numba.adamw import adamw_hyper
 
-        self.eng, self.B, self.T = eng, B, T
-        self._hyper_of = adamw_hyper
+        self.eng, self.B, self.T, self.split = eng, B, T, bool(split)
         self.x = cp.zeros((B, T), cp.int32)
         self.y = cp.zeros((B, T), cp.int32)
         self.hyper = cp.asarray(adamw_hyper(0.0, 0.0, 1, *eng.betas))
@@ -832,15 +932,19 @@ class _StepGraph:
         prepare_capture()                        # cuBLAS handle + workspace for captured matrix products
         state = [eng.params.flat, eng.grads.flat, eng.m, eng.v] + ([eng.half] if eng.half is not None else [])
         saved = [a.copy() for a in state]
+        parts = [self._grads, self._update] if self.split else [self._whole]
+        self.graphs = []
         try:
             with cp.cuda.using_allocator(self.pool.malloc), self.stream:
-                self._body()                     # warm-up: compiles kernels, fills the private pool
+                for part in parts:               # warm-up: compiles kernels, fills the private pool
+                    part()
                 self.stream.synchronize()
-                self.stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
-                try:
-                    self._body()
-                finally:
-                    self.graph = self.stream.end_capture()
+                for part in parts:               # split: the update's graph reuses backward's freed blocks, safely:
+                    self.stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)   # one stream, in order
+                    try:
+                        part()
+                    finally:
+                        self.graphs.append(self.stream.end_capture())
         finally:
             eng._cache = None
             cp.cuda.Device().synchronize()
@@ -848,26 +952,32 @@ class _StepGraph:
                 dst[...] = src
             cp.cuda.Device().synchronize()
 
-    def _body(self):
+    def _grads(self):
         eng = self.eng
         _, loss = eng._forward(self.x, self.y, keep=eng.policy, device_loss=True)
         eng.backward()
-        eng.K.grad_sumsq(eng.grads.flat, eng._sumsq)
-        eng.K.adamw_step_device(eng.params.flat, eng.grads.flat, eng.m, eng.v, self.hyper, eng._sumsq,
-                                eng.betas[0], eng.betas[1], eng.eps, decay_bounds=eng.decay,
-                                half_out=eng.half, half_dtype="bfloat16" if eng.precision == "bf16" else None)
         self.result[0:1] = loss
-        self.result[1:2] = eng._sumsq
 
-    def step(self, x, y, lr, weight_decay, grad_clip) -> dict:
-        eng = self.eng
-        eng.t += 1
-        hyper = self._hyper_of(lr, weight_decay, eng.t, *eng.betas, clip=float(grad_clip) if grad_clip > 0 else 0.0)
+    def _update(self):
+        self.eng._update_on_device(self.hyper)
+        self.result[1:2] = self.eng._sumsq
+
+    def _whole(self):
+        self._grads()
+        self._update()
+
+    def step(self, x, y, lr, weight_decay, grad_clip, reduce_grads=None) -> dict:
+        if self.split != (reduce_grads is not None):
+            raise RuntimeError("_StepGraph.step: a split graph needs reduce_grads, a whole one takes none")
+        hyper = self.eng._hyper(lr, weight_decay, grad_clip)
         with self.stream:
             self.x.set(x)
             self.y.set(y)
             self.hyper.set(hyper)
-            self.graph.launch(self.stream)
+            self.graphs[0].launch(self.stream)
+            if self.split:
+                reduce_grads(self.eng.grads.flat)  # eager, on this stream, between backward's graph and the update's
+                self.graphs[1].launch(self.stream)
             loss, sumsq = (float(v) for v in self.result.get(stream=self.stream))
         return {"loss": loss, "grad_norm": math.sqrt(max(sumsq, 0.0)), "skipped": False}
 

@@ -20,7 +20,8 @@ nanoGPT decays every parameter tensor with dim >= 2 (the matrices: embeddings an
 is applied to one layer's tensor: qkvw (L, C, 3C) is a stack of 2-D matrices and decays, ln1w (L, C) is a stack
 of 1-D vectors and does not. Decayed: wte, wpe, qkvw, attprojw, fcw, fcprojw (see `DECAY_NAMES`).
 
-Also here: `lr_schedule` (linear warmup then cosine decay) and `clip_grad_norm` (global-norm clipping).
+Also here: `adamw_update` (the same step as a function of the arrays: a whole buffer or one rank's shard),
+`lr_schedule` (linear warmup then cosine decay), `clip_coefficient` and `clip_grad_norm` (global-norm clipping).
 """
 from __future__ import annotations
 
@@ -75,25 +76,9 @@ class AdamW:
         """One update of self.params (in place) from the gradient `grads_flat` (same shape). `lr` overrides."""
         if grads_flat.shape != self.params.shape:
             raise ValueError(f"gradient shape {grads_flat.shape} != parameter shape {self.params.shape}")
-        lr = self.lr if lr is None else lr
-        p, g, m, v = self.params, grads_flat, self.m, self.v
-        b1, b2 = self.beta1, self.beta2
         self.t += 1
-        # 1. decoupled weight decay: shrink the weights, independent of the gradient
-        if self.weight_decay != 0.0:
-            if self.decay_mask is None:
-                p -= lr * self.weight_decay * p
-            else:
-                p[self.decay_mask] -= lr * self.weight_decay * p[self.decay_mask]
-        # 2. update the moment estimates
-        m *= b1
-        m += (1 - b1) * g
-        v *= b2
-        v += (1 - b2) * (g * g)
-        # 3. bias-corrected moments and the step
-        mhat = m / (1 - b1 ** self.t)
-        vhat = v / (1 - b2 ** self.t)
-        p -= lr * mhat / (np.sqrt(vhat) + self.eps)
+        adamw_update(self.params, grads_flat, self.m, self.v, self.t, self.lr if lr is None else lr,
+                     (self.beta1, self.beta2), self.eps, self.weight_decay, self.decay_mask)
 
     def state_dict(self) -> dict:
         """Everything needed to continue: step count, moments (copies) and hyperparameters."""
@@ -111,6 +96,57 @@ class AdamW:
         self.weight_decay = state["weight_decay"]
 
 
+def adamw_update(p, g, m, v, t: int, lr: float, betas, eps: float, weight_decay: float, decay_mask=None) -> None:
+    """Step t (1, 2, ...) of AdamW on flat arrays, in place: p, m and v updated from the gradient g.
+
+    The arithmetic of AdamW.step, as a function of the arrays, so that the same update runs over the whole buffer or
+    over one rank's shard of it (ZeRO: p, g, m, v and decay_mask are that shard's slices)."""
+    b1, b2 = betas
+    # 1. decoupled weight decay: shrink the weights, independent of the gradient
+    if weight_decay != 0.0:
+        if decay_mask is None:
+            p -= lr * weight_decay * p
+        else:
+            p[decay_mask] -= lr * weight_decay * p[decay_mask]
+    # 2. update the moment estimates
+    m *= b1
+    m += (1 - b1) * g
+    v *= b2
+    v += (1 - b2) * (g * g)
+    # 3. bias-corrected moments and the step
+    mhat = m / (1 - b1 ** t)
+    vhat = v / (1 - b2 ** t)
+    p -= lr * mhat / (np.sqrt(vhat) + eps)
+
+
+def shard_decay_table(bounds, flags, lo: int, hi: int) -> tuple:
+    """The AdamW decay table of the shard lo..hi of the flat buffer: (bounds', flags') in shard-local indices.
+
+    bounds (k+1,), flags (k,) in the fused AdamW kernels' format (kernels.numba.adamw.decay_table) for the whole
+    buffer (tensor j is elements bounds[j] .. bounds[j+1]-1). Each tensor's range is shifted by -lo and clipped to 0 .. hi-lo; tensors
+    outside the shard are dropped. When hi runs past the last tensor (the zero padding), the tail is one more
+    "tensor" with flag 0 (no decay). Returns int64 bounds starting at 0 and ending at hi - lo, uint8 flags."""
+    b = np.asarray(bounds, dtype=np.int64)
+    f = np.asarray(flags).astype(np.uint8)
+    if b.ndim != 1 or f.ndim != 1 or b.size != f.size + 1:
+        raise ValueError(f"shard_decay_table: bounds must be (k+1,) and flags (k,), got {b.shape} and {f.shape}")
+    if not 0 <= lo <= hi:
+        raise ValueError(f"shard_decay_table: need 0 <= lo <= hi, got lo={lo}, hi={hi}")
+    starts = np.clip(b[:-1] - lo, 0, hi - lo)
+    stops = np.clip(b[1:] - lo, 0, hi - lo)
+    keep = stops > starts
+    out_b, out_f = [0], []
+    for s0, s1, fl in zip(starts[keep], stops[keep], f[keep]):
+        out_b.append(int(s1))
+        out_f.append(int(fl))
+    if out_b[-1] < hi - lo:                                       # the padding past the last tensor
+        out_b.append(hi - lo)
+        out_f.append(0)
+    if not out_f:                                                # an empty shard: one empty tensor
+        out_b, out_f = [0, 0], [0]
+    return np.array(out_b, np.int64), np.array(out_f, np.uint8)
+
+
 def lr_schedule(step: int, max_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> float:
     """Learning rate at `step` (0-based) of a run of `total` steps: linear warmup, then cosine decay.
 
@@ -126,13 +162,22 @@ def lr_schedule(step: int, max_lr: float, warmup: int, total: int, min_lr: float
     return min_lr + coeff * (max_lr - min_lr)
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor global-norm clipping multiplies the gradient by: max_norm / (norm + 1e-6) when that is below 1,
+    else 1 (and 1 when max_norm <= 0: clipping off). As torch.nn.utils.clip_grad_norm_."""
+    if max_norm <= 0:
+        return 1.0
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else 1.0
+
+
 def clip_grad_norm(grads_flat: np.ndarray, max_norm: float) -> float:
     """Scale the gradient (in place) so its global L2 norm is at most max_norm; return the norm before clipping.
 
-    As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+    As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1 (clip_coefficient).
     """
     total_norm = float(np.sqrt(np.sum(np.square(grads_flat, dtype=np.float64))))
-    clip_coef = max_norm / (total_norm + 1e-6)
+    clip_coef = clip_coefficient(total_norm, max_norm)
     if clip_coef < 1.0:
         grads_flat *= grads_flat.dtype.type(clip_coef)
     return total_norm

@@ -5,7 +5,9 @@
     DataParallel(engine, comm, zero=)    one training step on every rank: local slice -> gradients -> all-reduce
                                          (or ZeRO-1: reduce-scatter, AdamW on the local shard, all-gather)
     bench_allreduce(comm, sizes)         algorithm and bus bandwidth (nccl-tests' definitions), engine vs ring
-    train_distributed(argv)              the training job on N ranks (the hook train.py calls when WORLD_SIZE > 1)
+
+The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
+wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.
 
 CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- selftest
@@ -45,10 +47,11 @@ import time
 import numpy as np
 
 from .comm import Communicator, from_env, is_cupy
+from .optim import shard_decay_table  # noqa: F401 - part of the ZeRO bookkeeping taught here (exercise 10.3)
 
 __all__ = ["chunk_bounds", "ring_allreduce_chunks", "ring_allreduce_sim", "ring_allreduce", "check_allreduce",
            "shard_size", "shard_bounds", "shard_decay_table", "DataParallel", "ReplicaMismatch", "bench_allreduce",
-           "format_bench", "train_distributed", "zero_memory_table"]
+           "format_bench", "zero_memory_table"]
 
 
 # ================================================================================================================
@@ -226,34 +229,6 @@ def shard_bounds(n: int, world: int, rank: int, align: int = 1) -> tuple:
     return min(rank * S, n), min((rank + 1) * S, n)
 
 
-def shard_decay_table(bounds, flags, lo: int, hi: int) -> tuple:
-    """The AdamW decay table of the shard lo..hi of the flat buffer: (bounds', flags') in shard-local indices.
-
-    bounds (k+1,), flags (k,) as kernels.numba.adamw.decay_table builds them for the whole buffer (tensor j is
-    elements bounds[j] .. bounds[j+1]-1). Each tensor's range is shifted by -lo and clipped to 0 .. hi-lo; tensors
-    outside the shard are dropped. When hi runs past the last tensor (the zero padding), the tail is one more
-    "tensor" with flag 0 (no decay). Returns int64 bounds starting at 0 and ending at hi - lo, uint8 flags."""
-    b = np.asarray(bounds, dtype=np.int64)
-    f = np.asarray(flags).astype(np.uint8)
-    if b.ndim != 1 or f.ndim != 1 or b.size != f.size + 1:
-        raise ValueError(f"shard_decay_table: bounds must be (k+1,) and flags (k,), got {b.shape} and {f.shape}")
-    if not 0 <= lo <= hi:
-        raise ValueError(f"shard_decay_table: need 0 <= lo <= hi, got lo={lo}, hi={hi}")
-    starts = np.clip(b[:-1] - lo, 0, hi - lo)
-    stops = np.clip(b[1:] - lo, 0, hi - lo)
-    keep = stops > starts
-    out_b, out_f = [0], []
-    for s0, s1, fl in zip(starts[keep], stops[keep], f[keep]):
-        out_b.append(int(s1))
-        out_f.append(int(fl))
-    if out_b[-1] < hi - lo:                                       # the padding past the last tensor
-        out_b.append(hi - lo)
-        out_f.append(0)
-    if not out_f:                                                # an empty shard: one empty tensor
-        out_b, out_f = [0, 0], [0]
-    return np.array(out_b, np.int64), np.array(out_f, np.uint8)
-
-
 def zero_memory_table(n_params: int, worlds=(1, 2, 4, 8), precision="fp32") -> list:
     """Per-rank bytes of the model state, plain data parallel vs ZeRO-1 (optimizer state sharded), per world size.
 
@@ -275,17 +250,6 @@ def zero_memory_table(n_params: int, worlds=(1, 2, 4, 8), precision="fp32") -> l
 
 class ReplicaMismatch(RuntimeError):
     """The ranks' parameters differ: data parallel training lost its one invariant."""
-
-
-def _pad_buffer(pbuf, total, xp):
-    """Re-home a ParamBuffer into zero-padded storage of `total` elements: its flat buffer and every named view
-    become views of storage[:n]; returns the storage (the engine keeps using pbuf as before)."""
-    n = pbuf.flat.size
-    storage = xp.zeros(total, pbuf.flat.dtype)
-    storage[:n] = pbuf.flat
-    pbuf.flat = storage[:n]
-    pbuf.views = {k: pbuf.flat[a:b].reshape(pbuf.shapes[k]) for k, (a, b) in pbuf.offsets.items()}
-    return storage
 
 
 class DataParallel:
@@ -314,7 +278,7 @@ class DataParallel:
             raise ValueError("DataParallel: an NCCL communicator needs a GPU engine (backend hip or numba on a GPU); "
                              "the NumPy engine runs on MPI ranks")
         comm.broadcast(engine.params.flat, root=0)
-        engine._params_changed()
+        engine.params_changed()
         if self.zero:
             self._setup_zero(align)
 
@@ -323,35 +287,19 @@ class DataParallel:
         xp, eng, W, r = self.xp, self.eng, self.W, self.rank
         self.S = S = shard_size(self.n, W, align)
         self.lo, self.hi = r * S, (r + 1) * S                    # this rank's slice of the padded buffer
-        self.gpad = _pad_buffer(eng.grads, W * S, xp)
-        self.ppad = _pad_buffer(eng.params, W * S, xp)
-        self.p_shard = self.ppad[self.lo:self.hi]                # a view: AdamW updates the padded params in place
-        self.g_shard = xp.zeros(S, xp.float32)
-        if eng.backend == "numpy":
-            from .optim import AdamW, decay_mask_for
-
-            mask = np.zeros(W * S, bool)
-            mask[:self.n] = decay_mask_for(eng.cfg)
-            self.opt = AdamW(self.p_shard, lr=1.0, betas=eng.betas, eps=eng.eps, weight_decay=0.0,
-                             decay_mask=mask[self.lo:self.hi])
-            self.m, self.v = self.opt.m, self.opt.v
-            eng.opt.m = eng.opt.v = np.zeros(0, np.float32)
-        else:
-            from .arrays import to_backend
-            from .kernels.numba.adamw import decay_table
-
-            b, f = decay_table(eng.params, arrays="numpy")
-            b, f = shard_decay_table(b, f, self.lo, self.hi)
-            where = "cupy" if eng.on_gpu else "numpy"
-            self.table = (to_backend(b, where), to_backend(f, where))
-            self.m, self.v = xp.zeros(S, xp.float32), xp.zeros(S, xp.float32)
-        eng.m = eng.v = xp.zeros(0, xp.float32)                  # the full-size state is not kept
+        self.gpad = eng.grads.pad_to(W * S)
+        self.ppad = eng.params.pad_to(W * S)
+        self.g_shard = xp.zeros(S, xp.float32)                   # the reduce-scatter's output: the summed shard
+        # AdamW over the shard: params a view of the padded params (the update lands there), m and v of S elements
+        # (from the engine's, so a loaded checkpoint carries over); then the full-size state goes
+        self.shard = eng.optimizer_shard(self.lo, self.hi, self.ppad[self.lo:self.hi], self.g_shard)
+        eng.release_optimizer_state()
 
     # ---- memory ----------------------------------------------------------------------------------------------------
     def optimizer_bytes(self) -> int:
         """Bytes of AdamW state (m + v) this rank holds."""
         if self.zero:
-            return int(self.m.nbytes + self.v.nbytes)
+            return int(self.shard.m.nbytes + self.shard.v.nbytes)
         return int(self.eng.m.nbytes + self.eng.v.nbytes)
 
     def memory(self) -> dict:
@@ -361,13 +309,31 @@ class DataParallel:
         return {"params": int(p), "grads": int(g), "optimizer": self.optimizer_bytes(), "optimizer_full": 8 * self.n,
                 "ratio": self.optimizer_bytes() / (8 * self.n)}
 
+    # ---- state: what a checkpoint holds, the same on 1 and N ranks -------------------------------------------------
+    def state_dict(self) -> dict:
+        """The engine's state_dict with the whole model's m and v (ZeRO: gathered from the ranks' shards). Every rank
+        must call it (it is a collective under ZeRO); every rank gets the same dict."""
+        state = self.eng.state_dict()
+        if self.zero:
+            for key in ("m", "v"):
+                full = self.xp.zeros(self.W * self.S, self.xp.float32)
+                self.comm.all_gather(getattr(self.shard, key), full)
+                state[key] = np.array(full[:self.n].get() if is_cupy(full) else full[:self.n], np.float32)
+        return state
+
     # ---- one step ----------------------------------------------------------------------------------------------
     def _sync(self):
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
-    def _all_reduce_grads(self):
-        g = self.eng.grads.flat
+    def _timed(self, fn, *args):
+        self._sync()                                             # the kernels before it done: time only the comm
+        t0 = time.perf_counter()
+        fn(*args)
+        self._sync()
+        self.comm_seconds += time.perf_counter() - t0
+
+    def _all_reduce(self, g):
         if self.bucket_mb > 0:
             step = max(1, int(self.bucket_mb * 2**20 // 4))
             for lo in range(0, g.size, step):
@@ -375,76 +341,48 @@ class DataParallel:
         else:
             self.comm.all_reduce(g)
 
+    def mean_gradient(self, g):
+        """This rank's gradient -> the mean of every rank's, in place: the all-reduce (sum, timed), then x 1/N."""
+        if self.W == 1:
+            return
+        self._timed(self._all_reduce, g)
+        g *= np.float32(1.0 / self.W)
+
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
-        """Forward and backward on this rank's rows, gradients combined over ranks, the same update everywhere."""
+        """Forward and backward on this rank's rows, gradients combined over ranks, the same update everywhere.
+
+        Plain data parallel is the engine's own train_step with the gradient all-reduce between backward and the
+        update (mean_gradient; on a GPU engine with graphs, between the two replayed graphs); ZeRO-1 runs the
+        engine's update on this rank's shard (_zero_step)."""
         eng = self.eng
-        scale = eng.scaler.scale if eng.scaler is not None else 1.0
-        _, loss = eng.forward(x, y)
-        eng.backward(loss_scale=scale)
         if not self.zero:
-            self._sync()                                        # the backward's kernels done: time only the comm
-            t0 = time.perf_counter()
-            self._all_reduce_grads()                            # sum over ranks ...
-            self._sync()
-            self.comm_seconds += time.perf_counter() - t0
-            if self.W > 1:
-                eng.grads.flat *= np.float32(1.0 / self.W)      # ... / N: the mean of the ranks' mean-loss gradients
-            out = eng.optimizer_step(lr, weight_decay, grad_clip, grad_norm=eng.grad_norm())
-            out["loss"] = float(self.comm.all_reduce_scalars([loss])[0]) / self.W
+            if self.W == 1:                                      # nothing to combine: the engine's own step
+                return eng.train_step(x, y, lr, weight_decay, grad_clip)
+            out = dict(eng.train_step(x, y, lr, weight_decay, grad_clip, reduce_grads=self.mean_gradient))
+            out["loss"] = float(self.comm.all_reduce_scalars([out["loss"]])[0]) / self.W
         else:
-            out = self._zero_step(loss, scale, lr, weight_decay, grad_clip)
+            scale = eng.scaler.scale if eng.scaler is not None else 1.0
+            _, loss = eng.forward(x, y)
+            eng.backward(loss_scale=scale)
+            out = self._zero_step(loss, lr, weight_decay, grad_clip)
         self.steps += 1
-        if self.check_every > 0 and self.steps % self.check_every == 0:
+        if self.W > 1 and self.check_every > 0 and self.steps % self.check_every == 0:
             self.check_replicas()
         return out
 
-    def _zero_step(self, loss, scale, lr, weight_decay, grad_clip):
-        xp, eng, comm = self.xp, self.eng, self.comm
-        self._sync()
-        t0 = time.perf_counter()
-        comm.reduce_scatter(self.gpad, self.g_shard)             # rank r: the sum of every rank's shard r
-        self._sync()
-        self.comm_seconds += time.perf_counter() - t0
+    def _zero_step(self, loss, lr, weight_decay, grad_clip):
+        eng, comm, g = self.eng, self.comm, self.g_shard
+        self._timed(comm.reduce_scatter, self.gpad, g)           # rank r: the sum of every rank's shard r
         if self.W > 1:
-            self.g_shard *= np.float32(1.0 / self.W)
-        g = self.g_shard
-        if xp is np:                                             # as each engine's own grad_norm() sums
-            sq = float(np.sum(np.square(g, dtype=np.float64)))
-        else:
-            sq = float(xp.dot(g, g))
-        bad = 0.0
-        if eng.scaler is not None:
-            eng.K.nonfinite_count(g, eng._count)
-            bad = float(int(eng._count[0]))
-        red = comm.all_reduce_scalars([loss, sq, bad])           # one small all-reduce for all three
-        out = {"loss": float(red[0]) / self.W}
-        if eng.scaler is not None:
-            out["scale"] = scale
-            if eng.scaler.update(red[2] > 0):                   # every rank sees the same count: the same decision
-                out.update(grad_norm=float("nan"), skipped=True)
-                return out
-        norm = math.sqrt(float(red[1])) / scale
-        coef = grad_clip / (norm + 1e-6) if grad_clip > 0 and grad_clip / (norm + 1e-6) < 1.0 else 1.0
-        if eng.backend == "numpy":
-            if coef < 1.0:
-                g *= np.float32(coef)
-            self.opt.weight_decay = float(weight_decay)
-            self.opt.t = eng.t
-            self.opt.step(g, lr=lr)
-            eng.t = self.opt.t
-        else:
-            eng.t += 1
-            eng.K.adamw_step(self.p_shard, g, self.m, self.v, lr, eng.betas[0], eng.betas[1], eng.eps, weight_decay,
-                             eng.t, decay_bounds=self.table,
-                             grad_scale=float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef),
-                             version=eng.ver["adamw"])
-        self._sync()
-        t0 = time.perf_counter()
-        comm.all_gather(self.p_shard, self.ppad)                 # every rank gets every updated shard
-        self._sync()
-        self.comm_seconds += time.perf_counter() - t0
-        eng._params_changed()                                    # the half copy, re-converted from the fp32 params
-        out.update(grad_norm=norm, skipped=False)
+            g *= np.float32(1.0 / self.W)
+        bad = eng.count_nonfinite(g) if eng.scaler is not None else 0
+        red = comm.all_reduce_scalars([loss, eng.grad_sumsq(g), bad])   # one small all-reduce for all three
+        # the same global norm and non-finite count on every rank: the same clip factor and skip decision
+        out = {"loss": float(red[0]) / self.W,
+               **eng.update(lr, weight_decay, grad_clip, sumsq=float(red[1]), nonfinite=int(red[2]), shard=self.shard)}
+        if not out["skipped"]:
+            self._timed(comm.all_gather, self.shard.params, self.ppad)   # every rank gets every updated shard
+            eng.params_changed()                                 # the half copy, re-converted from the fp32 params
         return out
 
     # ---- evaluation and checks -------------------------------------------------------------------------------
@@ -569,161 +507,7 @@ def bench_result(comm, sizes=DEFAULT_SIZES, iters=None, ring=True) -> dict:
 
 
 # ================================================================================================================
-# 6. The training job on N ranks
-# ================================================================================================================
-
-def add_parallel_args(parser):
-    """The flags data parallel adds to train.py's parser (skipped where train.py already defines them)."""
-    have = set(parser._option_string_actions)
-    if "--zero" not in have:
-        parser.add_argument("--zero", action="store_true",
-                            help="ZeRO-1: shard AdamW's state over the ranks (reduce-scatter, shard update, all-gather)")
-    if "--check-every" not in have:
-        parser.add_argument("--check-every", type=int, default=10,
-                            help="compare a parameter checksum across ranks every N steps (0: only at the end)")
-    if "--bucket-mb" not in have:
-        parser.add_argument("--bucket-mb", type=float, default=0.0,
-                            help="all-reduce the gradients in buckets of this many MiB (0: one all-reduce)")
-    return parser
-
-
-def train_distributed(argv=None, comm=None) -> dict:
-    """The training job of gpullm_lessons.train on every rank of `comm` (default from_env()), data parallel.
-
-    The hook for train.py: when WORLD_SIZE (or OMPI_COMM_WORLD_SIZE) > 1, call train_distributed(argv) instead of
-    train.main(argv). It takes train.py's flags (train.build_parser(), plus --zero, --check-every, --bucket-mb) and
-    the same presets, data, LR schedule, seed and engine; --batch-size is the GLOBAL batch B: each of the N ranks
-    trains on rows [r B/N, (r+1) B/N) of the batch the one-rank run draws, so with the same seed the losses match the
-    one-rank run's to fp32 rounding. Rank 0 writes log.jsonl (train.py's records + comm_s, the seconds spent in
-    gradient communication), loss.png, config.json, sample.txt and, without --zero, ckpt.npz; --resume is not
-    supported on several ranks. Returns the summary (on every rank)."""
-    from . import engine as engine_mod
-    from . import train as T_
-    from .data import BatchSampler, byte_unigram_entropy, decode, load_corpus
-    from .optim import lr_schedule
-    from .params import GPTConfig, num_params
-
-    args = add_parallel_args(T_.build_parser()).parse_args(argv)
-    preset, B, T, lr, backend = T_.settings(args)
-    comm = comm if comm is not None else from_env("mpi" if backend == "numpy" else None)   # NumPy: CPU ranks
-    W, rank = comm.world_size, comm.rank
-    say = print if rank == 0 else (lambda *a, **k: None)
-    if B % W:
-        raise T_.ConfigError(f"the global batch --batch-size {B} does not divide by the {W} ranks: each rank takes "
-                             f"B / N rows; use a multiple of {W}")
-    if args.resume:
-        raise T_.ConfigError("--resume is not supported with several ranks yet: resume on one rank, or start anew")
-    if comm.name == "nccl" and backend == "numpy":
-        raise T_.ConfigError("NCCL ranks need a GPU backend (--backend hip); the NumPy engine runs on MPI ranks")
-    cfg = GPTConfig(**preset)
-    steps = args.steps
-    warmup = steps // 10 if args.warmup is None else args.warmup
-    min_lr = lr / 10 if args.min_lr is None else args.min_lr
-    from pathlib import Path
-
-    out = Path(args.out if args.out is not None else f"runs/{args.preset}-{backend}-x{W}")
-    corpus = load_corpus(args.data, block_size=T)
-    entropy = byte_unigram_entropy(corpus.val)
-    train_batches = BatchSampler(corpus.train, B, T, seed=args.seed)        # the same global batches on every rank
-    val_sampler = BatchSampler(corpus.val, B, T, seed=args.seed + 1)
-    val_batches = [next(val_sampler) for _ in range(args.eval_batches)]
-    sample_rng = np.random.default_rng(args.seed + 2)
-    rows = slice(rank * B // W, (rank + 1) * B // W)                       # this rank's rows of every batch
-    try:
-        eng = engine_mod.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed)
-    except engine_mod.EngineError as e:
-        raise T_.ConfigError(str(e)) from e
-    dp = DataParallel(eng, comm, zero=args.zero, check_every=args.check_every, bucket_mb=args.bucket_mb)
-    n_params = num_params(cfg)
-    run_config = {"model": {k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "d_model")},
-                  "batch_size": B, "seq_len": T, "steps": steps, "lr": lr, "warmup": warmup, "min_lr": min_lr,
-                  "weight_decay": args.weight_decay, "grad_clip": args.grad_clip, "backend": backend,
-                  "precision": args.precision, "policy": args.checkpointing, "seed": args.seed,
-                  "data_source": corpus.source, "world_size": W, "comm": comm.name, "zero": bool(args.zero)}
-    say(f"data: {corpus.describe()}")
-    say(f"model: {args.preset} L={cfg.n_layer} nh={cfg.n_head} C={cfg.d_model} block={cfg.block_size} "
-        f"V={cfg.vocab_size}, {n_params:,} parameters | global B={B} = {W} ranks x {B // W}, T={T}, {steps} steps, "
-        f"lr {lr:g} (warmup {warmup}, min {min_lr:g})")
-    say(f"data parallel: {W} ranks over {comm.name}, backend {T_.describe_backend(eng)}, precision {args.precision}"
-        + (", ZeRO-1 (AdamW state sharded)" if args.zero else ""))
-    mem = comm.gather_scalars([dp.optimizer_bytes(), dp.memory()["optimizer_full"]])
-    for r in range(W):
-        say(f"rank {r}: optimizer state (AdamW m + v) {int(mem[r, 0]):,} bytes of {int(mem[r, 1]):,} unsharded "
-            f"({mem[r, 0] / mem[r, 1]:.4f})")
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({**vars(args), **run_config, "num_params": n_params}, indent=2)
-                                         + "\n")
-
-    def evaluate():
-        return float(np.mean([dp.eval_loss(x[rows], y[rows]) for x, y in val_batches]))
-
-    val_loss_init = evaluate()
-    records = []
-    log = open(out / "log.jsonl", "w") if rank == 0 else None
-    t_start = time.perf_counter()
-    try:
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            c0 = dp.comm_seconds
-            x, y = next(train_batches)                                     # (B, T): the global batch
-            step_lr = lr_schedule(step - 1, lr, warmup, steps, min_lr)
-            res = dp.train_step(x[rows], y[rows], lr=step_lr, weight_decay=args.weight_decay,
-                                grad_clip=args.grad_clip)
-            loss = float(res["loss"])
-            if not math.isfinite(loss):
-                raise RuntimeError(f"loss is {loss} at step {step}: training diverged; try a lower --lr")
-            dt = comm.all_reduce_scalars([time.perf_counter() - t0], op="max")[0]
-            grad_norm = float(res["grad_norm"])
-            record = {"step": step, "loss": loss, "lr": step_lr,
-                      "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-                      "skipped": bool(res.get("skipped", False)), "tokens_per_s": B * T / dt,
-                      "comm_s": dp.comm_seconds - c0}
-            if "scale" in res:
-                record["scale"] = float(res["scale"])
-            if (args.eval_every > 0 and step % args.eval_every == 0) or step == steps:
-                record["val_loss"] = evaluate()
-                say(f"step {step:5d} | train loss {loss:.4f} | val loss {record['val_loss']:.4f}", file=sys.stderr)
-            records.append(record)
-            if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-        dp.check_replicas()
-    finally:
-        if log is not None:
-            log.close()
-    train_time = time.perf_counter() - t_start
-    summary = {"preset": args.preset, "backend": backend, "precision": args.precision, "world_size": W,
-               "comm": comm.name, "zero": bool(args.zero), "steps": steps, "num_params": n_params,
-               "train_loss_first": records[0]["loss"], "train_loss_last": records[-1]["loss"],
-               "val_loss_init": val_loss_init, "val_loss": records[-1]["val_loss"], "unigram_entropy": entropy,
-               "time_s": train_time, "tokens_per_s": steps * B * T / train_time,
-               "optimizer_bytes_per_rank": [int(v) for v in mem[:, 0]], "optimizer_bytes_full": int(mem[0, 1]),
-               "out": str(out)}
-    if rank == 0:
-        from .viz import plot_loss
-        import matplotlib.pyplot as plt
-
-        plt.close(plot_loss([{"step": 0, "val_loss": val_loss_init}] + records, out / "loss.png", entropy=entropy))
-        if not args.zero:                                                  # rank 0 holds the whole state
-            T_.save_checkpoint(out / T_.CKPT_NAME, eng, run_config,
-                               {"step": steps, "sampler": train_batches.state(),
-                                "sample_rng": sample_rng.bit_generator.state, "val_loss_init": val_loss_init})
-        if args.sample_tokens > 0:
-            ids = T_.generate(eng.next_logits, cfg.block_size, args.prompt, args.sample_tokens, args.temperature,
-                              args.top_k, rng=sample_rng)
-            text = decode(np.where(ids < 256, ids, ord("?")))
-            (out / "sample.txt").write_text(text, encoding="utf-8")
-            say(f"--- sample ({args.sample_tokens} bytes) ---\n{text}\n---")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    say(f"done: {steps} steps on {W} ranks in {train_time:.1f} s ({summary['tokens_per_s']:,.0f} tokens/s) | train "
-        f"loss {summary['train_loss_first']:.4f} -> {summary['train_loss_last']:.4f} | val loss "
-        f"{summary['val_loss']:.4f} | replicas identical (checksum) | output in {out}")
-    return summary
-
-
-# ================================================================================================================
-# 7. Self-test, data-parallel throughput, CLI
+# 6. Self-test, data-parallel throughput, CLI
 # ================================================================================================================
 
 def selftest(comm: Communicator) -> bool:
@@ -849,14 +633,10 @@ def main(argv=None) -> int:
     import argparse
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":                   # train.py's own flags follow
-        from .train import ConfigError
+    if argv and argv[0] == "train":                   # the training job itself (train.py), its flags follow
+        from .train import cli
 
-        try:
-            train_distributed(argv[1:])
-        except (ConfigError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        cli(argv[1:])                                 # configuration problems: "error: ..." and exit status 2
         return 0
     p = argparse.ArgumentParser(prog="python -m gpullm_lessons.parallel",
                                 description="collectives self-test, all-reduce benchmark, data-parallel throughput "
@@ -877,7 +657,7 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=10)
     d.add_argument("--zero", action="store_true")
     d.add_argument("--json", default=None)
-    sub.add_parser("train", help="data-parallel training: train.py's flags follow (+ --zero, --check-every)")
+    sub.add_parser("train", help="the training job (python -m gpullm_lessons.train) on these ranks: its flags follow")
     args = p.parse_args(argv)
     comm = from_env()
     try:

@@ -117,6 +117,19 @@ class ParamBuffer:
             self.views[name] = self.flat[start:stop].reshape(shape)  # a contiguous slice reshapes as a view
             start = stop
 
+    def pad_to(self, total: int):
+        """Move the buffer into zero-padded storage of `total` elements (ZeRO's N equal shards): flat and every named
+        view become views of storage[:n], the values copied. Returns the storage; everything that reads self.flat or
+        the views keeps working."""
+        n = self.flat.size
+        if total < n:
+            raise ValueError(f"pad_to: total {total} is smaller than the buffer's {n} elements")
+        storage = self.xp.zeros(total, self.flat.dtype)
+        storage[:n] = self.flat
+        self.flat = storage[:n]
+        self.views = {k: self.flat[a:b].reshape(self.shapes[k]) for k, (a, b) in self.offsets.items()}
+        return storage
+
     @property
     def names(self) -> list:
         return list(self.views)

@@ -200,3 +200,42 @@ def test_clip_grad_norm():
     g = np.array([1e20, 1e20], np.float32)  # squares overflow float32; the norm is computed in float64
     assert clip_grad_norm(g, 1.0) == pytest.approx(math.sqrt(2) * 1e20)
     np.testing.assert_allclose(g, [1 / math.sqrt(2)] * 2, rtol=1e-5)
+
+
+# ---- one update policy: the engine's update() over the whole buffer and over shards --------------------------------
+
+def test_clip_coefficient():
+    from gpullm_lessons.optim import clip_coefficient
+
+    assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6))
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(10.0, 0.0) == 1.0 and clip_coefficient(10.0, -1) == 1.0
+
+
+def test_the_update_over_two_shards_equals_the_update_over_the_buffer():
+    """ZeRO's step is the engine's own update() on each shard, given the global squared norm: two shards of one
+    engine end exactly where the whole-buffer update does (the NumPy engine: the same float32 arithmetic)."""
+    from gpullm_lessons import engine
+    from gpullm_lessons.params import GPTConfig, num_params
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 32, (4, 8)), rng.integers(0, 32, (4, 8))
+    whole, halves = engine.build(cfg, "numpy", seed=1), engine.build(cfg, "numpy", seed=1)
+    for eng in (whole, halves):
+        eng.forward(x, y)
+        eng.backward()
+    n = num_params(cfg)
+    S = (n + 1) // 2 + 7                                   # the second shard runs into padding
+    ppad, gpad = halves.params.pad_to(2 * S), halves.grads.pad_to(2 * S)
+    shards = [halves.optimizer_shard(lo, lo + S, ppad[lo:lo + S], gpad[lo:lo + S]) for lo in (0, S)]
+    halves.release_optimizer_state()
+    out_whole = whole.optimizer_step(lr=1e-2, weight_decay=0.1, grad_clip=0.05)   # clipping active
+    sumsq = sum(halves.grad_sumsq(s.grads) for s in shards)
+    for s in shards:
+        halves.t = 0                                       # one optimizer step, however many shards: each is step 1
+        out = halves.update(1e-2, 0.1, 0.05, sumsq=sumsq, shard=s)
+    assert out["grad_norm"] == pytest.approx(out_whole["grad_norm"], rel=1e-12)
+    assert halves.t == whole.t == 1
+    np.testing.assert_array_equal(halves.params.flat, whole.params.flat)
+    np.testing.assert_array_equal(np.concatenate([s.m for s in shards])[:n], whole.m)
+    assert not ppad[n:].any() and halves.m.size == 0

@@ -119,7 +119,7 @@ def test_replica_mismatch_names_the_ranks():
 
 
 def test_batch_must_divide_by_the_ranks():
-    from gpullm_lessons.train import ConfigError
+    from gpullm_lessons.train import ConfigError, main as train_main
 
     class Three(SingleComm):
         def __init__(self):
@@ -127,7 +127,7 @@ def test_batch_must_divide_by_the_ranks():
             self.world_size = 3
 
     with pytest.raises(ConfigError, match="does not divide by the 3 ranks"):
-        P.train_distributed(["--backend", "numpy"] + TINY, comm=Three())
+        train_main(["--backend", "numpy"] + TINY, comm=Three())
 
 
 # ---- real ranks: MPI on the CPU -----------------------------------------------------------------------------------
@@ -217,3 +217,60 @@ def test_zero1_on_two_gpus_matches_data_parallel(tmp_path):
     z = _launch2(GPU_TINY + ["--zero"], tmp_path / "z")
     np.testing.assert_allclose(losses(tmp_path / "z"), losses(tmp_path / "dp"), rtol=1e-5)
     assert "(0.50" in z.stdout, z.stdout
+
+
+# ---- the data-parallel step as graphs: backward's graph, the all-reduce, the update's graph (one GPU) ---------------
+
+class TripledComm(SingleComm):
+    """One process posing as 2 ranks whose all-reduce triples the buffer: the "mean" gradient is 1.5x this rank's own,
+    so a step that skips the all-reduce, or runs it after the update, ends with other weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.world_size = 2
+
+    def all_reduce(self, buf, op="sum"):
+        buf *= 3
+
+    def all_reduce_scalars(self, values, op="sum"):
+        v = np.asarray(values, np.float64)
+        return v if op == "max" else 2 * v
+
+    def gather_scalars(self, values):
+        v = np.asarray(values, np.float64)
+        return np.stack([v, v])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_data_parallel_graph_steps_equal_eager_ones(precision):
+    from gpullm_lessons import engine
+
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=128)
+    tol = 1e-5 if precision == "fp32" else 1e-3          # as the one-rank graph test (cuBLAS's algorithm choice)
+    runs = {}
+    for graphs in ("off", "on"):
+        eng = engine.build(cfg, "hip", precision=precision, graphs=graphs, seed=3)
+        dp = P.DataParallel(eng, TripledComm())
+        rng = np.random.default_rng(0)
+        out = []
+        for _ in range(4):
+            x, y = rng.integers(0, 256, (8, 64)).astype(np.int32), rng.integers(0, 256, (8, 64)).astype(np.int32)
+            out.append(dp.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.5))
+        runs[graphs] = (eng, out)
+    (eager, a), (graph, b) = runs["off"], runs["on"]
+    assert graph.graphs and len(graph._graphs) == 1 and not eager.graphs
+    assert graph.graph_pool_bytes() > 0
+    for ra, rb in zip(a, b):
+        assert abs(ra["loss"] - rb["loss"]) <= tol * ra["loss"], (ra, rb)
+        assert abs(ra["grad_norm"] - rb["grad_norm"]) <= tol * ra["grad_norm"], (ra, rb)
+    sa, sb = eager.state_dict(), graph.state_dict()
+    for key in ("params", "m", "v"):
+        assert np.linalg.norm(sa[key] - sb[key]) <= tol * np.linalg.norm(sa[key]), key
+    # the all-reduce took part: a plain engine on the same batches (its own gradient, 2/3 of the "mean") ends elsewhere
+    plain = engine.build(cfg, "hip", precision=precision, graphs="on", seed=3)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        x, y = rng.integers(0, 256, (8, 64)).astype(np.int32), rng.integers(0, 256, (8, 64)).astype(np.int32)
+        plain.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.5)
+    assert np.linalg.norm(plain.state_dict()["m"] - sb["m"]) > 100 * tol * np.linalg.norm(sb["m"])
