@@ -1,4 +1,5 @@
-"""Measured ceilings of this machine, and timing helpers for benchmarks (GPU only; cupy imported lazily).
+"""The kernel benchmark and the measured ceilings of this machine (GPU only; cupy imported lazily; the clocks are
+timing.py's, re-exported here as bench.time_gpu_graph etc.).
 
 A kernel's speed means something only beside the ceiling measured on the same card in the same run:
 device-to-device copy bandwidth for memory-bound kernels, cuBLAS matmul rate for compute-bound ones.
@@ -23,133 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import device
-
-
-def time_gpu(fn, warmup: int = 3, iters: int = 20, reps: int = 5) -> float:
-    """Seconds per fn() call on the GPU: median over `reps` of (events around `iters` calls queued back to back) / iters.
-
-    The calls are queued without waiting, so while Python's launch overhead per call is below the kernel's time the
-    GPU never idles and the figure is the kernel's own time; when the launch overhead is larger, that is what limits
-    the op in a real step too, and it shows here.
-    """
-    import cupy as cp
-    for _ in range(warmup):
-        fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters)
-    return float(np.median(times))
-
-
-def time_host(fn, iters: int = 20, reps: int = 3) -> float:
-    """Seconds of CPU time per fn() call while the calls are only queued (the GPU's work is waited for after the
-    clock stops): what Python, the launcher's checks and the driver's launch cost per call, the GPU aside."""
-    import time
-
-    import cupy as cp
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - t0) / iters)
-        cp.cuda.Device().synchronize()
-    return float(np.median(times))
-
-
-def time_gpu_graph(fn, iters: int = 20, reps: int = 5) -> float:
-    """Seconds per fn() call of GPU time alone: `iters` calls captured once in a CUDA graph (CuPy stream capture,
-    a private memory pool), the graph replayed `reps` times between CUDA events; median / iters.
-
-    time_gpu measures what a Python loop of launches achieves (when Python's launch overhead per call exceeds the
-    kernel's time, the GPU waits for Python and that shows); this measures the kernels themselves, which is what a
-    kernel's fraction of the copy bandwidth is about and what a captured training step pays."""
-    import cupy as cp
-
-    from .blas import prepare_capture
-    prepare_capture()
-    pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Device().synchronize()
-    with cp.cuda.using_allocator(pool.malloc), stream:
-        fn()                                                  # compiles, fills the private pool
-        stream.synchronize()
-        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
-        try:
-            for _ in range(iters):
-                fn()
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3 / iters)
-    return float(np.median(times))
-
-
-def time_torch_graph(fn, iters: int = 20, reps: int = 5) -> float:
-    """time_gpu_graph for a PyTorch callable (torch.cuda.CUDAGraph: PyTorch launches on its own streams)."""
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / iters)
-    return float(np.median(times))
-
-
-def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
-    """Device-to-device copy: GB/s counted as read + write (2 x nbytes per copy)."""
-    device.require_gpu("measuring copy bandwidth")
-    import cupy as cp
-    n = nbytes // 4
-    src = cp.ones(n, cp.float32)
-    dst = cp.empty_like(src)
-    t = time_gpu(lambda: cp.copyto(dst, src))
-    return {"what": "device copy", "bytes": 2 * n * 4, "seconds": t, "GB/s": 2 * n * 4 / t / 1e9}
-
-
-def matmul_rate(n: int = 8192, dtype: str = "float32") -> dict:
-    """Square matmul through CuPy (cuBLAS / hipBLAS): TFLOP/s counted as 2 n^3 per product."""
-    device.require_gpu("measuring the matmul rate")
-    import cupy as cp
-    if dtype == "bfloat16":
-        import ml_dtypes
-        dt = np.dtype(ml_dtypes.bfloat16)
-    else:
-        dt = np.dtype(dtype)
-    a = cp.asarray(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32).astype(dt))
-    b = cp.asarray(np.random.default_rng(1).standard_normal((n, n), dtype=np.float32).astype(dt))
-    t = time_gpu(lambda: a @ b, warmup=2, iters=5, reps=3)
-    return {"what": f"matmul {n}^3 {dtype}", "flops": 2 * n**3, "seconds": t, "TFLOP/s": 2 * n**3 / t / 1e12}
+from .timing import copy_bandwidth, matmul_rate, time_gpu, time_gpu_graph, time_host, time_torch_graph  # noqa: F401
 
 
 def ceilings(small: bool = False) -> dict:
@@ -458,10 +333,49 @@ def format_kernels(result: dict) -> str:
     return "\n".join(lines)
 
 
+def ncu_target(ops, small: bool, labels_path: str) -> None:
+    """Run inside ncu: every version of every case once, each after a marker kernel, between profiler start/stop."""
+    import cupy as cp
+
+    from .profiling import marker_kernel
+
+    rng = np.random.default_rng(0)
+    labels = []
+    marker = marker_kernel()
+    for case in _cases(small):
+        if ops and case.op not in ops:
+            continue
+        args = case.make(rng)
+        runs = case_runs(case, args)
+        for _b, _v, run in runs:                          # compile and warm up outside the profiled range
+            try:
+                run()
+            except Exception:  # noqa: BLE001 - a version that fails is left out (the timing table says why)
+                pass
+        cp.cuda.Device().synchronize()
+        cp.cuda.profiler.start()
+        for bname, version, run in runs:
+            labels.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version})
+            marker((len(labels),), (1,), (np.int32(len(labels)),))
+            try:
+                run()
+            except Exception:  # noqa: BLE001
+                pass
+            cp.cuda.Device().synchronize()
+        cp.cuda.profiler.stop()
+        del args, runs
+        cp.get_default_memory_pool().free_all_blocks()
+    with open(labels_path, "w") as f:
+        json.dump(labels, f)
+
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "checkpointing", "profile", "gputime"],
-                    help="what to measure")
+    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "checkpointing", "profile", "gputime",
+                                     "ncu-target"],
+                    help="what to measure (ncu-target: what `ncu` profiles for `ncu`, not for you to run)")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
     ap.add_argument("--precisions", default=None,
                     help="`train`: fp32,bf16 (default); `checkpointing`: fp32 (default)")
@@ -471,7 +385,11 @@ def main(argv=None) -> int:
                     help="`train` / `gputime`: the engine's attention-score format in half precision (default half)")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
+    ap.add_argument("--labels", help=argparse.SUPPRESS)                  # ncu-target: where the call labels go
     args = ap.parse_args(argv)
+    if args.what == "ncu-target":
+        ncu_target(args.ops.split(",") if args.ops else None, args.small, args.labels)
+        return 0
     try:
         if args.what == "ceilings":
             result = ceilings(small=args.small)
@@ -495,7 +413,8 @@ def main(argv=None) -> int:
                 result = bt.bench_checkpointing(presets, precs)
                 print(bt.format_checkpointing(result))
         elif args.what == "timeline":
-            from .profiling import format_timeline, step_timeline
+            from .bench_train import step_timeline
+            from .profiling import format_timeline
             result = step_timeline(args.presets.split(",")[0], (args.precisions or "bf16").split(",")[0])
             print(format_timeline(result))
         elif args.what == "ncu":

@@ -73,7 +73,7 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
     """Step time and CuPy-pool peak bytes of our engine on random tokens.
 
     graphs="off": every step launched from Python (the peak is the live peak of CuPy's pool, read at every malloc);
-    "auto" / "on": the step replayed as a CUDA graph (engine._StepGraph); its activations live in the graph's private
+    "auto" / "on": the step replayed as a CUDA graph (engine.StepGraph); its activations live in the graph's private
     pool, so the peak is the default pool's peak (weights, optimizer) + the private pool's size."""
     import cupy as cp
 
@@ -187,9 +187,9 @@ def _card():
 def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=10, backend="hip",
                 with_torch=True, versions=None) -> dict:
     device.require_gpu("benchmarking the training step")
-    from . import bench
+    from .timing import matmul_rate
 
-    rates = {p: bench.matmul_rate(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[p])
+    rates = {p: matmul_rate(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[p])
              for p in precisions}
     try:
         import torch  # noqa: F401
@@ -352,18 +352,19 @@ def record_step_calls(eng, x, y, lr=1e-4) -> list:
 def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B=None, T=None, timer=None,
                      warmup=True, versions=None) -> dict:
     """GPU time of one training step, op by op. Each distinct call of an eager step (record_step_calls) is replayed
-    alone as a CUDA graph of 10 calls (bench.time_gpu_graph) and multiplied by its count per step.
+    alone as a CUDA graph of 10 calls (time_gpu_graph) and multiplied by its count per step.
 
     `profile` puts CUDA events around launches from Python, so a short kernel's row also holds the GPU's wait for
     Python; this measures the kernels themselves, and its total is about what a CUDA-graph replay of the step can
     reach. A call that cannot be captured (one that reads a device value on the host) is listed with ms None.
     timer(fn) -> seconds per call replaces the CUDA-graph timing, warmup=False skips the warm-up step (the tests run
     the bookkeeping in the simulator)."""
-    from . import bench, engine
+    from . import engine
+    from .timing import time_gpu_graph
 
     if timer is None:
         device.require_gpu("timing the training step's kernels")
-        timer = lambda fn: bench.time_gpu_graph(fn, iters=10, reps=3)  # noqa: E731
+        timer = lambda fn: time_gpu_graph(fn, iters=10, reps=3)  # noqa: E731
     if cfg is None:
         cfg, B = _cfg(preset)
         T = cfg.block_size
@@ -407,3 +408,41 @@ def format_gpu_time(result, top=20) -> str:
     if missing:
         lines.append(f"not capturable, not timed: {', '.join(sorted(set(missing)))}")
     return "\n".join(lines)
+
+
+def step_timeline(preset: str = "course", precision: str = "bf16", backend: str = "hip") -> dict:
+    """One eager step and one CUDA-graph step of the engine, traced with CUPTI through torch.profiler: every kernel
+    on the GPU's timeline, every launch call on the CPU's, and the step's phases (forward / backward / optimizer)."""
+    import datetime
+
+    import cupy as cp
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from . import engine
+    from .profiling import range_hook, step_span, trace_events
+
+    info = device.require_gpu("tracing a training step")
+    cfg, B = _cfg(preset)
+    T = cfg.block_size
+    x, y = _batches(cfg, B, T, 1)[0]
+    out = {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "preset": preset,
+           "precision": precision, "backend": backend, "B": B, "T": T,
+           "tool": f"torch.profiler {torch.__version__} (CUPTI activity trace), one step after 3 warm-up steps"}
+    with range_hook(record_function):
+        for mode, key in (("off", "eager"), ("on", "graph")):
+            eng = engine.build(cfg, backend, precision=precision, graphs=mode)
+            for _ in range(3):
+                eng.train_step(x, y, lr=1e-4)
+            cp.cuda.Device().synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with record_function("step"):
+                    eng.train_step(x, y, lr=1e-4)
+                    cp.cuda.Device().synchronize()
+            ev = trace_events(prof)
+            kernels = [e for e in ev if e["kind"] == "kernel"]
+            out[key] = {"events": ev, "kernels": len(kernels),
+                        "gpu_busy_us": round(sum(e["dur"] for e in kernels), 1), "span_us": step_span(ev)}
+            del eng
+            cp.get_default_memory_pool().free_all_blocks()
+    return out

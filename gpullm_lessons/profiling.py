@@ -33,12 +33,14 @@ extern "C" __global__ void bench_marker(int k) { }
 _kernels = {}
 
 
-def _kernel(name):
-    if name not in _kernels:
+def marker_kernel():
+    """The empty kernel `bench_marker` (CuPy RawKernel, compiled once): launched with grid k + 1 before the k-th
+    profiled call, it tells that call's kernels apart in ncu's rows (_attribute)."""
+    if "bench_marker" not in _kernels:
         import cupy as cp
         module = cp.RawModule(code=_MARKER_SRC)
         _kernels["bench_marker"] = module.get_function("bench_marker")
-    return _kernels[name]
+    return _kernels["bench_marker"]
 
 
 # ---- Nsight Compute -------------------------------------------------------------------------------------------
@@ -138,41 +140,6 @@ def summarise(rows: list) -> list:
     return out
 
 
-def ncu_target(ops, small: bool, labels_path: str) -> None:
-    """Run inside ncu: every version of every case once, each after a marker kernel, between profiler start/stop."""
-    import cupy as cp
-
-    from . import bench
-    rng = np.random.default_rng(0)
-    labels = []
-    marker = _kernel("bench_marker")
-    for case in bench._cases(small):
-        if ops and case.op not in ops:
-            continue
-        args = case.make(rng)
-        runs = bench.case_runs(case, args)
-        for _b, _v, run in runs:                          # compile and warm up outside the profiled range
-            try:
-                run()
-            except Exception:  # noqa: BLE001 - a version that fails is left out (the timing table says why)
-                pass
-        cp.cuda.Device().synchronize()
-        cp.cuda.profiler.start()
-        for bname, version, run in runs:
-            labels.append({"op": case.op, "shape": case.shape, "backend": bname, "version": version})
-            marker((len(labels),), (1,), (np.int32(len(labels)),))
-            try:
-                run()
-            except Exception:  # noqa: BLE001
-                pass
-            cp.cuda.Device().synchronize()
-        cp.cuda.profiler.stop()
-        del args, runs
-        cp.get_default_memory_pool().free_all_blocks()
-    with open(labels_path, "w") as f:
-        json.dump(labels, f)
-
-
 def ncu_kernels(ops=None, small: bool = False, ncu: str = None, timeout: float = 900) -> dict:
     """Nsight Compute counters for every kernel version of `ops` (and PyTorch's), one profiled call each."""
     import datetime
@@ -182,7 +149,7 @@ def ncu_kernels(ops=None, small: bool = False, ncu: str = None, timeout: float =
         raise FileNotFoundError("Nsight Compute's `ncu` is not on PATH (it ships with the CUDA toolkit)")
     with tempfile.TemporaryDirectory() as tmp:
         labels_path, log = os.path.join(tmp, "labels.json"), os.path.join(tmp, "ncu.csv")
-        target = [sys.executable, "-m", "gpullm_lessons.profiling", "ncu-target", "--labels", labels_path]
+        target = [sys.executable, "-m", "gpullm_lessons.bench", "ncu-target", "--labels", labels_path]
         if ops:
             target += ["--ops", ",".join(ops)]
         if small:
@@ -288,7 +255,18 @@ def nvtx_range(name: str):
                 nv[1]()
 
 
-def _trace_events(prof, t_ref=None):
+@contextlib.contextmanager
+def range_hook(hook):
+    """Enter hook(name) (a context manager) with every nvtx_range while this block runs (the step timeline adds
+    torch.profiler's record_function, so the phases show in its trace)."""
+    _range_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _range_hooks.remove(hook)
+
+
+def trace_events(prof, t_ref=None):
     """Kernels (GPU) and launches / phases (CPU) of a torch.profiler run, in microseconds from the first event."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -317,45 +295,6 @@ def step_span(events: list) -> float:
     if not gpu:
         return 0.0
     return round(max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in calls), 1)
-
-
-def step_timeline(preset: str = "course", precision: str = "bf16", backend: str = "hip") -> dict:
-    """One eager step and one CUDA-graph step of the engine, traced with CUPTI through torch.profiler: every kernel
-    on the GPU's timeline, every launch call on the CPU's, and the step's phases (forward / backward / optimizer)."""
-    import datetime
-
-    import cupy as cp
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from . import bench_train, engine
-    info = device.require_gpu("tracing a training step")
-    cfg, B = bench_train._cfg(preset)
-    T = cfg.block_size
-    x, y = bench_train._batches(cfg, B, T, 1)[0]
-    out = {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "preset": preset,
-           "precision": precision, "backend": backend, "B": B, "T": T,
-           "tool": f"torch.profiler {torch.__version__} (CUPTI activity trace), one step after 3 warm-up steps"}
-    _range_hooks.append(record_function)
-    try:
-        for mode, key in (("off", "eager"), ("on", "graph")):
-            eng = engine.build(cfg, backend, precision=precision, graphs=mode)
-            for _ in range(3):
-                eng.train_step(x, y, lr=1e-4)
-            cp.cuda.Device().synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                with record_function("step"):
-                    eng.train_step(x, y, lr=1e-4)
-                    cp.cuda.Device().synchronize()
-            ev = _trace_events(prof)
-            kernels = [e for e in ev if e["kind"] == "kernel"]
-            out[key] = {"events": ev, "kernels": len(kernels),
-                        "gpu_busy_us": round(sum(e["dur"] for e in kernels), 1), "span_us": step_span(ev)}
-            del eng
-            cp.get_default_memory_pool().free_all_blocks()
-    finally:
-        _range_hooks.remove(record_function)
-    return out
 
 
 def format_timeline(result: dict) -> str:
@@ -410,19 +349,3 @@ def format_kernel_families(result: dict, mode: str = "graph", top: int = 10) -> 
         us = sum(r[2] for r in rest)
         lines.append(f"{f'{len(rest)} more families':<44}{sum(r[1] for r in rest):9d}{us / 1e3:8.2f}{100 * us / busy:6.1f}%")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.profiling")
-    ap.add_argument("what", choices=["ncu-target"])
-    ap.add_argument("--ops")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--labels", required=True)
-    args = ap.parse_args(argv)
-    ncu_target(args.ops.split(",") if args.ops else None, args.small, args.labels)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

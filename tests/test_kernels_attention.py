@@ -56,7 +56,7 @@ def test_every_version_on_gpu_at_large_size(backend, version):
     assert r.status == "correct", r.message
 
 
-# ---- the training loop's causal softmax forward / backward launchers (engine.py) ----------------------------------
+# ---- the training loop's causal softmax forward / backward launchers (engine/gpu.py) ------------------------------
 def _causal_rows(rng, G, T):
     pre = rng.standard_normal((G * T, T), dtype=np.float32) * 3
     t = np.arange(G * T) % T

@@ -1,0 +1,195 @@
+"""What every engine is: the names the engine accepts (backends, precisions, checkpointing policies), the check that
+this machine has the backend asked for, and the base class Engine with the state and the one optimizer update
+(Engine.update) that both engines, the CUDA-graph step, data parallel and ZeRO use."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..optim import clip_coefficient
+from ..params import GPTConfig, num_params
+
+BACKENDS = ("numpy", "numba", "hip")
+PRECISIONS = ("fp32", "bf16", "fp16")
+POLICIES = ("none", "selective", "full")
+GRAPH_PRECISIONS = ("fp32", "bf16")   # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+class EngineError(ValueError):
+    """A backend / precision / policy / machine combination that cannot run; the message names the problem."""
+
+
+def check_backend(backend: str) -> str:
+    """The backend name to use ("auto": hip on a GPU, else numpy); raises EngineError when the machine lacks it."""
+    from .. import device
+
+    if backend == "auto":
+        return "hip" if device.has_gpu() and _has_cupy() else "numpy"
+    if backend not in BACKENDS:
+        raise EngineError(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}")
+    if backend == "hip":
+        if not device.has_gpu():
+            raise EngineError(f"backend 'hip' needs a GPU and this machine has none ({device.describe()}); "
+                              f"use --backend numpy (or numba, in the CUDA simulator, for tiny models)")
+        if not _has_cupy():
+            raise EngineError("backend 'hip' launches its kernels through CuPy, which is not installed: "
+                              "make setup GPU=cuda13 (or cuda12 / rocm)")
+    if backend == "numba" and device.kind() == "rocm":
+        raise EngineError("backend 'numba' needs an NVIDIA GPU or the CUDA simulator: Numba CUDA does not run on "
+                          "AMD GPUs; use --backend hip (the same kernels' HIP twins)")
+    if backend == "numba" and not device.has_gpu() and not device.numba_available():
+        raise EngineError(f"backend 'numba' needs a GPU or the CUDA simulator, and this machine has neither "
+                          f"({device.describe()}); unset NUMBA_ENABLE_CUDASIM=0 or use --backend numpy")
+    if backend == "numba" and device.has_gpu() and not _has_cupy():
+        raise EngineError("backend 'numba' on a GPU keeps its arrays in CuPy, which is not installed: "
+                          "make setup GPU=cuda13 (or cuda12 / rocm)")
+    return backend
+
+
+def _has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class Engine:
+    """What every backend provides. Buffers: params (ParamBuffer, fp32 master), grads, m, v (flat); t = steps taken."""
+
+    backend = "?"
+
+    def __init__(self, cfg, precision, policy, seed, betas, eps):
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"engine: cfg must be a GPTConfig, got {type(cfg).__name__}")
+        self.cfg, self.precision, self.policy, self.seed = cfg, precision, policy, seed
+        self.betas, self.eps = tuple(float(b) for b in betas), float(eps)
+        self.t = 0
+        self.scaler = None
+
+    # ---- checks shared by all backends --------------------------------------------------------------------------
+    def _check_batch(self, fn, x, y=None):
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+            raise ValueError(f"{fn}: x must be a (B, T) array of token ids, got shape {x.shape}")
+        if x.shape[1] > self.cfg.block_size:
+            raise ValueError(f"{fn}: sequence length T={x.shape[1]} is longer than block_size={self.cfg.block_size}")
+        if not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"{fn}: x must hold integer token ids, got dtype {x.dtype}")
+        if x.size and (x.min() < 0 or x.max() >= self.cfg.vocab_size):
+            raise ValueError(f"{fn}: token ids must be in [0, {self.cfg.vocab_size}), got {x.min()}..{x.max()}")
+        if y is not None:
+            y = np.asarray(y)
+            if y.shape != x.shape:
+                raise ValueError(f"{fn}: targets y {y.shape} must have the shape of x {x.shape}")
+            if y.size and (y.min() < 0 or y.max() >= self.cfg.vocab_size):
+                raise ValueError(f"{fn}: targets must be in [0, {self.cfg.vocab_size}), got {y.min()}..{y.max()}")
+            y = y.astype(np.int32)
+        return x.astype(np.int32), y
+
+    # ---- state ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Host copies of everything a resumed run needs: params, m, v (flat fp32), t, the loss scaler."""
+        out = {"params": self._host(self.params.flat), "m": self._host(self.m), "v": self._host(self.v),
+               "t": self.t, "precision": self.precision}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        n = num_params(self.cfg)
+        for key in ("params", "m", "v"):
+            if key not in state:
+                raise ValueError(f"load_state_dict: the state has no {key!r}")
+            if np.asarray(state[key]).shape != (n,):
+                raise ValueError(f"load_state_dict: {key} has shape {np.asarray(state[key]).shape}, this model "
+                                 f"needs ({n},): the checkpoint is from a different model config")
+        self.params.flat[...] = self._dev(np.asarray(state["params"], np.float32))
+        self.m[...] = self._dev(np.asarray(state["m"], np.float32))
+        self.v[...] = self._dev(np.asarray(state["v"], np.float32))
+        self.t = int(state["t"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self.params_changed()
+
+    def _host(self, a):
+        return np.array(a, dtype=np.float32, copy=True)
+
+    def _dev(self, a):
+        return a
+
+    def params_changed(self):
+        """Call after writing self.params.flat from outside (a load, a broadcast, an all-gather): the engine refreshes
+        what it derives from the fp32 master weights (the half copy)."""
+
+    # ---- the optimizer update: one policy for the whole buffer, the graph step, data parallel and a ZeRO shard ------
+    def optimizer_state(self) -> "OptimizerShard":
+        """The whole flat buffer as the one shard optimizer_step updates."""
+        return OptimizerShard(self.params.flat, self.grads.flat, self.m, self.v, self.decay, half=self._half_copy())
+
+    def optimizer_shard(self, lo: int, hi: int, params, grads) -> "OptimizerShard":
+        """AdamW over elements [lo, hi) of a buffer padded with zeros past the n parameters (ZeRO-1: one rank's shard).
+
+        params, grads: the caller's views of that slice (params a view into the padded parameter storage, so the
+        update lands there); m and v start from this engine's moments over the slice (zero in the padding), so a
+        loaded checkpoint carries over; the decay rule is the slice's (no decay in the padding)."""
+        n = num_params(self.cfg)
+        xp = getattr(self, "xp", np)
+        m, v = xp.zeros(hi - lo, xp.float32), xp.zeros(hi - lo, xp.float32)
+        top = max(lo, min(hi, n))
+        if self.m.size == n:
+            m[:top - lo], v[:top - lo] = self.m[lo:top], self.v[lo:top]
+        return OptimizerShard(params, grads, m, v, self._decay_of(lo, hi))
+
+    def release_optimizer_state(self) -> None:
+        """Drop the full-size m and v (ZeRO: each rank keeps only its shard's); state_dict then has none of them."""
+        xp = getattr(self, "xp", np)
+        self.m = self.v = xp.zeros(0, xp.float32)
+
+    def update(self, lr, weight_decay, grad_clip, sumsq, nonfinite=0, shard=None) -> dict:
+        """After backward(loss_scale=S): the step's policy, then AdamW over `shard` (default: the whole buffer).
+
+        sumsq: the squared norm of the (scaled) gradient, over the whole model (data parallel: summed over the ranks'
+        shards); nonfinite: how many of its values are inf/NaN (fp16 only: a step with any is skipped and the loss
+        scale backs off; the scaler's decision must be the same on every rank, so the caller passes the global
+        count). Then the clip factor (optim.clip_coefficient of the unscaled norm) and 1/S are folded into one
+        grad_scale that AdamW applies as it reads the gradient. Returns {"grad_norm" (unscaled), "skipped", "scale"
+        (fp16)}."""
+        st = self.optimizer_state() if shard is None else shard
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        out = {"scale": scale} if self.scaler is not None else {}
+        if self.scaler is not None and self.scaler.update(nonfinite > 0):
+            st.grads[...] = 0
+            return {"grad_norm": float("nan"), "skipped": True, **out}
+        norm = math.sqrt(max(float(sumsq), 0.0)) / scale
+        coef = clip_coefficient(norm, grad_clip)
+        self.t += 1
+        self._adamw(st, lr, weight_decay, float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef))
+        return {"grad_norm": norm, "skipped": False, **out}
+
+    def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
+        """After backward(loss_scale=self.scaler.scale or 1): update() with this engine's own gradient norm (or
+        `grad_norm`, the scaled buffer's, when the caller already computed it: lesson 09's loop prints it) and
+        non-finite count. Returns {"grad_norm" (unscaled), "skipped", "scale" (fp16)}."""
+        bad = self.count_nonfinite() if self.scaler is not None else 0
+        sumsq = self.grad_sumsq() if grad_norm is None else float(grad_norm) ** 2
+        return self.update(lr, weight_decay, grad_clip, sumsq, bad)
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the flat gradient buffer."""
+        return math.sqrt(self.grad_sumsq())
+
+    def _half_copy(self):
+        return None
+
+
+class OptimizerShard:
+    """What one AdamW update runs over: flat params, grads, m and v of the same elements, and their decay rule
+    (the NumPy engine: a boolean mask; the kernel engines: the fused kernels' (bounds, flags) table); half: the
+    half copy of the weights the update also writes (the whole buffer in half precision), else None."""
+
+    def __init__(self, params, grads, m, v, decay, half=None):
+        self.params, self.grads, self.m, self.v, self.decay, self.half = params, grads, m, v, decay, half

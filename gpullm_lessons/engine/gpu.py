@@ -1,0 +1,496 @@
+"""GPUEngine: the course's kernels (backend "hip" or "numba") composed into the GPT; see the package docstring."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..params import ParamBuffer, init_params, num_params
+from ..profiling import nvtx_range
+from .core import Engine, EngineError
+from .graph import StepGraph
+from .profiler import OpProfiler, TimedLaunchers
+
+
+class GPUEngine(Engine):
+    """The course's kernels (backend "hip" or "numba") composed into the GPT; see the module docstring."""
+
+    # the kernel version each op runs with (the fastest simulator-safe one for numba, the fastest for hip);
+    # "scores": the format of the attention scores and their gradient between cuBLAS and the softmax kernels in a
+    # half-precision run: "half" (cuBLAS rounds them to the run's half format: half the bytes of the largest
+    # activation; GPT-2 bf16 on the H200: 64.2 -> 60.6 ms per step) or "f32" (fp32 products, as before 2026-11-30)
+    DEFAULT_VERSIONS = {
+        "hip": {"layernorm_forward": "v2", "layernorm_backward": "v5", "gelu": "v1", "crossentropy": "v2",
+                "encoder": "v3", "adamw": "v3", "convert": "v1", "scores": "half"},
+        "numba": {"layernorm_forward": "v2", "layernorm_backward": "v2", "gelu": "v1", "crossentropy": "v2",
+                  "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "half"},
+        # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
+        # one-thread-per-row versions are ~50x faster there than the block-per-row ones
+        "numba-sim": {"layernorm_forward": "v1", "layernorm_backward": "v1", "gelu": "v1", "crossentropy": "v2",
+                      "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "half"},
+    }
+
+    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off"):
+        from .. import device
+
+        super().__init__(cfg, precision, policy, seed, betas, eps)
+        self.backend = backend
+        if backend == "hip":
+            from ..backends import hip as K
+        else:
+            from ..backends import numba as K
+        self.K = K
+        self.on_gpu = device.has_gpu()
+        if self.on_gpu:
+            import cupy as xp
+        else:
+            xp = np                      # numba in the CUDA simulator: NumPy arrays
+        self.xp = xp
+        self.ver = dict(self.DEFAULT_VERSIONS[backend if self.on_gpu else "numba-sim"])
+        if versions:
+            unknown = set(versions) - set(self.ver)
+            if unknown:
+                raise EngineError(f"versions: unknown op(s) {sorted(unknown)}; known: {sorted(self.ver)}")
+            self.ver.update(versions)
+        if self.ver["scores"] not in ("f32", "half"):
+            raise EngineError(f"versions: scores must be 'f32' or 'half', got {self.ver['scores']!r}")
+        if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
+            self.ver["adamw"] = "v2"     # v3 reads float4: the buffer length must be a multiple of 4
+        host = init_params(cfg, seed=seed, dtype=np.float32)
+        self.params = ParamBuffer(cfg, np.float32, xp)
+        self.params.flat[...] = xp.asarray(host.flat)
+        self.grads = ParamBuffer(cfg, np.float32, xp)
+        n = num_params(cfg)
+        self.m, self.v = xp.zeros(n, xp.float32), xp.zeros(n, xp.float32)
+        from ..kernels.numba.adamw import decay_table
+
+        self.decay = decay_table(self.params, arrays="cupy" if self.on_gpu else "numpy")
+        self.fmt = precision                                           # gemm input format
+        self.half = None
+        if precision != "fp32":
+            self.half = xp.zeros(n, xp.uint16)                         # the half copy of the weights (bits)
+            self.half_views = {k: self.half[a:b].reshape(self.params.shapes[k])
+                               for k, (a, b) in self.params.offsets.items()}
+            self.params_changed()
+        if precision == "fp16":
+            from ..precision import DynamicLossScaler
+
+            self.scaler = DynamicLossScaler()
+        self._count = xp.zeros(1, xp.int32)
+        self._sumsq = xp.zeros(1, xp.float32)                         # the squared gradient norm (grad_sumsq)
+        self._cache = None
+        self.profiler = None
+        # train_step replays a CUDA graph ("auto" | "on" | "off", build() passes "off" where graphs cannot apply):
+        # it needs AdamW's float4 kernel (n % 4 == 0) and an embedding backward without host work (v2 sorts the
+        # tokens on the host: a graph would replay the capture batch's order; v3, the hip default, does not)
+        why_not = ("the parameter count is not a multiple of 4 (AdamW's float4 kernel)" if n % 4 else
+                   "embedding backward v2 sorts tokens on the host" if self.ver["encoder"] == "v2" else None)
+        if graphs == "on" and why_not:
+            raise EngineError(f"graphs='on': this engine's step cannot be captured: {why_not}")
+        self.graphs = graphs in ("auto", "on") and self.on_gpu and why_not is None
+        self._graphs = {}                                              # (B, T, split) -> StepGraph
+        self._graphs_required = graphs == "on"
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _host(self, a):
+        return np.array(self.xp.asnumpy(a) if self.on_gpu else a, dtype=np.float32, copy=True)
+
+    def _dev(self, a):
+        return self.xp.asarray(a)
+
+    def params_changed(self):
+        """Refresh the half copy of the weights from the fp32 master (after init, a load, a broadcast, a gather)."""
+        if self.half is not None:
+            self._to_half(self.params.flat, self.half)
+
+    def _to_half(self, src, dst=None):
+        """src float32 (contiguous) -> its half bits (uint16, same shape) through our conversion kernels."""
+        xp = self.xp
+        src = xp.ascontiguousarray(src)
+        if dst is None:
+            dst = xp.empty(src.shape, xp.uint16)
+        fn = self.K.f32_to_bf16 if self.precision == "bf16" else self.K.f32_to_f16
+        fn(src.reshape(-1), dst.reshape(-1), version=self.ver["convert"])
+        return dst
+
+    def _w(self, name, l=None):
+        """A weight in the gemm format (fp32 master view, or the half copy's view)."""
+        src = self.params.views if self.half is None else self.half_views
+        return src[name] if l is None else src[name][l]
+
+    def enable_profiling(self) -> OpProfiler:
+        """Time every launcher and matrix product from now on (see OpProfiler); returns the profiler."""
+        self.profiler = OpProfiler(self.on_gpu)
+        self.K = TimedLaunchers(self.K if not isinstance(self.K, TimedLaunchers) else self.K._module, self.profiler)
+        return self.profiler
+
+    def _gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+        from ..blas import gemm
+
+        fmt = self.fmt
+        if fmt == "fp16":
+            a, b = a.view(self.xp.float16), b.view(self.xp.float16)
+        if self.profiler is not None:
+            return self.profiler.wrap(f"gemm {fmt} (cuBLAS)", gemm)(a, b, out, trans_a, trans_b, alpha, beta, fmt)
+        return gemm(a, b, out, trans_a, trans_b, alpha, beta, fmt)
+
+    @property
+    def _half(self):
+        """The fused kernels' output format: None (float32) or "bf16" / "fp16" (uint16 bits)."""
+        return None if self.half is None else self.precision
+
+    def _mm_empty(self, shape):
+        """An uninitialised matmul input in the run's format (float32, or uint16 half bits)."""
+        return self.xp.empty(shape, self.xp.float32 if self.half is None else self.xp.uint16)
+
+    def _matmul(self, inp_mm, name_w, l, out_features):
+        """(N, C_in) matmul input -> (N, C_out) fp32 = inp @ W (the bias is added by the fused kernel after it)."""
+        out = self.xp.empty((inp_mm.shape[0], out_features), self.xp.float32)
+        self._gemm(inp_mm, self._w(name_w, l), out)
+        return out
+
+    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features):
+        """dout (N, C_out) fp32 -> dinp (N, C_in) fp32; writes grads[name_w][l] and grads[name_b][l].
+
+        One fused pass over dout (colsum_convert) gives the bias gradient (its column sums, deterministic) and the
+        half copy the two products read."""
+        xp = self.xp
+        if self.half is None:
+            self.K.colsum_convert(dout, self.grads[name_b][l])
+            dout_mm = dout
+        else:
+            dout_mm = self._mm_empty(dout.shape)
+            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half)
+        dinp = xp.empty((dout.shape[0], in_features), xp.float32)
+        self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)       # dinp = dout @ W.T
+        self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
+        return dinp
+
+    def _layernorm(self, x, name_w, name_b, l):
+        """LayerNorm of x (N, C) fp32 -> (out in the matmul format, mean, rstd): fp32 runs write float32, half
+        precision runs write the half bits directly (layernorm_forward_half: no fp32 copy, no conversion pass)."""
+        xp, N = self.xp, x.shape[0]
+        C = self.cfg.d_model
+        w = self.params[name_w] if l is None else self.params[name_w][l]
+        b = self.params[name_b] if l is None else self.params[name_b][l]
+        out, mean, rstd = self._mm_empty((N, C)), xp.empty(N, xp.float32), xp.empty(N, xp.float32)
+        if self.half is None:
+            self.K.layernorm_forward(x, w, b, out, mean, rstd, version=self.ver["layernorm_forward"])
+        else:
+            self.K.layernorm_forward_half(x, w, b, out, mean, rstd, half=self._half)
+        return out, mean, rstd
+
+    def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l):
+        xp = self.xp
+        w = self.params[name_w] if l is None else self.params[name_w][l]
+        dw = self.grads[name_w] if l is None else self.grads[name_w][l]
+        db = self.grads[name_b] if l is None else self.grads[name_b][l]
+        dx = xp.empty_like(x)
+        self.K.layernorm_backward(dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"])
+        return dx
+
+    def _gelu_mm(self, fc):
+        """GELU of fc (N, 4C) fp32 (bias already in) -> the matmul input (bias_gelu_forward with a zero bias)."""
+        zero = self._zeros(fc.shape[1])
+        out = self._mm_empty(fc.shape)
+        self.K.bias_gelu_forward(fc, zero, fc, out, half=self._half)   # fc + 0 = fc: rewritten unchanged
+        return out
+
+    def _zeros(self, n):
+        z = getattr(self, "_zero_vec", None)
+        if z is None or z.shape[0] < n:
+            z = self._zero_vec = self.xp.zeros(n, self.xp.float32)
+        return z[:n]
+
+    # ---- one block ----------------------------------------------------------------------------------------------
+    def _block_forward(self, x, l, B, T, keep):
+        """x (B*T, C) -> x_out, cache dict; keep: which policy decides what the cache holds.
+
+        Between the matrix products only fused kernels run (kernels/hip/fused.cu and its Numba twin): LayerNorm
+        writes the matmul input directly; split_heads adds the qkv bias while it moves q, k, v into (B*nh, T, hs)
+        in the matmul format; the causal softmax writes the probabilities in the matmul format (half runs keep no
+        fp32 copy: the softmax backward reads the half one); merge_heads brings the heads back; bias_add adds each
+        projection's bias and the residual in one pass; bias_gelu_forward adds the fc bias (fc is kept for the GELU
+        backward) and writes GELU's output in the matmul format."""
+        xp, cfg = self.xp, self.cfg
+        C, nh = cfg.d_model, cfg.n_head
+        hs = C // nh
+        half = self._half
+        c = {"x": x}
+        ln1_mm, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
+        qkv = self._matmul(ln1_mm, "qkvw", l, 3 * C)                               # (B*T, 3C), no bias yet
+        qkvb = self.params["qkvb"][l]
+        q, k, v = (self._mm_empty((B * nh, T, hs)) for _ in range(3))
+        for i, dst in enumerate((q, k, v)):
+            self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C:(i + 1) * C], half=half)
+        del qkv
+        half_scores = half is not None and self.ver["scores"] == "half"
+        att = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
+        self._gemm(q, k, att, trans_b=True)                                       # raw scores q @ k.T
+        scale = 1.0 / math.sqrt(hs)
+        if half is None:
+            self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), scale)
+            att_mm = att
+        else:
+            att_mm = self._mm_empty((B * nh, T, T))
+            self.K.attention_softmax_forward(att.reshape(-1, T), None, scale, att_half=att_mm.reshape(-1, T),
+                                             half=half)
+            del att
+        y = xp.empty((B * nh, T, hs), xp.float32)
+        self._gemm(att_mm, v, y)                                                  # att @ v
+        atty_mm = self._mm_empty((B * T, C))
+        self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
+        del y
+        x1 = self._matmul(atty_mm, "attprojw", l, C)
+        self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)                # x1 = x + atty @ W + b
+        ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
+        fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
+        gelu_mm = self._mm_empty(fc.shape)
+        self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm, half=half)   # fc += b; gelu(fc)
+        x2 = self._matmul(gelu_mm, "fcprojw", l, C)
+        self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)                # x2 = x1 + gelu @ W + b
+        if keep == "none":
+            c.update(ln1_mm=ln1_mm, q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, ln2_mm=ln2_mm, fc=fc,
+                     gelu_mm=gelu_mm)
+        elif keep == "selective":     # LayerNorm and GELU outputs are rebuilt in backward
+            c.update(q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, fc=fc)
+        # "full": only x (the caller keeps it; the rest is recomputed)
+        return x2, c
+
+    def _rebuild(self, c, l):
+        """Selective recompute: the LayerNorm outputs from x / x1 and the GELU output from fc."""
+        c["ln1_mm"] = self._layernorm(c["x"], "ln1w", "ln1b", l)[0]
+        c["ln2_mm"] = self._layernorm(c["x1"], "ln2w", "ln2b", l)[0]
+        c["gelu_mm"] = self._gelu_mm(c["fc"])
+
+    def _block_backward(self, dx, c, l, B, T):
+        """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
+
+        Temporaries are dropped (del) as soon as they are used up, so that the backward's working set stays one
+        or two (B, T, 4C) tensors plus one (B, nh, T, T): engine_memory() counts the same live sets."""
+        xp, cfg = self.xp, self.cfg
+        C, nh = cfg.d_model, cfg.n_head
+        hs = C // nh
+        half = self._half
+        # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
+        dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
+        dfc = xp.empty_like(dgelu)
+        self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
+        del dgelu
+        dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
+        del dfc
+        dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l)
+        del dln2
+        dx1 += dx
+        # attention: x1 = x + attproj(attention(qkv(ln1(x))))
+        datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
+        dy = self._mm_empty((B * nh, T, hs))
+        self.K.split_heads(datty, 0, dy, B, T, nh, half=half)                     # (B*nh, T, hs)
+        del datty
+        dv = xp.empty((B * nh, T, hs), xp.float32)
+        self._gemm(c["att_mm"], dy, dv, trans_a=True)                             # dv = att.T @ dy
+        half_scores = half is not None and self.ver["scores"] == "half"
+        datt = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
+        self._gemm(dy, c["v"], datt, trans_b=True)                                # datt = dy @ v.T
+        del dy
+        scale = 1.0 / math.sqrt(hs)
+        if half is None:                                                          # dpre, in place, scale folded in
+            self.K.attention_softmax_backward(c["att_mm"].reshape(-1, T), datt.reshape(-1, T), datt.reshape(-1, T),
+                                              scale)
+            dpre_mm = datt
+        else:                                                                     # half probabilities in, half dpre out
+            dpre_mm = self._mm_empty((B * nh, T, T))
+            self.K.attention_softmax_backward(c["att_mm"].reshape(-1, T), datt.reshape(-1, T),
+                                              dpre_mm.reshape(-1, T), scale, half=half)
+        del datt
+        dqkv = xp.empty((B * T, 3 * C), xp.float32)
+        self.K.merge_heads(dv, dqkv, 2 * C, B, T, nh)
+        del dv
+        for i, (b, ta) in enumerate(((c["k"], False), (c["q"], True))):
+            part = xp.empty((B * nh, T, hs), xp.float32)
+            self._gemm(dpre_mm, b, part, trans_a=ta)                              # dq = dpre @ k, dk = dpre.T @ q
+            self.K.merge_heads(part, dqkv, i * C, B, T, nh)
+            del part
+        del dpre_mm
+        dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
+        del dqkv
+        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l)
+        del dln1
+        dx0 += dx1
+        return dx0
+
+    # ---- the model ----------------------------------------------------------------------------------------------
+    def _embed(self, x):
+        xp = self.xp
+        B, T = x.shape
+        idx = xp.asarray(x)
+        return (self.params["wte"][idx] + self.params["wpe"][:T]).reshape(B * T, self.cfg.d_model), idx
+
+    def forward(self, x, y=None):
+        """Logits (B, T, V) fp32 and, with targets, the mean loss; keeps what backward needs (the policy's cache)."""
+        x, y = self._check_batch("forward", x, y)
+        return self._forward(x, y, keep=self.policy)
+
+    def _forward(self, x, y, keep, device_loss=False):
+        xp, cfg = self.xp, self.cfg
+        B, T = x.shape
+        V, C = cfg.vocab_size, cfg.d_model
+        h, idx = self._embed(x)
+        blocks = []
+        for l in range(cfg.n_layer):
+            x_in = h
+            h, c = self._block_forward(h, l, B, T, "none" if keep == "none" else
+                                       ("selective" if keep == "selective" else "full"))
+            blocks.append(c if keep != "full" else {"x": x_in})
+        lnf_mm, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
+        logits = xp.empty((B * T, V), xp.float32)
+        self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)                  # tied head: lnf @ wte.T
+        loss = None
+        if y is not None:
+            targets = xp.asarray(y).reshape(-1)
+            losses = xp.empty(B * T, xp.float32)
+            if self.precision == "bf16":     # dlogits written in bf16 by the loss kernel: the head products' input
+                dlogits = xp.empty((B * T, V), xp.uint16)
+                self.K.crossentropy_forward_backward_half(logits, targets, losses, dlogits, half="bf16")
+            else:                            # fp32; fp16 scales dlogits by the loss scale before rounding (backward)
+                dlogits = xp.empty_like(logits)
+                self.K.crossentropy_forward_backward(logits, targets, losses, dlogits,
+                                                     version=self.ver["crossentropy"])
+            loss = losses.mean() if device_loss else float(losses.mean())
+            self._cache = dict(B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm,
+                               dlogits=dlogits)
+        return logits.reshape(B, T, V), loss
+
+    def backward(self, loss_scale=1.0):
+        """Every gradient of the last forward's loss (times loss_scale) written into self.grads."""
+        xp, cfg = self.xp, self.cfg
+        c = self._cache
+        if c is None:
+            raise RuntimeError("backward: call forward(x, y) with targets first")
+        self._cache = None
+        B, T = c["B"], c["T"]
+        dlogits = c["dlogits"]
+        if self.precision == "fp16":      # scale before rounding to fp16: that is what keeps small values alive
+            dl_mm = (dlogits * np.float32(loss_scale)).astype(xp.float16).view(xp.uint16)
+            alpha = 1.0
+        else:                             # fp32: dlogits itself; bf16: already bf16 bits
+            dl_mm, alpha = dlogits, loss_scale
+        del dlogits, c["dlogits"]
+        dlnf = xp.empty((B * T, cfg.d_model), xp.float32)
+        self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)                      # dlnf = dlogits @ wte
+        self._gemm(dl_mm, c["lnf_mm"], self.grads["wte"], trans_a=True, alpha=alpha)  # dwte (head) = dlogits.T @ lnf
+        del dl_mm
+        dx = self._layernorm_backward(dlnf, c["h"], c["meanf"], c["rstdf"], "lnfw", "lnfb", None)
+        for l in reversed(range(cfg.n_layer)):
+            blk = c["blocks"][l]
+            if self.policy == "full":
+                blk = self._block_forward(blk["x"], l, B, T, "none")[1]    # the recomputed output is not kept
+            elif self.policy == "selective":
+                self._rebuild(blk, l)
+            dx = self._block_backward(dx, blk, l, B, T)
+            c["blocks"][l] = None                                                 # free the block's cache
+            del blk                                                               # (before the next recompute)
+        dwte_enc = xp.empty_like(self.grads["wte"])
+        self.K.encoder_backward(dx.reshape(B, T, cfg.d_model), c["idx"], dwte_enc, self.grads["wpe"][:T],
+                                version=self.ver["encoder"])
+        if T < cfg.block_size:
+            self.grads["wpe"][T:] = 0
+        self.grads["wte"] += dwte_enc
+
+    def grad_sumsq(self, g=None) -> float:
+        """The squared L2 norm of `g` (default: the flat gradient buffer): one kernel over it (deterministic)."""
+        self.K.grad_sumsq(self.grads.flat if g is None else g, self._sumsq)
+        return float(self._sumsq[0])
+
+    def count_nonfinite(self, g=None) -> int:
+        """How many values of `g` (default: the gradient buffer) are inf or NaN: one pass (nonfinite_count)."""
+        self.K.nonfinite_count(self.grads.flat if g is None else g, self._count)
+        return int(self._count[0])
+
+    def _half_copy(self):
+        return self.half
+
+    def _decay_of(self, lo, hi):
+        from ..arrays import to_backend
+        from ..kernels.numba.adamw import decay_table
+        from ..optim import shard_decay_table
+
+        b, f = shard_decay_table(*decay_table(self.params, arrays="numpy"), lo, hi)
+        where = "cupy" if self.on_gpu else "numpy"
+        return to_backend(b, where), to_backend(f, where)
+
+    def _adamw(self, st, lr, weight_decay, grad_scale):
+        self.K.adamw_step(st.params, st.grads, st.m, st.v, lr, self.betas[0], self.betas[1], self.eps, weight_decay,
+                          self.t, decay_bounds=st.decay, grad_scale=grad_scale, half_out=st.half,
+                          half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision)
+                          if st.half is not None else None, version=self.ver["adamw"])
+
+    def _hyper(self, lr, weight_decay, grad_clip):
+        """The graph step's update policy on the host: the step count advances and AdamW's scalars (lr, lr * wd, bias
+        corrections, clip threshold) go to adamw_step_device through GPU memory (StepGraph replays fixed launches)."""
+        from ..kernels.numba.adamw import adamw_hyper
+
+        self.t += 1
+        return adamw_hyper(lr, weight_decay, self.t, *self.betas, clip=float(grad_clip) if grad_clip > 0 else 0.0)
+
+    def _update_on_device(self, hyper):
+        """The update of _hyper's scalars, all on the GPU: the squared norm into _sumsq, the clip factor computed by
+        AdamW from it (the same clip_coefficient), AdamW over the whole buffer (the graph step: fp32 / bf16, no scaler)."""
+        st = self.optimizer_state()
+        self.K.grad_sumsq(st.grads, self._sumsq)
+        self.K.adamw_step_device(st.params, st.grads, st.m, st.v, hyper, self._sumsq, self.betas[0], self.betas[1],
+                                 self.eps, decay_bounds=st.decay, half_out=st.half,
+                                 half_dtype="bfloat16" if self.precision == "bf16" else None)
+
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
+        """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off.
+
+        reduce_grads(grads_flat): called between backward and the update (data parallel: the all-reduce and the 1/N
+        that turn this rank's gradient into the mean over ranks); the norm, clipping and AdamW then see its result.
+        With graphs on (build(graphs=...)), the first step of each batch shape (B, T) captures the whole step as a
+        CUDA graph (StepGraph) and every step replays it: one launch instead of a few hundred from Python (with
+        reduce_grads: two graphs, backward's and the update's, with reduce_grads run between them). Results equal
+        the eager step's (the same kernels; lr, the step count and the clip threshold are read by AdamW from GPU
+        memory, adamw_step_device). Profiling turns graphs off (every launch is timed from Python)."""
+        if self.graphs and self.profiler is None:
+            x, y = self._check_batch("train_step", x, y)
+            key = (*x.shape, reduce_grads is not None)
+            graph = self._graphs.get(key)
+            if graph is None:
+                try:
+                    graph = self._graphs[key] = StepGraph(self, *x.shape, split=reduce_grads is not None)
+                except Exception as e:  # noqa: BLE001 - a platform without stream capture: say so, run eagerly
+                    if self._graphs_required:
+                        raise EngineError(f"capturing the training step as a CUDA graph failed: {e}") from e
+                    import warnings
+                    warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); training step by step "
+                                  f"from Python instead", RuntimeWarning, stacklevel=2)
+                    self.graphs = False
+                    graph = None
+            if graph is not None:
+                return graph.step(x, y, lr, weight_decay, grad_clip, reduce_grads)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        with nvtx_range("forward"):
+            loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
+        with nvtx_range("backward"):
+            self.backward(loss_scale=scale)
+        if reduce_grads is not None:
+            reduce_grads(self.grads.flat)
+        with nvtx_range("optimizer"):
+            return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
+
+    def graph_pool_bytes(self) -> int:
+        """Bytes the captured steps' private memory pools hold (0 without graphs)."""
+        return sum(g.pool_bytes() for g in self._graphs.values())
+
+    def eval_loss(self, x, y) -> float:
+        x, y = self._check_batch("eval_loss", x, y)
+        _, loss = self._forward(x, y, keep="full")
+        self._cache = None
+        return loss
+
+    def next_logits(self, context) -> np.ndarray:
+        x, _ = self._check_batch("next_logits", np.asarray(context)[None, :])
+        logits, _ = self._forward(x, None, keep="full")
+        last = logits[0, -1]
+        return np.asarray(self.xp.asnumpy(last) if self.on_gpu else last, dtype=np.float64)

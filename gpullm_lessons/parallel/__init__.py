@@ -1,0 +1,51 @@
+"""Several ranks, one model: ring all-reduce by hand, data parallel training and ZeRO-1, on a communicator (comm.py).
+
+    ring_allreduce_sim(buffers)          the ring all-reduce of N simulated ranks in NumPy, with its step log
+    ring_allreduce(comm, buf)            the same algorithm across real ranks, over comm.sendrecv
+    DataParallel(engine, comm, zero=)    one training step on every rank: local slice -> gradients -> all-reduce
+                                         (or ZeRO-1: reduce-scatter, AdamW on the local shard, all-gather)
+    bench_allreduce(comm, sizes)         algorithm and bus bandwidth (nccl-tests' definitions), engine vs ring
+
+The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
+wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.
+
+CLI (each rank runs it; start the ranks with the launcher or mpirun):
+    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- selftest
+    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- bench --json runs/allreduce.json
+    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- train --steps 50 [--zero]
+    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- dpbench --preset gpt2
+
+The ring (N ranks, the buffer cut into N chunks; rank r sends to r+1 and receives from r-1, all at once):
+    reduce-scatter, steps s = 0 .. N-2: rank r sends chunk (r - s) mod N and adds the chunk (r - s - 1) mod N it
+        receives into its own; after N-1 steps rank r holds the full sum of chunk (r + 1) mod N.
+    all-gather, steps s = 0 .. N-2: rank r sends chunk (r + 1 - s) mod N and overwrites chunk (r - s) mod N with the
+        one it receives; after N-1 more steps every rank holds every summed chunk.
+2(N-1) steps, each moving n/N elements per rank: 2(N-1)/N x n elements sent per rank, whatever N is: that is why
+nccl-tests reports the bus bandwidth busbw = algbw x 2(N-1)/N, with algbw = bytes / time.
+
+Data parallel: every rank holds the whole model and takes rows [r B/N, (r+1) B/N) of the global batch (drawn with the
+same seed on every rank, so the global batch is the one-rank run's). The loss is a mean over tokens, so the global
+gradient is the mean of the N equal-sized local gradients: one all-reduce (sum) of the flat gradient buffer, then
+x 1/N. Every rank then runs the same optimizer step on the same numbers, so the parameters stay identical; a checksum
+every check_every steps proves it (a mismatch raises, naming the ranks).
+
+ZeRO-1 (optimizer state sharded): the flat buffer of n elements is split into N contiguous shards of S = ceil(n/N)
+elements, rounded up to a multiple of `align` (64: 256-byte aligned shards for NCCL and the float4 AdamW kernel);
+params and grads are padded with zeros to N*S (the padding has gradient 0 and stays 0). Per step: reduce-scatter the
+gradients (rank r gets the summed shard r), x 1/N, the global norm from one all-reduce of the shards' squared norms,
+AdamW on the shard only (m and v exist only for the shard: 1/N of the optimizer memory), all-gather the parameters.
+On GPUs the half copy of the weights (bf16/fp16) is re-converted from the gathered fp32 params (one pass).
+"""
+from __future__ import annotations
+
+from .benchmark import (DEFAULT_SIZES, bench_allreduce, bench_result, dp_bench, format_bench,  # noqa: F401
+                        ring_fraction)
+from .data_parallel import (DataParallel, ReplicaMismatch, shard_bounds, shard_decay_table, shard_size,  # noqa: F401
+                            zero_memory_table)
+from .launching import launch_plan, launch_subprocess  # noqa: F401
+from .ring import (check_allreduce, chunk_bounds, ring_allreduce, ring_allreduce_chunks, ring_allreduce_sim,  # noqa: F401
+                   ring_contributions, selftest)
+
+__all__ = ["chunk_bounds", "ring_allreduce_chunks", "ring_allreduce_sim", "ring_allreduce", "check_allreduce",
+           "shard_size", "shard_bounds", "shard_decay_table", "DataParallel", "ReplicaMismatch", "bench_allreduce",
+           "format_bench", "zero_memory_table"]
