@@ -101,7 +101,7 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
         high[0] += graph_bytes
         reserved += graph_bytes
         graphed = bool(eng.graphs)
-        del eng
+        eng = None                                   # the engine's buffers back to the pool (step still names it)
     finally:
         cp.cuda.set_allocator(pool.malloc)
     gc.collect()
@@ -173,7 +173,7 @@ def measure_torch(cfg, B, T, precision="fp32", steps=10) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated()
-    del model, opt
+    model = opt = None                               # free PyTorch's model and optimizer before empty_cache
     torch.cuda.empty_cache()
     return {"step_ms": 1e3 * float(np.median(times)), "peak_bytes": int(peak), "version": torch.__version__}
 

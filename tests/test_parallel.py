@@ -256,7 +256,7 @@ def test_gpu_data_parallel_graph_steps_equal_eager_ones(precision):
         out = []
         for _ in range(4):
             x, y = rng.integers(0, 256, (8, 64)).astype(np.int32), rng.integers(0, 256, (8, 64)).astype(np.int32)
-            out.append(dp.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.5))
+            out.append(dp.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.0))   # no clip: m sees the scale
         runs[graphs] = (eng, out)
     (eager, a), (graph, b) = runs["off"], runs["on"]
     assert graph.graphs and len(graph._graphs) == 1 and not eager.graphs
@@ -272,5 +272,6 @@ def test_gpu_data_parallel_graph_steps_equal_eager_ones(precision):
     rng = np.random.default_rng(0)
     for _ in range(4):
         x, y = rng.integers(0, 256, (8, 64)).astype(np.int32), rng.integers(0, 256, (8, 64)).astype(np.int32)
-        plain.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.5)
-    assert np.linalg.norm(plain.state_dict()["m"] - sb["m"]) > 100 * tol * np.linalg.norm(sb["m"])
+        plain.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=0.0)
+    m_plain = plain.state_dict()["m"]   # about 2/3 of the data-parallel run's first moment
+    assert np.linalg.norm(1.5 * m_plain - sb["m"]) < 0.1 * np.linalg.norm(sb["m"]) < np.linalg.norm(m_plain - sb["m"])

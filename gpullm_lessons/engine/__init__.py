@@ -21,7 +21,7 @@ residual-gradient additions of the backward (dx1 += dx, dx0 += dx1 in _block_bac
 CUDA graphs (hip backend, fp32 / bf16, on by default): train_step captures the whole step once per batch shape and
 replays it (StepGraph, engine/graph.py); see GPUEngine.train_step.
 
-Memory layout (DESIGN.md §3): parameters, gradients, m and v are flat fp32 buffers with named views
+Memory layout (params.py): parameters, gradients, m and v are flat fp32 buffers with named views
 (params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer.
 
 Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precision the AdamW pass also writes a half

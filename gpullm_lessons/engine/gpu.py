@@ -334,7 +334,7 @@ class GPUEngine(Engine):
     def _forward(self, x, y, keep, device_loss=False):
         xp, cfg = self.xp, self.cfg
         B, T = x.shape
-        V, C = cfg.vocab_size, cfg.d_model
+        V = cfg.vocab_size
         h, idx = self._embed(x)
         blocks = []
         for l in range(cfg.n_layer):
