@@ -20,9 +20,9 @@ def test_every_path_named_exists():
 
 
 def test_every_launcher_module_named_exists():
-    names = set(re.findall(r"`(_hip_\w+\.py)`", DOC))
+    names = set(re.findall(r"`gpullm_lessons/backends/hip/(\w+)\.py`", DOC))
     assert len(names) >= 9
-    assert all((ROOT / "gpullm_lessons" / "backends" / n).is_file() for n in names), names
+    assert all((ROOT / "gpullm_lessons" / "backends" / "hip" / f"{n}.py").is_file() for n in names), names
 
 
 def test_every_checker_is_defined_where_the_table_says():

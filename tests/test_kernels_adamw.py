@@ -27,8 +27,8 @@ HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 def hip_module():
     pytest.importorskip("cupy")
-    from gpullm_lessons.backends import _hip_adamw
-    return _hip_adamw
+    from gpullm_lessons.backends.hip import adamw as hip_adamw
+    return hip_adamw
 
 
 @pytest.fixture

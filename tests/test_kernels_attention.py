@@ -50,8 +50,8 @@ def test_every_version_on_gpu_at_large_size(backend, version):
     if backend == "numba":
         fn, arrays = nb_attention.attention_backward, "numba"
     else:
-        from gpullm_lessons.backends import _hip_attention
-        fn, arrays = _hip_attention.attention_backward, "cupy"
+        from gpullm_lessons.backends.hip import attention as hip_attention
+        fn, arrays = hip_attention.attention_backward, "cupy"
     r = checks.check_attention_backward(lambda *a: fn(*a, version=version), arrays=arrays, size="large", quiet=True)
     assert r.status == "correct", r.message
 
@@ -117,7 +117,7 @@ def test_causal_softmax_bad_shapes_are_named():
 from numba import cuda  # noqa: E402  (gpullm_lessons chose simulator or GPU before: conftest imports it first)
 
 from gpullm_lessons import precision  # noqa: E402
-from gpullm_lessons.backends import _hip_attention  # noqa: E402  (importable without cupy: checks run first)
+from gpullm_lessons.backends.hip import attention as hip_attention  # noqa: E402  (importable without cupy)
 
 HALVES = ("bf16", "fp16")
 POISON16 = 0xFFFF                          # a NaN in both formats: an unwritten element shows
@@ -334,14 +334,14 @@ BAD_BACKWARD = [
 ]
 
 
-@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("module", [nb_attention, hip_attention], ids=["numba", "hip"])
 @pytest.mark.parametrize("kw, err, match", BAD_FORWARD, ids=[f"fwd{i}" for i in range(len(BAD_FORWARD))])
 def test_causal_softmax_forward_bad_half_arguments_are_named(module, kw, err, match):
     with pytest.raises(err, match=f"attention_softmax_forward: {match}"):
         module.attention_softmax_forward(scale=1.0, **kw)
 
 
-@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("module", [nb_attention, hip_attention], ids=["numba", "hip"])
 @pytest.mark.parametrize("kw, err, match", BAD_BACKWARD, ids=[f"bwd{i}" for i in range(len(BAD_BACKWARD))])
 def test_causal_softmax_backward_bad_half_arguments_are_named(module, kw, err, match):
     with pytest.raises(err, match=f"attention_softmax_backward: {match}"):
@@ -553,7 +553,7 @@ BAD_HALF_IN_BACKWARD = [
 ]
 
 
-@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("module", [nb_attention, hip_attention], ids=["numba", "hip"])
 @pytest.mark.parametrize("kw, err, match", BAD_HALF_IN_FORWARD,
                          ids=[f"fwd{i}" for i in range(len(BAD_HALF_IN_FORWARD))])
 def test_causal_softmax_forward_bad_half_in_arguments_are_named(module, kw, err, match):
@@ -561,7 +561,7 @@ def test_causal_softmax_forward_bad_half_in_arguments_are_named(module, kw, err,
         module.attention_softmax_forward(scale=1.0, **kw)
 
 
-@pytest.mark.parametrize("module", [nb_attention, _hip_attention], ids=["numba", "hip"])
+@pytest.mark.parametrize("module", [nb_attention, hip_attention], ids=["numba", "hip"])
 @pytest.mark.parametrize("kw, err, match", BAD_HALF_IN_BACKWARD,
                          ids=[f"bwd{i}" for i in range(len(BAD_HALF_IN_BACKWARD))])
 def test_causal_softmax_backward_bad_half_in_arguments_are_named(module, kw, err, match):

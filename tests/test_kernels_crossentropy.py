@@ -123,7 +123,7 @@ def test_gpu_only_version_refused_in_simulator():
 
 
 def test_hip_wrapper_validation_without_gpu():
-    from gpullm_lessons.backends import _hip_crossentropy as hce
+    from gpullm_lessons.backends.hip import crossentropy as hce
     with pytest.raises(TypeError, match="logits must be a CuPy array"):
         hce.crossentropy_backward(*_arrays())
     with pytest.raises(ValueError, match="logits must be 2-D"):
@@ -145,7 +145,7 @@ def test_numba_on_gpu(version, size):
 @pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("version", list(ce.VERSIONS) + ["v4"])   # v4: HIP only
 def test_hip_on_gpu(version, size):
-    from gpullm_lessons.backends import _hip_crossentropy as hce
+    from gpullm_lessons.backends.hip import crossentropy as hce
     for threads in (64, 256, 1024):
         r = check_crossentropy_backward(lambda *a: hce.crossentropy_backward(*a, version=version, threads=threads),
                                         arrays="cupy", size=size, quiet=True)
@@ -158,7 +158,7 @@ def test_hip_on_gpu(version, size):
 def test_forward_on_gpu(backend, version):
     """Per-row losses at GPT-2 size (V = 50257, N awkward), and the fused kernel's dlogits, against float64."""
     if backend == "hip":
-        from gpullm_lessons.backends import _hip_crossentropy as mod
+        from gpullm_lessons.backends.hip import crossentropy as mod
         arrays = "cupy"
     else:
         mod, arrays = ce, "numba"
@@ -187,7 +187,7 @@ def test_hip_v4_float4_path_on_gpu(N, V, offset, threads):
     """v4's float4 path (V % 4 == 0: GPT-2's padded vocabulary 50304), targets at both ends of a row; arrays starting
     4 * offset bytes past 16-byte alignment, or V % 4 != 0, take the scalar path. Against float64."""
     cp = pytest.importorskip("cupy")
-    from gpullm_lessons.backends import _hip_crossentropy as hce
+    from gpullm_lessons.backends.hip import crossentropy as hce
     logits, targets = _inputs(N, V, seed=N + V)
     targets[0] = V - 1
     targets[-1] = 0
@@ -209,7 +209,7 @@ def test_hip_v4_float4_path_on_gpu(N, V, offset, threads):
 @pytest.mark.gpu
 def test_hip_v4_is_backward_only():
     cp = pytest.importorskip("cupy")
-    from gpullm_lessons.backends import _hip_crossentropy as hce
+    from gpullm_lessons.backends.hip import crossentropy as hce
     logits = cp.zeros((3, 8), cp.float32)
     with pytest.raises(ValueError, match="version='v4', expected one of v1, v2, v3"):
         hce.crossentropy_forward(logits, cp.zeros(3, cp.int32), cp.zeros(3, cp.float32), version="v4")
@@ -273,7 +273,7 @@ def test_half_dlogits_on_gpu(backend, half, N, V):
     if backend == "numba" and not device.numba_on_gpu():
         pytest.skip("Numba on an NVIDIA GPU only")
     if backend == "hip":
-        from gpullm_lessons.backends import _hip_crossentropy as mod
+        from gpullm_lessons.backends.hip import crossentropy as mod
         arrays = "cupy"
     else:
         mod, arrays = ce, "numba"

@@ -258,7 +258,7 @@ def test_validation_errors():
 
 
 def test_hip_wrapper_validation_without_gpu():
-    from gpullm_lessons.backends import _hip_encoder as henc
+    from gpullm_lessons.backends.hip import encoder as henc
     dout, idx = np.zeros((2, 3, 4), np.float32), np.zeros((2, 3), np.int32)
     with pytest.raises(TypeError, match="dout must be a CuPy array"):
         henc.encoder_backward(dout, idx, np.zeros((7, 4), np.float32), np.zeros((5, 4), np.float32))
@@ -283,7 +283,7 @@ def test_numba_on_gpu(version, size):
 @pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("version", enc.VERSIONS)
 def test_hip_on_gpu(version, size):
-    from gpullm_lessons.backends import _hip_encoder as henc
+    from gpullm_lessons.backends.hip import encoder as henc
     for threads in (96, 256, 1024):
         r = check_encoder_backward(lambda *a: henc.encoder_backward(*a, version=version, threads=threads),
                                    arrays="cupy", size=size, quiet=True)
@@ -295,7 +295,7 @@ def test_hip_on_gpu(version, size):
 def test_v2_is_deterministic_on_gpu(backend):
     """GPT-2 sizes with heavy token repeats: v2 gives the same bits on every run, and matches float64."""
     if backend == "hip":
-        from gpullm_lessons.backends import _hip_encoder as mod
+        from gpullm_lessons.backends.hip import encoder as mod
         arrays = "cupy"
     else:
         mod, arrays = enc, "numba"
@@ -332,7 +332,7 @@ def _v3_gpu_inputs(B, T, C, V, seed):
 def test_v3_on_gpu_both_backends(B, T, C, V):
     """GPT-2 sizes, and few tokens with many repeats: both backends equal v3's NumPy model bit for bit (so each
     other), are within 1e-6 relative of float64, and give the same bits on a second run."""
-    from gpullm_lessons.backends import _hip_encoder as henc
+    from gpullm_lessons.backends.hip import encoder as henc
     maxT = T
     dout, idx = _v3_gpu_inputs(B, T, C, V, seed=7)
     model, e = _v3_model(dout, idx, V)
@@ -356,7 +356,7 @@ def test_v3_hip_is_captured_in_a_cuda_graph():
     graph replayed on new contents of the same input buffers: the result of the new inputs, bit for bit."""
     import cupy as cp
 
-    from gpullm_lessons.backends import _hip_encoder as henc
+    from gpullm_lessons.backends.hip import encoder as henc
     B, T, C, V = 4, 64, 96, 1000
     dout, idx = _v3_gpu_inputs(B, T, C, V, seed=8)
     dout2, idx2 = _v3_gpu_inputs(B, T, C, V, seed=9)

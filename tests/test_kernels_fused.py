@@ -1,4 +1,4 @@
-"""The engine's glue kernels (kernels/numba/fused.py, kernels/hip/fused.cu + backends/_hip_fused.py) against NumPy.
+"""The engine's glue kernels (kernels/numba/fused.py, kernels/hip/fused.cu + backends/hip/fused.py) against NumPy.
 
 Simulator (CI): every launcher of the Numba twins on fresh random inputs at toy, awkward sizes (not multiples of 32),
 outputs poisoned (NaN / 0xFFFF) so unwritten elements show: float32 outputs within 1e-6 relative (GELU: the gelu
@@ -26,8 +26,8 @@ needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),
 
 def hip_module():
     pytest.importorskip("cupy")
-    from gpullm_lessons.backends import _hip_fused
-    return _hip_fused
+    from gpullm_lessons.backends.hip import fused as hip_fused
+    return hip_fused
 
 
 # ---- NumPy references -------------------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def test_bad_arguments_are_named():
 
 def test_hip_launchers_check_arguments_without_a_gpu():
     """The HIP launchers share the checks (cupy=True): NumPy arrays are refused before any import of cupy."""
-    from gpullm_lessons.backends import _hip_fused as hf
+    from gpullm_lessons.backends.hip import fused as hf
     x = np.zeros((4, 6), np.float32)
     b6 = np.zeros(6, np.float32)
     with pytest.raises(TypeError, match="bias_add: inp must be a CuPy array"):
@@ -373,13 +373,14 @@ def test_empty_inputs_launch_nothing():
 # ---- (c) registration and sources -------------------------------------------------------------------------------
 
 def test_modules_list_their_launchers_and_backends_gather_them():
-    from gpullm_lessons.backends import _hip_fused, hip, numba
+    from gpullm_lessons.backends import hip, numba
+    from gpullm_lessons.backends.hip import fused as hip_fused
     names = {"bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert", "layernorm_forward_half"}
-    assert set(nb.LAUNCHERS) == names == set(_hip_fused.LAUNCHERS)
+    assert set(nb.LAUNCHERS) == names == set(hip_fused.LAUNCHERS)
     assert names <= set(numba.__all__) and names <= set(hip.__all__)
     import inspect
     for name in names:   # identical signatures in both backends
-        assert inspect.signature(getattr(nb, name)) == inspect.signature(getattr(_hip_fused, name)), name
+        assert inspect.signature(getattr(nb, name)) == inspect.signature(getattr(hip_fused, name)), name
     assert set(nb.KERNELS) == set(nb.SIGNATURES) and not nb.GPU_ONLY
     assert all(k in nb.__doc__ for k in nb.KERNELS)
 
@@ -401,7 +402,7 @@ def test_hip_entry_points_exist_for_every_launch():
     import re
 
     from gpullm_lessons import hip
-    from gpullm_lessons.backends import _hip_fused as hf
+    from gpullm_lessons.backends.hip import fused as hf
     entries = set(re.findall(r'extern "C" __global__ void (\w+)', hip.expanded_source("fused")))
     macro = hip.source_path("fused").read_text()
     for op in ("bias_gelu_forward_v1", "split_heads_v1", "split_heads_bias_v1", "merge_heads_v1"):
@@ -413,7 +414,7 @@ def test_hip_entry_points_exist_for_every_launch():
 
 
 def test_hip_colsum_chunking_depends_on_the_size_only():
-    from gpullm_lessons.backends._hip_fused import colsum_chunking
+    from gpullm_lessons.backends.hip.fused import colsum_chunking
     for N, C in ((16384, 768), (1, 1), (0, 5), (100_003, 3072), (7, 50257)):
         chunks, rows = colsum_chunking(N, C)
         assert chunks >= 1 and rows >= 1 and chunks * rows >= N and (chunks - 1) * rows < max(N, 1)

@@ -19,8 +19,8 @@ needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),
 
 def hip_module():
     pytest.importorskip("cupy")
-    from gpullm_lessons.backends import _hip_gelu
-    return _hip_gelu
+    from gpullm_lessons.backends.hip import gelu as hip_gelu
+    return hip_gelu
 
 
 def check_forward(fn, arrays, n, seed=None, **kw):
@@ -184,10 +184,10 @@ def test_hip_wrappers_validate_inputs_on_gpu():
 
 
 def test_hip_wrappers_reject_unknown_versions_without_a_gpu():
-    from gpullm_lessons.backends import _hip_gelu
+    from gpullm_lessons.backends.hip import gelu as hip_gelu
     x = np.zeros(4, np.float32)
-    for call in (lambda: _hip_gelu.gelu_forward(x, x, version="v0"),
-                 lambda: _hip_gelu.gelu_backward(x, x, x, version="v0"),
-                 lambda: _hip_gelu.residual_backward(x, x, x, version="v0")):
+    for call in (lambda: hip_gelu.gelu_forward(x, x, version="v0"),
+                 lambda: hip_gelu.gelu_backward(x, x, x, version="v0"),
+                 lambda: hip_gelu.residual_backward(x, x, x, version="v0")):
         with pytest.raises(ValueError, match="version='v0' is not one of v1"):
             call()

@@ -1,5 +1,5 @@
 """LayerNorm kernels: Numba (kernels/numba/layernorm.py) and HIP (kernels/hip/layernorm.cu via
-gpullm_lessons.backends._hip_layernorm).
+gpullm_lessons.backends.hip.layernorm).
 
 Backward: check_layernorm_backward (fresh random inputs, NaN-poisoned outputs). Forward: compared here with
 gpullm_lessons.reference.layernorm_forward in float64, outputs NaN-poisoned. Simulator runs keep sizes toy;
@@ -138,8 +138,8 @@ def _fwd_args(N=5, C=7):
 
 
 def _hip():
-    from gpullm_lessons.backends import _hip_layernorm
-    return _hip_layernorm
+    from gpullm_lessons.backends.hip import layernorm as hip_layernorm
+    return hip_layernorm
 
 
 @pytest.mark.parametrize("module", ["numba", "hip"])
@@ -225,11 +225,13 @@ def test_hip_v4_grid_heuristic():
     """v4's grid: as many blocks as fit at once by register count (H200: 132 SMs, 170 registers, 256 threads: one
     block per SM); a kernel without num_regs keeps the guess of 2 per SM."""
     from types import SimpleNamespace
+
+    from gpullm_lessons import hip
     props = {"multiProcessorCount": 132, "warpSize": 32, "regsPerMultiprocessor": 65536,
              "maxThreadsPerMultiProcessor": 2048}
-    assert _hip()._resident_blocks(SimpleNamespace(num_regs=170), 256, props) == 132
-    assert _hip()._resident_blocks(SimpleNamespace(num_regs=32), 256, props) == 132 * 8
-    assert _hip()._resident_blocks(object(), 256, props) == 264
+    assert hip.resident_blocks(SimpleNamespace(num_regs=170), 256, props) == 132
+    assert hip.resident_blocks(SimpleNamespace(num_regs=32), 256, props) == 132 * 8
+    assert hip.resident_blocks(object(), 256, props) == 264
 
 
 def test_hip_wrapper_wants_cupy_arrays():

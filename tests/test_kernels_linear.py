@@ -1,5 +1,5 @@
 """linear_backward kernels: Numba (kernels/numba/linear.py, in the simulator here) and HIP (kernels/hip/linear.cu,
-launched by gpullm_lessons/backends/_hip_linear.py on a GPU), against check_linear_backward and NumPy.
+launched by gpullm_lessons/backends/hip/linear.py on a GPU), against check_linear_backward and NumPy.
 
 The PTX compile of every Numba version is in test_kernels_numba.py, the NVRTC/hipcc compile and lint in test_hip.py.
 """
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import checks, device
-from gpullm_lessons.backends import _hip_linear as hip_linear
+from gpullm_lessons.backends.hip import linear as hip_linear
 from gpullm_lessons.kernels.numba import linear as numba_linear
 from gpullm_lessons.kernels.numba.linear import GPU_ONLY, KERNELS, TILE, VERSIONS, linear_backward
 

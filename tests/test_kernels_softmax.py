@@ -14,7 +14,7 @@ from gpullm_lessons.reference import softmax_backward as ref_softmax_backward, s
 
 SIM_VERSIONS = [v for v in nb.KERNELS if v not in nb.GPU_ONLY]
 # the HIP launcher's versions (importing it needs neither cupy nor a GPU)
-from gpullm_lessons.backends._hip_softmax import VERSIONS as HIP_VERSIONS  # noqa: E402
+from gpullm_lessons.backends.hip.softmax import VERSIONS as HIP_VERSIONS  # noqa: E402
 needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),
                                      reason=f"needs Numba on an NVIDIA GPU (this machine: {device.kind()})")
 
@@ -107,14 +107,14 @@ def test_numba_wrapper_validates_inputs():
 
 
 def test_hip_wrapper_rejects_unknown_versions_without_a_gpu():
-    from gpullm_lessons.backends import _hip_softmax
+    from gpullm_lessons.backends.hip import softmax as hip_softmax
     dout, out, _ = inputs(2, 3)
     with pytest.raises(ValueError, match="version='v0' is not one of v1, v2, v3, v4, v5"):
-        _hip_softmax.softmax_backward(dout, out, np.empty_like(out), version="v0")
+        hip_softmax.softmax_backward(dout, out, np.empty_like(out), version="v0")
 
 
 def test_hip_v6_v7_settings_validated_without_a_gpu():
-    from gpullm_lessons.backends import _hip_softmax as hs
+    from gpullm_lessons.backends.hip import softmax as hs
     dout, out, _ = inputs(2, 4)
     with pytest.raises(ValueError, match="rows_per_block= is a v6 setting; version 'v5'"):
         hs.softmax_backward(dout, out, np.empty_like(out), version="v5", rows_per_block=2)
@@ -128,7 +128,7 @@ def test_hip_v6_v7_settings_validated_without_a_gpu():
 
 def test_hip_v6_v7_plans():
     """Which entry point (K float4 per thread), block and rows per block v6/v7 launch, computed without a GPU."""
-    from gpullm_lessons.backends._hip_softmax import v6_plan, v7_plan
+    from gpullm_lessons.backends.hip.softmax import v6_plan, v7_plan
     fn = "softmax_backward"
     assert v6_plan(fn, 1024, 32) == (4, 256, 4)             # default: 2 warps per row, 4 rows per block
     assert v6_plan(fn, 1024, 64) == (4, 256, 4)             # AMD: one wavefront per row
@@ -156,7 +156,7 @@ def test_hip_v6_v7_plans():
         v7_plan(fn, 1024, 32, threads=512)
     # every entry point a plan can name exists in softmax.cu, with the block limit the launcher assumes
     from gpullm_lessons import hip
-    from gpullm_lessons.backends._hip_softmax import V6_MAX_THREADS, V7_MAX_THREADS
+    from gpullm_lessons.backends.hip.softmax import V6_MAX_THREADS, V7_MAX_THREADS
     src = hip.source_path("softmax").read_text()
     for k, lb in V6_MAX_THREADS.items():
         assert f"SMX_V6_ENTRY({k}, {lb})" in src
@@ -191,7 +191,7 @@ def test_numba_on_gpu_other_block_sizes_and_cupy_arrays(version, threads):
 @pytest.mark.parametrize("version", HIP_VERSIONS)
 def test_hip_on_gpu(version, size):
     pytest.importorskip("cupy")
-    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    from gpullm_lessons.backends.hip.softmax import softmax_backward
     r = check_softmax_backward(lambda *a: softmax_backward(*a, version=version), arrays="cupy", size=size)
     assert r.passed, r.message
 
@@ -202,7 +202,7 @@ def test_hip_on_gpu(version, size):
                                              ("v6", 1024), ("v7", 64), ("v7", 256)])
 def test_hip_on_gpu_other_block_sizes(version, threads):
     pytest.importorskip("cupy")
-    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    from gpullm_lessons.backends.hip.softmax import softmax_backward
     fn = lambda *a: softmax_backward(*a, version=version, threads=threads)  # noqa: E731
     if version == "v6":
         # v6 keeps a row in registers (at most 32 floats a thread): the large cases' vocabulary row (n = 50257)
@@ -229,7 +229,7 @@ def test_awkward_shapes_on_gpu(version, backend, N, n):
             pytest.skip("Numba kernels run on NVIDIA GPUs only")
         fn = nb.softmax_backward
     else:
-        from gpullm_lessons.backends._hip_softmax import softmax_backward as fn
+        from gpullm_lessons.backends.hip.softmax import softmax_backward as fn
     dout, out, expected = inputs(N, n, seed=N + n)
     dinp = cp.full((N, n), cp.nan, cp.float32)
     fn(cp.asarray(dout), cp.asarray(out), dinp, version=version)
@@ -245,7 +245,7 @@ def test_hip_v5_float4_path_on_gpu(N, n, offset, threads):
     it (2052: a tail read again), tiny rows; offset > 0 starts the arrays 4 * offset bytes past 16-byte alignment,
     which must take the scalar path and still be right."""
     cp = pytest.importorskip("cupy")
-    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    from gpullm_lessons.backends.hip.softmax import softmax_backward
     dout, out, expected = inputs(N, n, seed=N + n)
 
     def placed(a):   # a C-contiguous (N, n) view that starts `offset` floats into its buffer
@@ -262,7 +262,8 @@ def test_hip_v5_float4_path_on_gpu(N, n, offset, threads):
 @pytest.mark.gpu
 def test_hip_wrapper_validates_inputs_on_gpu():
     cp = pytest.importorskip("cupy")
-    from gpullm_lessons.backends._hip_softmax import softmax_backward, warp_size
+    from gpullm_lessons.backends.hip.softmax import softmax_backward
+    from gpullm_lessons.hip import warp_size
     dout, out, _ = inputs(4, 6)
     d, o, di = cp.asarray(dout), cp.asarray(out), cp.empty((4, 6), cp.float32)
     with pytest.raises(TypeError, match="dout must be a CuPy array"):
@@ -287,7 +288,7 @@ def _check_placed(N, n, offset, runs_kwargs):
     """softmax_backward with each kwargs on (N, n) arrays starting `offset` floats into their buffers (offset > 0:
     not 16-byte aligned), dinp NaN-filled, against float64."""
     cp = pytest.importorskip("cupy")
-    from gpullm_lessons.backends._hip_softmax import softmax_backward
+    from gpullm_lessons.backends.hip.softmax import softmax_backward
     dout, out, expected = inputs(N, n, seed=N + n)
 
     def placed(a):
@@ -323,7 +324,8 @@ def test_hip_v6_v7_paths_on_gpu(version, N, n, offset):
 def test_hip_v6_v7_tunables_on_gpu(N, n):
     """The sweep's settings: threads 64..1024, 1..16 rows per block (1..8 warps per row, or one warp per row with
     K = 8), persistent grids of 1..8 blocks per SM and one row tile per block (blocks_per_sm=0)."""
-    from gpullm_lessons.backends._hip_softmax import v6_plan, warp_size
+    from gpullm_lessons.backends.hip.softmax import v6_plan
+    from gpullm_lessons.hip import warp_size
     ws = warp_size()
     settings = []
     for threads in (64, 128, 256, 512, 1024):

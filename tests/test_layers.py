@@ -80,8 +80,10 @@ def test_the_reference_imports_only_numpy_the_parameter_layout_and_itself():
     assert not bad, "\n".join(bad)
 
 
-def test_the_contracts_import_nothing_of_the_course():
-    bad = _violations([ROOT / "gpullm_lessons" / "contracts.py"], [])
+def test_the_contracts_import_nothing_of_the_course_but_themselves():
+    files = list(_files("gpullm_lessons/contracts"))
+    assert len(files) > 1
+    bad = _violations(files, ["gpullm_lessons.contracts"])
     assert not bad, "\n".join(bad)
 
 
@@ -92,18 +94,75 @@ def test_kernels_never_import_launchers_engine_or_checkers():
     assert not bad, "\n".join(bad)
 
 
-# The HIP launchers still take their argument checks from the Numba kernel modules, where those checks were first
-# written. Each op's contract moves to gpullm_lessons.contracts; until then this list may only shrink.
-HIP_LAUNCHERS_USING_NUMBA_MODULES = {"_hip_adamw.py", "_hip_attention.py", "_hip_convert.py", "_hip_crossentropy.py",
-                                     "_hip_encoder.py", "_hip_fused.py", "_hip_layernorm.py", "_hip_linear.py"}
+HIP_LAUNCHERS = "gpullm_lessons/backends/hip"   # <op>.py: an op's launchers; __init__.py collects them
 
 
-def test_no_new_hip_launcher_imports_a_numba_module():
-    users = {f.name for f in _files("gpullm_lessons/backends") if f.name.startswith("_hip_")
-             for _, mod in _imports(f) if mod.startswith("gpullm_lessons.kernels.numba")}
-    assert users <= HIP_LAUNCHERS_USING_NUMBA_MODULES, f"new: {sorted(users - HIP_LAUNCHERS_USING_NUMBA_MODULES)}"
-    assert users == HIP_LAUNCHERS_USING_NUMBA_MODULES, \
-        f"{sorted(HIP_LAUNCHERS_USING_NUMBA_MODULES - users)} no longer import a Numba module: drop them from the list"
+def _hip_launcher_violations(files):
+    """Imports of a HIP launcher module that reach a Numba module (the contract both share is in contracts) or another
+    HIP launcher module (they share code only through the loader gpullm_lessons.hip and the contracts)."""
+    bad = []
+    for f in files:
+        for line, mod in _imports(f):
+            if mod.startswith("gpullm_lessons.kernels.numba"):
+                bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod} (a Numba module)")
+            elif f.name != "__init__.py" and (mod == "gpullm_lessons.backends.hip"
+                                               or mod.startswith("gpullm_lessons.backends.hip.")):
+                bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod} (another HIP launcher module)")
+    return bad
+
+
+def test_no_hip_launcher_imports_a_numba_module_or_another_launcher():
+    files = list(_files(HIP_LAUNCHERS))
+    assert len(files) >= 10
+    bad = _hip_launcher_violations(files)
+    assert not bad, "\n".join(bad)
+
+
+def test_a_planted_numba_or_launcher_import_is_found(tmp_path, monkeypatch):
+    pkg = tmp_path / HIP_LAUNCHERS
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "softmax.py").write_text("")
+    (pkg / "gelu.py").write_text("from ...kernels.numba.gelu import VERSIONS\n\n\ndef f():\n"
+                                 "    from .softmax import check\n    return check\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _hip_launcher_violations([pkg / "gelu.py"]) == [
+        "gpullm_lessons/backends/hip/gelu.py:1 imports gpullm_lessons.kernels.numba.gelu (a Numba module)",
+        "gpullm_lessons/backends/hip/gelu.py:5 imports gpullm_lessons.backends.hip.softmax (another HIP launcher module)"]
+
+
+def _private_module_violations(files):
+    """Imports of an underscore-private module (a._m) from outside its package folder a/ (and the folders below it)."""
+    bad = []
+    for f in files:
+        importer = _module_name(f)
+        for line, mod in _imports(f):
+            if not _ours(mod) or not _is_module(mod):
+                continue
+            parts = mod.split(".")
+            private = next((i for i, p in enumerate(parts) if p.startswith("_")), None)
+            if private is None:
+                continue
+            home = ".".join(parts[:private])
+            if not importer.startswith(home + "."):
+                bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod}, private to {home}")
+    return bad
+
+
+def test_no_module_imports_a_private_module_of_another_package_folder():
+    bad = _private_module_violations(_files("gpullm_lessons", "kernels"))
+    assert not bad, "\n".join(bad)
+
+
+def test_a_planted_private_import_is_found(tmp_path, monkeypatch):
+    root = tmp_path / "gpullm_lessons"
+    (root / "backends").mkdir(parents=True)
+    (root / "backends" / "_collect.py").write_text("")
+    (root / "backends" / "numba.py").write_text("from ._collect import collect\n")
+    (root / "engine.py").write_text("from .backends import _collect\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _private_module_violations([root / "backends" / "numba.py", root / "engine.py"]) == [
+        "gpullm_lessons/engine.py:1 imports gpullm_lessons.backends._collect, private to gpullm_lessons.backends"]
 
 
 def test_the_walker_sees_a_planted_import(tmp_path, monkeypatch):

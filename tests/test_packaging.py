@@ -40,6 +40,21 @@ def test_wheel_ships_every_kernel_source(wheel):
     assert expected and expected <= names, sorted(expected - names)
 
 
+def test_every_package_folder_is_listed_and_shipped(wheel):
+    """pyproject lists its packages by name: a new package folder left out would be missing from a non-editable
+    install (and every import of it would fail there)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(("gpullm_lessons",) + p.parent.relative_to(ROOT / "gpullm_lessons").parts)
+               for p in (ROOT / "gpullm_lessons").rglob("__init__.py")}
+    on_disk |= {".".join(("gpullm_lessons", "kernels") + p.parent.relative_to(ROOT / "kernels").parts)
+                for p in (ROOT / "kernels").rglob("__init__.py")}
+    assert on_disk - listed == set(), f"package folders missing from pyproject's packages: {sorted(on_disk - listed)}"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for pkg in sorted(listed):
+        folder = pkg.replace("gpullm_lessons.kernels", "gpullm_lessons/kernels").replace(".", "/")
+        assert f"{folder}/__init__.py" in names, f"{pkg} is not in the wheel"
+
+
 def test_installed_package_finds_its_kernels(wheel, tmp_path):
     target = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

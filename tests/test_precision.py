@@ -1,5 +1,5 @@
 """Mixed precision: the NumPy reference (gpullm_lessons/precision.py) and the conversion / inf-count kernels
-(kernels/numba/convert.py, kernels/hip/convert.cu through gpullm_lessons/backends/_hip_convert.py).
+(kernels/numba/convert.py, kernels/hip/convert.cu through gpullm_lessons/backends/hip/convert.py).
 
 Conversions must be bit-exact with ml_dtypes.bfloat16 / NumPy's float16 cast on fresh random bit patterns plus the
 edge cases of rounding; the loss scaler must back off on inf and NaN, skip, and grow after N clean steps; a skipped
@@ -343,8 +343,8 @@ def test_wrapper_validation(call, exc, match):
 
 def hip_module():
     pytest.importorskip("cupy")
-    from gpullm_lessons.backends import _hip_convert
-    return _hip_convert
+    from gpullm_lessons.backends.hip import convert as hip_convert
+    return hip_convert
 
 
 def backend(name):

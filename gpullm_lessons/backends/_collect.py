@@ -7,14 +7,15 @@ OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attenti
 _VERSION = re.compile(r"^v\d+$")
 
 
-def collect(package: str, prefix: str = "") -> tuple[dict, dict]:
-    """(launchers by name, module by launcher name) from `package.<prefix><op>` for each op module that exists."""
+def collect(package: str) -> tuple[dict, dict]:
+    """(launchers by name, module by launcher name) from `package.<op>` for each op module that exists
+    (gpullm_lessons.kernels.numba.<op>, gpullm_lessons.backends.hip.<op>)."""
     launchers, owners = {}, {}
     for op in OP_MODULES:
         try:
-            mod = importlib.import_module(f"{package}.{prefix}{op}")
+            mod = importlib.import_module(f"{package}.{op}")
         except ModuleNotFoundError as e:
-            if e.name and e.name.endswith(f"{prefix}{op}"):
+            if e.name == f"{package}.{op}":
                 continue  # this op has no kernels on this backend yet
             raise
         for name in dir(mod):

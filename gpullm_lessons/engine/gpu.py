@@ -428,7 +428,7 @@ class GPUEngine(Engine):
     def _hyper(self, lr, weight_decay, grad_clip):
         """The graph step's update policy on the host: the step count advances and AdamW's scalars (lr, lr * wd, bias
         corrections, clip threshold) go to adamw_step_device through GPU memory (StepGraph replays fixed launches)."""
-        from ..kernels.numba.adamw import adamw_hyper
+        from ..contracts.adamw import adamw_hyper
 
         self.t += 1
         return adamw_hyper(lr, weight_decay, self.t, *self.betas, clip=float(grad_clip) if grad_clip > 0 else 0.0)

@@ -22,7 +22,7 @@ class StepGraph:
     def __init__(self, eng, B, T, split=False):
         import cupy as cp
 
-        from ..kernels.numba.adamw import adamw_hyper
+        from ..contracts.adamw import adamw_hyper
 
         self.eng, self.B, self.T, self.split = eng, B, T, bool(split)
         self.x = cp.zeros((B, T), cp.int32)

@@ -6,7 +6,7 @@
 // Every matmul_vX computes out (M, P) = op(A) (M, K) @ op(B) (K, P), op(X) = X^T when its trans flag is 1.
 // (M, P, K are GEMM sizes, not the model's symbols: for dweight the reduction size K is the N rows.)
 // All matrices are row-major and C-contiguous; a transposed operand is read in place, op(A)[i][k] = A[k][i].
-// Same versions as kernels/numba/linear.py (see its docstring). Launches (gpullm_lessons/backends/_hip_linear.py):
+// Same versions as kernels/numba/linear.py (see its docstring). Launches (gpullm_lessons/backends/hip/linear.py):
 //   v1, v2: block (16, 16), grid (ceil(P/16), ceil(M/16));  v3: block (16, 16), grid (ceil(P/64), ceil(M/64));
 //   bias_backward_v1: block 256, grid ceil(OC/256).
 #include "portable.h"

@@ -49,6 +49,10 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons.contracts import check_threads, check_version
+# the contract both backends share; adamw_hyper and the rest stay importable from here (the engine imports them)
+from gpullm_lessons.contracts.adamw import (HALF_BF16, HALF_FP16, HALF_NONE, HYPER_LEN, adamw_hyper,  # noqa: F401
+                                            check_buffers, check_device_args, check_hyper, check_table, half_mode_of,
+                                            host_scalars)
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
 from gpullm_lessons.kernels.numba import launch_stream
@@ -58,7 +62,6 @@ MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride l
 SIM_MAX_BLOCKS = 4  # the cap in the CUDA simulator: each simulated thread is a Python thread, so fewer threads
                     # striding further do the same work without thousands of thread start-ups (the AdamW step of
                     # a 1-layer d16 model: 2.4 s -> 0.4 s)
-HALF_NONE, HALF_FP16, HALF_BF16 = 0, 1, 2   # half_mode: which half-precision copy to write
 
 
 def _max_blocks() -> int:
@@ -265,96 +268,6 @@ def is_numpy(a) -> bool:
     return isinstance(a, np.ndarray)
 
 
-def check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
-    """The scalar arguments, as torch.optim.AdamW checks them; ValueError/TypeError naming the argument."""
-    for name, x in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay),
-                    ("grad_scale", grad_scale)):
-        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{fn}: {name} must be a number, got {type(x).__name__}")
-        if not math.isfinite(float(x)):
-            raise ValueError(f"{fn}: {name} must be finite, got {x}")
-    if lr < 0:
-        raise ValueError(f"{fn}: lr must be >= 0, got {lr}")
-    for name, b in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{fn}: {name} must be in [0, 1), got {b}")
-    if eps < 0:
-        raise ValueError(f"{fn}: eps must be >= 0, got {eps}")
-    if weight_decay < 0:
-        raise ValueError(f"{fn}: weight_decay must be >= 0, got {weight_decay}")
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise TypeError(f"{fn}: step must be an int (the step count t after increment), got {type(step).__name__}")
-    if step < 1:
-        raise ValueError(f"{fn}: step must be >= 1 (the step count t after increment: 1 on the first step), got {step}")
-
-
-def check_buffers(fn, names, arrays, check_array):
-    """params, grads, m, v: 1-D float32 of one length n (check_array: _args.check_array or a CuPy flavour)."""
-    first = arrays[0]
-    if not hasattr(first, "shape") or len(first.shape) != 1:
-        raise ValueError(f"{fn}: {names[0]} must be 1-D (n,), got shape {tuple(getattr(first, 'shape', ()))}; "
-                         f"use the flat buffer (ParamBuffer.flat)")
-    n = int(first.shape[0])
-    for name, a in zip(names, arrays):
-        check_array(fn, name, a, (n,), "float32")
-    return n
-
-
-def half_mode_of(fn, half_out, half_dtype, n):
-    """(half_mode, the dtype half_out must have) from half_out / half_dtype; errors name the argument."""
-    if half_out is None:
-        if half_dtype is not None:
-            raise ValueError(f"{fn}: half_dtype={half_dtype!r} given without half_out")
-        return HALF_NONE
-    dt = str(half_out.dtype)
-    if half_dtype is None:   # infer it from half_out's dtype where that is unambiguous
-        half_dtype = {"float16": "float16", "bfloat16": "bfloat16"}.get(dt)
-        if half_dtype is None:
-            raise ValueError(f"{fn}: half_out has dtype {dt}: pass half_dtype='float16' or 'bfloat16'")
-    if half_dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"{fn}: half_dtype must be 'float16' or 'bfloat16', got {half_dtype!r}")
-    allowed = ("float16", "uint16") if half_dtype == "float16" else ("bfloat16", "uint16")
-    if dt not in allowed:
-        raise TypeError(f"{fn}: half_out has dtype {dt}, expected {' or '.join(allowed)} for half_dtype={half_dtype!r}")
-    if tuple(half_out.shape) != (n,):
-        raise ValueError(f"{fn}: half_out has shape {tuple(half_out.shape)}, expected {(n,)} (the shape of params)")
-    return HALF_FP16 if half_dtype == "float16" else HALF_BF16
-
-
-def check_table(fn, decay_bounds, n, is_host):
-    """decay_bounds = (bounds (k+1,), flags (k,)); values checked where they are NumPy arrays (no device sync)."""
-    if not (isinstance(decay_bounds, (tuple, list)) and len(decay_bounds) == 2):
-        raise TypeError(f"{fn}: decay_bounds must be None or a pair (bounds, flags) as decay_table() returns, "
-                        f"got {type(decay_bounds).__name__}")
-    bounds, flags = decay_bounds
-    for name, a in (("decay_bounds[0] (bounds)", bounds), ("decay_bounds[1] (flags)", flags)):
-        if not hasattr(a, "shape") or len(a.shape) != 1:
-            raise ValueError(f"{fn}: {name} must be a 1-D array, got shape {tuple(getattr(a, 'shape', ()))}")
-    if int(bounds.shape[0]) != int(flags.shape[0]) + 1 or int(flags.shape[0]) < 1:
-        raise ValueError(f"{fn}: decay_bounds: bounds has shape {tuple(bounds.shape)}, expected "
-                         f"({int(flags.shape[0]) + 1},) (one more than flags {tuple(flags.shape)}, at least 1 tensor)")
-    if is_host(bounds):
-        b = np.asarray(bounds)
-        if not np.issubdtype(b.dtype, np.integer):
-            raise TypeError(f"{fn}: decay_bounds: bounds has dtype {b.dtype}, expected an integer dtype")
-        if b[0] != 0 or b[-1] != n or np.any(np.diff(b) < 0):
-            raise ValueError(f"{fn}: decay_bounds: bounds must rise from 0 to n={n} (the length of params), "
-                             f"got {b[0]} .. {b[-1]}")
-    else:
-        if str(bounds.dtype) != "int64":
-            raise TypeError(f"{fn}: decay_bounds: bounds has dtype {bounds.dtype}, expected int64")
-        if str(flags.dtype) != "uint8":
-            raise TypeError(f"{fn}: decay_bounds: flags has dtype {flags.dtype}, expected uint8")
-
-
-def host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale):
-    """The float32 scalars the kernels take; products and bias corrections computed in float64 on the host."""
-    f = np.float32
-    return dict(lr=f(lr), lr_wd=f(lr * weight_decay), beta1=f(beta1), one_minus_beta1=f(1.0 - beta1),
-                beta2=f(beta2), one_minus_beta2=f(1.0 - beta2), bias1=f(1.0 - beta1 ** step),
-                bias2=f(1.0 - beta2 ** step), eps=f(eps), grad_scale=f(grad_scale))
-
-
 _DEFAULT_TABLES = {}   # (array type, n) -> the "decay everything" table on the device ([0, n], [1]); the half stand-in
 
 
@@ -426,31 +339,7 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
         KERNELS["v1_zero"][blocks, threads, launch_stream()](grads)
 
 
-# ---- the graph-friendly step: scalars in GPU memory -------------------------------------------------------------
-HYPER_LEN = 6   # adamw_hyper(): lr, lr * weight_decay, 1 - beta1^t, 1 - beta2^t, 1 / loss_scale, clip
-
-
-def adamw_hyper(lr, weight_decay, step, beta1, beta2, clip=0.0, loss_scale=1.0) -> np.ndarray:
-    """The float32 (6,) array adamw_step_device reads: lr, lr * weight_decay, the bias corrections 1 - beta^t (in
-    float64 on the host), 1 / loss_scale and the clip threshold (0: no clipping). Copy it to the GPU before each step."""
-    fn = "adamw_hyper"
-    check_hyper(fn, lr, beta1, beta2, 1e-8, weight_decay, step, 1.0)
-    for name, x in (("clip", clip), ("loss_scale", loss_scale)):
-        if not isinstance(x, (int, float, np.floating, np.integer)) or isinstance(x, bool) or not math.isfinite(x):
-            raise TypeError(f"{fn}: {name} must be a finite number, got {x!r}")
-    if clip < 0:
-        raise ValueError(f"{fn}: clip must be >= 0 (0: no clipping), got {clip}")
-    if loss_scale <= 0:
-        raise ValueError(f"{fn}: loss_scale must be > 0, got {loss_scale}")
-    return np.array([lr, lr * weight_decay, 1.0 - beta1 ** step, 1.0 - beta2 ** step, 1.0 / loss_scale, clip],
-                    np.float32)
-
-
-def check_device_args(fn, n, hyper, sumsq, check_array):
-    """hyper float32 (HYPER_LEN,) and sumsq float32 (1,) on the device of the buffers."""
-    check_array(fn, "hyper", hyper, (HYPER_LEN,), "float32")
-    check_array(fn, "sumsq", sumsq, (1,), "float32")
-
+# ---- the graph-friendly step: scalars in GPU memory (adamw_hyper(), from contracts.adamw) ----------------------
 
 def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None,
                       half_dtype=None, threads=256):

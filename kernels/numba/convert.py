@@ -31,7 +31,8 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons.contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts import check_threads, check_version
+from gpullm_lessons.contracts.convert import check_count_args, check_pair   # shared with the HIP launchers
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
 from gpullm_lessons.kernels.numba import launch_stream
@@ -137,25 +138,6 @@ VERSIONS = ("v1",)
 
 # ---- the launch wrappers ----------------------------------------------------------------------------------------
 
-def check_pair(fn, src, dst, src_dtypes, dst_dtypes, check=check_array):
-    """src 1-D of one of src_dtypes, dst of src's shape and one of dst_dtypes, both C-contiguous; returns n.
-
-    The first dtype of each tuple is the one the kernel takes; the others (float16, ml_dtypes' bfloat16) have the
-    same 16 bits and are viewed as uint16. `check` is _args.check_array (cupy=True for the HIP wrappers)."""
-    for name, a, dtypes in (("src", src, src_dtypes), ("dst", dst, dst_dtypes)):
-        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), "
-                            f"got {type(a).__name__}")
-        if str(a.dtype) not in dtypes:
-            raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {' or '.join(dtypes)}")
-    if len(src.shape) != 1:
-        raise ValueError(f"{fn}: src must be 1-D (n,), got shape {tuple(src.shape)}; flatten it first")
-    n = int(src.shape[0])
-    check(fn, "src", src, (n,), str(src.dtype))
-    check(fn, "dst", dst, (n,), str(dst.dtype))
-    return n
-
-
 def as_uint16(a):
     """The same memory as uint16 (float16 / bfloat16 arrays are viewed; uint16 is returned as is)."""
     return a if str(a.dtype) == "uint16" else a.view(np.uint16)
@@ -189,17 +171,6 @@ def f32_to_f16(src, dst, version="v1", threads=256):
     """dst[:] = src rounded to float16 (nearest even, as NumPy's cast); src float32 (n,), dst float16 or uint16."""
     n = check_pair("f32_to_f16", src, dst, ("float32",), ("float16", "uint16"))
     _launch("f32_to_f16", "f32_to_f16", version, threads, n, (src, as_uint16(dst)))
-
-
-def check_count_args(fn, flat, out, check=check_array):
-    """flat float32 1-D, out int32 (1,); errors name the argument."""
-    if not (hasattr(flat, "shape") and hasattr(flat, "dtype")):
-        raise TypeError(f"{fn}: flat must be an array (NumPy, CuPy or Numba device array), got {type(flat).__name__}")
-    if len(flat.shape) != 1:
-        raise ValueError(f"{fn}: flat must be 1-D (n,), got shape {tuple(flat.shape)}; use the flat gradient buffer")
-    check(fn, "flat", flat, (int(flat.shape[0]),), "float32")
-    check(fn, "out", out, (1,), "int32")
-    return int(flat.shape[0])
 
 
 def nonfinite_count(flat, out, version="v1", threads=256):

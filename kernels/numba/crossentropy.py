@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda
 
 from gpullm_lessons import device
-from gpullm_lessons.contracts import check_array
+from gpullm_lessons.contracts.crossentropy import HALF_FORMATS, check_half_inputs, check_inputs  # noqa: F401
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024               # the largest block: size of the shared arrays of v2
@@ -356,17 +356,6 @@ VERSIONS = ("v1", "v2", "v3")     # what `version=` accepts (v2_fused is crossen
 
 
 # ---- launch wrappers ------------------------------------------------------------------------------------------------
-def check_inputs(fn, logits, targets, *, cupy=False, **outputs):
-    """logits (N, V) float32, targets (N,) int32, outputs losses (N,) / dlogits (N, V) float32, all C-contiguous;
-    returns (N, V). cupy=True: CuPy arrays only (the HIP wrappers)."""
-    if not hasattr(logits, "shape") or len(logits.shape) != 2:
-        raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {getattr(logits, 'shape', None)}")
-    N, V = logits.shape
-    check_array(fn, "logits", logits, (N, V), "float32", cupy=cupy)
-    check_array(fn, "targets", targets, (N,), "int32", cupy=cupy)
-    for name, a in outputs.items():
-        check_array(fn, name, a, (N,) if name == "losses" else (N, V), "float32", cupy=cupy)
-    return N, V
 
 
 def _pick(fn, version, threads, allowed=VERSIONS):
@@ -416,23 +405,7 @@ def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2"
     return losses, dlogits
 
 
-HALF_FORMATS = ("bf16", "fp16")
 LAUNCHERS = ("crossentropy_forward_backward_half",)   # gathered by backends/_collect.py
-
-
-def check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=False):
-    """crossentropy_forward_backward_half's arguments: dlogits uint16 (N, V), half "bf16" | "fp16". Returns (N, V)."""
-    if half not in HALF_FORMATS:
-        raise ValueError(f"{fn}: half must be one of {', '.join(HALF_FORMATS)}, got {half!r}")
-    if not hasattr(dlogits, "dtype") or str(dlogits.dtype) != "uint16":
-        raise TypeError(f"{fn}: dlogits must be a uint16 array (the half bits), got "
-                        f"{getattr(dlogits, 'dtype', type(dlogits).__name__)}")
-    N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy)
-    if tuple(dlogits.shape) != (N, V):
-        raise ValueError(f"{fn}: dlogits has shape {tuple(dlogits.shape)}, expected {(N, V)}")
-    if not (dlogits.flags.c_contiguous if cupy else dlogits.flags["C_CONTIGUOUS"]):
-        raise ValueError(f"{fn}: dlogits must be C-contiguous")
-    return N, V
 
 
 def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, threads=None):

@@ -11,7 +11,7 @@
 
 `half` is None (the output is float32) or "bf16" / "fp16": the output is then a uint16 array of the 16-bit bits,
 rounded to nearest even by the device functions of kernels/numba/convert.py (bit-exact with gpullm_lessons.precision
-and NumPy). The HIP twins (kernels/hip/fused.cu, backends/_hip_fused.py) have the same names and signatures and
+and NumPy). The HIP twins (kernels/hip/fused.cu, backends/hip/fused.py) have the same names and signatures and
 share the argument checks below; they are the fast path (coalesced 2-D layouts, warp-per-row LayerNorm). These
 Numba versions are the plain ones, written to be read and to run in the simulator.
 
@@ -35,13 +35,14 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons.contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts import check_threads, check_version
+from gpullm_lessons.contracts.fused import (HALF_MODES, check_bias_add, check_bias_gelu,  # noqa: F401 - re-exported
+                                            check_colsum, check_layernorm_half, check_merge, check_split, half_mode)
 from gpullm_lessons.kernels.numba.convert import f32_to_half_bits
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_BLOCKS = 4096        # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 ROWS_PER_CHUNK = 32      # colsum stage 1: rows summed by one thread
-HALF_MODES = {None: 0, "bf16": 1, "fp16": 2}   # the kernels' `mode` argument
 GELU_SCALE = numba.float32(math.sqrt(2.0 / math.pi))
 GELU_CUBE = numba.float32(0.044715)
 F_HALF = numba.float32(0.5)
@@ -198,126 +199,7 @@ GPU_ONLY = set()
 VERSIONS = ("v1",)
 
 
-# ---- argument checks (shared with backends/_hip_fused.py: check=check_array there takes cupy=True) --------------
-
-def _array(fn, name, a, ndim, what):
-    """An array object with `ndim` dimensions (what: its shape in words, for the message)."""
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-        raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(a).__name__}")
-    if len(a.shape) != ndim:
-        raise ValueError(f"{fn}: {name} must be {ndim}-D {what}, got shape {tuple(a.shape)}")
-    return tuple(int(s) for s in a.shape)
-
-
-def half_mode(fn, half, out, name="out"):
-    """(mode, dtype out must have) for half in None / 'bf16' / 'fp16'; clear errors for a mismatch with out."""
-    if not (isinstance(half, str) or half is None) or half not in HALF_MODES:
-        raise ValueError(f"{fn}: half={half!r} is not one of None (float32 output), 'bf16', 'fp16'")
-    dtype = str(getattr(out, "dtype", ""))
-    if half is None and dtype == "uint16":
-        raise ValueError(f"{fn}: {name} is uint16 (16-bit bits) but half=None: pass half='bf16' or half='fp16'")
-    if half is not None and dtype == "float32":
-        raise ValueError(f"{fn}: half={half!r} writes 16-bit bits: {name} must be uint16, got float32 "
-                         f"(or pass half=None)")
-    return HALF_MODES[half], ("float32" if half is None else "uint16")
-
-
-def _int(fn, name, v, low):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__}")
-    if int(v) < low:
-        raise ValueError(f"{fn}: {name}={int(v)} must be >= {low}")
-    return int(v)
-
-
-def check_bias_add(fn, inp, bias, out, res, check=check_array):
-    N, C = _array(fn, "inp", inp, 2, "(N, C)")
-    check(fn, "inp", inp, (N, C), "float32")
-    check(fn, "bias", bias, (C,), "float32")
-    if res is not None:
-        check(fn, "res", res, (N, C), "float32")
-    check(fn, "out", out, (N, C), "float32")
-    return N, C
-
-
-def check_bias_gelu(fn, inp, bias, pre, out, half, check=check_array):
-    mode, odt = half_mode(fn, half, out)
-    N, C = _array(fn, "inp", inp, 2, "(N, C)")
-    check(fn, "inp", inp, (N, C), "float32")
-    check(fn, "bias", bias, (C,), "float32")
-    check(fn, "pre", pre, (N, C), "float32")
-    check(fn, "out", out, (N, C), odt)
-    return N, C, mode
-
-
-def _check_heads(fn, col0, B, T, nh, hs, ld):
-    C = nh * hs
-    if col0 + C > ld:
-        raise ValueError(f"{fn}: col0 + C = {col0} + {C} = {col0 + C} is past the row width ld = {ld} "
-                         f"(C = nh*hs = {nh}*{hs})")
-
-
-def check_split(fn, inp, col0, out, B, T, nh, bias, half, check=check_array):
-    """Returns (N, ld, hs, mode)."""
-    B, T, nh, col0 = _int(fn, "B", B, 0), _int(fn, "T", T, 1), _int(fn, "nh", nh, 1), _int(fn, "col0", col0, 0)
-    mode, odt = half_mode(fn, half, out)
-    _, ld = _array(fn, "inp", inp, 2, "(B*T, ld)")
-    hs = _array(fn, "out", out, 3, "(B*nh, T, hs)")[2]
-    check(fn, "inp", inp, (B * T, ld), "float32")
-    check(fn, "out", out, (B * nh, T, hs), odt)
-    if bias is not None:
-        check(fn, "bias", bias, (nh * hs,), "float32")
-    _check_heads(fn, col0, B, T, nh, hs, ld)
-    return B * T, ld, hs, mode
-
-
-def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
-    """Returns (N, ld, hs, mode)."""
-    B, T, nh, col0 = _int(fn, "B", B, 0), _int(fn, "T", T, 1), _int(fn, "nh", nh, 1), _int(fn, "col0", col0, 0)
-    mode, odt = half_mode(fn, half, out)
-    hs = _array(fn, "inp", inp, 3, "(B*nh, T, hs)")[2]
-    _, ld = _array(fn, "out", out, 2, "(B*T, ld)")
-    check(fn, "inp", inp, (B * nh, T, hs), "float32")
-    check(fn, "out", out, (B * T, ld), odt)
-    _check_heads(fn, col0, B, T, nh, hs, ld)
-    return B * T, ld, hs, mode
-
-
-def check_colsum(fn, inp, colsum, out, half, check=check_array):
-    """Returns (N, C, mode); mode 0 when out is None."""
-    if out is None:
-        if half is not None:
-            raise ValueError(f"{fn}: half={half!r} but out is None: give out (N, C) uint16 for the converted copy, "
-                             f"or leave half=None")
-        mode = 0
-    else:
-        if half is None:
-            raise ValueError(f"{fn}: out is given: pass half='bf16' or half='fp16' (the format of its bits)")
-        mode, _ = half_mode(fn, half, out)
-    N, C = _array(fn, "inp", inp, 2, "(N, C)")
-    check(fn, "inp", inp, (N, C), "float32")
-    check(fn, "colsum", colsum, (C,), "float32")
-    if out is not None:
-        check(fn, "out", out, (N, C), "uint16")
-    return N, C, mode
-
-
-def check_layernorm_half(fn, inp, weight, bias, out, mean, rstd, half, check=check_array):
-    """Returns (N, C, mode)."""
-    if half is None or half not in ("bf16", "fp16"):
-        raise ValueError(f"{fn}: half={half!r} must be 'bf16' or 'fp16' (float32 output: layernorm_forward)")
-    mode, _ = half_mode(fn, half, out)
-    N, C = _array(fn, "inp", inp, 2, "(N, C)")
-    check(fn, "inp", inp, (N, C), "float32")
-    check(fn, "weight", weight, (C,), "float32")
-    check(fn, "bias", bias, (C,), "float32")
-    check(fn, "out", out, (N, C), "uint16")
-    check(fn, "mean", mean, (N,), "float32")
-    check(fn, "rstd", rstd, (N,), "float32")
-    return N, C, mode
-
-
-# ---- the launch wrappers ----------------------------------------------------------------------------------------
+# ---- the launch wrappers (their argument checks: contracts/fused.py, shared with backends/hip/fused.py) ----------
 
 def _launch(fn, key, version, threads, n, args):
     """KERNELS[key] over n work items with a capped grid (every kernel here grid-strides)."""

@@ -29,7 +29,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from gpullm_lessons.contracts import check_shape, check_version
+from gpullm_lessons.contracts import check_version
+from gpullm_lessons.contracts.layernorm import check_array, check_block, check_rows   # shared with the HIP launchers
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024              # largest block: the shared-memory tree buffer has one slot per thread
@@ -330,51 +331,6 @@ GPU_ONLY = {"v3"}             # warp shuffles: the wrappers run every "v3*" kern
 def _simulating() -> bool:
     from numba import config
     return bool(config.ENABLE_CUDASIM)
-
-
-def _c_contiguous(x) -> bool:
-    expected = x.dtype.itemsize
-    for dim, stride in zip(reversed(x.shape), reversed(x.strides)):
-        if dim > 1 and stride != expected:
-            return False
-        expected *= dim
-    return True
-
-
-def _what(cupy):
-    return "a CuPy array" if cupy else "an array (NumPy, CuPy or Numba device array)"
-
-
-def check_array(fn, name, x, shape, cupy=False):
-    """ValueError/TypeError naming the argument, the shape/dtype got and the one expected.
-    cupy=True: the HIP wrappers' flavour (CuPy arrays: .flags, cupy in the hints)."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "flags" if cupy else "strides")):
-        raise TypeError(f"{fn}: {name} must be {_what(cupy)}, got {type(x).__name__}")
-    check_shape(fn, name, x, shape)
-    if np.dtype(x.dtype) != np.float32:
-        raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected float32 (these kernels compute in float32)")
-    if not (x.flags.c_contiguous if cupy else _c_contiguous(x)):
-        raise ValueError(f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous "
-                         f"({'cupy' if cupy else 'np'}.ascontiguousarray)")
-
-
-def check_rows(fn, inp, cupy=False):
-    """(N, C) from inp, which must be a non-empty 2-D array."""
-    if not hasattr(inp, "shape"):
-        raise TypeError(f"{fn}: inp must be {_what(cupy)}, got {type(inp).__name__}")
-    if len(inp.shape) != 2 or inp.shape[0] < 1 or inp.shape[1] < 1:
-        raise ValueError(f"{fn}: inp has shape {tuple(inp.shape)}, expected (N, C) with N, C >= 1 "
-                         f"(flatten (B, T, C) to (B*T, C))")
-    return int(inp.shape[0]), int(inp.shape[1])
-
-
-def check_block(fn, version, threads):
-    """threads per block: an int in 1..MAX_THREADS, a power of two for v2 (tree reduction). Returns it as an int."""
-    if not isinstance(threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"{fn}: threads={threads!r}, expected an int in 1..{MAX_THREADS}")
-    if version == "v2" and threads & (threads - 1):
-        raise ValueError(f"{fn}: threads={threads} must be a power of two for v2 (tree reduction)")
-    return int(threads)
 
 
 def _check_launch(fn, version, threads):

@@ -28,13 +28,13 @@ v1_dbias: dbias[o] = sum_n dout[n, o], one thread per output column looping over
 No version uses warp intrinsics, so all of them run in the CUDA simulator (GPU_ONLY is empty); the wrapper still
 refuses a GPU-only version under the simulator if one is added.
 HIP: kernels/hip/linear.cu has the same kernels (matmul_v1..v3, bias_backward_v1), launched by
-gpullm_lessons/backends/_hip_linear.py, which adds version="cublas" (CuPy's matmul: cuBLAS / hipBLAS).
+gpullm_lessons/backends/hip/linear.py, which adds version="cublas" (CuPy's matmul: cuBLAS / hipBLAS).
 """
 import numpy as np
 from numba import cuda, float32
 
 from gpullm_lessons import device
-from gpullm_lessons.contracts import shape_of as _shape_of
+from gpullm_lessons.contracts.linear import validate   # shared with the HIP launcher
 from gpullm_lessons.kernels.numba import launch_stream
 
 TILE = 16          # v2: block = TILE x TILE threads = one TILE x TILE tile of out
@@ -191,33 +191,6 @@ def matmul(a, b, out, trans_a=False, trans_b=False, version="v2"):
                          f"({MAX_GRID_Y})")
     KERNELS[version][blocks, threads, launch_stream()](a, b, out, np.int32(bool(trans_a)), np.int32(bool(trans_b)))
     return out
-
-
-def validate(dout, inp, weight, dinp, dweight, dbias, version, fn="linear_backward", versions=VERSIONS, xp="np"):
-    """Shapes, dtypes and version; raises ValueError / TypeError naming the argument. Returns (N, C, OC).
-
-    versions: what version= accepts; xp: the array module named in hints ("cupy" from the HIP wrapper)."""
-    if version not in versions:
-        raise ValueError(f"{fn}: unknown version={version!r}; use one of {', '.join(repr(v) for v in versions)}")
-    args = {"dout": dout, "inp": inp, "weight": weight, "dinp": dinp, "dweight": dweight, "dbias": dbias}
-    for name, x in args.items():
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}")
-        if np.dtype(x.dtype) != np.float32:
-            raise TypeError(f"{fn}: {name} must be float32, got dtype {np.dtype(x.dtype)} (these kernels compute in "
-                            f"float32; convert with .astype({xp}.float32))")
-    for name in ("dout", "inp", "weight"):
-        if len(args[name].shape) != 2:
-            raise ValueError(f"{fn}: {name} must be 2-D, got shape {_shape_of(args[name])} (flatten the rows: "
-                             f"N = B*T)")
-    N, OC = _shape_of(dout)
-    C = _shape_of(inp)[1]
-    expected = {"inp": (N, C), "weight": (C, OC), "dinp": (N, C), "dweight": (C, OC), "dbias": (OC,)}
-    for name, shape in expected.items():
-        if _shape_of(args[name]) != shape:
-            raise ValueError(f"{fn}: {name} has shape {_shape_of(args[name])}, expected {shape} "
-                             f"(from dout (N, OC) = {(N, OC)} and inp (N, C) = {(N, C)}; weight is stored (C, OC))")
-    return N, C, OC
 
 
 def linear_backward(dout, inp, weight, dinp, dweight, dbias, version="v2"):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpullm_lessons.kernels.numba.convert import check_count_args, check_pair
-
-from ..contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts.convert import check_count_args, check_pair
 
 __all__ = ["f32_to_bf16", "bf16_to_f32", "f32_to_f16", "nonfinite_count", "VERSIONS"]
 VERSIONS = ("v1",)

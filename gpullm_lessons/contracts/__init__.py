@@ -1,6 +1,10 @@
 """The launchers' contracts: argument checks shared by the launch wrappers of both backends, the Numba ones
-(kernels/numba/<op>.py) and the HIP ones (gpullm_lessons/backends/_hip_<op>.py, which take CuPy arrays only). It sits
-below both: kernels and backends import it, it imports neither.
+(kernels/numba/<op>.py) and the HIP ones (gpullm_lessons/backends/hip/<op>.py, which take CuPy arrays only). It sits
+below both: kernels and backends import it, it imports neither (nothing of the course but itself; NumPy at most).
+
+This module holds the checks every op uses; `contracts/<op>.py` holds one op's contract (its argument checks, the
+constants and host-side helpers both launchers share, none of them a kernel): adamw, attention, convert, crossentropy,
+encoder, fused, layernorm, linear.
 
 Each check raises TypeError (not an array, wrong dtype) or ValueError (wrong shape, not C-contiguous, bad launch
 setting) with a message that starts with the wrapper's name and names the argument. `cupy=True` is the HIP flavour:
@@ -8,6 +12,8 @@ the array must be a CuPy array (checked first) and the hints name cupy instead o
 neither cupy nor a GPU (CuPy arrays are recognised by their type's module).
 """
 from __future__ import annotations
+
+import numpy as np
 
 MAX_THREADS = 1024   # threads per block, on every GPU these lessons target
 
@@ -56,3 +62,22 @@ def check_threads(fn, threads, max_threads=MAX_THREADS) -> int:
     if not 1 <= threads <= max_threads:
         raise ValueError(f"{fn}: threads={threads} must be in [1, {max_threads}]")
     return threads
+
+
+def check_cupy_args(fn, names, arrays, ndim):
+    """CuPy, float32, C-contiguous, `ndim` dims, all of one shape (the HIP softmax / gelu launchers' arguments);
+    TypeError/ValueError naming the argument."""
+    for name, a in zip(names, arrays):
+        if not is_cupy(a):
+            raise TypeError(f"{fn}: {name} must be a CuPy array (HIP kernels read GPU memory), "
+                            f"got {type(a).__module__}.{type(a).__name__}")
+        if a.dtype != np.float32:
+            raise TypeError(f"{fn}: {name} must be float32, got dtype {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{fn}: {name} must be C-contiguous (use cupy.ascontiguousarray)")
+    first = arrays[0]
+    if first.ndim != ndim:
+        raise ValueError(f"{fn}: {names[0]} must be {ndim}-D, got shape {first.shape}")
+    for name, a in zip(names[1:], arrays[1:]):
+        if a.shape != first.shape:
+            raise ValueError(f"{fn}: {name} has shape {a.shape}, expected {first.shape} (the shape of {names[0]})")

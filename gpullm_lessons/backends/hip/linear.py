@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import hip
-from ..kernels.numba.linear import validate
-from ..contracts import is_cupy
-from ..contracts import shape_of as _shape_of
+from gpullm_lessons import hip
+from gpullm_lessons.contracts import is_cupy
+from gpullm_lessons.contracts import shape_of as _shape_of
+from gpullm_lessons.contracts.linear import validate
 
 VERSIONS = ("v1", "v2", "v3", "cublas")
 TILE = 16           # v1, v2: one 16x16 block per 16x16 tile of out

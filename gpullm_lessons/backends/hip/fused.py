@@ -22,9 +22,9 @@ import math
 
 import numpy as np
 
-from ..kernels.numba.fused import (check_bias_add, check_bias_gelu, check_colsum, check_layernorm_half,
-                                   check_merge, check_split)
-from ..contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts.fused import (check_bias_add, check_bias_gelu, check_colsum, check_layernorm_half,
+                                            check_merge, check_split)
 
 __all__ = ["bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
            "layernorm_forward_half", "VERSIONS"]

@@ -23,20 +23,19 @@ bits every run on a given GPU and launch configuration). The grid is about as ma
 (the CUDA/HIP occupancy API, or the register heuristic), tunable with blocks_per_sm= or grid=. Rows wider than
 32 * warpSize columns (1024 on NVIDIA, 2048 on AMD CDNA) go through v3.
 dweight and dbias are overwritten (not accumulated into) by every version.
-Device properties are read once per device and cached: cudaGetDeviceProperties can cost far more than the kernel
-(v4 measured 1.47 ms on the H200 before this cache existed, 0.153 ms after it).
+Device properties are read once per device and cached (gpullm_lessons.hip.device_properties):
+cudaGetDeviceProperties can cost far more than the kernel (v4 measured 1.47 ms on the H200 before this cache existed,
+0.153 ms after it).
 All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from .. import hip
-# the shape/dtype/threads checks are the Numba wrappers' (cupy=True: CuPy arrays, cupy in the hints)
-from ..kernels.numba.layernorm import check_array, check_block, check_rows
-from ..contracts import check_version, is_cupy
+from gpullm_lessons import hip
+from gpullm_lessons.contracts import check_version, is_cupy
+# the shape/dtype/threads checks are the Numba wrappers' too (cupy=True: CuPy arrays, cupy in the hints)
+from gpullm_lessons.contracts.layernorm import check_array, check_block, check_rows
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4, v5 are backward kernels only
@@ -66,56 +65,6 @@ def _check_launch(fn, version, threads):
         raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP_MAX} for {version} (whole warps on "
                          f"NVIDIA and AMD)")
     return threads
-
-
-@functools.lru_cache(maxsize=None)
-def _props_of(device_id: int) -> dict:
-    """cudaGetDeviceProperties / hipGetDeviceProperties, once per device: the call reads every property (some
-    through the driver) and can take longer than the kernels launched after it."""
-    import cupy
-    return dict(cupy.cuda.runtime.getDeviceProperties(device_id))
-
-
-def _device_props(x):
-    return _props_of(int(x.device.id))
-
-
-def _resident_blocks(kernel, threads, props):
-    """About how many blocks of `threads` fit on the GPU at once (v4's grid), from the kernel's register count.
-    A heuristic: too many blocks only adds partial rows to reduce, too few leaves SMs idle."""
-    sms = int(props.get("multiProcessorCount", 0)) or 108
-    per_sm = 2
-    try:
-        regs = int(kernel.num_regs)
-        ws = int(props["warpSize"])
-        warp_regs = -(-regs * ws // 256) * 256                      # registers are given out per warp, in 256s
-        per_sm = min(int(props["regsPerMultiprocessor"]) // (warp_regs * (threads // ws)),
-                     int(props["maxThreadsPerMultiProcessor"]) // threads)
-    except Exception:  # noqa: BLE001 - an attribute this CuPy/driver does not report: keep the guess
-        pass
-    return sms * max(1, per_sm)
-
-
-_OCCUPANCY: dict = {}
-
-
-def _blocks_per_sm(kernel, threads, props):
-    """Blocks of `threads` threads of `kernel` that fit on one SM (CU) at once: the driver's occupancy calculator
-    (cuOccupancyMaxActiveBlocksPerMultiprocessor / its HIP twin, through CuPy), else _resident_blocks' register
-    estimate. Cached per kernel and block size."""
-    function = getattr(kernel, "kernel", kernel)           # a CuPy RawKernel holds its driver Function in .kernel
-    key = (int(getattr(function, "ptr", id(kernel))), int(threads))
-    hit = _OCCUPANCY.get(key)
-    if hit is not None:
-        return hit
-    sms = int(props.get("multiProcessorCount", 0)) or 108
-    try:
-        import cupy
-        per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, int(threads), 0))
-    except Exception:  # noqa: BLE001 - no occupancy API in this CuPy/ROCm build: the register estimate
-        per_sm = _resident_blocks(kernel, threads, props) // sms
-    _OCCUPANCY[key] = max(1, per_sm)
-    return _OCCUPANCY[key]
 
 
 def _check_v5_tunables(fn, version, blocks_per_sm, grid):
@@ -153,7 +102,7 @@ def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, 
     """v5's two launches; returns False (nothing launched) when C is too wide for it."""
     import cupy
     N, C = inp.shape
-    props = _device_props(dout)
+    props = hip.device_properties(int(dout.device.id))
     ws = int(props["warpSize"])
     name = v5_entry_point(C, ws, _aligned16(dout, inp, weight, dinp))
     if name is None:
@@ -167,8 +116,8 @@ def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, 
         blocks = min(blocks, int(grid))
     else:
         blocks_per_sm = V5_BLOCKS_PER_SM if blocks_per_sm is None else blocks_per_sm
-        per_sm = int(blocks_per_sm) if blocks_per_sm is not None else _blocks_per_sm(k, threads, props)
-        blocks = min(blocks, per_sm * (int(props.get("multiProcessorCount", 0)) or 108))
+        per_sm = int(blocks_per_sm) if blocks_per_sm is not None else hip.blocks_per_sm(k, threads, props)
+        blocks = min(blocks, per_sm * hip.sm_count(int(dout.device.id)))
     part = cupy.empty((blocks, 2 * C), dtype=cupy.float32)   # one (dweight | dbias) row per block, all written
     n, c = np.int32(N), np.int32(C)
     k((blocks,), (threads,), (dout, inp, weight, mean, rstd, dinp, part, n, c))
@@ -230,13 +179,13 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
             return dinp, dweight, dbias
         version = "v3"   # rows too wide for v5's per-lane registers (C > 32 * warp size): the two-pass v3
     if version == "v4":
-        props = _device_props(dout)
+        props = hip.device_properties(int(dout.device.id))
         ws = int(props["warpSize"])
         if C <= LN_V4_COLS * ws:
             k = hip.kernel("layernorm", "layernorm_backward_v4")
             # ~170 registers per thread on sm_90: at most max_threads_per_block (about 384) threads per block
             threads = min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws)
-            blocks = min((N + threads // ws - 1) // (threads // ws), _resident_blocks(k, threads, props))
+            blocks = min((N + threads // ws - 1) // (threads // ws), hip.resident_blocks(k, threads, props))
             dweight_part = cupy.empty((blocks, C), dtype=cupy.float32)   # one row per block, every element written
             dbias_part = cupy.empty((blocks, C), dtype=cupy.float32)
             k((blocks,), (threads,), (dout, inp, weight, mean, rstd, dinp, dweight_part, dbias_part, n, c))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# the shape/dtype checks and v2's host-side bucketing are the Numba wrapper's (cupy=True: CuPy arrays only)
-from ..kernels.numba.encoder import check_inputs
-from ..kernels.numba.encoder import token_buckets as _token_buckets
+# the shape/dtype checks and v2's host-side bucketing are the Numba wrapper's too (cupy=True: CuPy arrays only)
+from gpullm_lessons.contracts.encoder import check_inputs
+from gpullm_lessons.contracts.encoder import token_buckets as _token_buckets
 
 VERSIONS = ("v1", "v2", "v3")
 MAX_THREADS = 1024

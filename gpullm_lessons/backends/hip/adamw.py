@@ -1,6 +1,7 @@
 """adamw_step through kernels/hip/adamw.cu, launched with CuPy (NVIDIA or AMD).
 
-Same name, signature, versions and decay table as kernels/numba/adamw.py (read its docstring):
+Same name, signature, versions and decay table as kernels/numba/adamw.py (read its docstring; its decay_table builds
+the table), and the same argument checks (gpullm_lessons/contracts/adamw.py):
 v1 unfused (five elementwise kernels, ~60 bytes per parameter), v2 fused (one pass, 32 bytes per parameter).
 HIP only: v3, v2 with float4 loads and stores (4 elements per thread per step); it needs n % 4 == 0 and 16-byte
 aligned buffers and runs v2 otherwise.
@@ -10,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpullm_lessons.kernels.numba.adamw import (HALF_NONE, check_buffers, check_device_args, check_hyper, check_table,
-                                                decay_table, half_mode_of, host_scalars)
+from gpullm_lessons.contracts import check_array, check_threads, check_version
+from gpullm_lessons.contracts.adamw import (HALF_NONE, check_buffers, check_device_args, check_hyper, check_table,
+                                            half_mode_of, host_scalars)
 
-from ..contracts import check_array, check_threads, check_version
-
-__all__ = ["adamw_step", "adamw_step_device", "grad_sumsq", "decay_table", "VERSIONS"]
+__all__ = ["adamw_step", "adamw_step_device", "grad_sumsq", "VERSIONS"]
 VERSIONS = ("v1", "v2", "v3")
 LAUNCHERS = ("adamw_step_device", "grad_sumsq")   # besides adamw_step; gathered by backends/_collect.py
 SUMSQ_THREADS = 512
@@ -108,7 +108,7 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
 def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None,
                       half_dtype=None, threads=256):
     """adamw_step (v3's float4 pass; v2's scalar pass is not offered) with lr, weight decay, the step count, the loss
-    scale and the clip threshold read from `hyper` (kernels.numba.adamw.adamw_hyper(), copied to the GPU) and the
+    scale and the clip threshold read from `hyper` (contracts.adamw.adamw_hyper(), copied to the GPU) and the
     squared gradient norm from `sumsq` (grad_sumsq): nothing in the launch changes from step to step, so a CUDA graph
     can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise)."""
     from gpullm_lessons import hip

@@ -1,12 +1,16 @@
 """The HIP backend: launchers for kernels/hip/<op>.cu through CuPy (NVIDIA through NVRTC, AMD through hiprtc).
 
+Each op's launchers live in gpullm_lessons/backends/hip/<op>.py (softmax.py, layernorm.py, ...); they share code only
+through the loader (gpullm_lessons.hip: kernels, device properties, occupancy) and the contracts
+(gpullm_lessons.contracts: argument checks), never with each other or with the Numba modules.
+
 Same names and signatures as the Numba backend, on CuPy arrays. ``versions(op)`` lists each op's versions,
 including the library fast paths ("cublas": CuPy matmul, i.e. cuBLAS or hipBLAS) where an op has one.
 Importing this module needs no GPU; calling a launcher does.
 """
-from ._collect import collect
+from .._collect import collect
 
-_LAUNCHERS, _OWNERS = collect("gpullm_lessons.backends", prefix="_hip_")
+_LAUNCHERS, _OWNERS = collect("gpullm_lessons.backends.hip")
 globals().update(_LAUNCHERS)
 __all__ = sorted(_LAUNCHERS) + ["versions"]
 

@@ -23,9 +23,9 @@ import math
 
 import numpy as np
 
-from .. import hip
-from ..kernels.numba.attention import (FMT_BF16, FMT_F32, check_attention_args, check_softmax_backward_args,
-                                       check_softmax_forward_args)
+from gpullm_lessons import hip
+from gpullm_lessons.contracts.attention import (FMT_BF16, FMT_F32, check_attention_args, check_softmax_backward_args,
+                                                check_softmax_forward_args)
 
 VERSIONS = ("v1", "cublas")
 
@@ -84,8 +84,7 @@ WARP_BLOCK = 256                # threads per block of the warp-per-row kernels 
 
 
 def _warp_size(x) -> int:
-    from ._hip_softmax import warp_size       # read from the device once, cached
-    return warp_size(int(x.device.id))
+    return hip.warp_size(int(x.device.id))     # read from the device once, cached
 
 
 def _warp_k(x, T):

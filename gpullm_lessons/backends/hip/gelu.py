@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..contracts import check_threads, check_version
-from ._hip_softmax import check_cupy_args
+from gpullm_lessons.contracts import check_cupy_args, check_threads, check_version
 
 VERSIONS = ("v1",)
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest

@@ -20,9 +20,10 @@ default settings, see softmax_backward) they run v5, which handles any shape. Ar
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+
+from gpullm_lessons import hip
+from gpullm_lessons.contracts import check_cupy_args
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
 DEFAULT_THREADS = {"v1": 128, "v2": 256, "v3": 256, "v4": 256, "v5": 256, "v6": 256, "v7": 128}
@@ -32,32 +33,6 @@ V6_MAX_THREADS = {1: 1024, 2: 1024, 4: 1024, 8: 512}
 V7_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 256}
 V6_FLOATS_PER_THREAD = 16   # the default v6 plan: threads per row so that each holds <= 16 floats (K <= 4)
 DEFAULT_BLOCKS_PER_SM = {"v6": None, "v7": None}   # None: as many blocks as fit at once; 0: a block per row tile
-
-
-@functools.lru_cache(maxsize=None)
-def warp_size(device_id: int = 0) -> int:
-    """Lanes per warp of the GPU: 32 on NVIDIA, 64 on AMD CDNA (read from the device, never assumed)."""
-    import cupy
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["warpSize"])
-
-
-def check_cupy_args(fn, names, arrays, ndim):
-    """CuPy, float32, C-contiguous, `ndim` dims, all of one shape; TypeError/ValueError naming the argument."""
-    import cupy
-    for name, a in zip(names, arrays):
-        if not isinstance(a, cupy.ndarray):
-            raise TypeError(f"{fn}: {name} must be a CuPy array (HIP kernels read GPU memory), "
-                            f"got {type(a).__module__}.{type(a).__name__}")
-        if a.dtype != np.float32:
-            raise TypeError(f"{fn}: {name} must be float32, got dtype {a.dtype}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{fn}: {name} must be C-contiguous (use cupy.ascontiguousarray)")
-    first = arrays[0]
-    if first.ndim != ndim:
-        raise ValueError(f"{fn}: {names[0]} must be {ndim}-D, got shape {first.shape}")
-    for name, a in zip(names[1:], arrays[1:]):
-        if a.shape != first.shape:
-            raise ValueError(f"{fn}: {name} has shape {a.shape}, expected {first.shape} (the shape of {names[0]})")
 
 
 def _k_for(n: int, group: int, ks=(1, 2, 4, 8)):
@@ -118,20 +93,14 @@ def v7_plan(fn, n: int, ws: int, threads=None):
     return k, threads
 
 
-def _sm_count(device_id: int) -> int:
-    from ._hip_layernorm import _props_of   # device properties, read once per device
-    return int(_props_of(device_id).get("multiProcessorCount", 0)) or 108
-
-
 def _grid(k, threads, tiles, blocks_per_sm, device_id):
     """Blocks for the grid-stride kernels v6/v7: `tiles` (one row tile per block) when blocks_per_sm == 0, else
     min(tiles, blocks_per_sm x SMs), blocks_per_sm None meaning as many as fit at once (the occupancy API)."""
     if blocks_per_sm == 0:
         return tiles
     if blocks_per_sm is None:
-        from ._hip_layernorm import _blocks_per_sm, _props_of   # the shared occupancy helper
-        blocks_per_sm = _blocks_per_sm(k, threads, _props_of(device_id))
-    return max(1, min(tiles, int(blocks_per_sm) * _sm_count(device_id)))
+        blocks_per_sm = hip.blocks_per_sm(k, threads, hip.device_properties(device_id))   # the occupancy API
+    return max(1, min(tiles, int(blocks_per_sm) * hip.sm_count(device_id)))
 
 
 def _aligned16(*arrays) -> bool:
@@ -148,7 +117,6 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
     None: as many blocks as fit at once). With default settings, rows v6/v7 cannot hold (n % 4 != 0, arrays not
     16-byte aligned, n > 16384 for v6 or n > 32 x warp size for v7) run v5; explicit settings that cannot work raise.
     """
-    from gpullm_lessons import hip
     fn = "softmax_backward"
     if version not in VERSIONS:
         raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(VERSIONS)}")
@@ -168,7 +136,7 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
         if N >= 2**31 or n >= 2**31:
             raise ValueError(f"{fn}: N={N} and n={n} must each fit in an int32")
         dev = dout.device.id
-        ws = warp_size(dev)
+        ws = hip.warp_size(dev)
         if blocks_per_sm is None:
             blocks_per_sm = DEFAULT_BLOCKS_PER_SM[version]
         if threads is not None and (int(threads) % ws or not 1 <= int(threads) <= 1024):
@@ -200,7 +168,7 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
         return
     if N >= 2**31 or n >= 2**31:
         raise ValueError(f"{fn}: N={N} and n={n} must each fit in an int32")
-    ws = warp_size(dout.device.id) if version in ("v3", "v4", "v5") else 1
+    ws = hip.warp_size(dout.device.id) if version in ("v3", "v4", "v5") else 1
     if threads % ws:
         raise ValueError(f"{fn}: {version} needs whole warps, threads a multiple of {ws}, got {threads}")
     k = hip.kernel("softmax", f"softmax_backward_{version}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.numba.crossentropy import check_half_inputs, check_inputs   # the Numba wrapper's checks; cupy=True: CuPy arrays only
+# the Numba wrapper's checks too (cupy=True: CuPy arrays only)
+from gpullm_lessons.contracts.crossentropy import check_half_inputs, check_inputs
 
 VERSIONS = ("v1", "v2", "v3", "v4")
 LAUNCHERS = ("crossentropy_forward_backward_half",)   # gathered by backends/_collect.py

@@ -1,0 +1,125 @@
+"""fused's contract: the checks of the engine's glue launchers' arguments (bias_add, bias_gelu_forward, split_heads,
+merge_heads, colsum_convert, layernorm_forward_half) and their half-output modes, shared by kernels/numba/fused.py and
+gpullm_lessons/backends/hip/fused.py (check= a flavour of gpullm_lessons.contracts.check_array: cupy=True there)."""
+import numpy as np
+
+from gpullm_lessons.contracts import check_array
+
+HALF_MODES = {None: 0, "bf16": 1, "fp16": 2}   # the kernels' `mode` argument
+
+
+def _array(fn, name, a, ndim, what):
+    """An array object with `ndim` dimensions (what: its shape in words, for the message)."""
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(a).__name__}")
+    if len(a.shape) != ndim:
+        raise ValueError(f"{fn}: {name} must be {ndim}-D {what}, got shape {tuple(a.shape)}")
+    return tuple(int(s) for s in a.shape)
+
+
+def half_mode(fn, half, out, name="out"):
+    """(mode, dtype out must have) for half in None / 'bf16' / 'fp16'; clear errors for a mismatch with out."""
+    if not (isinstance(half, str) or half is None) or half not in HALF_MODES:
+        raise ValueError(f"{fn}: half={half!r} is not one of None (float32 output), 'bf16', 'fp16'")
+    dtype = str(getattr(out, "dtype", ""))
+    if half is None and dtype == "uint16":
+        raise ValueError(f"{fn}: {name} is uint16 (16-bit bits) but half=None: pass half='bf16' or half='fp16'")
+    if half is not None and dtype == "float32":
+        raise ValueError(f"{fn}: half={half!r} writes 16-bit bits: {name} must be uint16, got float32 "
+                         f"(or pass half=None)")
+    return HALF_MODES[half], ("float32" if half is None else "uint16")
+
+
+def _int(fn, name, v, low):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__}")
+    if int(v) < low:
+        raise ValueError(f"{fn}: {name}={int(v)} must be >= {low}")
+    return int(v)
+
+
+def check_bias_add(fn, inp, bias, out, res, check=check_array):
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "bias", bias, (C,), "float32")
+    if res is not None:
+        check(fn, "res", res, (N, C), "float32")
+    check(fn, "out", out, (N, C), "float32")
+    return N, C
+
+
+def check_bias_gelu(fn, inp, bias, pre, out, half, check=check_array):
+    mode, odt = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "bias", bias, (C,), "float32")
+    check(fn, "pre", pre, (N, C), "float32")
+    check(fn, "out", out, (N, C), odt)
+    return N, C, mode
+
+
+def _check_heads(fn, col0, B, T, nh, hs, ld):
+    C = nh * hs
+    if col0 + C > ld:
+        raise ValueError(f"{fn}: col0 + C = {col0} + {C} = {col0 + C} is past the row width ld = {ld} "
+                         f"(C = nh*hs = {nh}*{hs})")
+
+
+def check_split(fn, inp, col0, out, B, T, nh, bias, half, check=check_array):
+    """Returns (N, ld, hs, mode)."""
+    B, T, nh, col0 = _int(fn, "B", B, 0), _int(fn, "T", T, 1), _int(fn, "nh", nh, 1), _int(fn, "col0", col0, 0)
+    mode, odt = half_mode(fn, half, out)
+    _, ld = _array(fn, "inp", inp, 2, "(B*T, ld)")
+    hs = _array(fn, "out", out, 3, "(B*nh, T, hs)")[2]
+    check(fn, "inp", inp, (B * T, ld), "float32")
+    check(fn, "out", out, (B * nh, T, hs), odt)
+    if bias is not None:
+        check(fn, "bias", bias, (nh * hs,), "float32")
+    _check_heads(fn, col0, B, T, nh, hs, ld)
+    return B * T, ld, hs, mode
+
+
+def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
+    """Returns (N, ld, hs, mode)."""
+    B, T, nh, col0 = _int(fn, "B", B, 0), _int(fn, "T", T, 1), _int(fn, "nh", nh, 1), _int(fn, "col0", col0, 0)
+    mode, odt = half_mode(fn, half, out)
+    hs = _array(fn, "inp", inp, 3, "(B*nh, T, hs)")[2]
+    _, ld = _array(fn, "out", out, 2, "(B*T, ld)")
+    check(fn, "inp", inp, (B * nh, T, hs), "float32")
+    check(fn, "out", out, (B * T, ld), odt)
+    _check_heads(fn, col0, B, T, nh, hs, ld)
+    return B * T, ld, hs, mode
+
+
+def check_colsum(fn, inp, colsum, out, half, check=check_array):
+    """Returns (N, C, mode); mode 0 when out is None."""
+    if out is None:
+        if half is not None:
+            raise ValueError(f"{fn}: half={half!r} but out is None: give out (N, C) uint16 for the converted copy, "
+                             f"or leave half=None")
+        mode = 0
+    else:
+        if half is None:
+            raise ValueError(f"{fn}: out is given: pass half='bf16' or half='fp16' (the format of its bits)")
+        mode, _ = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "colsum", colsum, (C,), "float32")
+    if out is not None:
+        check(fn, "out", out, (N, C), "uint16")
+    return N, C, mode
+
+
+def check_layernorm_half(fn, inp, weight, bias, out, mean, rstd, half, check=check_array):
+    """Returns (N, C, mode)."""
+    if half is None or half not in ("bf16", "fp16"):
+        raise ValueError(f"{fn}: half={half!r} must be 'bf16' or 'fp16' (float32 output: layernorm_forward)")
+    mode, _ = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "float32")
+    check(fn, "weight", weight, (C,), "float32")
+    check(fn, "bias", bias, (C,), "float32")
+    check(fn, "out", out, (N, C), "uint16")
+    check(fn, "mean", mean, (N,), "float32")
+    check(fn, "rstd", rstd, (N,), "float32")
+    return N, C, mode
