@@ -16,6 +16,8 @@ with T * T for attention). Checkpointing keeps less and recomputes the rest just
 
 Recomputation uses exactly the same reference ops, in the same order and dtype, on the same inputs, so the
 recomputed tensors are bitwise equal to the forward's and the gradients are bitwise equal to the reference.
+The GPT itself is the reference's: a policy is a `keep` for reference gpt_forward (what to keep of each block's
+cache) and a `recompute` for reference gpt_backward (how to rebuild that cache before the block's backward).
 
 Also here: ``cache_bytes`` measures the activation memory a cache holds, and ``memory_model`` predicts the
 training memory (parameters, gradients, AdamW state, activations) of a GPT for a policy and precision.
@@ -25,12 +27,8 @@ import math
 import numpy as np
 
 from .params import GPTConfig, num_params
-from .reference.crossentropy import crossentropy_backward, crossentropy_forward
-from .reference.encoder import encoder_backward, encoder_forward
 from .reference.gelu import gelu_forward
-from .reference.gpt import _check_tensors, block_backward, block_forward, check_inputs, gpt_backward, gpt_forward
-from .reference.layernorm import layernorm_backward, layernorm_forward
-from .reference.linear import linear_backward, linear_forward
+from .reference.gpt import _check_tensors, block_forward, check_inputs, gpt_backward, gpt_forward
 
 POLICIES = ("none", "selective", "full")
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}   # bytes per element of the compute precision
@@ -90,57 +88,27 @@ def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none"):
     cache_bytes does not count them as activations).
     """
     _check_policy("gpt_forward_ckpt", policy)
-    if policy == "none":                                  # the plain reference
-        logits, loss, cache = gpt_forward(params, cfg, idx, targets)
-        return logits, loss, dict(cache, policy="none", params=params)
-
     idx = check_inputs("gpt_forward_ckpt", params, cfg, idx)
     p = params
-
-    x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                   # (B, T, C)
-    layers = []
-    for l in range(cfg.n_layer):
-        x_in = x                                                              # (B, T, C) block input
-        x, c = block_forward(p, l, x_in, cfg.n_head)
-        if policy == "full":
-            layers.append(x_in)                   # only the block input; c is dropped here
-        else:
-            layers.append(_drop_selective(c, p["ln1b"][l], p["ln2b"][l]))
-    lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])               # (B, T, C)
-    logits, head_cache = linear_forward(lnf, p["wte"].T)                      # (B, T, V)
-    loss, ce_cache = None, None
-    if targets is not None:
-        loss, ce_cache = crossentropy_forward(logits, targets)
-    cache = {"cfg": cfg, "policy": policy, "params": params, "encoder": enc_cache, "layers": layers,
-             "lnf": lnf_cache, "head": head_cache, "crossentropy": ce_cache}
-    return logits, loss, cache
+    keep = {"none": None,                                                     # the plain reference: all of it
+            "selective": lambda l, c: _drop_selective(c, p["ln1b"][l], p["ln2b"][l]),
+            "full": lambda l, c: c["ln1"]["inp"]}[policy]   # only the block input x (B, T, C): ln1's inp
+    logits, loss, cache = gpt_forward(params, cfg, idx, targets, keep=keep)
+    return logits, loss, dict(cache, policy=policy, params=params)
 
 
 def gpt_backward_ckpt(cache, grads):
     """Gradients of the loss into grads (overwritten), bitwise equal to reference gpt_backward. Returns None."""
     policy = cache.get("policy")
     _check_policy("gpt_backward_ckpt", policy)
-    if policy == "none":
-        return gpt_backward(cache, grads)
-
     cfg, p = cache["cfg"], cache["params"]
     if cache["crossentropy"] is None:
         raise ValueError("gpt_backward_ckpt: the cache has no loss; call gpt_forward_ckpt with targets first")
     _check_tensors("gpt_backward_ckpt", "grads", grads, cfg)
-
-    dlogits = crossentropy_backward(1.0, cache["crossentropy"])               # (B, T, V)
-    dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])              # (B, T, C), (C, V)
-    dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])
-    for l in reversed(range(cfg.n_layer)):
-        if policy == "full":
-            _, c = block_forward(p, l, cache["layers"][l], cfg.n_head)       # recompute the whole block
-        else:
-            c = _rebuild_selective(cache["layers"][l])                        # recompute ln1, ln2, gelu
-        dx = block_backward(dx, c, grads, l)
-        del c                                                                 # at most one block's cache alive
-    dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])          # (V, C), (maxT, C)
-    grads["wte"][...] = dwte + dwte_head.T                                    # weight tying
-    return None
+    recompute = {"none": None,                                                # everything was kept
+                 "selective": lambda l, kept: _rebuild_selective(kept),       # recompute ln1, ln2, gelu
+                 "full": lambda l, x_in: block_forward(p, l, x_in, cfg.n_head)[1]}[policy]  # the whole block
+    return gpt_backward(cache, grads, recompute=recompute)
 
 
 # ----------------------------------------------------------------------------------------------------------------

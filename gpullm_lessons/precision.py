@@ -228,25 +228,6 @@ def format_table(value: float) -> str:
 TRACK_RTOL = 0.02
 
 
-def _gpt_backward_scaled(cache, grads, dloss: float) -> None:
-    """reference.gpt_backward with the loss gradient dloss instead of 1 (dloss = the loss scale): every
-    gradient, activation gradients included, is dloss times larger, as in `(loss * scale).backward()`."""
-    from .reference.crossentropy import crossentropy_backward
-    from .reference.encoder import encoder_backward
-    from .reference.gpt import block_backward
-    from .reference.layernorm import layernorm_backward
-    from .reference.linear import linear_backward
-
-    cfg = cache["cfg"]
-    dlogits = crossentropy_backward(dloss, cache["crossentropy"])                 # (B, T, V)
-    dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])                  # (B, T, C), (C, V)
-    dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])
-    for l in reversed(range(cfg.n_layer)):
-        dx = block_backward(dx, cache["layers"][l], grads, l)                     # (B, T, C)
-    dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])
-    grads["wte"][...] = dwte + dwte_head.T
-
-
 def compare_precisions(cfg, steps: int = 60, batch: int = 8, precisions=("fp32", "bf16", "fp16"), seed: int = 0,
                        loss_scale: bool = True, lr: float = 1e-3, warmup: Optional[int] = None,
                        weight_decay: float = 0.1, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
@@ -272,7 +253,7 @@ def compare_precisions(cfg, steps: int = 60, batch: int = 8, precisions=("fp32",
     from .data import BatchSampler, load_corpus
     from .optim import AdamW, decay_mask_for, lr_schedule
     from .params import ParamBuffer, init_params
-    from .reference import gpt_forward
+    from .reference import gpt_backward, gpt_forward
 
     corpus = load_corpus(data, block_size=cfg.block_size)
     warmup = max(1, steps // 10) if warmup is None else warmup
@@ -295,7 +276,7 @@ def compare_precisions(cfg, steps: int = 60, batch: int = 8, precisions=("fp32",
                 _, loss, cache = gpt_forward(params.views, cfg, x, y)
             scale = scaler.scale if scaled else 1.0
             with np.errstate(over="ignore", invalid="ignore"), matmul_precision(name) as bs:
-                _gpt_backward_scaled(cache, grads.views, scale * dloss)
+                gpt_backward(cache, grads.views, dloss=scale * dloss)   # as (loss * scale * dloss).backward()
             if dloss != 1.0:
                 grads.flat /= np.float32(dloss)
             for total, s in ((fwd_total, fs), (bwd_total, bs)):

@@ -39,6 +39,18 @@ def test_gradients_bitwise_equal_reference(policy, B, T, dtype):
         assert np.array_equal(grads[name], grads_ref[name]), f"{policy}: d{name} differs from the reference"
 
 
+
+def test_one_gpt_backward():
+    """checkpointing and precision run the reference gpt_forward / gpt_backward (keep=, recompute=, dloss=), not
+    copies of their own: no GPT-level op (the loss, the head, the embedding) is called outside reference/gpt.py."""
+    import inspect
+
+    from gpullm_lessons import precision
+    for module in (ck, precision):
+        src = inspect.getsource(module)
+        for op in ("crossentropy_backward", "encoder_backward", "encoder_forward", "block_backward("):
+            assert op not in src, f"{module.__name__} calls {op}: use reference gpt_forward / gpt_backward"
+
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_full_less_than_selective_less_than_none(cfg):
     params = init_params(cfg, seed=0)

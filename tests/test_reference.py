@@ -418,6 +418,41 @@ def test_gpt_float32_dict_params_and_overwrite():
     assert no_loss is None
 
 
+
+def test_gpt_backward_dloss_scales_every_gradient_exactly():
+    p = init_params(TINY, seed=2, dtype=np.float64)
+    idx, targets = np.random.default_rng(1).integers(0, 17, size=(2, 2, 5))
+    cache = gpt_forward(p, TINY, idx, targets)[2]
+    plain, scaled = p.zeros_like(), p.zeros_like()
+    gpt_backward(cache, plain)
+    gpt_backward(cache, scaled, dloss=1024.0)            # a power of two: every op is linear in dout, so exact
+    assert np.array_equal(scaled.flat, 1024.0 * plain.flat)
+
+
+def test_gpt_keep_and_recompute_hooks():
+    from gpullm_lessons.reference.gpt import block_forward
+    p = init_params(TINY, seed=4)
+    idx, targets = np.random.default_rng(2).integers(0, 17, size=(2, 2, 5))
+    logits_ref, loss_ref, cache_ref = gpt_forward(p, TINY, idx, targets)
+    grads_ref = p.zeros_like()
+    gpt_backward(cache_ref, grads_ref)
+    kept, rebuilt = [], []
+
+    def keep(l, c):                                      # only the block input (ln1's inp)
+        kept.append(l)
+        return c["ln1"]["inp"]
+
+    def recompute(l, x_in):                              # the block's forward again
+        rebuilt.append(l)
+        return block_forward(p, l, x_in, TINY.n_head)[1]
+    logits, loss, cache = gpt_forward(p, TINY, idx, targets, keep=keep)
+    assert all(isinstance(entry, np.ndarray) for entry in cache["layers"])
+    grads = p.zeros_like()
+    gpt_backward(cache, grads, recompute=recompute)
+    assert kept == [0, 1] and rebuilt == [1, 0]
+    assert loss == loss_ref and np.array_equal(logits, logits_ref)
+    assert np.array_equal(grads.flat, grads_ref.flat)
+
 def test_gpt_rejects_wrong_param_shapes():
     p = {name: v.copy() for name, v in init_params(TINY).items()}
     p["qkvw"] = p["qkvw"][:, :, :-1]

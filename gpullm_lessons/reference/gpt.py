@@ -13,6 +13,11 @@ Backward: the same steps in reverse, each op's backward turning d(its output) in
     - Weight tying: wte is used twice (embedding lookup and LM head), so dwte is the SUM of the encoder's
       scatter-add and the head's gradient. The head is linear with weight wte.T (C, V), so its dweight (C, V)
       is transposed back before adding.
+
+Two variations for later lessons, off by default (then the code is the plain reference above):
+    gpt_forward(..., keep=)        what the cache keeps of each block (lesson 08, activation checkpointing)
+    gpt_backward(..., recompute=)  rebuilds a block's cache from what was kept, just before its backward (lesson 08)
+    gpt_backward(..., dloss=)      the gradient the backward starts from: the loss scale (lesson 07, mixed precision)
 """
 import numpy as np
 
@@ -92,9 +97,12 @@ def block_backward(dx, c, grads, l):
     return dx_in + dx_ln1                                                     # (B, T, C)
 
 
-def gpt_forward(params, cfg, idx, targets=None):
+def gpt_forward(params, cfg, idx, targets=None, keep=None):
     """params (ParamBuffer or dict name -> array), cfg GPTConfig, idx (B, T) int, targets (B, T) int or None
-    -> (logits (B, T, V), loss (scalar) or None, cache)."""
+    -> (logits (B, T, V), loss (scalar) or None, cache).
+
+    keep(l, block l's cache) -> what cache["layers"][l] holds instead of that whole cache (None: keep it all).
+    """
     idx = check_inputs("gpt_forward", params, cfg, idx)
     p = params
 
@@ -102,7 +110,7 @@ def gpt_forward(params, cfg, idx, targets=None):
     layers = []
     for l in range(cfg.n_layer):
         x, c = block_forward(p, l, x, cfg.n_head)                                 # (B, T, C)
-        layers.append(c)
+        layers.append(c if keep is None else keep(l, c))
     lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])                   # (B, T, C)
     logits, head_cache = linear_forward(lnf, p["wte"].T)                          # (B, T, V) weight (C, V)
 
@@ -114,21 +122,28 @@ def gpt_forward(params, cfg, idx, targets=None):
     return logits, loss, cache
 
 
-def gpt_backward(cache, grads):
+def gpt_backward(cache, grads, dloss=1.0, recompute=None):
     """Gradients of the loss (dloss = 1) into grads (ParamBuffer or dict name -> array of the parameter
-    shapes). Every tensor of grads is overwritten, not accumulated. Returns None."""
+    shapes). Every tensor of grads is overwritten, not accumulated. Returns None.
+
+    dloss: the gradient of the loss itself; a loss scale there makes every gradient that many times larger.
+    recompute(l, cache["layers"][l]) -> block l's whole cache, when gpt_forward's keep kept less (None: it kept all).
+    """
     cfg = cache["cfg"]
     if cache["crossentropy"] is None:
         raise ValueError("gpt_backward: the cache has no loss; call gpt_forward with targets first")
     _check_tensors("gpt_backward", "grads", grads, cfg)
 
-    dlogits = crossentropy_backward(1.0, cache["crossentropy"])                   # (B, T, V)
+    dlogits = crossentropy_backward(dloss, cache["crossentropy"])                 # (B, T, V)
     dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])                  # (B, T, C), (C, V)
     # `grads[name][l], ... = op_backward(...)` writes layer l's slice of each gradient tensor in place
     dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])  # dx (B, T, C)
 
     for l in reversed(range(cfg.n_layer)):
-        dx = block_backward(dx, cache["layers"][l], grads, l)                     # (B, T, C)
+        c = cache["layers"][l]                                                    # what the forward kept
+        if recompute is not None:
+            c = recompute(l, c)                   # the whole block cache again, freed when c moves to block l - 1
+        dx = block_backward(dx, c, grads, l)                                      # (B, T, C)
 
     dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])              # (V, C), (maxT, C)
     grads["wte"][...] = dwte + dwte_head.T                                        # weight tying: both uses
