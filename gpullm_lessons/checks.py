@@ -55,11 +55,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
 import re
 import secrets
-import sysconfig
-import traceback
 from typing import Callable, Optional
 
 import numpy as np
@@ -67,6 +64,9 @@ import numpy as np
 from . import arrays as _arrays
 from . import device as _device
 from . import reference as ref
+from . import verdict
+from .verdict import STATUSES  # noqa: F401  (checks.STATUSES, as before the core moved out)
+from .verdict import DTYPE_SHORT, CheckResult, close, compare, fmt, fmt_index, mistake_slack, where_raised
 
 __all__ = [
     "CheckResult", "TOLERANCES", "CHECKERS",
@@ -75,13 +75,10 @@ __all__ = [
     "check_residual_backward", "hip_compile_only",
 ]
 
-# "compiled": a HIP task checked without a GPU (compiles for both vendors, lint clean; not run), see hip_compile_only
-STATUSES = ("correct", "wrong", "not attempted", "error", "skipped", "compiled")
 SIZES = ("small", "large")
 
 # Relative tolerance per dtype; the absolute floor is tol * M, M the output's magnitude (see the docstring).
 TOLERANCES = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
-_SHORT = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
             "float": "float32", "double": "float64"}
 
@@ -90,50 +87,8 @@ _ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bf
 _POISON = {"float64": (np.uint64, 0x7FF80000DEADBEEF), "float32": (np.uint32, 0x7FC0DEAD),
            "float16": (np.uint16, 0x7E5A), "bfloat16": (np.uint16, 0x7FD5)}
 
-_MISTAKE_SLACK = 10.0  # a known mistake "matches" your output within 10x the tolerance (see _slack)
-
-
-def _slack(tol: float) -> float:
-    """Tolerance for "your output equals this mistake's": 10x tol, only 2x for fp16/bf16, whose tol is already
-    loose (two different mistakes can lie within 10x of each other there)."""
-    return (_MISTAKE_SLACK if tol < 1e-3 else 2.0) * tol
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The result
-# ------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(repr=False)
-class CheckResult:
-    """The verdict of one check. ``bool(result)`` is ``result.passed``; ``print(result)`` prints the message."""
-    name: str                         # the op, e.g. "linear_backward"
-    task: Optional[str]               # the task label passed to the checker (grading), or None
-    status: str                       # "correct" | "wrong" | "not attempted" | "error" | "skipped" (needs a GPU)
-    #                                   | "compiled" (a HIP source checked without a GPU: compiles, lint clean; not run)
-    passed: bool
-    output: Optional[str] = None      # the (first) wrong output, e.g. "dweight"
-    max_abs: Optional[float] = None   # max |yours - expected| over that output (over all outputs if correct)
-    max_rel: Optional[float] = None   # max |yours - expected| / (|expected| + M), compare with tol
-    tol: Optional[float] = None       # the relative tolerance used (see TOLERANCES)
-    first_bad: Optional[tuple] = None  # index of the first wrong element of `output`
-    ours: Optional[float] = None      # your value there
-    expected: Optional[float] = None  # the reference value there
-    hint: Optional[str] = None        # what is probably wrong
-    seed: Optional[int] = None        # pass seed=... to the checker to get the same inputs again
-    message: str = ""                 # what was printed (one or two lines)
-    dtype: Optional[str] = None       # "float32", ...
-    arrays: Optional[str] = None      # "numpy" | "cupy" | "numba"
-    dims: Optional[dict] = None       # the sizes used in the case that decided, e.g. {"N": 37, "C": 20, "OC": 12}
-    atol: Optional[dict] = None       # the absolute floor used per output (tol * M, see the module docstring)
-    inputs: Optional[dict] = dataclasses.field(default=None)  # the NumPy inputs of that case, to reproduce by hand
-
-    def __bool__(self) -> bool:
-        return bool(self.passed)
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __repr__(self) -> str:  # short: a notebook shows it right under the printed message
-        return f"CheckResult({self.name}: {self.status})"
+# The verdict (CheckResult, STATUSES), how it is recorded and printed, how your function is called, and how numbers
+# and indices are written in the messages: gpullm_lessons/verdict.py, the core every checker module shares.
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -196,8 +151,8 @@ class _Op:
     mistakes: list
     n_cases: int = 1
     accumulates: bool = False  # outputs must be zeroed first: "all NaN" is that op's own mistake, not rebinding
-    terms: Optional[Callable] = None  # case -> {output: size of the terms it is computed from}, see _compare
-    parts: Optional[dict] = None      # {output: blocks along the last axis judged separately}, see _compare
+    terms: Optional[Callable] = None  # case -> {output: size of the terms it is computed from}, see verdict.compare
+    parts: Optional[dict] = None      # {output: blocks along the last axis judged separately}, see verdict.compare
 
 
 def _awkward(rng, lo, hi, avoid=()) -> int:
@@ -295,7 +250,7 @@ def _linear_k_tiles_test(c, name, ours, expected, bad):
         if not 0 < kept < K:
             continue
         cand = _linear_partial_k(c, name, kept)
-        if _close(cand, expected, tol) or not _close(ours, cand, _slack(tol)):
+        if close(cand, expected, tol) or not close(ours, cand, mistake_slack(tol)):
             continue
         first = [t for t in tiles if kept == min(K, t)]
         floor = [t for t in tiles if kept == (K // t) * t]
@@ -857,7 +812,7 @@ _OPS = {op.name: op for op in (_LINEAR, _SOFTMAX, _LAYERNORM, _GELU, _CROSSENTRO
 # ------------------------------------------------------------------------------------------------------------
 # Comparing, diagnosing
 # ------------------------------------------------------------------------------------------------------------
-def _normalize_dtype(dtype) -> np.dtype:
+def normalize_dtype(dtype) -> np.dtype:
     name = dtype.lower() if isinstance(dtype, str) else None
     name = _ALIASES.get(name, name)
     try:
@@ -951,59 +906,7 @@ def guard_verdict(op, case, k, guard_bufs, dt, seed, info) -> Optional["CheckRes
             f"lies there (seed {seed})")
     msg = (f"{op.name}: wrong - your kernel wrote outside {name}: {' and '.join(where)} (case {k + 1} of "
            f"{op.n_cases}: {sizes}; seed {seed})")
-    return CheckResult(status="wrong", passed=False, output=name, hint=hint, message=msg + "\n  hint: " + hint,
-                       **info)
-
-
-def _compare(o, e, tol, terms=0.0, parts=1):
-    """Per-element verdict: (bad mask, |o - e|, rel err, atol).
-
-    M = max|e| over the output, or the size of the terms it is computed from when that is larger: where a
-    result is a near-cancellation of big terms (softmax backward with a peaky row: dout - sum(out * dout)), a
-    correct function's rounding error is relative to the terms, not to the small result.
-    parts > 1 splits the last axis into that many blocks with their own M (dqkv = [dq | dk | dv]: a small dq
-    is judged against its own size, not against dv's).
-    """
-    e_abs = np.where(np.isfinite(e), np.abs(e), 0.0)
-    floor = np.maximum(np.asarray(terms, dtype=np.float64), np.finfo(np.float64).tiny)  # scalar or (parts,)
-    if parts > 1 and e.ndim and e.shape[-1] % parts == 0 and e.size:
-        per = e_abs.reshape(-1, parts, e.shape[-1] // parts).max(axis=(0, 2))       # (parts,)
-        M = np.repeat(np.maximum(per, floor), e.shape[-1] // parts)                 # (last axis,)
-    else:
-        M = max(float(e_abs.max()) if e_abs.size else 0.0, float(np.max(floor)))
-    err = np.abs(o - e)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        ok = err <= tol * (np.abs(e) + M)          # NaN compares False: never passes
-        rel = err / (np.abs(e) + M)
-    return ~ok, err, rel, tol * float(np.max(M))
-
-
-def _close(o, m, tol) -> bool:
-    """o matches m within tol (same scaled rule), NaN where m is NaN counts as a match."""
-    if o.shape != m.shape:
-        return False
-    nan_m = np.isnan(m)
-    if (np.isnan(o) != nan_m).any():
-        return False
-    if nan_m.all():
-        return True
-    bad, _, _, _ = _compare(o[~nan_m], m[~nan_m], tol)
-    return not bad.any()
-
-
-def _fmt(v, other=None) -> str:
-    """4 significant digits, more when needed to tell v from `other`."""
-    if v is None or math.isnan(v):
-        return "nan"
-    for digits in (4, 6, 9):
-        text = f"{v:.{digits}g}"
-        if other is None or math.isnan(other) or text != f"{other:.{digits}g}":
-            break
-    return text
-
-
-def _idx(index) -> str:
-    return "[" + ", ".join(str(int(i)) for i in index) + "]"
+    return verdict.build_result("wrong", msg, hint, output=name, **info)
 
 
 def _factor_name(c: float, dims: dict) -> str:
@@ -1104,7 +1007,8 @@ def _where_pattern(name, mask, what) -> Optional[str]:
             unit, start, total, caps = "row", s // row_len, mask.shape[0], _ROW_CAPS
         else:
             unit, start, total, caps = "element", s, n, _GRID_CAPS
-        at = "" if unit == "row" or mask.ndim == 1 else f" (flat index; {name}{_idx(np.unravel_index(s, mask.shape))})"
+        at = ("" if unit == "row" or mask.ndim == 1 else
+              f" (flat index; {name}{fmt_index(np.unravel_index(s, mask.shape))})")
         span = f"{unit}s {start}..{total - 1}" if total - start > 1 else f"{unit} {start}"
         partial = [b for b in (32, 64, 128, 256, 512, 1024) if total % b and start == total - total % b]
         if start in caps:
@@ -1174,26 +1078,26 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
             pattern = ("does your grid (or loop) cover every element, including the last partial block "
                        "(blocks = ceil(n / threads))?" + (f" ({where})" if where else ""))
         return (f"{k} of {n} elements of {name} were never written (still NaN; first at "
-                f"{_idx(np.argwhere(poison)[0])}): {pattern}. Did you write into the output ({name}[...] = ...) "
+                f"{fmt_index(np.argwhere(poison)[0])}): {pattern}. Did you write into the output ({name}[...] = ...) "
                 f"rather than rebinding the name?")
     nonfinite = ~np.isfinite(o)
     if nonfinite.any():
         k = int(nonfinite.sum())
-        return (f"{k} of {n} elements of {name} are NaN/inf (first at {_idx(np.argwhere(nonfinite)[0])}): they come "
-                f"from reading an output before writing it (outputs start as NaN: zero before +=), 0/0, inf - inf, "
-                f"or exp overflow (subtract the row max)")
+        return (f"{k} of {n} elements of {name} are NaN/inf (first at {fmt_index(np.argwhere(nonfinite)[0])}): they "
+                f"come from reading an output before writing it (outputs start as NaN: zero before +=), 0/0, inf - "
+                f"inf, or exp overflow (subtract the row max)")
     # a constant factor?
     ee = float((e * e).sum())
     if ee > 0:
         c = float((o * e).sum()) / ee
-        if abs(c - 1) > _slack(tol) and c != 0 and _close(o, c * e, _slack(tol)):
+        if abs(c - 1) > mistake_slack(tol) and c != 0 and close(o, c * e, mistake_slack(tol)):
             return _factor_hint(name, c, case.dims, op.formula)
-    if o.ndim == 2 and o.shape[0] == o.shape[1] and _close(o, e.T, _slack(tol)):
+    if o.ndim == 2 and o.shape[0] == o.shape[1] and close(o, e.T, mistake_slack(tol)):
         return f"{name} looks transposed: it should be laid out {case.sym[name]}. {op.formula}"
     if not o.any():
         return f"{name} is all zeros. {op.formula}"
     if o.size > 1 and (o == o.flat[0]).all() and not (e == e.flat[0]).all():
-        return (f"every element of {name} has the same value ({_fmt(float(o.flat[0]))}): a scalar broadcast into "
+        return (f"every element of {name} has the same value ({fmt(float(o.flat[0]))}): a scalar broadcast into "
                 f"the array (a reduction over all axes?) where each element needs its own value. {op.formula}")
     pattern = _where_pattern(name, bad, "wrong")
     if pattern is not None:
@@ -1206,14 +1110,14 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
 
 
 def compare_outputs(op, case, ours_raw: dict, expected: dict, tol: float):
-    """Every output of one case against its float64 reference (the tolerance rule of _compare, with the op's extra
-    terms and parts): (ours in float64, bad masks, (max abs, max rel) per output (NaN where the output is not
+    """Every output of one case against its float64 reference (the tolerance rule of verdict.compare, with the op's
+    extra terms and parts): (ours in float64, bad masks, (max abs, max rel) per output (NaN where the output is not
     finite), atol per output, the names of the wrong outputs in order, (max abs, max rel) over the right ones)."""
     ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
     bads, stats, atols, wrong = {}, {}, {}, []
     terms = op.terms(case) if op.terms is not None else {}
     for name in case.outputs:
-        bad, err, rel, atol = _compare(ours[name], expected[name], tol, terms.get(name, 0.0),
+        bad, err, rel, atol = compare(ours[name], expected[name], tol, terms.get(name, 0.0),
                                        (op.parts or {}).get(name, 1))
         bads[name], atols[name] = bad, atol
         finite = bool(np.isfinite(ours[name]).all())
@@ -1250,8 +1154,8 @@ def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) ->
 
     previous = getattr(case, "previous", None)   # {output: expected of an earlier call with the same shapes}
     if previous and all(name in previous and previous[name].shape == ours[name].shape
-                        and not _close(previous[name], expected[name], tol)
-                        and _close(ours[name], previous[name], _slack(tol)) for name in wrong):
+                        and not close(previous[name], expected[name], tol)
+                        and close(ours[name], previous[name], mistake_slack(tol)) for name in wrong):
         return (f"your {', '.join(wrong)} equal{'s' if len(wrong) == 1 else ''} the right answer for the inputs of an "
                 f"EARLIER call, not this one: your function keeps state between calls (a cached result, a global, "
                 f"a buffer filled once and reused). Compute everything from this call's inputs; the checker calls "
@@ -1273,7 +1177,7 @@ def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) ->
             wrong_out = mistake_outputs(i, m).get(name)
             if wrong_out is not None and np.shape(wrong_out) == ours[name].shape:
                 wrong_out = np.asarray(wrong_out, dtype=np.float64)
-                if not _close(wrong_out, expected[name], tol) and _close(ours[name], wrong_out, _slack(tol)):
+                if not close(wrong_out, expected[name], tol) and close(ours[name], wrong_out, mistake_slack(tol)):
                     return m.hint
         for m in op.mistakes:
             try:
@@ -1294,27 +1198,6 @@ def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) ->
         if len(hints) == 2:
             break
     return " Also: ".join(hints)
-
-
-def _is_learner_code(filename: str) -> bool:
-    """A notebook cell or a file of the learner's: not this package, an installed package or the stdlib."""
-    if filename.startswith("<"):
-        return filename.startswith(("<ipython-input", "<stdin>", "<string>"))
-    if not os.path.isabs(filename):  # compiled extensions report relative .pyx paths
-        return False
-    f = os.path.abspath(filename)
-    here = os.path.dirname(os.path.abspath(__file__))
-    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
-    return not (f.startswith(here + os.sep) or f.startswith(stdlib + os.sep) or "site-packages" in f
-                or "dist-packages" in f)
-
-
-def _where_raised(exc: BaseException) -> str:
-    """'line 12 in my_linear_backward': the innermost frame of the learner's own code, or ''."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if _is_learner_code(frame.filename):
-            return f"line {frame.lineno} in {frame.name}"
-    return ""
 
 
 _SHAPE_WORDS = ("shape", "broadcast", "mismatch", "dimension", "matmul", "out of bounds", "index", "size",
@@ -1362,7 +1245,7 @@ def _kernel_error_hint(exc, where, shapes) -> Optional[str]:
 
 def _error_hint(op, case, exc) -> str:
     text = f"{type(exc).__name__}: {exc}".lower()
-    where = _where_raised(exc)
+    where = where_raised(exc)
     at = f" (at {where})" if where else ""
     shapes = f"shapes here: {case.describe_shapes()}"
     in_kernel = _kernel_error_hint(exc, where, shapes)
@@ -1373,7 +1256,21 @@ def _error_hint(op, case, exc) -> str:
                 f"least one block; {shapes}")
     if isinstance(exc, (ValueError, IndexError, TypeError)) and any(w in text for w in _SHAPE_WORDS):
         return f"a shape or index problem{at}: check your transposes and axes. {shapes}. {op.shape_hint}"
-    return f"the error is in your code{at}; {shapes}"
+    return verdict.error_hint(exc, shapes)
+
+
+def op_error(op, case, exc, seed, info) -> CheckResult:
+    """The "error" verdict (not yet recorded) for an exception raised by the call on `case`: the thread and block
+    when it was raised inside a kernel in the simulator, the hint of _error_hint, the seed. info: CheckResult
+    fields (name, task, dims, ...)."""
+    msg = verdict.error_message(op.name, exc)
+    parsed = kernel_error(exc)
+    if parsed is not None:
+        tid, ctaid, text = parsed
+        text = verdict.error_text(text)
+        msg = (f"{op.name}: error - your kernel raised {type(exc).__name__} in thread {tid} of block {ctaid}"
+               + (f": {text}" if text else ""))
+    return verdict.build_result("error", msg, _error_hint(op, case, exc) + f" (seed {seed})", **info)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1389,7 +1286,7 @@ def _validate(op_name, fn, arrays, dtype, size, seed):
         raise TypeError(f"{checker}(fn): fn is a Numba kernel; pass a Python function that launches it with "
                         f"the same arguments, e.g. def {op_name}(...): kernel[blocks, threads](...)")
     _arrays.require(arrays)
-    dt = _normalize_dtype(dtype)
+    dt = normalize_dtype(dtype)
     size = default_size(arrays, size)
     if size not in SIZES:
         raise ValueError(f"size={size!r}: use one of {', '.join(repr(s) for s in SIZES)} (or None: 'large' when the "
@@ -1419,19 +1316,7 @@ def learner_fn_and_seed(name, fn, seed, what="inputs") -> int:
     return secrets.randbelow(1_000_000) if seed is None else int(seed)
 
 
-def _skipped(op: _Op, task, quiet) -> "CheckResult":
-    """CuPy/HIP code cannot run without a GPU: say so, record it (the grader leaves it out of the total), go on."""
-    msg = (f"{op.name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{_device.kind()}' "
-           f"({_device.info().reason}); it is checked on a GPU server")
-    result = CheckResult(name=op.name, task=task, status="skipped", passed=False, message=msg, arrays="cupy")
-    from . import grading
-    grading.record(check=f"check_{op.name}", task=task, status="skipped", message=msg)
-    if not quiet:
-        print(msg)
-    return result
-
-
-def _source_text(source):
+def source_text(source):
     """(text, None) or (None, (status, why)) from a HIP source given as a str or a zero-argument callable."""
     if isinstance(source, str):
         return source, None
@@ -1440,10 +1325,8 @@ def _source_text(source):
     except NotImplementedError:
         return None, ("not attempted", "your source function raised NotImplementedError")
     except Exception as exc:  # the learner's error is reported, never raised
-        first = " ".join(str(exc).split())[:200]
-        where = _where_raised(exc)
-        return None, ("error", f"your source function raised {type(exc).__name__}" + (f": {first}" if first else "")
-                      + (f" (at {where})" if where else ""))
+        where = where_raised(exc)
+        return None, ("error", verdict.what_raised(exc, "source function") + (f" (at {where})" if where else ""))
     if not isinstance(text, str):
         return None, ("error", f"your source function returned {type(text).__name__}, not the kernel source "
                                f"as a str")
@@ -1466,30 +1349,20 @@ def hip_compile_only(name, source, entries, *, task=None, quiet=False) -> "Check
     entries = (entries,) if isinstance(entries, str) else tuple(entries or ())
     if not all(isinstance(e, str) and e for e in entries):
         raise TypeError(f"hip_compile_only(entries): entry point names must be non-empty str, got {entries!r}")
-    text, failed = _source_text(source)
-    hint = None
+    text, failed = source_text(source)
     if failed is not None:
         status, why = failed
         if status == "not attempted":
-            msg = f"{name}: not attempted ({why})"
-            hint = "replace the `raise NotImplementedError` with your kernel source"
-        else:
-            msg = f"{name}: error - {why}"
-    else:
-        ok, report = hip.grade_source(text, entries)
-        if ok:
-            status = "compiled"
-            msg = (f"{name}: compiled - {report}; not run: no GPU (it is run and checked on a GPU server)")
-        else:
-            status, hint = "wrong", report
-            msg = f"{name}: wrong - your kernel source does not pass the checks without a GPU\n  hint: {report}"
-    result = CheckResult(name=name, task=task, status=status, passed=False, message=msg, hint=hint, arrays="cupy")
-    from . import grading
-    grading.record(check=f"check_{name}" if not str(name).startswith("check_") else name, task=task,
-                   status=status, message=msg.splitlines()[0] + (f" {hint}" if status == "wrong" else ""))
-    if not quiet:
-        print(msg)
-    return result
+            return verdict.record(verdict.not_attempted(name, who="source function", task=task, arrays="cupy",
+                                                        hint="replace the `raise NotImplementedError` with your "
+                                                             "kernel source"), quiet=quiet)
+        return verdict.verdict(name, task, "error", f"{name}: error - {why}", quiet=quiet, arrays="cupy")
+    ok, report = hip.grade_source(text, entries)
+    if ok:
+        return verdict.verdict(name, task, "compiled", f"{name}: compiled - {report}; not run: no GPU (it is run and "
+                               f"checked on a GPU server)", quiet=quiet, arrays="cupy")
+    return verdict.verdict(name, task, "wrong", f"{name}: wrong - your kernel source does not pass the checks without "
+                           f"a GPU", report, quiet=quiet, arrays="cupy")
 
 
 def unfinished_kernel(fn) -> Optional[str]:
@@ -1529,23 +1402,16 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
         if source is not None:
             return hip_compile_only(op.name, source, entries, task=task, quiet=quiet)
-        return _skipped(op, task, quiet)
+        return verdict.skipped(op.name, task, quiet=quiet)
     dt, size = _validate(op.name, fn, arrays, dtype, size, seed)
     seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
     rng = np.random.default_rng(seed)
     tol = TOLERANCES[dt.name]
-    short = _SHORT[dt.name]
+    short = DTYPE_SHORT[dt.name]
     base = dict(name=op.name, task=task, tol=tol, seed=seed, dtype=dt.name, arrays=arrays)
     stub = unfinished_kernel(inspect.unwrap(fn)) if arrays != "numpy" else None
     if stub is not None:
-        msg = f"{op.name}: not attempted (your kernel {stub} still raises NotImplementedError)"
-        result = CheckResult(status="not attempted", passed=False, message=msg,
-                             hint="replace the `raise NotImplementedError` with your code", **base)
-        from . import grading
-        grading.record(check=f"check_{op.name}", task=task, status=result.status, message=msg)
-        if not quiet:
-            print(msg)
-        return result
+        return verdict.record(verdict.unfinished(**base, kernel=stub), quiet=quiet)
     max_rel_all, max_abs_all = 0.0, 0.0
     result = None
 
@@ -1572,22 +1438,10 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             returned = fn(*dev_in, *dev_out, *case.scalars.values())
             ours_raw = {name: np.asarray(_arrays.to_numpy(d)) for name, d in zip(case.outputs, dev_out)}
         except NotImplementedError:
-            msg = f"{op.name}: not attempted (your function raised NotImplementedError)"
-            result = CheckResult(status="not attempted", passed=False, message=msg,
-                                 hint="replace the `raise NotImplementedError` with your code", **info)
+            result = verdict.not_attempted(**info)
             break
         except Exception as exc:  # the learner's error is reported, never raised: the notebook goes on
-            first = " ".join(str(exc).split())
-            first = first if len(first) <= 200 else first[:197] + "..."
-            msg = f"{op.name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-            parsed = kernel_error(exc)
-            if parsed is not None:
-                tid, ctaid, text = parsed
-                text = text if len(text) <= 200 else text[:197] + "..."
-                msg = (f"{op.name}: error - your kernel raised {type(exc).__name__} in thread {tid} of block "
-                       f"{ctaid}" + (f": {text}" if text else ""))
-            hint = _error_hint(op, case, exc) + f" (seed {seed})"
-            result = CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint, **info)
+            result = op_error(op, case, exc, seed, info)
             break
 
         result = guard_verdict(op, case, k, guard_bufs, dt, seed, info)
@@ -1605,27 +1459,19 @@ def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None,
             hint = _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned)
             hint += changed_inputs_note(case, dev_in)
             sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
-            msg = (f"{op.name}: wrong - {name} at {_idx(index)} (case {k + 1} of {op.n_cases}: {sizes}): "
-                   f"yours {_fmt(mine, exp)}, expected {_fmt(exp, mine)} "
+            msg = (f"{op.name}: wrong - {name} at {fmt_index(index)} (case {k + 1} of {op.n_cases}: {sizes}): "
+                   f"yours {fmt(mine, exp)}, expected {fmt(exp, mine)} "
                    f"(max abs err {max_abs:.2g}, max rel {max_rel:.2g}, tol {tol:g}; seed {seed})")
-            result = CheckResult(status="wrong", passed=False, output=name, max_abs=max_abs, max_rel=max_rel,
-                                 first_bad=index, ours=mine, expected=exp, hint=hint,
-                                 message=msg + "\n  hint: " + hint, **info)
+            result = verdict.build_result("wrong", msg, hint, output=name, max_abs=max_abs, max_rel=max_rel,
+                                          first_bad=index, ours=mine, expected=exp, **info)
             break
 
     if result is None:
         n_out = len(case.outputs)
         msg = (f"{op.name}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {short}, "
                f"{n_out} output{'s' if n_out > 1 else ''})")
-        result = CheckResult(status="correct", passed=True, max_abs=max_abs_all, max_rel=max_rel_all,
-                             message=msg, **info)
-
-    from . import grading  # lazily: grading is only needed once a verdict exists
-    grading.record(check=f"check_{op.name}", task=task, status=result.status,
-                   message=result.message.splitlines()[0])
-    if not quiet:
-        print(result.message)
-    return result
+        result = verdict.build_result("correct", msg, max_abs=max_abs_all, max_rel=max_rel_all, **info)
+    return verdict.record(result, quiet=quiet)
 
 
 # ------------------------------------------------------------------------------------------------------------

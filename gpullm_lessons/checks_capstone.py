@@ -30,6 +30,7 @@ How they check (the same machinery for all):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -37,6 +38,7 @@ import numpy as np
 from . import capstone as _cap
 from . import checks as _checks
 from . import device as _device
+from . import verdict
 from .params import GPTConfig, num_params
 
 __all__ = ["check_engine_linear_backward", "check_block_forward", "check_block_backward", "check_optimizer_step",
@@ -247,24 +249,22 @@ _BACKWARD_MISTAKES = (
 # ------------------------------------------------------------------------------------------------------------
 # plumbing: results, arrays, comparisons
 # ------------------------------------------------------------------------------------------------------------
+def _fields(task, seed) -> dict:
+    return {"task": task, "seed": seed, "dtype": "float32", "arrays": "cupy" if _device.has_gpu() else "numpy",
+            "tol": TOL}
+
+
 def _result(name, task, status, msg, hint=None, seed=None, quiet=False, **extra):
-    from . import grading
-    full = msg + (f"\n  hint: {hint}" if hint else "")
-    result = _checks.CheckResult(name=name, task=task, status=status, passed=status == "correct", message=full,
-                                 hint=hint, seed=seed, dtype="float32",
-                                 arrays="cupy" if _device.has_gpu() else "numpy", tol=TOL, **extra)
-    grading.record(check=f"check_{name}", task=task, status=status, message=full)
-    if not quiet:
-        print(full)
-    return result
+    return verdict.verdict(name, status=status, msg=msg, hint=hint, quiet=quiet, **_fields(task, seed), **extra)
 
 
 class _Verdict(Exception):
-    """Raised inside a checker to end it with a verdict: (status, message, hint, extra)."""
+    """Raised inside a checker to end it with a verdict: (status, message, hint, extra), or a result built by
+    gpullm_lessons.verdict (not attempted, error; task=None there) that _run completes with the task and seed."""
 
-    def __init__(self, status, msg, hint=None, **extra):
+    def __init__(self, status, msg, hint=None, result=None, **extra):
         super().__init__(msg)
-        self.status, self.msg, self.hint, self.extra = status, msg, hint, extra
+        self.status, self.msg, self.hint, self.result, self.extra = status, msg, hint, result, extra
 
 
 def _host(a):
@@ -356,27 +356,22 @@ def _engine(cfg, flat, seed, **fns):
     return eng
 
 
-def _learner_frames(exc):
-    """The frames of exc's traceback in the learner's code, innermost first (not this package, not its kernels/)."""
-    import os
-    import traceback
-
-    from . import kernels as _kernels
-    ours = tuple(os.path.abspath(p) + os.sep for p in getattr(_kernels, "__path__", ()))
-    return [f for f in reversed(traceback.extract_tb(exc.__traceback__))
-            if _checks._is_learner_code(f.filename) and not os.path.abspath(f.filename).startswith(ours)]
-
-
-def _raised_in(exc):
-    """The name of the innermost function of the learner's code in exc's traceback, or None."""
-    frames = _learner_frames(exc)
-    return frames[0].name if frames else None
-
-
-def _where_raised(exc):
-    """'line 12 in block_forward': the innermost frame of the learner's own code, or ''."""
-    frames = _learner_frames(exc)
-    return f"line {frames[0].lineno} in {frames[0].name}" if frames else ""
+def _error_lead(exc):
+    """What the engine's own errors mean (None: "the error is in your code"), for the hint."""
+    low = " ".join(str(exc).split()).lower()
+    if "shapes do not chain" in low:
+        return ("a matrix product's shapes do not fit: weights are stored (in, out), so inp (N, in) @ W (in, out) "
+                "needs no transpose; a gradient through a weight takes W transposed (trans_b=True), a weight's "
+                "gradient has W's shape (in, out) = inp transposed (trans_a=True) times dout")
+    if "contiguous" in low:
+        return ("an array is not C-contiguous: a transpose or a column slice is a strided view; gemm and the "
+                "launchers want contiguous arrays (pass trans_a / trans_b instead of .T, or copy)")
+    if "dtype" in low or "float32" in low or "float64" in low:
+        return ("a launcher or gemm refused a dtype: every activation, gradient and buffer of the engine is float32 "
+                "(eng.xp.float32); NumPy makes float64 unless told")
+    if "shape" in low:
+        return "a shape does not fit"
+    return None
 
 
 def _call(name, fn, args, what, seed):
@@ -384,33 +379,14 @@ def _call(name, fn, args, what, seed):
     try:
         return fn(*args)
     except NotImplementedError as exc:
-        who = _raised_in(exc) or getattr(fn, "__name__", "function")
-        raise _Verdict("not attempted", f"{name}: not attempted (your {who} raised NotImplementedError)",
-                       "replace the `raise NotImplementedError` with your code") from None
+        # a checker here calls several of your functions (through the engine): name the one that raised
+        who = verdict.raised_in(exc) or getattr(fn, "__name__", "function")
+        raise _Verdict("not attempted", "", result=verdict.not_attempted(name, who=who, task=None)) from None
     except _Verdict:
         raise
     except Exception as exc:  # the learner's error is reported, never raised
-        text = " ".join(str(exc).split())
-        text = text if len(text) <= 300 else text[:297] + "..."
-        where = _where_raised(exc)
-        at = f" (at {where})" if where else ""
-        low = text.lower()
-        if "shapes do not chain" in low:
-            hint = (f"a matrix product's shapes do not fit{at}: weights are stored (in, out), so inp (N, in) @ W "
-                    f"(in, out) needs no transpose; a gradient through a weight takes W transposed (trans_b=True), "
-                    f"a weight's gradient has W's shape (in, out) = inp transposed (trans_a=True) times dout")
-        elif "c-contiguous" in low or "contiguous" in low:
-            hint = (f"an array is not C-contiguous{at}: a transpose or a column slice is a strided view; gemm and "
-                    f"the launchers want contiguous arrays (pass trans_a / trans_b instead of .T, or copy)")
-        elif "dtype" in low or "float32" in low or "float64" in low:
-            hint = (f"a launcher or gemm refused a dtype{at}: every activation, gradient and buffer of the engine is "
-                    f"float32 (eng.xp.float32); NumPy makes float64 unless told")
-        elif "shape" in low:
-            hint = f"a shape does not fit{at}"
-        else:
-            hint = f"the error is in your code{at}"
-        raise _Verdict("error", f"{name}: error - your function raised {type(exc).__name__}: {text}",
-                       f"{hint}; {what} (seed {seed})") from None
+        raise _Verdict("error", "", result=verdict.raised(name, exc, f"{what} (seed {seed})", lead=_error_lead,
+                                                          task=None)) from None
 
 
 def _check_array(name, arr, shape, eng, label):
@@ -434,6 +410,8 @@ def _run(name, task, seed, quiet, body):
     try:
         msg = body()
     except _Verdict as v:
+        if v.result is not None:
+            return verdict.record(dataclasses.replace(v.result, **_fields(task, seed)), quiet=quiet)
         return _result(name, task, v.status, v.msg, v.hint, seed, quiet, **v.extra)
     return _result(name, task, "correct", msg, None, seed, quiet)
 

@@ -36,7 +36,9 @@ import numpy as np
 
 from . import device as _device
 from . import reference as ref
-from .checks import CheckResult, _Case, _Mistake, _Op, _if_square, _is_learner_code, _run, _source_text
+from . import verdict
+from .checks import _Case, _Mistake, _Op, _if_square, _run, source_text
+from .verdict import CheckResult, is_learner_code
 
 __all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_row_max",
            "check_softmax_forward_warp", "CASES"]
@@ -296,7 +298,7 @@ def _explain(exc: BaseException, advice: str = "", numeric: str = ""):
     inner = " ".join(m.group("msg").split())
     where = ""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if _is_learner_code(frame.filename):
+        if is_learner_code(frame.filename):
             where = f" at line {frame.lineno} in {frame.name}"
             break
     thread = f"thread threadIdx={tid} of block blockIdx={ctaid}"
@@ -364,7 +366,7 @@ def _source_rules(name, source, rules, task, quiet):
     """A CheckResult 'wrong' when the source breaks a task rule [(regex, why)], else None (also when no source)."""
     if source is None:
         return None
-    text, failed = _source_text(source)
+    text, failed = source_text(source)
     if failed is not None:
         return None   # hip_compile_only / the run reports it
     code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S)
@@ -373,13 +375,9 @@ def _source_rules(name, source, rules, task, quiet):
         if m:
             line = code.count("\n", 0, m.start()) + 1
             msg = f"{name}: wrong - line {line} of your source: {why}"
-            result = CheckResult(name=name, task=task, status="wrong", passed=False, message=msg, hint=why,
-                                 arrays="cupy")
-            from . import grading
-            grading.record(check=f"check_{name}", task=task, status="wrong", message=msg)
-            if not quiet:
-                print(msg)
-            return result
+            # the message already says why: no second "hint:" line repeating it
+            return verdict.record(CheckResult(name=name, task=task, status="wrong", passed=False, message=msg,
+                                              hint=why, arrays="cupy"), quiet=quiet)
     return None
 
 
@@ -553,9 +551,9 @@ def _stale_tail(which, name):
 
 
 def _close_to(ours, wrong) -> bool:
-    from .checks import _close, _slack, TOLERANCES
+    from .checks import TOLERANCES
     wrong = np.asarray(wrong, dtype=np.float64)
-    return wrong.shape == ours.shape and _close(ours, wrong, _slack(TOLERANCES["float32"]))
+    return wrong.shape == ours.shape and verdict.close(ours, wrong, verdict.mistake_slack(TOLERANCES["float32"]))
 
 
 _DWEIGHT = _Op(

@@ -47,6 +47,8 @@ import math
 import numpy as np
 
 from . import checks as _checks
+from . import verdict
+from .verdict import DTYPE_SHORT, fmt, fmt_index
 
 __all__ = ["check_block_recompute", "check_layernorm_rebuild", "check_selective_rebuild", "LAYER_GRADS"]
 
@@ -55,18 +57,12 @@ LAYER_GRADS = ("ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "
 
 
 def _result(name, task, status, msg, hint=None, seed=None, dtype=None, dims=None, quiet=False):
-    result = _checks.CheckResult(name=name, task=task, status=status, passed=status == "correct",
-                                 message=msg + (f"\n  hint: {hint}" if hint else ""), hint=hint, seed=seed,
-                                 dtype=dtype, arrays="numpy", dims=dims)
-    from . import grading
-    grading.record(check=f"check_{name}", task=task, status=status, message=msg)
-    if not quiet:
-        print(result.message)
-    return result
+    return verdict.verdict(name, task, status, msg, hint, quiet=quiet, seed=seed, dtype=dtype, arrays="numpy",
+                           dims=dims)
 
 
 def _dtype(name, dtype):
-    dt = _checks._normalize_dtype(dtype)
+    dt = _checks.normalize_dtype(dtype)
     if dt.name not in ("float32", "float64"):
         raise ValueError(f"check_{name}: dtype={dt.name} is not supported: the reference GPT runs in float32 "
                          f"(or float64); use np.float32")
@@ -78,19 +74,14 @@ def _validate(name, fn, seed):
 
 
 def _not_attempted(name, task, seed, dt, dims, quiet):
-    return _result(name, task, "not attempted", f"{name}: not attempted (your function raised NotImplementedError)",
-                   hint="replace the `raise NotImplementedError` with your code", seed=seed, dtype=dt.name,
-                   dims=dims, quiet=quiet)
+    return verdict.record(verdict.not_attempted(name, task=task, seed=seed, dtype=dt.name, arrays="numpy", dims=dims),
+                          quiet=quiet)
 
 
-def _error(name, exc, extra_hint, seed, task, dt, dims, quiet, where=""):
-    first = " ".join(str(exc).split())
-    first = first if len(first) <= 200 else first[:197] + "..."
-    at = _checks._where_raised(exc)
-    msg = f"{name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-    hint = (extra_hint or "the error is in your code") + (f" (at {at})" if at else "")
-    hint += f"; {where}" if where else f" (seed {seed})"
-    return _result(name, task, "error", msg, hint=hint, seed=seed, dtype=dt.name, dims=dims, quiet=quiet)
+def _error(name, exc, lead, seed, task, dt, dims, quiet, where):
+    """lead: what this checker knows about the exception (None: "the error is in your code"); where: the call."""
+    return verdict.record(verdict.raised(name, exc, where, lead=lead, task=task, seed=seed, dtype=dt.name,
+                                         arrays="numpy", dims=dims), quiet=quiet)
 
 
 def _max_rel(a, b) -> float:
@@ -101,7 +92,7 @@ def _max_rel(a, b) -> float:
 def _first_diff(ours, expected) -> str:
     i = tuple(int(k) for k in np.argwhere(~(ours == expected))[0])
     n = int(np.count_nonzero(~(ours == expected)))
-    return (f"{_checks._idx(i)}: yours {_checks._fmt(float(ours[i]))}, expected {_checks._fmt(float(expected[i]))} "
+    return (f"{fmt_index(i)}: yours {fmt(float(ours[i]))}, expected {fmt(float(expected[i]))} "
             f"({n} of {ours.size} elements differ)")
 
 
@@ -341,7 +332,7 @@ def check_block_recompute(fn, dtype=np.float32, seed=None, task=None, quiet=Fals
                         "do not zero or write the whole grads buffer: the other layers' gradients are already there")
     msg = (f"{name}: correct (d(x_in) and each layer's {len(LAYER_GRADS)} gradient tensors bitwise equal to the "
            f"reference block backward, nothing else written, in {len(calls)} calls: every layer of "
-           f"{_describe(calls[0]['m'])} and of {_describe(calls[-1]['m'])}; {_checks._SHORT[dt.name]}, seed {seed})")
+           f"{_describe(calls[0]['m'])} and of {_describe(calls[-1]['m'])}; {DTYPE_SHORT[dt.name]}, seed {seed})")
     return _result(name, task, "correct", msg, seed=seed, dtype=dt.name, dims={"calls": len(calls)}, quiet=quiet)
 
 
@@ -461,7 +452,7 @@ def check_layernorm_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=Fa
         return fail(at, "normalize each row with the saved mean and rstd, then scale by weight and add bias, as "
                     "layernorm_forward does")
     return _result(name, task, "correct", f"{name}: correct (bitwise equal to layernorm_forward's output on "
-                   f"{len(cases)} inputs, including T = 1 and C = 1; {_checks._SHORT[dt.name]}, seed {seed})",
+                   f"{len(cases)} inputs, including T = 1 and C = 1; {DTYPE_SHORT[dt.name]}, seed {seed})",
                    seed=seed, dtype=dt.name, dims={"calls": len(cases)}, quiet=quiet)
 
 
@@ -648,5 +639,5 @@ def check_selective_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=Fa
                         "dropped tensors")
     return _result(name, task, "correct", f"{name}: correct (the LayerNorm and GELU outputs rebuilt bitwise, "
                    f"block_backward on your cache bitwise equal, the selective cache left as it was, in {len(calls)} "
-                   f"calls: every layer of {_describe(calls[0]['m'])}, and T = 1; {_checks._SHORT[dt.name]}, "
+                   f"calls: every layer of {_describe(calls[0]['m'])}, and T = 1; {DTYPE_SHORT[dt.name]}, "
                    f"seed {seed})", seed=seed, dtype=dt.name, dims={"calls": len(calls)}, quiet=quiet)

@@ -41,6 +41,8 @@ from . import arrays as _arrays
 from . import checks as _checks
 from . import device as _device
 from . import reference as ref
+from . import verdict
+from .verdict import close, fmt, fmt_index, mistake_slack
 
 __all__ = ["check_layernorm_dparams", "check_crossentropy_online", "check_attention_softmax_backward",
            "check_encoder_backward_atomic", "check_encoder_backward_deterministic"]
@@ -58,7 +60,7 @@ def _matches(ours, candidate, expected, tol) -> bool:
     if candidate.shape != ours.shape:
         return False
     with np.errstate(all="ignore"):
-        return not _checks._close(candidate, expected, tol) and _checks._close(ours, candidate, _checks._slack(tol))
+        return not close(candidate, expected, tol) and close(ours, candidate, mistake_slack(tol))
 
 
 @dataclasses.dataclass
@@ -139,7 +141,7 @@ def _trace_problem(rules, case, trace, dev_in, dev_out) -> Optional[tuple]:
         for tname, rows in trace.multiple_writers.items():
             name = outs.get(tname, tname)
             index, who = rows[0]
-            idx = _checks._idx(index if isinstance(index, tuple) else (index,))
+            idx = fmt_index(index if isinstance(index, tuple) else (index,))
             threads = ", ".join(_who(w) for w in who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
             what = (f"{name}{idx} was stored by {len(who)} threads in one launch without atomics ({threads}); "
                     f"{len(rows)} element{'s' if len(rows) > 1 else ''} of {name} like it")
@@ -195,18 +197,10 @@ def _known_mistake(op, case, name, ours, expected, tol) -> Optional[str]:
     return None
 
 
-def _record(rules, result, task, quiet):
-    from . import grading
-    grading.record(check=rules.checker, task=task, status=result.status, message=result.message.splitlines()[0])
-    if not quiet:
-        print(result.message)
-    return result
-
-
 def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None, quiet=False):
     op = rules.op
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        return _checks._skipped(op, task, quiet)
+        return verdict.skipped(op.name, task, quiet=quiet)
     dt, size = _checks._validate(op.name, fn, arrays, dtype, size, seed)   # size None: "large" on a GPU
     stub = unfinished_kernel(fn)
     seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
@@ -243,28 +237,14 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
             if stray is not None:
                 return stray
         except NotImplementedError:
-            msg = f"{op.name}: not attempted (your function raised NotImplementedError)"
-            return _checks.CheckResult(status="not attempted", passed=False, message=msg,
-                                       hint="replace the `raise NotImplementedError` with your code", **info)
+            return verdict.not_attempted(**info)
         except Exception as exc:  # the learner's error is reported, never raised
-            first = " ".join(str(exc).split())
-            first = first if len(first) <= 200 else first[:197] + "..."
-            msg = f"{op.name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-            parsed = getattr(_checks, "kernel_error", lambda e: None)(exc)
-            if parsed is not None:
-                tid, ctaid, text = parsed
-                text = text if len(text) <= 200 else text[:197] + "..."
-                msg = (f"{op.name}: error - your kernel raised {type(exc).__name__} in thread {tid} of block "
-                       f"{ctaid}" + (f": {text}" if text else ""))
-            hint = _checks._error_hint(op, case, exc) + f" (seed {seed})"
-            return _checks.CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint,
-                                       **info)
+            return _checks.op_error(op, case, exc, seed, info)
         return ours_raw, returned, trace, dev_in, dev_out
 
     def wrong(info, what, hint, **kw):
         msg = f"{op.name}: wrong - {what} ({_case_text(case, k, op)}; seed {seed})"
-        return _checks.CheckResult(status="wrong", passed=False, hint=hint, message=msg + "\n  hint: " + hint,
-                                   **kw, **info)
+        return verdict.build_result("wrong", msg, hint, **kw, **info)
 
     history = []   # expected outputs of the earlier cases: checks' hints recognize a stale answer
     for k in range(op.n_cases):
@@ -276,13 +256,10 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
         history.append((shapes, expected))
         info = dict(base, dims=dict(case.dims), inputs={k2: v.copy() for k2, v in case.inputs.items()})
         if stub is not None:
-            msg = f"{op.name}: not attempted (your kernel {stub} still raises NotImplementedError)"
-            result = _checks.CheckResult(status="not attempted", passed=False, message=msg,
-                                         hint=f"replace the `raise NotImplementedError` in {stub} with your code",
-                                         **info)
+            result = verdict.unfinished(kernel=stub, **info)
             break
         got = call(case, info, traced and k == 0)
-        if isinstance(got, _checks.CheckResult):
+        if isinstance(got, verdict.CheckResult):
             result = got
             break
         ours_raw, returned, trace, dev_in, dev_out = got
@@ -309,12 +286,11 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
             if hint is None:
                 hint = _checks._diagnose(op, case, ours_raw, ours, expected, bads, bad_names, tol, returned)
             hint += _checks.changed_inputs_note(case, dev_in)
-            msg = (f"{op.name}: wrong - {name} at {_checks._idx(index)} ({_case_text(case, k, op)}): yours "
-                   f"{_checks._fmt(mine, exp)}, expected {_checks._fmt(exp, mine)} (max abs err {max_abs:.2g}, "
+            msg = (f"{op.name}: wrong - {name} at {fmt_index(index)} ({_case_text(case, k, op)}): yours "
+                   f"{fmt(mine, exp)}, expected {fmt(exp, mine)} (max abs err {max_abs:.2g}, "
                    f"max rel {max_rel:.2g}, tol {tol:g}; seed {seed})")
-            result = _checks.CheckResult(status="wrong", passed=False, output=name, max_abs=max_abs, max_rel=max_rel,
-                                         first_bad=index, ours=mine, expected=exp, hint=hint,
-                                         message=msg + "\n  hint: " + hint, **info)
+            result = verdict.build_result("wrong", msg, hint, output=name, max_abs=max_abs, max_rel=max_rel,
+                                          first_bad=index, ours=mine, expected=exp, **info)
             break
 
         if trace is not None:
@@ -327,9 +303,9 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
             for name, want in rules.exact(case).items():
                 i = _first_diff(ours_raw[name], np.asarray(want, dtype=dt))
                 if i is not None:
-                    result = wrong(info, f"{name}{_checks._idx(i)} is {_checks._fmt(float(ours_raw[name][i]))}, "
+                    result = wrong(info, f"{name}{fmt_index(i)} is {fmt(float(ours_raw[name][i]))}, "
                                          f"correct to rounding, but the contract's order gives "
-                                         f"{_checks._fmt(float(want[i]))} (other bits)", rules.exact_hint,
+                                         f"{fmt(float(want[i]))} (other bits)", rules.exact_hint,
                                    output=name, first_bad=i, ours=float(ours_raw[name][i]), expected=float(want[i]))
                     break
             if result is not None:
@@ -339,15 +315,15 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
     if result is None and rules.repeat and last is not None:
         case, first_raw, info = last
         got = call(case, info, False)
-        if isinstance(got, _checks.CheckResult):
+        if isinstance(got, verdict.CheckResult):
             result = got
         else:
             for name in case.outputs:
                 i = _first_diff(first_raw[name], got[0][name])
                 if i is not None:
                     result = wrong(info, f"two calls on the same inputs gave different bits: {name}"
-                                         f"{_checks._idx(i)} was {_checks._fmt(float(first_raw[name][i]))}, then "
-                                         f"{_checks._fmt(float(got[0][name][i]))}",
+                                         f"{fmt_index(i)} was {fmt(float(first_raw[name][i]))}, then "
+                                         f"{fmt(float(got[0][name][i]))}",
                                    "your result depends on the order in which threads or blocks run: float atomics, "
                                    "or a sum whose order is decided by scheduling. Give each output element one owner "
                                    "that adds its terms in a fixed order (partial sums in order, then the partials "
@@ -367,11 +343,10 @@ def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed
             extra.append("no float atomics (traced)")
         if traced and rules.split is not None:
             extra.append(f"work split over the rows of {rules.split[0]} (traced)")
-        msg = (f"{op.name}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {_checks._SHORT[dt.name]}, "
+        msg = (f"{op.name}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {verdict.DTYPE_SHORT[dt.name]}, "
                f"{n_out} output{'s' if n_out > 1 else ''}{'; ' + ', '.join(extra) if extra else ''})")
-        result = _checks.CheckResult(status="correct", passed=True, max_abs=max_abs_all, max_rel=max_rel_all,
-                                     message=msg, **info)
-    return _record(rules, result, task, quiet)
+        result = verdict.build_result("correct", msg, max_abs=max_abs_all, max_rel=max_rel_all, **info)
+    return verdict.record(result, quiet=quiet, check=rules.checker)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -749,8 +724,8 @@ def _att_rows_hint(c, name, ours, expected, bad):
         exp_rows = expected.reshape(B * nh, T, T)
         b, h, t = (int(i) for i in np.argwhere(rows_bad)[0])
         for j in range(B * nh):
-            if j != b * nh + h and _checks._close(ours[b, h, t], exp_rows[j, t], _checks._slack(tol)) and \
-                    not _checks._close(exp_rows[j, t], expected[b, h, t], tol):
+            if j != b * nh + h and close(ours[b, h, t], exp_rows[j, t], mistake_slack(tol)) and \
+                    not close(exp_rows[j, t], expected[b, h, t], tol):
                 return (f"row (b={b}, h={h}, t={t}) holds the values of (b={j // nh}, h={j % nh}, t={t}): the row "
                         f"index is split into (b, h, t) differently where you read and where you write. The arrays "
                         f"are (B, nh, T, T): row = (b * nh + h) * T + t")

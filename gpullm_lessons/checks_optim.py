@@ -30,6 +30,8 @@ import numpy as np
 from . import arrays as _arrays
 from . import checks as _checks
 from . import device as _device
+from . import verdict
+from .verdict import DTYPE_SHORT, close, compare, fmt, mistake_slack
 
 __all__ = ["check_adamw_step", "adamw_expected", "check_adamw_mixed"]
 
@@ -123,16 +125,6 @@ def _make_case(rng, dt, size):
     return c
 
 
-def _skipped(task, quiet):
-    msg = (f"{NAME}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{_device.kind()}' "
-           f"({_device.info().reason}); it is checked on a GPU server")
-    from . import grading
-    grading.record(check=f"check_{NAME}", task=task, status="skipped", message=msg)
-    if not quiet:
-        print(msg)
-    return _checks.CheckResult(name=NAME, task=task, status="skipped", passed=False, message=msg, arrays="cupy")
-
-
 def _diagnose(c, ours, expected, bads, wrong, tol):
     """The hint for a wrong result: never-updated elements, the gradient, then the known mistakes."""
     first = wrong[0]
@@ -144,10 +136,10 @@ def _diagnose(c, ours, expected, bads, wrong, tol):
                 return f"{first} was not updated at all: write params[i], m[i] and v[i] back in your kernel"
             return (f"{idx.size} of {c['n']} elements of {first} were never updated (first at index {idx[0]}): "
                     f"your grid must cover all n = {c['n']} elements (grid-stride loop, or enough blocks)")
-    slack = _checks._slack(tol)
+    slack = mistake_slack(tol)
     for kwargs, hint in (_MISTAKES if first != "grads" else ()):
         mis = _variant(c, **kwargs)
-        if all(_checks._close(ours[k], mis[k], slack) for k in ("params", "m", "v")):
+        if all(close(ours[k], mis[k], slack) for k in ("params", "m", "v")):
             return hint
     if first == "grads":
         nz = np.flatnonzero(ours["grads"] != 0)
@@ -170,7 +162,7 @@ def check_adamw_step(fn, arrays="numpy", dtype=np.float32, size=None, seed=None,
     fresh inputs, or the seed a failed check printed. task: label for grading. quiet: do not print.
     Returns a checks.CheckResult (truthy when correct); errors raised by fn are reported, never raised."""
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        return _skipped(task, quiet)
+        return verdict.skipped(NAME, task, quiet=quiet)
     dt, size = _checks._validate(NAME, fn, arrays, dtype, size, seed)
     if dt.name not in ("float32", "float64"):
         raise ValueError(f"check_adamw_step: dtype={dt.name} is not supported: the optimizer state is float32 "
@@ -194,24 +186,16 @@ def check_adamw_step(fn, arrays="numpy", dtype=np.float32, size=None, seed=None,
            c["weight_decay"], c["step"], table)
         ours_raw = {k: np.asarray(_arrays.to_numpy(dev[k])) for k in OUTPUTS}
     except NotImplementedError:
-        msg = f"{NAME}: not attempted (your function raised NotImplementedError)"
-        result = _checks.CheckResult(status="not attempted", passed=False, message=msg,
-                                     hint="replace the `raise NotImplementedError` with your code", **info)
+        result = verdict.not_attempted(**info)
     except Exception as exc:  # the learner's error is reported, never raised
-        first = " ".join(str(exc).split())
-        first = first if len(first) <= 200 else first[:197] + "..."
-        where = _checks._where_raised(exc)
-        msg = f"{NAME}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-        hint = (f"the error is in your code{' (at ' + where + ')' if where else ''}; n = {c['n']} float32 "
-                f"elements, decay table of {len(c['flags'])} tensors (seed {seed})")
-        result = _checks.CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint,
-                                     **info)
+        result = verdict.raised(exc=exc, context=f"n = {c['n']} float32 elements, decay table of {len(c['flags'])} "
+                                f"tensors (seed {seed})", **info)
     if result is None:
         ours = {k: r.astype(np.float64) for k, r in ours_raw.items()}
         bads, stats, wrong = {}, {}, []
         max_abs_all = max_rel_all = 0.0
         for k in ("params", "m", "v"):
-            bad, err, rel, _ = _checks._compare(ours[k], expected[k], tol)
+            bad, err, rel, _ = compare(ours[k], expected[k], tol)
             bads[k] = bad
             finite = bool(np.isfinite(ours[k]).all())
             stats[k] = (float(err.max()) if finite else math.nan, float(rel.max()) if finite else math.nan)
@@ -234,21 +218,15 @@ def check_adamw_step(fn, arrays="numpy", dtype=np.float32, size=None, seed=None,
             else:
                 detail = (f"(max abs err {stats[name][0]:.2g}, max rel {stats[name][1]:.2g}, tol {tol:g}; "
                           f"seed {seed})")
-            msg = (f"{NAME}: wrong - {name} at [{i}]: yours {_checks._fmt(mine, exp)}, expected "
-                   f"{_checks._fmt(exp, mine)} {detail}")
-            result = _checks.CheckResult(status="wrong", passed=False, output=name, max_abs=stats[name][0],
-                                         max_rel=stats[name][1], first_bad=(i,), ours=mine, expected=exp,
-                                         hint=hint, message=msg + "\n  hint: " + hint, **info)
+            msg = (f"{NAME}: wrong - {name} at [{i}]: yours {fmt(mine, exp)}, expected "
+                   f"{fmt(exp, mine)} {detail}")
+            result = verdict.build_result("wrong", msg, hint, output=name, max_abs=stats[name][0],
+                                          max_rel=stats[name][1], first_bad=(i,), ours=mine, expected=exp, **info)
         else:
-            msg = (f"{NAME}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {_checks._SHORT[dt.name]}, "
+            msg = (f"{NAME}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {DTYPE_SHORT[dt.name]}, "
                    f"params, m, v updated, grads zeroed)")
-            result = _checks.CheckResult(status="correct", passed=True, max_abs=max_abs_all, max_rel=max_rel_all,
-                                         message=msg, **info)
-    from . import grading
-    grading.record(check=f"check_{NAME}", task=task, status=result.status, message=result.message.splitlines()[0])
-    if not quiet:
-        print(result.message)
-    return result
+            result = verdict.build_result("correct", msg, max_abs=max_abs_all, max_rel=max_rel_all, **info)
+    return verdict.record(result, quiet=quiet)
 
 
 # ================================================================================================================
@@ -380,13 +358,13 @@ def _mixed_param_hint(c, prev, ours, expected, bads, name, tol):
         return (f"{idx.size} of {c['n']} elements of {name} were never updated, first at index {idx[0]}{tail}: the "
                 f"launcher's grid is capped (MAX_BLOCKS x THREADS threads), so each thread must loop over "
                 f"i, i + stride, ... up to n (a grid-stride loop)")
-    slack = _checks._slack(tol)
+    slack = mistake_slack(tol)
     for hint, make in _mixed_mistakes(c, prev):
         mis = make()
-        if all(_checks._close(ours[k], mis[k], slack) for k in ("params", "m", "v")):
+        if all(close(ours[k], mis[k], slack) for k in ("params", "m", "v")):
             return hint
     flipped = _mixed_expected(c, mask=~c["mask"])
-    wrong_flag = bad & ~_checks._compare(ours[name], flipped[name], slack)[0]   # matches the other flag's step
+    wrong_flag = bad & ~compare(ours[name], flipped[name], slack)[0]   # matches the other flag's step
     if name == "params" and wrong_flag.any() and not (bad & ~wrong_flag).any():
         return (f"the decay flag is wrong for {_tensors_text(c, np.flatnonzero(wrong_flag))}: each element must use "
                 f"flags[j] of ITS tensor j (bounds[j] <= i < bounds[j+1]); walk j forward with a while loop, since "
@@ -454,13 +432,7 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
     arrays: "numba" (default), "numpy" or "cupy". Errors raised by fn are reported, never raised."""
     name = NAME_MIXED
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        from . import grading
-        msg = (f"{name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{_device.kind()}'; it is "
-               f"checked on a GPU server")
-        grading.record(check=f"check_{name}", task=task, status="skipped", message=msg)
-        if not quiet:
-            print(msg)
-        return _checks.CheckResult(name=name, task=task, status="skipped", passed=False, message=msg, arrays=arrays)
+        return verdict.skipped(name, task, quiet=quiet, arrays=arrays)
     seed = _checks.learner_fn_and_seed(name, fn, seed)
     kind = type(fn).__name__
     if kind in ("CUDADispatcher", "FakeCUDAKernel"):
@@ -469,14 +441,9 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
     if size not in (None, "small", "large"):
         raise ValueError(f"size={size!r}: use 'small', 'large' or None (large on a GPU)")
     from .checks_precision import stub_kernel
-    if stub_kernel(fn):
-        msg = f"{name}: not attempted (your kernel {stub_kernel(fn)} raised NotImplementedError)"
-        from . import grading
-        grading.record(check=f"check_{name}", task=task, status="not attempted", message=msg)
-        if not quiet:
-            print(msg)
-        return _checks.CheckResult(name=name, task=task, status="not attempted", passed=False, message=msg, seed=seed,
-                                   hint="replace the `raise NotImplementedError` with your code", arrays=arrays)
+    stub = stub_kernel(fn)
+    if stub:
+        return verdict.record(verdict.unfinished(name, stub, task=task, seed=seed, arrays=arrays), quiet=quiet)
     big = (size == "large") or (size is None and (arrays == "cupy" or (arrays == "numba" and
                                                                        _device.numba_on_gpu())))
     rng = np.random.default_rng(seed)
@@ -504,25 +471,17 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
                c["eps"], c["weight_decay"], step, c["scale"], table)
             ours_raw = {key: np.asarray(_arrays.to_numpy(d)) for key, d in dev.items()}
         except NotImplementedError:
-            msg = f"{name}: not attempted (your function raised NotImplementedError)"
-            result = _checks.CheckResult(status="not attempted", passed=False, message=msg,
-                                         hint="replace the `raise NotImplementedError` with your code", **info)
+            result = verdict.not_attempted(**info)
             break
         except Exception as exc:  # the learner's error is reported, never raised
-            first = " ".join(str(exc).split())
-            first = first if len(first) <= 200 else first[:197] + "..."
-            at = _checks._where_raised(exc)
-            msg = f"{name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-            hint = (f"the error is in your code{' (at ' + at + ')' if at else ''}; {where}; params, grads, m, v "
-                    f"float32 (n,), half_out uint16 (n,) (seed {seed})")
-            result = _checks.CheckResult(status="error", passed=False, message=msg + "\n  hint: " + hint, hint=hint,
-                                         **info)
+            result = verdict.raised(exc=exc, context=f"{where}; params, grads, m, v float32 (n,), half_out uint16 "
+                                    f"(n,) (seed {seed})", **info)
             break
         expected = _mixed_expected(c)
         ours = {key: ours_raw[key].astype(np.float64) for key in ("params", "m", "v", "grads")}
         bads, wrong = {}, None
         for key in ("params", "m", "v"):
-            bads[key], err, rel, _ = _checks._compare(ours[key], expected[key], tol)
+            bads[key], err, rel, _ = compare(ours[key], expected[key], tol)
             if bads[key].any() and wrong is None:
                 wrong = key
             elif not bads[key].any():
@@ -532,8 +491,8 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
         if wrong is not None:
             i = int(np.flatnonzero(bads[wrong])[0])
             hint = _mixed_param_hint(c, prev, ours, expected, bads, wrong, tol)
-            detail = (f"{wrong} at [{i}]: yours {_checks._fmt(ours[wrong][i], expected[wrong][i])}, expected "
-                      f"{_checks._fmt(expected[wrong][i], ours[wrong][i])}", (i,), ours[wrong][i],
+            detail = (f"{wrong} at [{i}]: yours {fmt(ours[wrong][i], expected[wrong][i])}, expected "
+                      f"{fmt(expected[wrong][i], ours[wrong][i])}", (i,), ours[wrong][i],
                       expected[wrong][i], wrong)
         elif (ours["grads"] != 0).any():
             nz = np.flatnonzero(ours["grads"] != 0)
@@ -541,7 +500,7 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
                     "accumulates into it)" if nz.size == c["n"] else
                     f"{nz.size} of {c['n']} gradient elements are not 0 (first at index {nz[0]}): every grads[i] "
                     f"must be set to exactly 0 after it is read")
-            detail = (f"grads at [{nz[0]}]: yours {_checks._fmt(ours['grads'][nz[0]])}, expected 0", (int(nz[0]),),
+            detail = (f"grads at [{nz[0]}]: yours {fmt(ours['grads'][nz[0]])}, expected 0", (int(nz[0]),),
                       ours["grads"][nz[0]], 0.0, "grads")
         elif not np.array_equal(ours_raw["half"], half_want):
             hint = _mixed_half_hint(c, ours_raw["params"], ours_raw["half"], half_want)
@@ -551,18 +510,14 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
         if detail is not None:
             text, index, mine, exp, output = detail
             msg = f"{name}: wrong - {where}: {text} (seed {seed})"
-            result = _checks.CheckResult(status="wrong", passed=False, output=output, first_bad=index, ours=mine,
-                                         expected=exp, hint=hint, message=msg + "\n  hint: " + hint, **info)
+            result = verdict.build_result("wrong", msg, hint, output=output, first_bad=index, ours=mine,
+                                          expected=exp, **info)
             break
         ns.append(c["n"])
         prev = c
     if result is None:
         msg = (f"{name}: correct ({len(plan)} calls, n = {', '.join(str(n) for n in ns)}; max rel err "
                f"{max_rel_all:.2g}, tol {tol:g}; bf16 copy bit-exact, grads zeroed)")
-        result = _checks.CheckResult(status="correct", passed=True, max_rel=max_rel_all, message=msg,
-                                     dims={"calls": len(plan), "n": ns}, **base)
-    from . import grading
-    grading.record(check=f"check_{name}", task=task, status=result.status, message=result.message.splitlines()[0])
-    if not quiet:
-        print(result.message)
-    return result
+        result = verdict.build_result("correct", msg, max_rel=max_rel_all, dims={"calls": len(plan), "n": ns},
+                                      **base)
+    return verdict.record(result, quiet=quiet)

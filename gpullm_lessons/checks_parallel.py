@@ -53,21 +53,18 @@ import time
 import numpy as np
 
 from . import checks as _checks
+from . import verdict
 from .comm import Communicator
 
 __all__ = ["check_ring_allreduce_sim", "check_shard_bounds", "check_shard_decay_table", "check_zero_reduce_scatter",
            "ring_variant", "reduce_scatter_variant"]
 
 
+_FIELDS = {"dtype": "float64", "arrays": "numpy"}   # every checker here: float64 NumPy buffers
+
+
 def _result(name, task, status, msg, hint=None, seed=None, dims=None, quiet=False, **extra):
-    result = _checks.CheckResult(name=name, task=task, status=status, passed=status == "correct",
-                                 message=msg + (f"\n  hint: {hint}" if hint else ""), hint=hint, seed=seed,
-                                 dtype="float64", arrays="numpy", dims=dims, **extra)
-    from . import grading
-    grading.record(check=f"check_{name}", task=task, status=status, message=msg)
-    if not quiet:
-        print(result.message)
-    return result
+    return verdict.verdict(name, task, status, msg, hint, quiet=quiet, seed=seed, dims=dims, **_FIELDS, **extra)
 
 
 def _seed(name, fn, seed):
@@ -75,27 +72,17 @@ def _seed(name, fn, seed):
 
 
 def _not_attempted(name, task, seed, dims, quiet):
-    return _result(name, task, "not attempted", f"{name}: not attempted (your function raised NotImplementedError)",
-                   hint="replace the `raise NotImplementedError` with your code", seed=seed, dims=dims, quiet=quiet)
+    return verdict.record(verdict.not_attempted(name, task=task, seed=seed, dims=dims, **_FIELDS), quiet=quiet)
 
 
-def _raised(name, exc, task, seed, dims, quiet, where, hint=None):
-    first = " ".join(str(exc).split())
-    first = first if len(first) <= 200 else first[:197] + "..."
-    at = _checks._where_raised(exc)
-    msg = f"{name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-    hint = (hint or "the error is in your code") + (f" (at {at})" if at else "") + f"; {where}"
-    return _result(name, task, "error", msg, hint=hint, seed=seed, dims=dims, quiet=quiet)
+def _raised(name, exc, task, seed, dims, quiet, where):
+    return verdict.record(verdict.raised(name, exc, where, task=task, seed=seed, dims=dims, **_FIELDS), quiet=quiet)
 
 
 def _call(name, fn, args, seed, task, dims, quiet, where):
-    """(value, None) or (None, CheckResult) for not attempted / error."""
-    try:
-        return fn(*args), None
-    except NotImplementedError:
-        return None, _not_attempted(name, task, seed, dims, quiet)
-    except Exception as exc:  # the learner's error is reported, never raised
-        return None, _raised(name, exc, task, seed, dims, quiet, where)
+    """(value, None) or (None, the recorded CheckResult) for not attempted / error."""
+    value, failed = verdict.call_learner(name, fn, args, context=where, task=task, seed=seed, dims=dims, **_FIELDS)
+    return (value, None) if failed is None else (None, verdict.record(failed, quiet=quiet))
 
 
 def _ranks(s) -> str:

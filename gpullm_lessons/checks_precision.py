@@ -32,34 +32,22 @@ import numpy as np
 from . import arrays as _arrays
 from . import checks as _checks
 from . import device as _device
+from . import verdict
 
 __all__ = ["check_bf16_rne", "check_loss_scaler_update", "check_bf16_kernel", "check_bf16_hip", "check_unscale_hip",
            "bf16_special_cases", "bf16_mistakes", "SCALER_HINTS"]
 
 
 def _record(result, quiet):
-    from . import grading
-    grading.record(check=f"check_{result.name}", task=result.task, status=result.status,
-                   message=result.message.splitlines()[0])
-    if not quiet:
-        print(result.message)
-    return result
+    return verdict.record(result, quiet=quiet)
 
 
 def _not_attempted(name, task, quiet):
-    msg = f"{name}: not attempted (your function raised NotImplementedError)"
-    return _record(_checks.CheckResult(name=name, task=task, status="not attempted", passed=False, message=msg,
-                                       hint="replace the `raise NotImplementedError` with your code"), quiet)
+    return _record(verdict.not_attempted(name, task=task), quiet)
 
 
 def _error(name, task, quiet, exc, context, seed):
-    first = " ".join(str(exc).split())
-    first = first if len(first) <= 200 else first[:197] + "..."
-    where = _checks._where_raised(exc)
-    msg = f"{name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-    hint = f"the error is in your code{' (at ' + where + ')' if where else ''}; {context}"
-    return _record(_checks.CheckResult(name=name, task=task, status="error", passed=False, seed=seed,
-                                       message=msg + "\n  hint: " + hint, hint=hint), quiet)
+    return _record(verdict.raised(name, exc, context, task=task, seed=seed), quiet)
 
 
 def stub_kernel(fn):
@@ -222,9 +210,8 @@ def check_bf16_rne(fn, seed=None, n=200_000, task=None, quiet=False) -> "_checks
         msg = (f"{NAME_BF16}: wrong - {label}: {flat_bad.size} of {bad.size} wrong; first x = "
                f"{float(np.uint32(b).view(np.float32))!r} (bits 0x{b:08X}){what}: yours 0x{o:04X}, expected "
                f"0x{e:04X} (seed {seed})")
-        return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), ours=float(o),
-                                           expected=float(e), hint=hint, message=msg + "\n  hint: " + hint,
-                                           dims={"n": int(bad.size)}, **base), quiet)
+        return _record(verdict.build_result("wrong", msg, hint, first_bad=(i,), ours=float(o),
+                                            expected=float(e), dims={"n": int(bad.size)}, **base), quiet)
     msg = (f"{NAME_BF16}: correct (bit-exact with ml_dtypes.bfloat16 on {sbits.size} special cases and {n:,} "
            f"random floats)")
     return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0,
@@ -355,8 +342,7 @@ def check_loss_scaler_update(fn, seed=None, task=None, quiet=False) -> "_checks.
             if not (isinstance(got, tuple) and len(got) == 3):
                 hint = "return a tuple of three: (new_scale, new_clean_steps, skip)"
                 msg = f"{NAME_SCALER}: wrong - with {state} your function returned {got!r:.80}"
-                return _record(_checks.CheckResult(status="wrong", passed=False, hint=hint,
-                                                   message=msg + "\n  hint: " + hint, **base), quiet)
+                return _record(verdict.build_result("wrong", msg, hint, **base), quiet)
             new_scale, new_clean, skip = got
             exp = want[step]
             if (float(new_scale), int(new_clean), bool(skip)) != (exp[0], exp[1], exp[2]):
@@ -367,8 +353,7 @@ def check_loss_scaler_update(fn, seed=None, task=None, quiet=False) -> "_checks.
                        f"{step + 1}: called with {state}: yours (scale={float(new_scale):g}, clean_steps="
                        f"{new_clean}, skip={bool(skip)}), expected (scale={exp[0]:g}, clean_steps={exp[1]}, "
                        f"skip={exp[2]}) (seed {seed})")
-                return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(k, step), hint=hint,
-                                                   message=msg + "\n  hint: " + hint, **base), quiet)
+                return _record(verdict.build_result("wrong", msg, hint, first_bad=(k, step), **base), quiet)
             scale, clean = float(new_scale), int(new_clean)
     steps = sum(len(s[2]) for s in scripts)
     msg = f"{NAME_SCALER}: correct ({len(scripts)} sequences, {steps} steps, same as DynamicLossScaler)"
@@ -433,15 +418,13 @@ def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet
     if type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel"):
         raise TypeError(f"check_{name}(fn): fn is a Numba kernel; pass the launcher that calls it, fn(x, out)")
     if arrays == "cupy" and not _device.has_gpu():
-        msg = (f"{name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{_device.kind()}'; it is "
-               f"checked on a GPU server")
-        return _record(_checks.CheckResult(name=name, task=task, status="skipped", passed=False, message=msg,
-                                           arrays=arrays), quiet)
+        return verdict.skipped(name, task, quiet=quiet, arrays=arrays)
     _arrays.require(arrays)
     if size not in (None, "small", "large"):
         raise ValueError(f"size={size!r}: use 'small', 'large' or None (large on a GPU)")
-    if stub_kernel(fn):
-        return _not_attempted(name, task, quiet)
+    stub = stub_kernel(fn)
+    if stub:
+        return _record(verdict.unfinished(name, stub, task=task, seed=seed, arrays=arrays), quiet)
     on_gpu = arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
     rng = np.random.default_rng(seed)
     specials = np.concatenate(list(bf16_special_cases().values()))
@@ -469,8 +452,7 @@ def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet
         if not np.array_equal(after.view(np.uint32), bits):
             hint = "your kernel changed its input x: read x, write only out"
             msg = f"{name}: wrong - {label}: x was modified"
-            return _record(_checks.CheckResult(status="wrong", passed=False, hint=hint,
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("wrong", msg, hint, **base), quiet)
         want = _expected_bf16(x)
         if ours.dtype != np.uint16 or ours.shape != want.shape or not np.array_equal(ours, want):
             i = int(np.flatnonzero(ours != want)[0])
@@ -479,9 +461,9 @@ def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet
             msg = (f"{name}: wrong - {label}: {int((ours != want).sum())} of {x.size} wrong; first at index {i}: "
                    f"x = {float(x[i])!r} (bits 0x{int(bits[i]):08X}): yours 0x{int(ours[i]):04X}, expected "
                    f"0x{int(want[i]):04X} (seed {seed})")
-            return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), ours=float(ours[i]),
-                                               expected=float(want[i]), hint=hint, dims={"n": int(x.size)},
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("wrong", msg, hint, first_bad=(i,), ours=float(ours[i]),
+                                                expected=float(want[i]), dims={"n": int(x.size)},
+                                                **base), quiet)
     ns = ", ".join(f"{bits.size:,}" for _, bits in cases)
     msg = f"{name}: correct (bit-exact with ml_dtypes.bfloat16 in {len(cases)} calls, n = {ns})"
     return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
@@ -495,7 +477,7 @@ def _hip_source(name, source, task, quiet, banned=(), required=()):
     if not (isinstance(source, str) or callable(source)):
         raise TypeError(f"check_{name}(source): pass your kernel source as a str, or the function that returns it "
                         f"(without calling it); got {type(source).__name__}")
-    text, failed = _checks._source_text(source)
+    text, failed = _checks.source_text(source)
     base = dict(name=name, task=task, arrays="cupy")
     if failed is not None:
         status, why = failed
@@ -592,15 +574,14 @@ def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckR
             cp.cuda.get_current_stream().synchronize()
             got = cp.asnumpy(d_dst)
         except Exception as exc:   # e.g. a misaligned float4 load: the launch fails
-            text_exc = " ".join(str(exc).split())[:200]
+            text_exc = verdict.error_text(exc)
             hint = (f"the launch failed ({text_exc}) on {label}: "
                     + ("a float4 load from an address that is not a multiple of 16 faults; convert the elements "
                        "before the first 16-byte boundary with scalar loads, then use float4. (A failed launch can "
                        "leave the GPU context unusable: restart the notebook kernel before running GPU code again.)"
                        if off else "an out-of-bounds access? check every index against n"))
             msg = f"{name}: error - {label}: the kernel failed (seed {seed})"
-            return _record(_checks.CheckResult(status="error", passed=False, hint=hint,
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("error", msg, hint, **base), quiet)
         ours = got[off:off + n]
         outside = np.concatenate([got[:off], got[off + n:]])
         if (outside != np.uint16(OUT_POISON)).any():
@@ -609,8 +590,7 @@ def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckR
             hint = (f"your kernel wrote outside dst[0 .. n-1] (at dst[{k - off}]): the last float4 may only be used "
                     f"when all 4 of its elements are < n, the rest is the scalar tail")
             msg = f"{name}: wrong - {label}: a write past the end of dst (seed {seed})"
-            return _record(_checks.CheckResult(status="wrong", passed=False, hint=hint,
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("wrong", msg, hint, **base), quiet)
         want = _expected_bf16(bits.view(np.float32))
         if not np.array_equal(ours, want):
             bad = np.flatnonzero(ours != want)
@@ -629,9 +609,9 @@ def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckR
             msg = (f"{name}: wrong - {label}: {bad.size} of {n} wrong; first at index {i}: x = "
                    f"{float(bits[i:i + 1].view(np.float32)[0])!r} (bits 0x{int(bits[i]):08X}): yours "
                    f"0x{int(ours[i]):04X}, expected 0x{int(want[i]):04X} (seed {seed})")
-            return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), ours=float(ours[i]),
-                                               expected=float(want[i]), hint=hint, dims={"n": n, "offset": off},
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("wrong", msg, hint, first_bad=(i,), ours=float(ours[i]),
+                                                expected=float(want[i]), dims={"n": n, "offset": off},
+                                                **base), quiet)
     msg = (f"{name}: correct (bit-exact with ml_dtypes.bfloat16 in {len(cases)} launches: n = 1..7, past the grid, "
            f"src + 1 and src + 3 not 16-byte aligned; nothing written outside dst)")
     return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
@@ -742,10 +722,9 @@ def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.Che
             cp.cuda.get_current_stream().synchronize()
             got_g, got_count = cp.asnumpy(d_g), int(cp.asnumpy(d_count)[0])
         except Exception as exc:
-            hint = f"the launch failed ({' '.join(str(exc).split())[:200]}): check every index against n"
+            hint = f"the launch failed ({verdict.error_text(exc)}): check every index against n"
             msg = f"{name}: error - {label}: the kernel failed (seed {seed})"
-            return _record(_checks.CheckResult(status="error", passed=False, hint=hint,
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("error", msg, hint, **base), quiet)
         with np.errstate(invalid="ignore"):
             want_g = g * inv
         same = (got_g.view(np.uint32) == want_g.view(np.uint32)) | (np.isnan(got_g) & np.isnan(want_g))
@@ -766,16 +745,14 @@ def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.Che
                 hint = f"grads[{i}] should be grads[{i}] * inv_scale = {float(want_g[i])!r} (float32)"
             msg = (f"{name}: wrong - {label}: grads at [{i}]: yours {float(got_g[i])!r}, expected {float(want_g[i])!r} "
                    f"({bad.size} of {n} wrong; seed {seed})")
-            return _record(_checks.CheckResult(status="wrong", passed=False, first_bad=(i,), output="grads",
-                                               ours=float(got_g[i]), expected=float(want_g[i]), hint=hint,
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("wrong", msg, hint, first_bad=(i,), output="grads",
+                                                ours=float(got_g[i]), expected=float(want_g[i]), **base), quiet)
         if got_count != want_count:
             hint = _count_hint(g, got_count, want_count, blocks)
             msg = (f"{name}: wrong - {label}: count is {got_count}, expected {want_count} inf/NaN elements "
                    f"(seed {seed})")
-            return _record(_checks.CheckResult(status="wrong", passed=False, output="count", ours=float(got_count),
-                                               expected=float(want_count), hint=hint,
-                                               message=msg + "\n  hint: " + hint, **base), quiet)
+            return _record(verdict.build_result("wrong", msg, hint, output="count", ours=float(got_count),
+                                                expected=float(want_count), **base), quiet)
     msg = (f"{name}: correct ({len(plan)} launches, n = 0 .. {plan[-1]:,}; grads unscaled bit for bit, every inf/NaN "
            f"counted once)")
     return _record(_checks.CheckResult(status="correct", passed=True, message=msg, **base), quiet)

@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 from . import checks as _checks
+from . import verdict
 
 __all__ = ["check_lr_schedule", "check_clip_coef", "clip_coef_expected", "RTOL", "CLIP_EPS"]
 
@@ -40,50 +41,45 @@ CLIP_EPS = 1e-6      # torch.nn.utils.clip_grad_norm_'s eps
 
 
 # ------------------------------------------------------------------------------------------------------------
-# shared plumbing (the style of checks_memory)
+# plumbing (the verdicts themselves: gpullm_lessons.verdict)
 # ------------------------------------------------------------------------------------------------------------
+_FIELDS = {"dtype": "float64", "arrays": "numpy", "tol": RTOL}   # plain Python numbers, compared within RTOL
+
+
 def _result(name, task, status, msg, hint=None, seed=None, dims=None, quiet=False, **extra):
-    result = _checks.CheckResult(name=name, task=task, status=status, passed=status == "correct",
-                                 message=msg + (f"\n  hint: {hint}" if hint else ""), hint=hint, seed=seed,
-                                 dtype="float64", arrays="numpy", dims=dims, tol=RTOL, **extra)
-    from . import grading
-    grading.record(check=f"check_{name}", task=task, status=status, message=msg)
-    if not quiet:
-        print(result.message)
-    return result
+    return verdict.verdict(name, task, status, msg, hint, quiet=quiet, seed=seed, dims=dims, **_FIELDS, **extra)
 
 
 def _validate(name, fn, seed):
     return _checks.learner_fn_and_seed(name, fn, seed, "settings")
 
 
-def _call(name, fn, args, seed, what):
-    """(value, None), or (None, (status, message, hint)) for not attempted / error / not a number."""
-    try:
-        out = fn(*args)
-    except NotImplementedError:
-        return None, ("not attempted", f"{name}: not attempted (your function raised NotImplementedError)",
-                      "replace the `raise NotImplementedError` with your code")
-    except Exception as exc:  # the learner's error is reported, never raised
-        first = " ".join(str(exc).split())
-        first = first if len(first) <= 200 else first[:197] + "..."
-        where = _checks._where_raised(exc)
-        msg = f"{name}: error - your function raised {type(exc).__name__}" + (f": {first}" if first else "")
-        hint = (f"the error is in your code{' (at ' + where + ')' if where else ''}, called as {what} "
-                f"(seed {seed})")
-        if isinstance(exc, ZeroDivisionError) and name == "clip_coef":
-            hint = (f"a gradient norm of 0 (every gradient zero) divides by zero: that is what the + 1e-6 in "
-                    f"max_norm / (grad_norm + 1e-6) is for; called as {what} (seed {seed})")
-        elif isinstance(exc, ZeroDivisionError) and name == "lr_schedule":
-            step, _, warmup, total, _ = args
-            if warmup == 0:
-                hint = (f"warmup = 0 (no warmup) divides by zero: with no warmup steps the cosine starts at step 0, "
-                        f"so the warmup branch must not run (nor divide by warmup); called as {what} (seed {seed})")
-            elif total - 1 - warmup <= 0:
-                hint = (f"a decay phase of a single step (total = warmup + 1) divides by zero: total - 1 - warmup is "
-                        f"0 there; this course's schedule keeps the ratio's denominator at least 1 (max(1, ...)), "
-                        f"so that step stays at max_lr; called as {what} (seed {seed})")
-        return None, ("error", msg, hint)
+def _zero_division_lead(name, args):
+    """What a ZeroDivisionError in fn(*args) means, for the hint (None: nothing known)."""
+    def lead(exc):
+        if not isinstance(exc, ZeroDivisionError):
+            return None
+        if name == "clip_coef":
+            return ("a gradient norm of 0 (every gradient zero) divides by zero: that is what the + 1e-6 in "
+                    "max_norm / (grad_norm + 1e-6) is for")
+        step, _, warmup, total, _ = args
+        if warmup == 0:
+            return ("warmup = 0 (no warmup) divides by zero: with no warmup steps the cosine starts at step 0, so the "
+                    "warmup branch must not run (nor divide by warmup)")
+        if total - 1 - warmup <= 0:
+            return ("a decay phase of a single step (total = warmup + 1) divides by zero: total - 1 - warmup is 0 "
+                    "there; this course's schedule keeps the ratio's denominator at least 1 (max(1, ...)), so that "
+                    "step stays at max_lr")
+        return None
+    return lead
+
+
+def _call(name, fn, args, seed, what, task):
+    """(value, None), or (None, an unrecorded CheckResult) for not attempted / error / not a number."""
+    out, failed = verdict.call_learner(name, fn, args, context=f"called as {what} (seed {seed})",
+                                       lead=_zero_division_lead(name, args), task=task, seed=seed, **_FIELDS)
+    if failed is not None:
+        return None, failed
     try:
         value = float(out)
         if isinstance(out, (bool, np.bool_)) or np.ndim(out) != 0:
@@ -92,7 +88,7 @@ def _call(name, fn, args, seed, what):
         msg = f"{name}: wrong - your function returned {type(out).__name__} {out!r:.60}, not a number"
         hint = (f"return a float (called as {what}; seed {seed})" if out is not None else
                 f"your function returns None: a `return` is missing (called as {what}; seed {seed})")
-        return None, ("wrong", msg, hint)
+        return None, verdict.build_result("wrong", msg, hint, name=name, task=task, seed=seed, **_FIELDS)
     return value, None
 
 
@@ -218,15 +214,15 @@ def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "_checks.CheckRe
         early = None
         for s in steps:
             what = f"fn({s}, {max_lr:.4g}, {warmup}, {total}, {min_lr:.4g}) ({_RUN_NAMES[_RUN_KINDS[run]]})"
-            value, early = _call(name, fn, (s, max_lr, warmup, total, min_lr), seed, what)
+            value, early = _call(name, fn, (s, max_lr, warmup, total, min_lr), seed, what, task)
             if early is not None:
                 break
             ours.append(value)
         if early is not None:
             if any(not all(_close(a, b, RTOL * m) for a, b in zip(o, e)) for (m, *_), _, o, e in done):
                 break                      # a wrong value came before the error: report that
-            status, msg, hint = early
-            return _result(name, task, status, msg, hint=hint, seed=seed, dims=dims, quiet=quiet)
+            early.dims = dims
+            return verdict.record(early, quiet=quiet)
         done.append(((max_lr, warmup, total, min_lr), steps, ours, expected))
     max_rel = 0.0
     for run, ((max_lr, warmup, total, min_lr), steps, ours, expected) in enumerate(done):
@@ -339,15 +335,15 @@ def check_clip_coef(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResu
     cases = _clip_cases(rng)
     ours = []
     for norm, max_norm in cases:
-        value, early = _call(name, fn, (norm, max_norm), seed, f"fn({norm:.6g}, {max_norm:.6g})")
+        value, early = _call(name, fn, (norm, max_norm), seed, f"fn({norm:.6g}, {max_norm:.6g})", task)
         if early is not None:
-            status, msg, hint = early
             done = cases[:len(ours)]
-            if status == "error" and any(not _close(a, clip_coef_expected(n, m)) for a, (n, m) in zip(ours, done)):
+            if early.status == "error" and any(not _close(a, clip_coef_expected(n, m))
+                                               for a, (n, m) in zip(ours, done)):
                 cases = done                    # a wrong value came before the error: report that
                 break
-            return _result(name, task, status, msg, hint=hint, seed=seed, quiet=quiet,
-                           dims={"grad_norm": norm, "max_norm": max_norm})
+            early.dims = {"grad_norm": norm, "max_norm": max_norm}
+            return verdict.record(early, quiet=quiet)
         ours.append(value)
     expected = [clip_coef_expected(n, m) for n, m in cases]
     bad = [i for i, (a, b) in enumerate(zip(ours, expected)) if not _close(a, b)]
