@@ -599,8 +599,8 @@ class KernelTrace:
         (None when nothing was traced)."""
         if not self.available or not self.launches:
             return None
-        from .viz import _pyplot
-        plt = _pyplot()
+        from .viz.common import pyplot
+        plt = pyplot()
         n = min(len(self.launches), max_launches)
         fig, axes = plt.subplots(n, 4, figsize=(17, 3.4 * n), squeeze=False,
                                  gridspec_kw={"width_ratios": [1.5, 1.3, 0.9, 0.9]})

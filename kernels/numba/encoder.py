@@ -44,7 +44,7 @@ MAX_THREADS = 1024
 
 # v1_zero: thread i owns element i of a (rows, C) array and sets it to 0
 @cuda.jit
-def encoder_zero_v1(a):
+def encoder_backward_v1_zero(a):
     i = cuda.grid(1)
     rows, C = a.shape
     if i < rows * C:
@@ -223,7 +223,7 @@ def encoder_backward_v3_finish(acc, scale, dwte):
         dwte[v, c] = numba.float32(numba.float64(acc[v, c]) * inv)
 
 
-KERNELS = {"v1_zero": encoder_zero_v1, "v1": encoder_backward_v1,
+KERNELS = {"v1_zero": encoder_backward_v1_zero, "v1": encoder_backward_v1,
            "v2": encoder_backward_v2, "v2_dwpe": encoder_backward_v2_dwpe,
            "v3_amax": encoder_backward_v3_amax, "v3_scale": encoder_backward_v3_scale,
            "v3_zero": encoder_backward_v3_zero, "v3_add": encoder_backward_v3_add,
@@ -263,8 +263,8 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None):
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"encoder_backward: threads={threads}, expected 1..{MAX_THREADS}")
     if version == "v1":
-        encoder_zero_v1[_blocks(V * C, threads), threads, launch_stream()](dwte)
-        encoder_zero_v1[_blocks(maxT * C, threads), threads, launch_stream()](dwpe)
+        encoder_backward_v1_zero[_blocks(V * C, threads), threads, launch_stream()](dwte)
+        encoder_backward_v1_zero[_blocks(maxT * C, threads), threads, launch_stream()](dwpe)
         if B * T * C:
             encoder_backward_v1[_blocks(B * T * C, threads), threads, launch_stream()](dout, idx, dwte, dwpe)
     elif version == "v3":

@@ -1,0 +1,20 @@
+"""What every figure module shares: pyplot(), matplotlib's pyplot (kernel_trace's pictures use it too).
+
+Without a display (a server, CI) matplotlib is switched to its file-only Agg backend, unless pyplot is already
+loaded or MPLBACKEND is set (Jupyter sets its inline backend itself).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def pyplot():
+    import matplotlib
+
+    headless = sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    if headless and "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

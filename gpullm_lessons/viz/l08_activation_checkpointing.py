@@ -1,0 +1,74 @@
+"""Lesson 08, activation checkpointing: live activation memory through a step, memory saved vs time paid."""
+from __future__ import annotations
+
+from .common import pyplot
+
+
+def plot_activation_timeline(timelines: dict, title: str = "", ax=None):
+    """Live activation memory through one forward + backward, one line per policy.
+
+    timelines: {policy: [(label, bytes), ...]} as checkpointing.activation_timeline returns (the same points for
+    every policy). The forward grows the memory block by block, the backward frees it block by block (the
+    sawtooth); "full" keeps only each block's input plus, briefly, one block's recomputed cache."""
+    plt = pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(11, 3.8))
+    else:
+        fig = ax.figure
+    colors = {"none": "tab:red", "selective": "tab:orange", "full": "tab:green"}
+    labels = None
+    for policy, points in timelines.items():
+        labels = [lab for lab, _ in points]
+        mib = [b / 2**20 for _, b in points]
+        ax.step(range(len(points)), mib, where="post", lw=2, color=colors.get(policy), label=policy)
+        peak = max(range(len(mib)), key=mib.__getitem__)
+        ax.annotate(f"peak {mib[peak]:.1f} MiB", (peak, mib[peak]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8, color=colors.get(policy))
+    turn = labels.index("head + loss")
+    ax.axvspan(-0.5, turn + 0.5, color="tab:blue", alpha=0.05)
+    ax.text(turn / 2, ax.get_ylim()[1] * 0.97, "forward", ha="center", va="top", fontsize=9, color="tab:blue")
+    ax.text((turn + len(labels)) / 2, ax.get_ylim()[1] * 0.97, "backward", ha="center", va="top", fontsize=9)
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_ylabel("live activations (MiB)")
+    ax.set_title(title or "activation memory during one training step", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
+    """Memory vs compute of the checkpointing policies: x = step time relative to policy "none", y = activation
+    bytes relative to "none", one marker per policy, one colour per source.
+
+    sources: {name: {policy: (memory_rel, time_rel)}} (checkpointing.tradeoff_points gives this per group).
+    claim: (memory_rel, (time_lo, time_hi)) drawn as a shaded box, the claim being tested (about half the memory
+    for 30-40% more compute); None for no box."""
+    plt = pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+    else:
+        fig = ax.figure
+    markers = {"none": "o", "selective": "s", "full": "^"}
+    cmap = plt.get_cmap("tab10")
+    if claim is not None:
+        mem, (lo, hi) = claim
+        ax.add_patch(plt.Rectangle((lo, mem - 0.1), hi - lo, 0.2, color="gray", alpha=0.2))
+        ax.text(lo, mem + 0.11, f"claim: ~{mem:.0%} memory for +{lo - 1:.0%}..{hi - 1:.0%} time", fontsize=8,
+                color="dimgray")
+    for k, (name, points) in enumerate(sources.items()):
+        for policy, (mem_rel, time_rel) in points.items():
+            ax.scatter(time_rel, mem_rel, marker=markers.get(policy, "x"), s=60, color=cmap(k % 10),
+                       label=name if policy == "none" else None, zorder=3)
+            ax.annotate(policy, (time_rel, mem_rel), textcoords="offset points", xytext=(5, -3), fontsize=7)
+    for policy, m in markers.items():
+        ax.scatter([], [], marker=m, color="gray", label=policy)
+    ax.set_xlabel("step time relative to no checkpointing")
+    ax.set_ylabel("activation memory relative to none")
+    ax.set_ylim(0, 1.15)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("activation checkpointing: memory saved vs time paid", fontsize=10)
+    fig.tight_layout()
+    return fig
