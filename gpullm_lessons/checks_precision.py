@@ -541,15 +541,15 @@ def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckR
     Without a GPU it is compiled for NVIDIA and AMD and linted (status "compiled"). The source must include only
     "portable.h" and use float4."""
     name = NAME_BF16_HIP
-    text, verdict = _hip_source(name, source, task, quiet, banned=(_HALF_H,), required=(_FLOAT4,))
-    if verdict is not None:
-        return verdict
+    text, refused = _hip_source(name, source, task, quiet, banned=(_HALF_H,), required=(_FLOAT4,))
+    if refused is not None:
+        return refused
     if not _device.has_gpu():
         return _checks.hip_compile_only(name, text, [BF16_HIP_ENTRY], task=task, quiet=quiet)
     seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
-    kernel, verdict = _hip_kernel(name, text, BF16_HIP_ENTRY, task, quiet)
-    if verdict is not None:
-        return verdict
+    kernel, refused = _hip_kernel(name, text, BF16_HIP_ENTRY, task, quiet)
+    if refused is not None:
+        return refused
     import cupy as cp
     rng = np.random.default_rng(seed)
     past = HIP_MAX_BLOCKS * HIP_THREADS * 4
@@ -693,17 +693,17 @@ def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.Che
     the grid; grads must equal float32 g * inv_scale bit for bit (NaN stays NaN) and count must be exact. Without a
     GPU it is compiled for NVIDIA and AMD and linted (status "compiled")."""
     name = NAME_UNSCALE
-    text, verdict = _hip_source(name, source, task, quiet,
+    text, refused = _hip_source(name, source, task, quiet,
                                 required=((r"\batomicAdd\b", "add each block's total to count[0] with atomicAdd "
                                            "(blocks run in any order)"),))
-    if verdict is not None:
-        return verdict
+    if refused is not None:
+        return refused
     if not _device.has_gpu():
         return _checks.hip_compile_only(name, text, [UNSCALE_ENTRY], task=task, quiet=quiet)
     seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
-    kernel, verdict = _hip_kernel(name, text, UNSCALE_ENTRY, task, quiet)
-    if verdict is not None:
-        return verdict
+    kernel, refused = _hip_kernel(name, text, UNSCALE_ENTRY, task, quiet)
+    if refused is not None:
+        return refused
     import cupy as cp
     rng = np.random.default_rng(seed)
     past = HIP_MAX_BLOCKS * HIP_THREADS
