@@ -665,8 +665,8 @@ def _count_hint(g, got, want, blocks, threads=HIP_THREADS):
                 f"i + stride, ... (grid-stride) and count every element")
     for width in (32, 64):
         if width < threads and got == int((bad & (lane < width)).sum()):
-            return (f"only the first warp of each block reached the count: after the warp reductions, combine the "
-                    f"partials of all blockDim.x / warpSize warps (shared memory) before the atomicAdd")
+            return ("only the first warp of each block reached the count: after the warp reductions, combine the "
+                    "partials of all blockDim.x / warpSize warps (shared memory) before the atomicAdd")
         if width < threads and got == int((bad & (lane % width == 0)).sum()):
             return ("only lane 0 of each warp was counted: reduce over every lane of the warp (shfl_down / shfl_xor "
                     "with offsets from warpSize / 2 down to 1)")

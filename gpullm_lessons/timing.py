@@ -9,6 +9,7 @@ from the same clock:
     copy_bandwidth()     device-to-device copy: the memory-bound kernels' ceiling
     matmul_rate(dtype=)  a large cuBLAS product: the compute-bound ones'
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +25,7 @@ def time_gpu(fn, warmup: int = 3, iters: int = 20, reps: int = 5) -> float:
     the op in a real step too, and it shows here.
     """
     import cupy as cp
+
     for _ in range(warmup):
         fn()
     cp.cuda.Device().synchronize()
@@ -45,6 +47,7 @@ def time_host(fn, iters: int = 20, reps: int = 3) -> float:
     import time
 
     import cupy as cp
+
     fn()
     cp.cuda.Device().synchronize()
     times = []
@@ -67,11 +70,12 @@ def time_gpu_graph(fn, iters: int = 20, reps: int = 5) -> float:
     import cupy as cp
 
     from .blas import prepare_capture
+
     prepare_capture()
     pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
     with cp.cuda.using_allocator(pool.malloc), stream:
-        fn()                                                  # compiles, fills the private pool
+        fn()  # compiles, fills the private pool
         stream.synchronize()
         stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
         try:
@@ -95,6 +99,7 @@ def time_gpu_graph(fn, iters: int = 20, reps: int = 5) -> float:
 def time_torch_graph(fn, iters: int = 20, reps: int = 5) -> float:
     """time_gpu_graph for a PyTorch callable (torch.cuda.CUDAGraph: PyTorch launches on its own streams)."""
     import torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -121,6 +126,7 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """Device-to-device copy: GB/s counted as read + write (2 x nbytes per copy)."""
     device.require_gpu("measuring copy bandwidth")
     import cupy as cp
+
     n = nbytes // 4
     src = cp.ones(n, cp.float32)
     dst = cp.empty_like(src)
@@ -132,8 +138,10 @@ def matmul_rate(n: int = 8192, dtype: str = "float32") -> dict:
     """Square matmul through CuPy (cuBLAS / hipBLAS): TFLOP/s counted as 2 n^3 per product."""
     device.require_gpu("measuring the matmul rate")
     import cupy as cp
+
     if dtype == "bfloat16":
         import ml_dtypes
+
         dt = np.dtype(ml_dtypes.bfloat16)
     else:
         dt = np.dtype(dtype)

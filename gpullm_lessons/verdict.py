@@ -23,6 +23,7 @@ Messages, one shape for all checkers (``name`` is the op, e.g. "linear_backward"
       hint: the error is in your code (at line 12 in my_fn); what the call was given (seed S)
     name: skipped - arrays='cupy' runs on a GPU, and this machine runs as 'cpu' (why); it is checked on a GPU server
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,32 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 __all__ = [
-    "STATUSES", "DTYPE_SHORT", "NOT_ATTEMPTED_HINT", "ERROR_TEXT_MAX", "CheckResult",
-    "build_result", "record", "verdict", "skipped",
-    "call_learner", "not_attempted", "unfinished", "raised", "error_text", "what_raised", "error_message",
+    "STATUSES",
+    "DTYPE_SHORT",
+    "NOT_ATTEMPTED_HINT",
+    "ERROR_TEXT_MAX",
+    "CheckResult",
+    "build_result",
+    "record",
+    "verdict",
+    "skipped",
+    "call_learner",
+    "not_attempted",
+    "unfinished",
+    "raised",
+    "error_text",
+    "what_raised",
+    "error_message",
     "error_hint",
-    "is_learner_code", "learner_frames", "where_raised", "raised_in",
-    "fmt", "fmt_index", "compare", "close", "mistake_slack",
+    "is_learner_code",
+    "learner_frames",
+    "where_raised",
+    "raised_in",
+    "fmt",
+    "fmt_index",
+    "compare",
+    "close",
+    "mistake_slack",
 ]
 
 # "compiled": a HIP task checked without a GPU (compiles for both vendors, lint clean; not run), see
@@ -58,25 +79,26 @@ ERROR_TEXT_MAX = 200  # characters of an exception's text in a message: a traceb
 @dataclasses.dataclass(repr=False)
 class CheckResult:
     """The verdict of one check. ``bool(result)`` is ``result.passed``; ``print(result)`` prints the message."""
-    name: str                         # the op, e.g. "linear_backward"
-    task: Optional[str]               # the task label passed to the checker (grading), or None
-    status: str                       # "correct" | "wrong" | "not attempted" | "error" | "skipped" (needs a GPU)
+
+    name: str  # the op, e.g. "linear_backward"
+    task: Optional[str]  # the task label passed to the checker (grading), or None
+    status: str  # "correct" | "wrong" | "not attempted" | "error" | "skipped" (needs a GPU)
     #                                   | "compiled" (a HIP source checked without a GPU: compiles, lint clean; not run)
     passed: bool
-    output: Optional[str] = None      # the (first) wrong output, e.g. "dweight"
-    max_abs: Optional[float] = None   # max |yours - expected| over that output (over all outputs if correct)
-    max_rel: Optional[float] = None   # max |yours - expected| / (|expected| + M), compare with tol
-    tol: Optional[float] = None       # the relative tolerance used (see checks.TOLERANCES)
+    output: Optional[str] = None  # the (first) wrong output, e.g. "dweight"
+    max_abs: Optional[float] = None  # max |yours - expected| over that output (over all outputs if correct)
+    max_rel: Optional[float] = None  # max |yours - expected| / (|expected| + M), compare with tol
+    tol: Optional[float] = None  # the relative tolerance used (see checks.TOLERANCES)
     first_bad: Optional[tuple] = None  # index of the first wrong element of `output`
-    ours: Optional[float] = None      # your value there
+    ours: Optional[float] = None  # your value there
     expected: Optional[float] = None  # the reference value there
-    hint: Optional[str] = None        # what is probably wrong
-    seed: Optional[int] = None        # pass seed=... to the checker to get the same inputs again
-    message: str = ""                 # what was printed (one or two lines)
-    dtype: Optional[str] = None       # "float32", ...
-    arrays: Optional[str] = None      # "numpy" | "cupy" | "numba"
-    dims: Optional[dict] = None       # the sizes used in the case that decided, e.g. {"N": 37, "C": 20, "OC": 12}
-    atol: Optional[dict] = None       # the absolute floor used per output (tol * M, see the checks docstring)
+    hint: Optional[str] = None  # what is probably wrong
+    seed: Optional[int] = None  # pass seed=... to the checker to get the same inputs again
+    message: str = ""  # what was printed (one or two lines)
+    dtype: Optional[str] = None  # "float32", ...
+    arrays: Optional[str] = None  # "numpy" | "cupy" | "numba"
+    dims: Optional[dict] = None  # the sizes used in the case that decided, e.g. {"N": 37, "C": 20, "OC": 12}
+    atol: Optional[dict] = None  # the absolute floor used per output (tol * M, see the checks docstring)
     inputs: Optional[dict] = dataclasses.field(default=None)  # the NumPy inputs of that case, to reproduce by hand
 
     def __bool__(self) -> bool:
@@ -92,24 +114,43 @@ class CheckResult:
 def build_result(status: str, msg: str, hint: Optional[str] = None, **fields) -> CheckResult:
     """A CheckResult (not yet recorded): the message is `msg`, plus a second line "  hint: ..." when there is a hint;
     passed exactly when status is "correct". fields: name, task and any other CheckResult field."""
-    return CheckResult(status=status, passed=status == "correct", message=msg + (f"\n  hint: {hint}" if hint else ""),
-                       hint=hint, **fields)
+    return CheckResult(
+        status=status,
+        passed=status == "correct",
+        message=msg + (f"\n  hint: {hint}" if hint else ""),
+        hint=hint,
+        **fields,
+    )
 
 
 def record(result: CheckResult, *, quiet: bool = False, check: Optional[str] = None) -> CheckResult:
     """Record the verdict for grading (as check_<name>, or `check`) with its whole message (grading.record makes it
     one line, hint included), print the message unless quiet, and return the result."""
     from . import grading  # lazily: grading is only needed once a verdict exists
+
     name = str(result.name)
-    grading.record(check=check or (name if name.startswith("check_") else f"check_{name}"), task=result.task,
-                   status=result.status, message=result.message)
+    grading.record(
+        check=check or (name if name.startswith("check_") else f"check_{name}"),
+        task=result.task,
+        status=result.status,
+        message=result.message,
+    )
     if not quiet:
         print(result.message)
     return result
 
 
-def verdict(name: str, task, status: str, msg: str, hint: Optional[str] = None, *, quiet: bool = False,
-            check: Optional[str] = None, **fields) -> CheckResult:
+def verdict(
+    name: str,
+    task,
+    status: str,
+    msg: str,
+    hint: Optional[str] = None,
+    *,
+    quiet: bool = False,
+    check: Optional[str] = None,
+    **fields,
+) -> CheckResult:
     """build_result + record in one call: the way a checker ends with a verdict."""
     return record(build_result(status, msg, hint, name=name, task=task, **fields), quiet=quiet, check=check)
 
@@ -117,8 +158,11 @@ def verdict(name: str, task, status: str, msg: str, hint: Optional[str] = None, 
 def skipped(name: str, task, *, quiet: bool = False, check: Optional[str] = None, **fields) -> CheckResult:
     """arrays="cupy" on a machine without a GPU: say so, record it (the grader leaves it out of the total), go on."""
     from . import device
-    msg = (f"{name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{device.kind()}' "
-           f"({device.info().reason}); it is checked on a GPU server")
+
+    msg = (
+        f"{name}: skipped - arrays='cupy' runs on a GPU, and this machine runs as '{device.kind()}' "
+        f"({device.info().reason}); it is checked on a GPU server"
+    )
     fields.setdefault("arrays", "cupy")
     return verdict(name, task, "skipped", msg, quiet=quiet, check=check, **fields)
 
@@ -154,12 +198,19 @@ def unfinished(name: str, kernel: str, **fields) -> CheckResult:
     kernel is still the exercise's stub (checks.unfinished_kernel finds it before the call: on a GPU the stub's
     raise is compiled away and the call would only write nothing)."""
     msg = f"{name}: not attempted (your kernel {kernel} still raises NotImplementedError)"
-    return CheckResult(name=name, status="not attempted", passed=False, message=msg,
-                       hint=f"replace the `raise NotImplementedError` in {kernel} with your code", **fields)
+    return CheckResult(
+        name=name,
+        status="not attempted",
+        passed=False,
+        message=msg,
+        hint=f"replace the `raise NotImplementedError` in {kernel} with your code",
+        **fields,
+    )
 
 
-def raised(name: str, exc: BaseException, context: str = "", *, lead: Lead = None, who: str = "function",
-           **fields) -> CheckResult:
+def raised(
+    name: str, exc: BaseException, context: str = "", *, lead: Lead = None, who: str = "function", **fields
+) -> CheckResult:
     """The "error" verdict for an exception the learner's code raised, unrecorded: error_message + error_hint."""
     return build_result("error", error_message(name, exc, who), error_hint(exc, context, lead), name=name, **fields)
 
@@ -167,7 +218,7 @@ def raised(name: str, exc: BaseException, context: str = "", *, lead: Lead = Non
 def error_text(exc_or_text) -> str:
     """The exception's text on one line, cut to ERROR_TEXT_MAX characters ("..." at the cut)."""
     text = " ".join(str(exc_or_text).split())
-    return text if len(text) <= ERROR_TEXT_MAX else text[:ERROR_TEXT_MAX - 3] + "..."
+    return text if len(text) <= ERROR_TEXT_MAX else text[: ERROR_TEXT_MAX - 3] + "..."
 
 
 def what_raised(exc: BaseException, who: str = "function") -> str:
@@ -188,8 +239,11 @@ def error_hint(exc: BaseException, context: str = "", lead: Lead = None) -> str:
     if callable(lead):
         lead = lead(exc)
     where = where_raised(exc)
-    return (lead or "the error is in your code") + (f" (at {where})" if where else "") + (f"; {context}" if context
-                                                                                          else "")
+    return (
+        (lead or "the error is in your code")
+        + (f" (at {where})" if where else "")
+        + (f"; {context}" if context else "")
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -214,8 +268,13 @@ def is_learner_code(filename: str) -> bool:
     if not os.path.isabs(filename):  # compiled extensions report relative .pyx paths
         return False
     f = os.path.abspath(filename)
-    return not (f.startswith(_HERE + os.sep) or f.startswith(_STDLIB + os.sep) or "site-packages" in f
-                or "dist-packages" in f or f.startswith(_course_kernel_dirs()))
+    return not (
+        f.startswith(_HERE + os.sep)
+        or f.startswith(_STDLIB + os.sep)
+        or "site-packages" in f
+        or "dist-packages" in f
+        or f.startswith(_course_kernel_dirs())
+    )
 
 
 def learner_frames(exc: BaseException) -> list:
@@ -276,13 +335,13 @@ def compare(o, e, tol, terms=0.0, parts=1):
     e_abs = np.where(np.isfinite(e), np.abs(e), 0.0)
     floor = np.maximum(np.asarray(terms, dtype=np.float64), np.finfo(np.float64).tiny)  # scalar or (parts,)
     if parts > 1 and e.ndim and e.shape[-1] % parts == 0 and e.size:
-        per = e_abs.reshape(-1, parts, e.shape[-1] // parts).max(axis=(0, 2))       # (parts,)
-        M = np.repeat(np.maximum(per, floor), e.shape[-1] // parts)                 # (last axis,)
+        per = e_abs.reshape(-1, parts, e.shape[-1] // parts).max(axis=(0, 2))  # (parts,)
+        M = np.repeat(np.maximum(per, floor), e.shape[-1] // parts)  # (last axis,)
     else:
         M = max(float(e_abs.max()) if e_abs.size else 0.0, float(np.max(floor)))
     err = np.abs(o - e)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        ok = err <= tol * (np.abs(e) + M)          # NaN compares False: never passes
+        ok = err <= tol * (np.abs(e) + M)  # NaN compares False: never passes
         rel = err / (np.abs(e) + M)
     return ~ok, err, rel, tol * float(np.max(M))
 

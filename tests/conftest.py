@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import gpullm_lessons  # noqa: E402  (must precede any numba import)
+import gpullm_lessons  # noqa: E402,F401  (must precede any numba import)
 from gpullm_lessons import device  # noqa: E402
 
 

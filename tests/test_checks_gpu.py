@@ -3,7 +3,6 @@
 Skipped without a GPU (the simulator runs the same checkers at small sizes in test_checks.py)."""
 import math
 
-import numpy as np
 import pytest
 
 from gpullm_lessons import checks, device

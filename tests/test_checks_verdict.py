@@ -1,5 +1,6 @@
 """The checker core (gpullm_lessons.verdict): one wording for not attempted / error, one cut of an exception's text,
 the place in the learner's code, and one record for grading, whichever checker module uses it."""
+
 import json
 
 import pytest
@@ -13,7 +14,7 @@ def _todo(*args):
 
 
 def _buggy(x):
-    return [x][3]            # IndexError, raised here: this file is the learner's code
+    return [x][3]  # IndexError, raised here: this file is the learner's code
 
 
 def test_call_learner_not_attempted_is_one_line_with_the_hint_apart():
@@ -34,8 +35,9 @@ def test_call_learner_error_names_the_line_and_the_context():
 
 
 def test_lead_replaces_the_default_words():
-    _, r = verdict.call_learner("op", _buggy, (1,), lead=lambda e: "an index past the end" if
-                                isinstance(e, IndexError) else None, task=None)
+    _, r = verdict.call_learner(
+        "op", _buggy, (1,), lead=lambda e: "an index past the end" if isinstance(e, IndexError) else None, task=None
+    )
     assert r.hint.startswith("an index past the end (at line ")
 
 
@@ -59,8 +61,12 @@ def test_record_logs_the_whole_verdict_on_one_line(tmp_path, monkeypatch, capsys
     assert capsys.readouterr().out == "op: wrong - x at [1]\n  hint: x is off by one\n" and not r.passed
     verdict.verdict("check_op2", None, "correct", "op2: correct", quiet=True, check=None)
     entries = [json.loads(line) for line in log.read_text().splitlines()]
-    assert entries[0] == {"check": "check_op", "task": "t", "status": "wrong",
-                          "message": "op: wrong - x at [1] hint: x is off by one"}
+    assert entries[0] == {
+        "check": "check_op",
+        "task": "t",
+        "status": "wrong",
+        "message": "op: wrong - x at [1] hint: x is off by one",
+    }
     assert entries[1]["check"] == "check_op2" and capsys.readouterr().out == ""
 
 
@@ -68,7 +74,8 @@ def test_checks_keeps_its_public_names():
     assert checks.CheckResult is verdict.CheckResult and checks.STATUSES == verdict.STATUSES
 
 
-@pytest.mark.parametrize("v, other, text", [(0.123456789, None, "0.1235"), (1.00001, 1.00002, "1.00001"),
-                                            (float("nan"), 1.0, "nan")])
+@pytest.mark.parametrize(
+    "v, other, text", [(0.123456789, None, "0.1235"), (1.00001, 1.00002, "1.00001"), (float("nan"), 1.0, "nan")]
+)
 def test_fmt(v, other, text):
     assert verdict.fmt(v, other) == text

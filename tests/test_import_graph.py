@@ -1,6 +1,7 @@
 """No import circles: the graph of every import of gpullm_lessons/ and kernels/ (module level and inside functions,
 as tests/test_layers.py walks them) has no cycle, so each module can be read, tested and replaced from the bottom up.
 A cycle fails with its modules and the lines that close it."""
+
 from test_layers import _files, _imports, _is_module, _module_name, _ours
 
 
@@ -54,12 +55,15 @@ def cycles(graph):
 def test_no_import_circles():
     graph = import_graph(_files("gpullm_lessons", "kernels"))
     found = cycles(graph)
-    lines = [" <-> ".join(c) + ": " + ", ".join(f"{a} -> {b} ({graph[a][b]})" for a in c for b in graph.get(a, {})
-                                               if b in c) for c in found]
+    lines = [
+        " <-> ".join(c) + ": " + ", ".join(f"{a} -> {b} ({graph[a][b]})" for a in c for b in graph.get(a, {}) if b in c)
+        for c in found
+    ]
     assert not found, "import circles:\n" + "\n".join(lines)
 
 
 def test_a_planted_circle_is_found():
-    assert cycles({"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:3"}, "d": {"a": "d.py:1"}}) == \
-        [["a", "b", "c"]]
+    assert cycles({"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:3"}, "d": {"a": "d.py:1"}}) == [
+        ["a", "b", "c"]
+    ]
     assert cycles({"a": {"b": "a.py:1"}, "b": {}}) == []

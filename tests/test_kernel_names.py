@@ -29,6 +29,7 @@ The three lists below may only shrink: an entry that no longer matches anything 
 renamed kernel or an added twin also deletes its exception. Never rename a kernel that a stored result
 (gpullm_lessons/results/*.json: ncu and timeline kernel names), a notebook, an exercise or a test names.
 """
+
 import ast
 import fnmatch
 import re
@@ -106,6 +107,7 @@ SINGLE_BACKEND = {
 
 # ---- collecting ----------------------------------------------------------------------------------------------------
 
+
 def numba_entries(source: str) -> list[str]:
     """Top-level functions decorated @cuda.jit (bare or called), not @cuda.jit(device=True)."""
     names = []
@@ -116,18 +118,23 @@ def numba_entries(source: str) -> list[str]:
             call = d if isinstance(d, ast.Call) else None
             if ast.unparse(call.func if call else d) != "cuda.jit":
                 continue
-            device = call is not None and any(k.arg == "device" and isinstance(k.value, ast.Constant) and k.value.value
-                                              for k in call.keywords)
+            device = call is not None and any(
+                k.arg == "device" and isinstance(k.value, ast.Constant) and k.value.value for k in call.keywords
+            )
             if not device:
                 names.append(node.name)
     return names
 
 
-_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
-                    r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+_ENTRY = re.compile(
+    r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
+    r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\("
+)
 _EXTERN_BLOCK = re.compile(r'extern\s+"C"\s*\{')
-_GLOBAL = re.compile(r'__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
-                     r'(\w+)\s*\(')
+_GLOBAL = re.compile(
+    r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+    r"(\w+)\s*\("
+)
 
 
 def expand_macros(code: str) -> str:
@@ -163,7 +170,7 @@ def hip_entries(source: str) -> list[str]:
         while i < len(code) and depth:
             depth += {"{": 1, "}": -1}.get(code[i], 0)
             i += 1
-        names += _GLOBAL.findall(code[m.end():i])
+        names += _GLOBAL.findall(code[m.end() : i])
     return list(dict.fromkeys(names))
 
 
@@ -187,8 +194,8 @@ def twin_of(hip_name: str, numba_names) -> str | None:
     if hip_name in numba_names:
         return hip_name
     for fmt in FORMATS:
-        if hip_name.endswith("_" + fmt) and hip_name[:-len(fmt) - 1] in numba_names:
-            return hip_name[:-len(fmt) - 1]
+        if hip_name.endswith("_" + fmt) and hip_name[: -len(fmt) - 1] in numba_names:
+            return hip_name[: -len(fmt) - 1]
     return None
 
 
@@ -208,12 +215,13 @@ def flat(by_file):
 
 # ---- the rules ------------------------------------------------------------------------------------------------------
 
+
 def test_the_collectors_see_every_kernel_file():
     numba, hip = all_entries()
     empty = [s for s, names in numba.items() if not names and s not in ("__init__", "_libdevice")]
     assert not empty, f"kernels/numba files with no @cuda.jit kernel: {empty}"
     assert all(hip.values()), {s: v for s, v in hip.items() if not v}
-    for p in sorted(HIP.glob("*.cu")):                     # nothing slipped past the regex: every __global__ counted
+    for p in sorted(HIP.glob("*.cu")):  # nothing slipped past the regex: every __global__ counted
         code = expand_macros(re.sub(r"//[^\n]*|/\*.*?\*/", " ", p.read_text(), flags=re.S))
         assert len(re.findall(r"\b__global__\b", code)) == len(hip[p.stem]), p.name
 
@@ -226,8 +234,9 @@ def test_every_entry_point_follows_the_convention():
             why = convention_error(name)
             if why and not excused(name, NOT_CONVENTION):
                 bad.append(f"{backend} {name}: {why}")
-    assert not bad, "kernel names off the convention <what>_v<N>[_<part>] (see this file's docstring):\n" + \
-        "\n".join(bad)
+    assert not bad, "kernel names off the convention <what>_v<N>[_<part>] (see this file's docstring):\n" + "\n".join(
+        bad
+    )
 
 
 def test_every_kernel_has_its_twin():
@@ -235,12 +244,19 @@ def test_every_kernel_has_its_twin():
     N, H = set(flat(numba)), set(flat(hip))
     apart_hip = {h for h, _ in TWINS_NAMED_APART.values()}
     twinned = {twin_of(h, N) for h in H} - {None}
-    bad = [f"numba {n}: no HIP kernel {n} (or {n}_<f32|bf16|f16>)" for n in sorted(N - twinned)
-           if n not in TWINS_NAMED_APART and not excused(n, SINGLE_BACKEND)]
-    bad += [f"hip {h}: no Numba kernel {h}" for h in sorted(H) if twin_of(h, N) is None
-            and h not in apart_hip and not excused(h, SINGLE_BACKEND)]
-    assert not bad, "kernels with no twin of the same name (declare a reason in SINGLE_BACKEND or add it):\n" + \
-        "\n".join(bad)
+    bad = [
+        f"numba {n}: no HIP kernel {n} (or {n}_<f32|bf16|f16>)"
+        for n in sorted(N - twinned)
+        if n not in TWINS_NAMED_APART and not excused(n, SINGLE_BACKEND)
+    ]
+    bad += [
+        f"hip {h}: no Numba kernel {h}"
+        for h in sorted(H)
+        if twin_of(h, N) is None and h not in apart_hip and not excused(h, SINGLE_BACKEND)
+    ]
+    assert not bad, (
+        "kernels with no twin of the same name (declare a reason in SINGLE_BACKEND or add it):\n" + "\n".join(bad)
+    )
     wrong_pair = [f"{n} -> {h}" for n, (h, _) in TWINS_NAMED_APART.items() if n not in N or h not in H]
     assert not wrong_pair, f"TWINS_NAMED_APART names a kernel that does not exist: {wrong_pair}"
 
@@ -252,46 +268,63 @@ def test_the_exception_lists_only_shrink():
     off = [n for n in N | H if convention_error(n)]
     stale = [f"NOT_CONVENTION {p!r}" for p in NOT_CONVENTION if not any(fnmatch.fnmatchcase(n, p) for n in off)]
     lonely = {n for n in N if n not in {twin_of(h, N) for h in H}} | {h for h in H if twin_of(h, N) is None}
-    stale += [f"SINGLE_BACKEND {p!r}" for p in SINGLE_BACKEND
-              if not any(fnmatch.fnmatchcase(n, p) for n in lonely - set(TWINS_NAMED_APART)
-                         - {h for h, _ in TWINS_NAMED_APART.values()})]
+    stale += [
+        f"SINGLE_BACKEND {p!r}"
+        for p in SINGLE_BACKEND
+        if not any(
+            fnmatch.fnmatchcase(n, p)
+            for n in lonely - set(TWINS_NAMED_APART) - {h for h, _ in TWINS_NAMED_APART.values()}
+        )
+    ]
     stale += [f"TWINS_NAMED_APART {n!r}" for n, (h, _) in TWINS_NAMED_APART.items() if twin_of(h, N) == n]
     assert not stale, "exceptions no longer needed, delete them:\n" + "\n".join(stale)
-    assert all(why.strip() for why in list(NOT_CONVENTION.values()) + list(SINGLE_BACKEND.values())
-               + [w for _, w in TWINS_NAMED_APART.values()]), "every exception gives its reason"
+    assert all(
+        why.strip()
+        for why in list(NOT_CONVENTION.values())
+        + list(SINGLE_BACKEND.values())
+        + [w for _, w in TWINS_NAMED_APART.values()]
+    ), "every exception gives its reason"
 
 
 # ---- the checker on planted names -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, error", [
-    ("softmax_backward_v4", None),
-    ("layernorm_backward_v2_partials", None),
-    ("layernorm_backward_v5_w4_k3", None),
-    ("f32_to_bf16_v1", None),
-    ("softmax_backward", "no version token _v<N>"),
-    ("softmaxBackward_v1", "not lowercase snake_case"),
-    ("softmax_backward_v1_v2", "more than one version token"),
-    ("v1_softmax_backward", "starts with the version: the op's name comes first"),
-    ("softmax_backward_v0", "no version token _v<N>"),
-])
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("softmax_backward_v4", None),
+        ("layernorm_backward_v2_partials", None),
+        ("layernorm_backward_v5_w4_k3", None),
+        ("f32_to_bf16_v1", None),
+        ("softmax_backward", "no version token _v<N>"),
+        ("softmaxBackward_v1", "not lowercase snake_case"),
+        ("softmax_backward_v1_v2", "more than one version token"),
+        ("v1_softmax_backward", "starts with the version: the op's name comes first"),
+        ("softmax_backward_v0", "no version token _v<N>"),
+    ],
+)
 def test_convention_error_on_planted_names(name, error):
     assert convention_error(name) == error
 
 
 def test_the_collectors_on_planted_sources():
-    py = ("from numba import cuda\n\n\n@cuda.jit(device=True)\ndef helper(x):\n    return x\n\n\n"
-          "@cuda.jit\ndef good_v1(a):\n    pass\n\n\n@cuda.jit('void(float32[:])')\ndef Bad_Name(a):\n    pass\n\n\n"
-          "def plain(a):\n    pass\n")
+    py = (
+        "from numba import cuda\n\n\n@cuda.jit(device=True)\ndef helper(x):\n    return x\n\n\n"
+        "@cuda.jit\ndef good_v1(a):\n    pass\n\n\n@cuda.jit('void(float32[:])')\ndef Bad_Name(a):\n    pass\n\n\n"
+        "def plain(a):\n    pass\n"
+    )
     assert numba_entries(py) == ["good_v1", "Bad_Name"]
-    cu = ('// extern "C" __global__ void commented_out(int n) {}\n'
-          'extern "C" __global__ void good_v1(float* a) {}\n'
-          'extern "C" __global__ void __launch_bounds__(256) bounded_v2(float* a) {}\n'
-          '__device__ float helper(float x) { return x; }\n'
-          'extern "C" {\n__global__ void in_block_v1(float* a) {}\n}\n'
-          '#define ENTRY(K, LB) \\\n    extern "C" __global__ void __launch_bounds__(LB) \\\n'
-          '    stamped_v3_k##K(float* a) { }\n'
-          'ENTRY(4, 512)\nENTRY(8, 256)\n'
-          '#define VEC(C) extern "C" __global__ void vec_v##C##_in(float* a) { }\nVEC(2)\n')
+    cu = (
+        '// extern "C" __global__ void commented_out(int n) {}\n'
+        'extern "C" __global__ void good_v1(float* a) {}\n'
+        'extern "C" __global__ void __launch_bounds__(256) bounded_v2(float* a) {}\n'
+        "__device__ float helper(float x) { return x; }\n"
+        'extern "C" {\n__global__ void in_block_v1(float* a) {}\n}\n'
+        '#define ENTRY(K, LB) \\\n    extern "C" __global__ void __launch_bounds__(LB) \\\n'
+        "    stamped_v3_k##K(float* a) { }\n"
+        "ENTRY(4, 512)\nENTRY(8, 256)\n"
+        '#define VEC(C) extern "C" __global__ void vec_v##C##_in(float* a) { }\nVEC(2)\n'
+    )
     names = hip_entries(cu)
     assert names == ["good_v1", "bounded_v2", "stamped_v3_k4", "stamped_v3_k8", "vec_v2_in", "in_block_v1"]
     planted = [n for n in numba_entries(py) + names + ["wrongName", "block_reduce"] if convention_error(n)]
@@ -302,7 +335,7 @@ def test_twins_on_planted_names():
     numba = {"bias_gelu_forward_v1", "matmul_v1"}
     assert twin_of("bias_gelu_forward_v1_bf16", numba) == "bias_gelu_forward_v1"
     assert twin_of("matmul_v1", numba) == "matmul_v1"
-    assert twin_of("matmul_v1_k4", numba) is None          # only a format suffix makes a twin
+    assert twin_of("matmul_v1_k4", numba) is None  # only a format suffix makes a twin
     assert twin_of("matmul_v2", numba) is None
     assert excused("softmax_backward_v6_k4", SINGLE_BACKEND) == ["softmax_backward_v6_k*"]
     assert excused("softmax_backward_v9", SINGLE_BACKEND) == []

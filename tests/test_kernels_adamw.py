@@ -69,7 +69,6 @@ def run_against_reference(step_fn, arrays, n, table, mask, steps, seed=0, grad_s
                 weight_decay=HYPER["weight_decay"], decay_mask=mask if ref_mask == "same" else ref_mask)
     p, m, v = (to_backend(a, arrays) for a in (p0, np.zeros(n, np.float32), np.zeros(n, np.float32)))
     ref_scale = grad_scale if ref_scale is None else ref_scale
-    ok = True
     for t in range(1, steps + 1):
         lr = 1e-2 * (0.5 + 0.5 * math.cos(math.pi * t / steps))   # a new lr every step
         g = (rng.standard_normal(n, dtype=np.float32) * np.float32(2.0)).astype(np.float32)

@@ -1,5 +1,6 @@
 """One training job for 1..N ranks: the same flags give the same errors, checkpoints, resume and log on one process
 and on 2 MPI ranks (CPU, the NumPy engine); a 2-rank log has the 1-rank keys plus the communication time."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,27 @@ from gpullm_lessons import train
 
 from test_comm import ROOT, require_mpi
 
-TINY = ["--backend", "numpy", "--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size", "16",
-        "--batch-size", "8", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+TINY = [
+    "--backend",
+    "numpy",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--eval-batches",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--no-progress",
+]
 
 # a stand-in for a process killed during step 5 (the backward of the step after t = 4 optimizer steps), on every rank:
 # `python crash_at_5.py <train flags>` is the training job with that one change
@@ -44,9 +64,10 @@ CRASH = textwrap.dedent("""
 
 def _env(extra_path=None):
     env = L.mpi_env()
-    env["GPULLM_COMM"] = "mpi"                     # CPU ranks, even on a machine with GPUs
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([str(extra_path)] if extra_path else []) +
-                                        [env.get("PYTHONPATH", "")])
+    env["GPULLM_COMM"] = "mpi"  # CPU ranks, even on a machine with GPUs
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT] + ([str(extra_path)] if extra_path else []) + [env.get("PYTHONPATH", "")]
+    )
     return env
 
 
@@ -56,9 +77,15 @@ def job(ranks, args, script=None, timeout=180):
         require_mpi()
     cmd = [sys.executable, str(script)] if script else [sys.executable, "-m", "gpullm_lessons.train"]
     if ranks > 1:
-        cmd = L.mpirun_command(ranks, [], module="gpullm_lessons.train")[:-3] + cmd   # mpirun -n N ... python
-    return subprocess.run(cmd + [str(a) for a in args], env=_env(script.parent if script else None), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+        cmd = L.mpirun_command(ranks, [], module="gpullm_lessons.train")[:-3] + cmd  # mpirun -n N ... python
+    return subprocess.run(
+        cmd + [str(a) for a in args],
+        env=_env(script.parent if script else None),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def records(out):
@@ -77,6 +104,7 @@ def test_mpirun_prefix_is_what_the_helper_assumes():
 
 # ---- bad input: the same named error, exit status 2 and no traceback, on one process and on 2 ranks ------------------
 
+
 def _bad_cases(tmp):
     empty = tmp / "empty.txt"
     empty.write_bytes(b"")
@@ -91,8 +119,18 @@ def _bad_cases(tmp):
     }
 
 
-@pytest.mark.parametrize("case", ["empty data", "missing data", "heads", "graphs on the CPU", "graphs with ZeRO",
-                                  "negative checkpoint interval", "resume without a checkpoint"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty data",
+        "missing data",
+        "heads",
+        "graphs on the CPU",
+        "graphs with ZeRO",
+        "negative checkpoint interval",
+        "resume without a checkpoint",
+    ],
+)
 def test_bad_input_is_the_same_error_on_one_and_two_ranks(tmp_path, case):
     flags = TINY + _bad_cases(tmp_path)[case] + ["--steps", "2", "--out", tmp_path / "out"]
     lines = {}
@@ -142,7 +180,7 @@ def test_two_ranks_log_checkpoint_and_resume_like_one(one_rank, tmp_path, zero):
     assert "replicas identical" in p.stdout
     # the checkpoint holds the whole model's state on any rank count (ZeRO: the shards' m and v gathered)
     ca, cb = train.load_checkpoint(one / "ckpt.npz"), train.load_checkpoint(straight / "ckpt.npz")
-    for key in ("params", "m", "v"):   # equal to fp32 rounding, which AdamW can blow up to ~lr on gradients near 0
+    for key in ("params", "m", "v"):  # equal to fp32 rounding, which AdamW can blow up to ~lr on gradients near 0
         want = ca["engine"][key]
         assert cb["engine"][key].shape == want.shape
         np.testing.assert_allclose(cb["engine"][key], want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
@@ -161,7 +199,7 @@ def test_two_ranks_log_checkpoint_and_resume_like_one(one_rank, tmp_path, zero):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "resume: from" in p.stdout and "at step 3" in p.stdout
     assert [r["step"] for r in records(resumed)] == list(range(1, 7))
-    assert list(losses(resumed)) == list(losses(straight))          # exactly: the same ranks, the same run
+    assert list(losses(resumed)) == list(losses(straight))  # exactly: the same ranks, the same run
     cr = train.load_checkpoint(resumed / "ckpt.npz")
     for key in ("params", "m", "v"):
         assert np.array_equal(cr["engine"][key], cb["engine"][key])
@@ -176,5 +214,5 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(one_rank, tmp_path):
     assert p.returncode != 0 and train.load_checkpoint(out / "ckpt.npz")["progress"]["step"] == 3
     p = job(2, ARGS + ["--out", out, "--resume"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "world_size 1 != 2" in p.stdout                          # reported as a change, not refused
+    assert "world_size 1 != 2" in p.stdout  # reported as a change, not refused
     np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)

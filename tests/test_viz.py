@@ -2,6 +2,7 @@
 notebooks/NN_<name>.ipynb), every name the single-file viz.py had still importable from gpullm_lessons.viz, no
 module-level import of the course's own modules (so importing viz pulls in no engine, job or device), and the
 figures that need no data draw headless."""
+
 import ast
 import subprocess
 import sys
@@ -16,14 +17,43 @@ VIZ = ROOT / "gpullm_lessons" / "viz"
 # The last commit with the single-file gpullm_lessons/viz.py; OLD_NAMES is its top-level def/class/assign names.
 OLD_COMMIT = "436c629241e62f5dab5d6b03abfb2c28576711bb"
 OLD_NAMES = [
-    "ADAMW_TRAFFIC", "LiveLossPlot", "_cells", "_pyplot", "float_formats_html", "float_formats_widget",
-    "plot_activation_timeline", "plot_adamw_bytes", "plot_allreduce_bandwidth", "plot_attention_backward_mask",
-    "plot_block_reduction", "plot_ceilings", "plot_checkpoint_tradeoff", "plot_collectives", "plot_column_reduction",
-    "plot_crossentropy_row_pass", "plot_dbias_columns", "plot_float_formats", "plot_grad_histogram",
-    "plot_grid_mapping", "plot_layernorm_dinp_mapping", "plot_linear_rates", "plot_loss", "plot_loss_scale",
-    "plot_param_buffer", "plot_precision_losses", "plot_ring_steps", "plot_roofline", "plot_softmax_mapping",
-    "plot_step_profile", "plot_step_timeline", "plot_tiled_gemm", "plot_train_bench", "plot_training_step",
-    "plot_version_fractions", "plot_zero_memory", "show_kernel",
+    "ADAMW_TRAFFIC",
+    "LiveLossPlot",
+    "_cells",
+    "_pyplot",
+    "float_formats_html",
+    "float_formats_widget",
+    "plot_activation_timeline",
+    "plot_adamw_bytes",
+    "plot_allreduce_bandwidth",
+    "plot_attention_backward_mask",
+    "plot_block_reduction",
+    "plot_ceilings",
+    "plot_checkpoint_tradeoff",
+    "plot_collectives",
+    "plot_column_reduction",
+    "plot_crossentropy_row_pass",
+    "plot_dbias_columns",
+    "plot_float_formats",
+    "plot_grad_histogram",
+    "plot_grid_mapping",
+    "plot_layernorm_dinp_mapping",
+    "plot_linear_rates",
+    "plot_loss",
+    "plot_loss_scale",
+    "plot_param_buffer",
+    "plot_precision_losses",
+    "plot_ring_steps",
+    "plot_roofline",
+    "plot_softmax_mapping",
+    "plot_step_profile",
+    "plot_step_timeline",
+    "plot_tiled_gemm",
+    "plot_train_bench",
+    "plot_training_step",
+    "plot_version_fractions",
+    "plot_zero_memory",
+    "show_kernel",
 ]
 
 
@@ -48,6 +78,7 @@ def test_every_name_of_the_old_viz_py_is_importable_from_viz():
     missing = [n for n in OLD_NAMES if not hasattr(viz, n)]
     assert not missing, f"gpullm_lessons.viz no longer exports {missing}: re-export them in viz/__init__.py"
     import gpullm_lessons.viz as by_path
+
     for name in OLD_NAMES:
         assert getattr(by_path, name) is getattr(viz, name)
 
@@ -55,8 +86,9 @@ def test_every_name_of_the_old_viz_py_is_importable_from_viz():
 def test_the_list_of_old_names_is_the_old_viz_py():
     """OLD_NAMES is the ast parse of viz.py at OLD_COMMIT (skipped where there is no git history, e.g. an sdist)."""
     try:
-        old = subprocess.run(["git", "show", f"{OLD_COMMIT}:gpullm_lessons/viz.py"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=30)
+        old = subprocess.run(
+            ["git", "show", f"{OLD_COMMIT}:gpullm_lessons/viz.py"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"git not usable here: {e}")
     if old.returncode != 0:
@@ -91,7 +123,7 @@ def test_viz_imports_only_its_own_modules_at_module_level():
     for path in sorted(VIZ.glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ImportFrom) and node.level == 1:
-                continue                                   # a sibling: from .common import pyplot
+                continue  # a sibling: from .common import pyplot
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("__future__", "typing"):
                 continue
             if isinstance(node, ast.Import) and all(a.name in ("os", "sys") for a in node.names):
@@ -102,32 +134,37 @@ def test_viz_imports_only_its_own_modules_at_module_level():
 
 
 def test_importing_viz_loads_no_job_engine_or_parallel_module():
-    code = ("import sys, gpullm_lessons.viz; "
-            "print(' '.join(m for m in sys.modules if m.startswith(('gpullm_lessons.train', 'gpullm_lessons.parallel', "
-            "'gpullm_lessons.engine', 'gpullm_lessons.kernel_trace', 'gpullm_lessons.checks', 'matplotlib', "
-            "'numba', 'cupy'))))")
+    code = (
+        "import sys, gpullm_lessons.viz; "
+        "print(' '.join(m for m in sys.modules if m.startswith(('gpullm_lessons.train', 'gpullm_lessons.parallel', "
+        "'gpullm_lessons.engine', 'gpullm_lessons.kernel_trace', 'gpullm_lessons.checks', 'matplotlib', "
+        "'numba', 'cupy'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"importing gpullm_lessons.viz loaded: {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("name, args", [
-    ("plot_grid_mapping", (10, 4)),
-    ("plot_tiled_gemm", ()),
-    ("plot_dbias_columns", ()),
-    ("plot_softmax_mapping", ()),
-    ("plot_block_reduction", ()),
-    ("plot_layernorm_dinp_mapping", ()),
-    ("plot_column_reduction", ()),
-    ("plot_attention_backward_mask", ()),
-    ("plot_crossentropy_row_pass", ()),
-    ("plot_adamw_bytes", (3000.0,)),
-    ("plot_float_formats", ()),
-    ("plot_loss_scale", ([2.0 ** 16, 2.0 ** 15, 2.0 ** 15], (2,))),
-    ("plot_training_step", ()),
-    ("plot_collectives", ()),
-    ("plot_loss", ([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": 4.5}], None, 4.8)),
-])
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("plot_grid_mapping", (10, 4)),
+        ("plot_tiled_gemm", ()),
+        ("plot_dbias_columns", ()),
+        ("plot_softmax_mapping", ()),
+        ("plot_block_reduction", ()),
+        ("plot_layernorm_dinp_mapping", ()),
+        ("plot_column_reduction", ()),
+        ("plot_attention_backward_mask", ()),
+        ("plot_crossentropy_row_pass", ()),
+        ("plot_adamw_bytes", (3000.0,)),
+        ("plot_float_formats", ()),
+        ("plot_loss_scale", ([2.0**16, 2.0**15, 2.0**15], (2,))),
+        ("plot_training_step", ()),
+        ("plot_collectives", ()),
+        ("plot_loss", ([{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": 4.5}], None, 4.8)),
+    ],
+)
 def test_a_figure_that_needs_no_data_draws_headless(name, args):
     plt = viz._pyplot()
     fig = getattr(viz, name)(*args)

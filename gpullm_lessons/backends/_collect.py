@@ -1,9 +1,21 @@
-"""Gather a backend's launchers (every public `*_forward` / `*_backward` / `*_step` function, plus any a module lists in LAUNCHERS) from its op modules."""
+"""Gather a backend's launchers from its op modules: every public `*_forward` / `*_backward` / `*_step` function,
+plus any a module lists in LAUNCHERS."""
+
 import importlib
 import re
 
-OP_MODULES = ("linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "adamw", "convert",
-              "fused")
+OP_MODULES = (
+    "linear",
+    "softmax",
+    "layernorm",
+    "gelu",
+    "crossentropy",
+    "attention",
+    "encoder",
+    "adamw",
+    "convert",
+    "fused",
+)
 _VERSION = re.compile(r"^v\d+$")
 
 
@@ -19,7 +31,7 @@ def collect(package: str) -> tuple[dict, dict]:
                 continue  # this op has no kernels on this backend yet
             raise
         for name in dir(mod):
-            listed = name in getattr(mod, "LAUNCHERS", ())   # launchers not named *_forward/_backward/_step
+            listed = name in getattr(mod, "LAUNCHERS", ())  # launchers not named *_forward/_backward/_step
             if (listed or name.endswith(("_forward", "_backward", "_step"))) and not name.startswith("_"):
                 fn = getattr(mod, name)
                 if callable(fn) and getattr(fn, "__module__", None) == mod.__name__:

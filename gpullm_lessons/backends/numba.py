@@ -3,6 +3,7 @@
 Every launcher has the op's destination-passing signature plus ``version=``; ``versions(op)`` lists the versions
 that can run here (GPU-only versions, which use warp intrinsics, are left out under the simulator).
 """
+
 from .. import device
 from ._collect import collect, numbered
 
@@ -13,7 +14,7 @@ __all__ = sorted(_LAUNCHERS) + ["versions"]
 
 def versions(op: str) -> list:
     """Versions of `op`'s backward (e.g. 'softmax'; or its step: 'adamw') runnable on this machine, in order."""
-    mod = _OWNERS.get(f"{op}_backward") or _OWNERS.get(f"{op}_step")   # adamw: adamw_step
+    mod = _OWNERS.get(f"{op}_backward") or _OWNERS.get(f"{op}_step")  # adamw: adamw_step
     if mod is None:
         return []
     names = numbered(getattr(mod, "VERSIONS", None) or mod.KERNELS)

@@ -3,6 +3,7 @@
 Same names and signatures as the Numba and HIP launchers, so a model or a benchmark can take any backend.
 Each function writes every element of its outputs and returns nothing. Rows are flattened: N = B*T.
 """
+
 from .. import reference as ref
 
 

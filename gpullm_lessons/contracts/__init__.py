@@ -11,11 +11,12 @@ setting) with a message that starts with the wrapper's name and names the argume
 the array must be a CuPy array (checked first) and the hints name cupy instead of NumPy. Importing this module needs
 neither cupy nor a GPU (CuPy arrays are recognised by their type's module).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-MAX_THREADS = 1024   # threads per block, on every GPU these lessons target
+MAX_THREADS = 1024  # threads per block, on every GPU these lessons target
 
 
 def shape_of(x) -> tuple:
@@ -39,8 +40,10 @@ def check_array(fn, name, a, shape, dtype, cupy=False):
     argument, the shape/dtype it has and the one expected. cupy=True: a CuPy array (the HIP wrappers)."""
     if cupy:
         if not is_cupy(a):
-            raise TypeError(f"{fn}: {name} must be a CuPy array (the HIP kernels run on the GPU), "
-                            f"got {type(a).__module__}.{type(a).__name__}")
+            raise TypeError(
+                f"{fn}: {name} must be a CuPy array (the HIP kernels run on the GPU), "
+                f"got {type(a).__module__}.{type(a).__name__}"
+            )
     elif not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(a).__name__}")
     check_shape(fn, name, a, shape)
@@ -69,8 +72,10 @@ def check_cupy_args(fn, names, arrays, ndim):
     TypeError/ValueError naming the argument."""
     for name, a in zip(names, arrays):
         if not is_cupy(a):
-            raise TypeError(f"{fn}: {name} must be a CuPy array (HIP kernels read GPU memory), "
-                            f"got {type(a).__module__}.{type(a).__name__}")
+            raise TypeError(
+                f"{fn}: {name} must be a CuPy array (HIP kernels read GPU memory), "
+                f"got {type(a).__module__}.{type(a).__name__}"
+            )
         if a.dtype != np.float32:
             raise TypeError(f"{fn}: {name} must be float32, got dtype {a.dtype}")
         if not a.flags.c_contiguous:

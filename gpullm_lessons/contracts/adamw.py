@@ -2,18 +2,25 @@
 host-side scalars and adamw_hyper (the device step's hyperparameter array), shared by kernels/numba/adamw.py (its
 docstring has the math) and gpullm_lessons/backends/hip/adamw.py. Every `check_array` argument is a flavour of
 gpullm_lessons.contracts.check_array (cupy=True for the HIP launchers)."""
+
 import math
 
 import numpy as np
 
-HALF_NONE, HALF_FP16, HALF_BF16 = 0, 1, 2   # half_mode: which half-precision copy to write
-HYPER_LEN = 6   # adamw_hyper(): lr, lr * weight_decay, 1 - beta1^t, 1 - beta2^t, 1 / loss_scale, clip
+HALF_NONE, HALF_FP16, HALF_BF16 = 0, 1, 2  # half_mode: which half-precision copy to write
+HYPER_LEN = 6  # adamw_hyper(): lr, lr * weight_decay, 1 - beta1^t, 1 - beta2^t, 1 / loss_scale, clip
 
 
 def check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale):
     """The scalar arguments, as torch.optim.AdamW checks them; ValueError/TypeError naming the argument."""
-    for name, x in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay),
-                    ("grad_scale", grad_scale)):
+    for name, x in (
+        ("lr", lr),
+        ("beta1", beta1),
+        ("beta2", beta2),
+        ("eps", eps),
+        ("weight_decay", weight_decay),
+        ("grad_scale", grad_scale),
+    ):
         if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
             raise TypeError(f"{fn}: {name} must be a number, got {type(x).__name__}")
         if not math.isfinite(float(x)):
@@ -37,8 +44,10 @@ def check_buffers(fn, names, arrays, check_array):
     """params, grads, m, v: 1-D float32 of one length n (check_array: _args.check_array or a CuPy flavour)."""
     first = arrays[0]
     if not hasattr(first, "shape") or len(first.shape) != 1:
-        raise ValueError(f"{fn}: {names[0]} must be 1-D (n,), got shape {tuple(getattr(first, 'shape', ()))}; "
-                         f"use the flat buffer (ParamBuffer.flat)")
+        raise ValueError(
+            f"{fn}: {names[0]} must be 1-D (n,), got shape {tuple(getattr(first, 'shape', ()))}; "
+            f"use the flat buffer (ParamBuffer.flat)"
+        )
     n = int(first.shape[0])
     for name, a in zip(names, arrays):
         check_array(fn, name, a, (n,), "float32")
@@ -52,7 +61,7 @@ def half_mode_of(fn, half_out, half_dtype, n):
             raise ValueError(f"{fn}: half_dtype={half_dtype!r} given without half_out")
         return HALF_NONE
     dt = str(half_out.dtype)
-    if half_dtype is None:   # infer it from half_out's dtype where that is unambiguous
+    if half_dtype is None:  # infer it from half_out's dtype where that is unambiguous
         half_dtype = {"float16": "float16", "bfloat16": "bfloat16"}.get(dt)
         if half_dtype is None:
             raise ValueError(f"{fn}: half_out has dtype {dt}: pass half_dtype='float16' or 'bfloat16'")
@@ -69,22 +78,27 @@ def half_mode_of(fn, half_out, half_dtype, n):
 def check_table(fn, decay_bounds, n, is_host):
     """decay_bounds = (bounds (k+1,), flags (k,)); values checked where they are NumPy arrays (no device sync)."""
     if not (isinstance(decay_bounds, (tuple, list)) and len(decay_bounds) == 2):
-        raise TypeError(f"{fn}: decay_bounds must be None or a pair (bounds, flags) as decay_table() returns, "
-                        f"got {type(decay_bounds).__name__}")
+        raise TypeError(
+            f"{fn}: decay_bounds must be None or a pair (bounds, flags) as decay_table() returns, "
+            f"got {type(decay_bounds).__name__}"
+        )
     bounds, flags = decay_bounds
     for name, a in (("decay_bounds[0] (bounds)", bounds), ("decay_bounds[1] (flags)", flags)):
         if not hasattr(a, "shape") or len(a.shape) != 1:
             raise ValueError(f"{fn}: {name} must be a 1-D array, got shape {tuple(getattr(a, 'shape', ()))}")
     if int(bounds.shape[0]) != int(flags.shape[0]) + 1 or int(flags.shape[0]) < 1:
-        raise ValueError(f"{fn}: decay_bounds: bounds has shape {tuple(bounds.shape)}, expected "
-                         f"({int(flags.shape[0]) + 1},) (one more than flags {tuple(flags.shape)}, at least 1 tensor)")
+        raise ValueError(
+            f"{fn}: decay_bounds: bounds has shape {tuple(bounds.shape)}, expected "
+            f"({int(flags.shape[0]) + 1},) (one more than flags {tuple(flags.shape)}, at least 1 tensor)"
+        )
     if is_host(bounds):
         b = np.asarray(bounds)
         if not np.issubdtype(b.dtype, np.integer):
             raise TypeError(f"{fn}: decay_bounds: bounds has dtype {b.dtype}, expected an integer dtype")
         if b[0] != 0 or b[-1] != n or np.any(np.diff(b) < 0):
-            raise ValueError(f"{fn}: decay_bounds: bounds must rise from 0 to n={n} (the length of params), "
-                             f"got {b[0]} .. {b[-1]}")
+            raise ValueError(
+                f"{fn}: decay_bounds: bounds must rise from 0 to n={n} (the length of params), got {b[0]} .. {b[-1]}"
+            )
     else:
         if str(bounds.dtype) != "int64":
             raise TypeError(f"{fn}: decay_bounds: bounds has dtype {bounds.dtype}, expected int64")
@@ -95,9 +109,18 @@ def check_table(fn, decay_bounds, n, is_host):
 def host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale):
     """The float32 scalars the kernels take; products and bias corrections computed in float64 on the host."""
     f = np.float32
-    return dict(lr=f(lr), lr_wd=f(lr * weight_decay), beta1=f(beta1), one_minus_beta1=f(1.0 - beta1),
-                beta2=f(beta2), one_minus_beta2=f(1.0 - beta2), bias1=f(1.0 - beta1 ** step),
-                bias2=f(1.0 - beta2 ** step), eps=f(eps), grad_scale=f(grad_scale))
+    return dict(
+        lr=f(lr),
+        lr_wd=f(lr * weight_decay),
+        beta1=f(beta1),
+        one_minus_beta1=f(1.0 - beta1),
+        beta2=f(beta2),
+        one_minus_beta2=f(1.0 - beta2),
+        bias1=f(1.0 - beta1**step),
+        bias2=f(1.0 - beta2**step),
+        eps=f(eps),
+        grad_scale=f(grad_scale),
+    )
 
 
 def adamw_hyper(lr, weight_decay, step, beta1, beta2, clip=0.0, loss_scale=1.0) -> np.ndarray:
@@ -112,8 +135,7 @@ def adamw_hyper(lr, weight_decay, step, beta1, beta2, clip=0.0, loss_scale=1.0) 
         raise ValueError(f"{fn}: clip must be >= 0 (0: no clipping), got {clip}")
     if loss_scale <= 0:
         raise ValueError(f"{fn}: loss_scale must be > 0, got {loss_scale}")
-    return np.array([lr, lr * weight_decay, 1.0 - beta1 ** step, 1.0 - beta2 ** step, 1.0 / loss_scale, clip],
-                    np.float32)
+    return np.array([lr, lr * weight_decay, 1.0 - beta1**step, 1.0 - beta2**step, 1.0 / loss_scale, clip], np.float32)
 
 
 def check_device_args(fn, n, hyper, sumsq, check_array):

@@ -1,10 +1,11 @@
 """attention's contract: the checks of attention_backward's and the causal softmax launchers' arguments (shapes,
 float32 or half bits, in place or apart) and the element formats of the half-precision paths, shared by
 kernels/numba/attention.py and gpullm_lessons/backends/hip/attention.py (the Numba module's docstring has the math)."""
+
 import numpy as np
 
 
-FMT_F32, FMT_BF16, FMT_F16 = 0, 1, 2                  # element formats (the kernels' mode arguments)
+FMT_F32, FMT_BF16, FMT_F16 = 0, 1, 2  # element formats (the kernels' mode arguments)
 HALF_FORMATS = {"bf16": FMT_BF16, "fp16": FMT_F16}
 
 
@@ -25,8 +26,9 @@ def check_attention_args(fn, dout, qkv, att, dqkv, n_head):
     expected = {"dout": (B, T, C), "att": (B, n_head, T, T), "dqkv": (B, T, C3)}
     for name, arr in (("dout", dout), ("att", att), ("dqkv", dqkv)):
         if _shape(arr) != expected[name]:
-            raise ValueError(f"{fn}: {name} is {_shape(arr)}, expected {expected[name]} (from qkv {(B, T, C3)}, "
-                             f"n_head {n_head})")
+            raise ValueError(
+                f"{fn}: {name} is {_shape(arr)}, expected {expected[name]} (from qkv {(B, T, C3)}, n_head {n_head})"
+            )
     for name, arr in (("dout", dout), ("qkv", qkv), ("att", att), ("dqkv", dqkv)):
         if np.dtype(arr.dtype) != np.float32:
             raise TypeError(f"{fn}: {name} must be float32, got {np.dtype(arr.dtype)}")
@@ -43,8 +45,9 @@ def half_format(fn, half):
     if half is None:
         return FMT_F32
     if not isinstance(half, str) or half not in HALF_FORMATS:
-        raise ValueError(f"{fn}: half={half!r} is not a half format; use half='bf16' or half='fp16' "
-                         f"(or leave it None: float32 only)")
+        raise ValueError(
+            f"{fn}: half={half!r} is not a half format; use half='bf16' or half='fp16' (or leave it None: float32 only)"
+        )
     return HALF_FORMATS[half]
 
 
@@ -68,8 +71,9 @@ def check_softmax_formats(fn, arrays, half):
             raise TypeError(f"{fn}: {name} must be uint16 (half bits, with half=), got {dtype}")
         if dtype == np.uint16 and may_be_half:
             if half is None:
-                raise TypeError(f"{fn}: {name} is uint16 (half bits) but half= is not given: say half='bf16' or "
-                                f"half='fp16'")
+                raise TypeError(
+                    f"{fn}: {name} is uint16 (half bits) but half= is not given: say half='bf16' or half='fp16'"
+                )
             formats[name] = hf
         elif dtype == np.float32:
             formats[name] = FMT_F32
@@ -118,11 +122,17 @@ def check_in_place(fn, out_name, out, in_name, inp):
     a, b = _extent(out), _extent(inp)
     if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
         return
-    same = (a == b and _shape(out) == _shape(inp) and np.dtype(out.dtype) == np.dtype(inp.dtype)
-            and tuple(getattr(out, "strides", ())) == tuple(getattr(inp, "strides", ())))
+    same = (
+        a == b
+        and _shape(out) == _shape(inp)
+        and np.dtype(out.dtype) == np.dtype(inp.dtype)
+        and tuple(getattr(out, "strides", ())) == tuple(getattr(inp, "strides", ()))
+    )
     if not same:
-        raise ValueError(f"{fn}: {out_name} overlaps {in_name} but is not the same array: write {out_name} in place "
-                         f"of {in_name} ({out_name} = {in_name}, the same buffer) or to memory apart from it")
+        raise ValueError(
+            f"{fn}: {out_name} overlaps {in_name} but is not the same array: write {out_name} in place "
+            f"of {in_name} ({out_name} = {in_name}, the same buffer) or to memory apart from it"
+        )
 
 
 def check_softmax_forward_args(fn, pre, att, att_half, half):
@@ -130,17 +140,22 @@ def check_softmax_forward_args(fn, pre, att, att_half, half):
     att_half is given (half in, half out; att_half may then be pre, in place); att float32 or None; att_half uint16 or
     None (not both None). Returns (rows, T, att_half format or FMT_F32, pre format)."""
     if att is None and att_half is None:
-        raise ValueError(f"{fn}: att and att_half are both None: give att (float32) and/or att_half (uint16 half "
-                         f"bits, with half='bf16' or 'fp16')")
+        raise ValueError(
+            f"{fn}: att and att_half are both None: give att (float32) and/or att_half (uint16 half "
+            f"bits, with half='bf16' or 'fp16')"
+        )
     if att_half is None and half is not None:
         half_format(fn, half)
         raise ValueError(f"{fn}: half={half!r} given but att_half is None: pass att_half (uint16) to write half bits")
     pre_half = _is_uint16(pre)
     if pre_half and att is not None:
-        raise TypeError(f"{fn}: pre must be float32, got uint16: half-bit pre (half in, half out) needs att=None "
-                        f"and att_half= (uint16) with half='bf16' or 'fp16'")
-    rows, T, formats = check_softmax_formats(fn, (("pre", pre, pre_half), ("att", att, False),
-                                                  ("att_half", att_half, "half")), half)
+        raise TypeError(
+            f"{fn}: pre must be float32, got uint16: half-bit pre (half in, half out) needs att=None "
+            f"and att_half= (uint16) with half='bf16' or 'fp16'"
+        )
+    rows, T, formats = check_softmax_formats(
+        fn, (("pre", pre, pre_half), ("att", att, False), ("att_half", att_half, "half")), half
+    )
     if pre_half:
         check_in_place(fn, "att_half", att_half, "pre", pre)
     return rows, T, formats.get("att_half", FMT_F32), formats["pre"]
@@ -151,13 +166,16 @@ def check_softmax_backward_args(fn, att, datt, dpre, half):
     or uint16 half bits when att and dpre are half bits too (all one format; dpre may then be datt, in place).
     Returns (rows, T, att format, dpre format, datt format)."""
     datt_half = _is_uint16(datt)
-    rows, T, formats = check_softmax_formats(fn, (("att", att, True), ("datt", datt, datt_half),
-                                                  ("dpre", dpre, True)), half)
+    rows, T, formats = check_softmax_formats(
+        fn, (("att", att, True), ("datt", datt, datt_half), ("dpre", dpre, True)), half
+    )
     if datt_half:
         f32 = [name for name in ("att", "dpre") if formats[name] == FMT_F32]
         if f32:
-            raise TypeError(f"{fn}: datt must be float32, got uint16: half-bit datt needs att and dpre as uint16 half "
-                            f"bits of the same format too, but {' and '.join(f32)} {'is' if len(f32) == 1 else 'are'}"
-                            f" float32")
+            raise TypeError(
+                f"{fn}: datt must be float32, got uint16: half-bit datt needs att and dpre as uint16 half "
+                f"bits of the same format too, but {' and '.join(f32)} {'is' if len(f32) == 1 else 'are'}"
+                f" float32"
+            )
         check_in_place(fn, "dpre", dpre, "datt", datt)
     return rows, T, formats["att"], formats["dpre"], formats["datt"]

@@ -1,6 +1,7 @@
 """convert's contract: the checks of the conversion launchers' arguments (f32_to_bf16, bf16_to_f32, f32_to_f16) and of
 nonfinite_count's, shared by kernels/numba/convert.py and gpullm_lessons/backends/hip/convert.py (check= a flavour of
 gpullm_lessons.contracts.check_array: cupy=True for the HIP launchers)."""
+
 from gpullm_lessons.contracts import check_array
 
 
@@ -11,8 +12,9 @@ def check_pair(fn, src, dst, src_dtypes, dst_dtypes, check=check_array):
     same 16 bits and are viewed as uint16. `check` is _args.check_array (cupy=True for the HIP wrappers)."""
     for name, a, dtypes in (("src", src, src_dtypes), ("dst", dst, dst_dtypes)):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise TypeError(f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), "
-                            f"got {type(a).__name__}")
+            raise TypeError(
+                f"{fn}: {name} must be an array (NumPy, CuPy or Numba device array), got {type(a).__name__}"
+            )
         if str(a.dtype) not in dtypes:
             raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {' or '.join(dtypes)}")
     if len(src.shape) != 1:

@@ -1,9 +1,10 @@
 """crossentropy's contract: the checks of the cross-entropy launchers' arguments (logits (N, V) float32, targets (N,)
 int32, the outputs; the half-bits dlogits of crossentropy_forward_backward_half), shared by
 kernels/numba/crossentropy.py and gpullm_lessons/backends/hip/crossentropy.py (cupy=True: CuPy arrays only)."""
+
 from gpullm_lessons.contracts import check_array
 
-HALF_FORMATS = ("bf16", "fp16")   # crossentropy_forward_backward_half's half=
+HALF_FORMATS = ("bf16", "fp16")  # crossentropy_forward_backward_half's half=
 
 
 def check_inputs(fn, logits, targets, *, cupy=False, **outputs):
@@ -24,8 +25,10 @@ def check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=False):
     if half not in HALF_FORMATS:
         raise ValueError(f"{fn}: half must be one of {', '.join(HALF_FORMATS)}, got {half!r}")
     if not hasattr(dlogits, "dtype") or str(dlogits.dtype) != "uint16":
-        raise TypeError(f"{fn}: dlogits must be a uint16 array (the half bits), got "
-                        f"{getattr(dlogits, 'dtype', type(dlogits).__name__)}")
+        raise TypeError(
+            f"{fn}: dlogits must be a uint16 array (the half bits), got "
+            f"{getattr(dlogits, 'dtype', type(dlogits).__name__)}"
+        )
     N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy)
     if tuple(dlogits.shape) != (N, V):
         raise ValueError(f"{fn}: dlogits has shape {tuple(dlogits.shape)}, expected {(N, V)}")

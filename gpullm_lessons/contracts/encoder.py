@@ -1,5 +1,6 @@
 """encoder's contract: the checks of encoder_backward's arguments and v2's host-side bucketing of positions by token
 (NumPy), shared by kernels/numba/encoder.py and gpullm_lessons/backends/hip/encoder.py (cupy=True: CuPy arrays only)."""
+
 import numpy as np
 
 from gpullm_lessons.contracts import check_array
@@ -29,7 +30,7 @@ def token_buckets(idx_host, V):
     flat = np.asarray(idx_host).ravel()
     if flat.size and (flat.min() < 0 or flat.max() >= V):
         raise ValueError(f"encoder_backward: idx must be in [0, V={V}), got min {flat.min()}, max {flat.max()}")
-    order = np.argsort(flat, kind="stable").astype(np.int32)         # positions grouped by token
+    order = np.argsort(flat, kind="stable").astype(np.int32)  # positions grouped by token
     starts = np.zeros(V + 1, np.int32)
-    starts[1:] = np.cumsum(np.bincount(flat, minlength=V))            # bucket bounds
+    starts[1:] = np.cumsum(np.bincount(flat, minlength=V))  # bucket bounds
     return order, starts

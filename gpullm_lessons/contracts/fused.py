@@ -1,11 +1,12 @@
 """fused's contract: the checks of the engine's glue launchers' arguments (bias_add, bias_gelu_forward, split_heads,
 merge_heads, colsum_convert, layernorm_forward_half) and their half-output modes, shared by kernels/numba/fused.py and
 gpullm_lessons/backends/hip/fused.py (check= a flavour of gpullm_lessons.contracts.check_array: cupy=True there)."""
+
 import numpy as np
 
 from gpullm_lessons.contracts import check_array
 
-HALF_MODES = {None: 0, "bf16": 1, "fp16": 2}   # the kernels' `mode` argument
+HALF_MODES = {None: 0, "bf16": 1, "fp16": 2}  # the kernels' `mode` argument
 
 
 def _array(fn, name, a, ndim, what):
@@ -25,8 +26,9 @@ def half_mode(fn, half, out, name="out"):
     if half is None and dtype == "uint16":
         raise ValueError(f"{fn}: {name} is uint16 (16-bit bits) but half=None: pass half='bf16' or half='fp16'")
     if half is not None and dtype == "float32":
-        raise ValueError(f"{fn}: half={half!r} writes 16-bit bits: {name} must be uint16, got float32 "
-                         f"(or pass half=None)")
+        raise ValueError(
+            f"{fn}: half={half!r} writes 16-bit bits: {name} must be uint16, got float32 (or pass half=None)"
+        )
     return HALF_MODES[half], ("float32" if half is None else "uint16")
 
 
@@ -61,8 +63,9 @@ def check_bias_gelu(fn, inp, bias, pre, out, half, check=check_array):
 def _check_heads(fn, col0, B, T, nh, hs, ld):
     C = nh * hs
     if col0 + C > ld:
-        raise ValueError(f"{fn}: col0 + C = {col0} + {C} = {col0 + C} is past the row width ld = {ld} "
-                         f"(C = nh*hs = {nh}*{hs})")
+        raise ValueError(
+            f"{fn}: col0 + C = {col0} + {C} = {col0 + C} is past the row width ld = {ld} (C = nh*hs = {nh}*{hs})"
+        )
 
 
 def check_split(fn, inp, col0, out, B, T, nh, bias, half, check=check_array):
@@ -95,8 +98,10 @@ def check_colsum(fn, inp, colsum, out, half, check=check_array):
     """Returns (N, C, mode); mode 0 when out is None."""
     if out is None:
         if half is not None:
-            raise ValueError(f"{fn}: half={half!r} but out is None: give out (N, C) uint16 for the converted copy, "
-                             f"or leave half=None")
+            raise ValueError(
+                f"{fn}: half={half!r} but out is None: give out (N, C) uint16 for the converted copy, "
+                f"or leave half=None"
+            )
         mode = 0
     else:
         if half is None:

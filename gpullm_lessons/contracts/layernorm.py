@@ -1,6 +1,7 @@
 """layernorm's contract: the checks of layernorm_forward / layernorm_backward's arguments (float32 arrays of the
 shapes the rows give, C-contiguous) and block sizes, shared by kernels/numba/layernorm.py and
 gpullm_lessons/backends/hip/layernorm.py (cupy=True: CuPy arrays, cupy in the hints)."""
+
 import numpy as np
 
 from gpullm_lessons.contracts import MAX_THREADS, check_shape
@@ -28,8 +29,10 @@ def check_array(fn, name, x, shape, cupy=False):
     if np.dtype(x.dtype) != np.float32:
         raise TypeError(f"{fn}: {name} has dtype {x.dtype}, expected float32 (these kernels compute in float32)")
     if not (x.flags.c_contiguous if cupy else _c_contiguous(x)):
-        raise ValueError(f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous "
-                         f"({'cupy' if cupy else 'np'}.ascontiguousarray)")
+        raise ValueError(
+            f"{fn}: {name} of shape {tuple(x.shape)} must be C-contiguous "
+            f"({'cupy' if cupy else 'np'}.ascontiguousarray)"
+        )
 
 
 def check_rows(fn, inp, cupy=False):
@@ -37,8 +40,9 @@ def check_rows(fn, inp, cupy=False):
     if not hasattr(inp, "shape"):
         raise TypeError(f"{fn}: inp must be {_what(cupy)}, got {type(inp).__name__}")
     if len(inp.shape) != 2 or inp.shape[0] < 1 or inp.shape[1] < 1:
-        raise ValueError(f"{fn}: inp has shape {tuple(inp.shape)}, expected (N, C) with N, C >= 1 "
-                         f"(flatten (B, T, C) to (B*T, C))")
+        raise ValueError(
+            f"{fn}: inp has shape {tuple(inp.shape)}, expected (N, C) with N, C >= 1 (flatten (B, T, C) to (B*T, C))"
+        )
     return int(inp.shape[0]), int(inp.shape[1])
 
 

@@ -45,11 +45,22 @@ LayerNorm outputs and the GELU output and recomputes them (one LayerNorm forward
 One training step: forward (loss), backward (every gradient written, none accumulated), the global gradient norm
 (one reduction over the flat gradient buffer), clipping and 1/loss-scale folded into AdamW's grad_scale, AdamW.
 """
+
 from __future__ import annotations
 
 from ..params import GPTConfig
-from .core import (BACKENDS, BETAS, EPS, GRAPH_PRECISIONS, POLICIES, PRECISIONS, Engine, EngineError,  # noqa: F401
-                   OptimizerShard, check_backend)
+from .core import (
+    BACKENDS,
+    BETAS,
+    EPS,
+    GRAPH_PRECISIONS,
+    POLICIES,
+    PRECISIONS,
+    Engine,
+    EngineError,  # noqa: F401
+    OptimizerShard,
+    check_backend,
+)
 from .cpu import NumpyEngine
 from .gpu import GPUEngine
 from .graph import StepGraph  # noqa: F401
@@ -57,8 +68,17 @@ from .memory import engine_memory  # noqa: F401
 from .profiler import OpProfiler  # noqa: F401
 
 
-def build(cfg: GPTConfig, backend="auto", precision="fp32", policy="none", seed=0, betas=BETAS, eps=EPS,
-          versions=None, graphs="auto"):
+def build(
+    cfg: GPTConfig,
+    backend="auto",
+    precision="fp32",
+    policy="none",
+    seed=0,
+    betas=BETAS,
+    eps=EPS,
+    versions=None,
+    graphs="auto",
+):
     """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed).
 
     graphs: "auto" (CUDA graphs for train_step where they apply: backend hip on a GPU, fp32 or bf16), "off", or "on"
@@ -72,13 +92,26 @@ def build(cfg: GPTConfig, backend="auto", precision="fp32", policy="none", seed=
         raise EngineError(f"graphs must be 'auto', 'on' or 'off', got {graphs!r}")
     graphs = {True: "on", False: "off"}.get(graphs, graphs)
     if graphs == "on" and not (backend == "hip" and precision in GRAPH_PRECISIONS):
-        raise EngineError(f"graphs='on': CUDA graphs replay the hip backend's step in {' or '.join(GRAPH_PRECISIONS)} "
-                          f"(fp16 decides on the host whether to skip a step); got backend {backend!r}, "
-                          f"precision {precision!r}")
+        raise EngineError(
+            f"graphs='on': CUDA graphs replay the hip backend's step in {' or '.join(GRAPH_PRECISIONS)} "
+            f"(fp16 decides on the host whether to skip a step); got backend {backend!r}, "
+            f"precision {precision!r}"
+        )
     if backend == "numpy":
         if precision != "fp32":
-            raise EngineError(f"precision {precision!r} needs a kernel backend (--backend hip or numba); the NumPy "
-                              f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)")
+            raise EngineError(
+                f"precision {precision!r} needs a kernel backend (--backend hip or numba); the NumPy "
+                f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)"
+            )
         return NumpyEngine(cfg, policy, seed, betas, eps)
-    return GPUEngine(cfg, backend, precision, policy, seed, betas, eps, versions,
-                     graphs=graphs if backend == "hip" and precision in GRAPH_PRECISIONS else "off")
+    return GPUEngine(
+        cfg,
+        backend,
+        precision,
+        policy,
+        seed,
+        betas,
+        eps,
+        versions,
+        graphs=graphs if backend == "hip" and precision in GRAPH_PRECISIONS else "off",
+    )

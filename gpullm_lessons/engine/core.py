@@ -1,6 +1,7 @@
 """What every engine is: the names the engine accepts (backends, precisions, checkpointing policies), the check that
 this machine has the backend asked for, and the base class Engine with the state and the one optimizer update
 (Engine.update) that both engines, the CUDA-graph step, data parallel and ZeRO use."""
+
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ from ..params import GPTConfig, num_params
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 POLICIES = ("none", "selective", "full")
-GRAPH_PRECISIONS = ("fp32", "bf16")   # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
+GRAPH_PRECISIONS = ("fp32", "bf16")  # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 
@@ -32,20 +33,30 @@ def check_backend(backend: str) -> str:
         raise EngineError(f"unknown backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}")
     if backend == "hip":
         if not device.has_gpu():
-            raise EngineError(f"backend 'hip' needs a GPU and this machine has none ({device.describe()}); "
-                              f"use --backend numpy (or numba, in the CUDA simulator, for tiny models)")
+            raise EngineError(
+                f"backend 'hip' needs a GPU and this machine has none ({device.describe()}); "
+                f"use --backend numpy (or numba, in the CUDA simulator, for tiny models)"
+            )
         if not _has_cupy():
-            raise EngineError("backend 'hip' launches its kernels through CuPy, which is not installed: "
-                              "make setup GPU=cuda13 (or cuda12 / rocm)")
+            raise EngineError(
+                "backend 'hip' launches its kernels through CuPy, which is not installed: "
+                "make setup GPU=cuda13 (or cuda12 / rocm)"
+            )
     if backend == "numba" and device.kind() == "rocm":
-        raise EngineError("backend 'numba' needs an NVIDIA GPU or the CUDA simulator: Numba CUDA does not run on "
-                          "AMD GPUs; use --backend hip (the same kernels' HIP twins)")
+        raise EngineError(
+            "backend 'numba' needs an NVIDIA GPU or the CUDA simulator: Numba CUDA does not run on "
+            "AMD GPUs; use --backend hip (the same kernels' HIP twins)"
+        )
     if backend == "numba" and not device.has_gpu() and not device.numba_available():
-        raise EngineError(f"backend 'numba' needs a GPU or the CUDA simulator, and this machine has neither "
-                          f"({device.describe()}); unset NUMBA_ENABLE_CUDASIM=0 or use --backend numpy")
+        raise EngineError(
+            f"backend 'numba' needs a GPU or the CUDA simulator, and this machine has neither "
+            f"({device.describe()}); unset NUMBA_ENABLE_CUDASIM=0 or use --backend numpy"
+        )
     if backend == "numba" and device.has_gpu() and not _has_cupy():
-        raise EngineError("backend 'numba' on a GPU keeps its arrays in CuPy, which is not installed: "
-                          "make setup GPU=cuda13 (or cuda12 / rocm)")
+        raise EngineError(
+            "backend 'numba' on a GPU keeps its arrays in CuPy, which is not installed: "
+            "make setup GPU=cuda13 (or cuda12 / rocm)"
+        )
     return backend
 
 
@@ -93,8 +104,13 @@ class Engine:
     # ---- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Host copies of everything a resumed run needs: params, m, v (flat fp32), t, the loss scaler."""
-        out = {"params": self._host(self.params.flat), "m": self._host(self.m), "v": self._host(self.v),
-               "t": self.t, "precision": self.precision}
+        out = {
+            "params": self._host(self.params.flat),
+            "m": self._host(self.m),
+            "v": self._host(self.v),
+            "t": self.t,
+            "precision": self.precision,
+        }
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         return out
@@ -105,8 +121,10 @@ class Engine:
             if key not in state:
                 raise ValueError(f"load_state_dict: the state has no {key!r}")
             if np.asarray(state[key]).shape != (n,):
-                raise ValueError(f"load_state_dict: {key} has shape {np.asarray(state[key]).shape}, this model "
-                                 f"needs ({n},): the checkpoint is from a different model config")
+                raise ValueError(
+                    f"load_state_dict: {key} has shape {np.asarray(state[key]).shape}, this model "
+                    f"needs ({n},): the checkpoint is from a different model config"
+                )
         self.params.flat[...] = self._dev(np.asarray(state["params"], np.float32))
         self.m[...] = self._dev(np.asarray(state["m"], np.float32))
         self.v[...] = self._dev(np.asarray(state["v"], np.float32))
@@ -141,7 +159,7 @@ class Engine:
         m, v = xp.zeros(hi - lo, xp.float32), xp.zeros(hi - lo, xp.float32)
         top = max(lo, min(hi, n))
         if self.m.size == n:
-            m[:top - lo], v[:top - lo] = self.m[lo:top], self.v[lo:top]
+            m[: top - lo], v[: top - lo] = self.m[lo:top], self.v[lo:top]
         return OptimizerShard(params, grads, m, v, self._decay_of(lo, hi))
 
     def release_optimizer_state(self) -> None:

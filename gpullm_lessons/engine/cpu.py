@@ -1,4 +1,5 @@
 """NumpyEngine: the NumPy reference GPT (through checkpointing's policies) and AdamW on the CPU, fp32."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,8 @@ class NumpyEngine(Engine):
         self.params = init_params(cfg, seed=seed, dtype=np.float32)
         self.grads = ParamBuffer(cfg, dtype=np.float32)
         n = num_params(cfg)
-        self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)   # AdamW's moments (optim.AdamW's)
-        self.decay = decay_mask_for(cfg)                                      # True where weight decay applies
+        self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)  # AdamW's moments (optim.AdamW's)
+        self.decay = decay_mask_for(cfg)  # True where weight decay applies
 
     def forward(self, x, y=None):
         from ..checkpointing import gpt_forward_ckpt
@@ -39,7 +40,7 @@ class NumpyEngine(Engine):
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
         """Forward, backward, reduce_grads(grads_flat) if given (data parallel: the mean over ranks), clip, AdamW."""
-        loss = self.forward(x, y)[1]      # the logits are not kept: (B, T, V) would stay alive through backward
+        loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
         self.backward()
         if reduce_grads is not None:
             reduce_grads(self.grads.flat)
@@ -56,13 +57,13 @@ class NumpyEngine(Engine):
     def _decay_of(self, lo, hi):
         mask = np.zeros(hi - lo, bool)
         top = max(lo, min(hi, self.decay.size))
-        mask[:top - lo] = self.decay[lo:top]
+        mask[: top - lo] = self.decay[lo:top]
         return mask
 
     def _adamw(self, st, lr, weight_decay, grad_scale):
         from ..optim import adamw_update
 
-        if grad_scale != 1.0:                              # the clip factor, applied to the gradient (as the kernels do)
+        if grad_scale != 1.0:  # the clip factor, applied to the gradient (as the kernels do)
             st.grads *= np.float32(grad_scale)
         adamw_update(st.params, st.grads, st.m, st.v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
 

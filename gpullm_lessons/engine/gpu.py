@@ -1,4 +1,5 @@
 """GPUEngine: the course's kernels (backend "hip" or "numba") composed into the GPT; see the package docstring."""
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,38 @@ class GPUEngine(Engine):
     # half-precision run: "half" (cuBLAS rounds them to the run's half format: half the bytes of the largest
     # activation; GPT-2 bf16 on the H200: 64.2 -> 60.6 ms per step) or "f32" (fp32 products, as before 2026-11-30)
     DEFAULT_VERSIONS = {
-        "hip": {"layernorm_forward": "v2", "layernorm_backward": "v5", "gelu": "v1", "crossentropy": "v2",
-                "encoder": "v3", "adamw": "v3", "convert": "v1", "scores": "half"},
-        "numba": {"layernorm_forward": "v2", "layernorm_backward": "v2", "gelu": "v1", "crossentropy": "v2",
-                  "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "half"},
+        "hip": {
+            "layernorm_forward": "v2",
+            "layernorm_backward": "v5",
+            "gelu": "v1",
+            "crossentropy": "v2",
+            "encoder": "v3",
+            "adamw": "v3",
+            "convert": "v1",
+            "scores": "half",
+        },
+        "numba": {
+            "layernorm_forward": "v2",
+            "layernorm_backward": "v2",
+            "gelu": "v1",
+            "crossentropy": "v2",
+            "encoder": "v2",
+            "adamw": "v2",
+            "convert": "v1",
+            "scores": "half",
+        },
         # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
         # one-thread-per-row versions are ~50x faster there than the block-per-row ones
-        "numba-sim": {"layernorm_forward": "v1", "layernorm_backward": "v1", "gelu": "v1", "crossentropy": "v2",
-                      "encoder": "v2", "adamw": "v2", "convert": "v1", "scores": "half"},
+        "numba-sim": {
+            "layernorm_forward": "v1",
+            "layernorm_backward": "v1",
+            "gelu": "v1",
+            "crossentropy": "v2",
+            "encoder": "v2",
+            "adamw": "v2",
+            "convert": "v1",
+            "scores": "half",
+        },
     }
 
     def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off"):
@@ -44,7 +69,7 @@ class GPUEngine(Engine):
         if self.on_gpu:
             import cupy as xp
         else:
-            xp = np                      # numba in the CUDA simulator: NumPy arrays
+            xp = np  # numba in the CUDA simulator: NumPy arrays
         self.xp = xp
         self.ver = dict(self.DEFAULT_VERSIONS[backend if self.on_gpu else "numba-sim"])
         if versions:
@@ -55,7 +80,7 @@ class GPUEngine(Engine):
         if self.ver["scores"] not in ("f32", "half"):
             raise EngineError(f"versions: scores must be 'f32' or 'half', got {self.ver['scores']!r}")
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
-            self.ver["adamw"] = "v2"     # v3 reads float4: the buffer length must be a multiple of 4
+            self.ver["adamw"] = "v2"  # v3 reads float4: the buffer length must be a multiple of 4
         host = init_params(cfg, seed=seed, dtype=np.float32)
         self.params = ParamBuffer(cfg, np.float32, xp)
         self.params.flat[...] = xp.asarray(host.flat)
@@ -65,30 +90,36 @@ class GPUEngine(Engine):
         from ..kernels.numba.adamw import decay_table
 
         self.decay = decay_table(self.params, arrays="cupy" if self.on_gpu else "numpy")
-        self.fmt = precision                                           # gemm input format
+        self.fmt = precision  # gemm input format
         self.half = None
         if precision != "fp32":
-            self.half = xp.zeros(n, xp.uint16)                         # the half copy of the weights (bits)
-            self.half_views = {k: self.half[a:b].reshape(self.params.shapes[k])
-                               for k, (a, b) in self.params.offsets.items()}
+            self.half = xp.zeros(n, xp.uint16)  # the half copy of the weights (bits)
+            self.half_views = {
+                k: self.half[a:b].reshape(self.params.shapes[k]) for k, (a, b) in self.params.offsets.items()
+            }
             self.params_changed()
         if precision == "fp16":
             from ..precision import DynamicLossScaler
 
             self.scaler = DynamicLossScaler()
         self._count = xp.zeros(1, xp.int32)
-        self._sumsq = xp.zeros(1, xp.float32)                         # the squared gradient norm (grad_sumsq)
+        self._sumsq = xp.zeros(1, xp.float32)  # the squared gradient norm (grad_sumsq)
         self._cache = None
         self.profiler = None
         # train_step replays a CUDA graph ("auto" | "on" | "off", build() passes "off" where graphs cannot apply):
         # it needs AdamW's float4 kernel (n % 4 == 0) and an embedding backward without host work (v2 sorts the
         # tokens on the host: a graph would replay the capture batch's order; v3, the hip default, does not)
-        why_not = ("the parameter count is not a multiple of 4 (AdamW's float4 kernel)" if n % 4 else
-                   "embedding backward v2 sorts tokens on the host" if self.ver["encoder"] == "v2" else None)
+        why_not = (
+            "the parameter count is not a multiple of 4 (AdamW's float4 kernel)"
+            if n % 4
+            else "embedding backward v2 sorts tokens on the host"
+            if self.ver["encoder"] == "v2"
+            else None
+        )
         if graphs == "on" and why_not:
             raise EngineError(f"graphs='on': this engine's step cannot be captured: {why_not}")
         self.graphs = graphs in ("auto", "on") and self.on_gpu and why_not is None
-        self._graphs = {}                                              # (B, T, split) -> StepGraph
+        self._graphs = {}  # (B, T, split) -> StepGraph
         self._graphs_required = graphs == "on"
 
     # ---- helpers ----------------------------------------------------------------------------------------------
@@ -162,7 +193,7 @@ class GPUEngine(Engine):
             dout_mm = self._mm_empty(dout.shape)
             self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half)
         dinp = xp.empty((dout.shape[0], in_features), xp.float32)
-        self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)       # dinp = dout @ W.T
+        self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
         self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
         return dinp
 
@@ -193,7 +224,7 @@ class GPUEngine(Engine):
         """GELU of fc (N, 4C) fp32 (bias already in) -> the matmul input (bias_gelu_forward with a zero bias)."""
         zero = self._zeros(fc.shape[1])
         out = self._mm_empty(fc.shape)
-        self.K.bias_gelu_forward(fc, zero, fc, out, half=self._half)   # fc + 0 = fc: rewritten unchanged
+        self.K.bias_gelu_forward(fc, zero, fc, out, half=self._half)  # fc + 0 = fc: rewritten unchanged
         return out
 
     def _zeros(self, n):
@@ -218,41 +249,50 @@ class GPUEngine(Engine):
         half = self._half
         c = {"x": x}
         ln1_mm, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
-        qkv = self._matmul(ln1_mm, "qkvw", l, 3 * C)                               # (B*T, 3C), no bias yet
+        qkv = self._matmul(ln1_mm, "qkvw", l, 3 * C)  # (B*T, 3C), no bias yet
         qkvb = self.params["qkvb"][l]
         q, k, v = (self._mm_empty((B * nh, T, hs)) for _ in range(3))
         for i, dst in enumerate((q, k, v)):
-            self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C:(i + 1) * C], half=half)
+            self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C : (i + 1) * C], half=half)
         del qkv
         half_scores = half is not None and self.ver["scores"] == "half"
         att = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
-        self._gemm(q, k, att, trans_b=True)                                       # raw scores q @ k.T
+        self._gemm(q, k, att, trans_b=True)  # raw scores q @ k.T
         scale = 1.0 / math.sqrt(hs)
         if half is None:
             self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), scale)
             att_mm = att
         else:
             att_mm = self._mm_empty((B * nh, T, T))
-            self.K.attention_softmax_forward(att.reshape(-1, T), None, scale, att_half=att_mm.reshape(-1, T),
-                                             half=half)
+            self.K.attention_softmax_forward(att.reshape(-1, T), None, scale, att_half=att_mm.reshape(-1, T), half=half)
             del att
         y = xp.empty((B * nh, T, hs), xp.float32)
-        self._gemm(att_mm, v, y)                                                  # att @ v
+        self._gemm(att_mm, v, y)  # att @ v
         atty_mm = self._mm_empty((B * T, C))
         self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
         del y
         x1 = self._matmul(atty_mm, "attprojw", l, C)
-        self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)                # x1 = x + atty @ W + b
+        self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)  # x1 = x + atty @ W + b
         ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
         fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
         gelu_mm = self._mm_empty(fc.shape)
-        self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm, half=half)   # fc += b; gelu(fc)
+        self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm, half=half)  # fc += b; gelu(fc)
         x2 = self._matmul(gelu_mm, "fcprojw", l, C)
-        self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)                # x2 = x1 + gelu @ W + b
+        self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)  # x2 = x1 + gelu @ W + b
         if keep == "none":
-            c.update(ln1_mm=ln1_mm, q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, ln2_mm=ln2_mm, fc=fc,
-                     gelu_mm=gelu_mm)
-        elif keep == "selective":     # LayerNorm and GELU outputs are rebuilt in backward
+            c.update(
+                ln1_mm=ln1_mm,
+                q=q,
+                k=k,
+                v=v,
+                att_mm=att_mm,
+                atty_mm=atty_mm,
+                x1=x1,
+                ln2_mm=ln2_mm,
+                fc=fc,
+                gelu_mm=gelu_mm,
+            )
+        elif keep == "selective":  # LayerNorm and GELU outputs are rebuilt in backward
             c.update(q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, fc=fc)
         # "full": only x (the caller keeps it; the rest is recomputed)
         return x2, c
@@ -285,30 +325,32 @@ class GPUEngine(Engine):
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
         datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
         dy = self._mm_empty((B * nh, T, hs))
-        self.K.split_heads(datty, 0, dy, B, T, nh, half=half)                     # (B*nh, T, hs)
+        self.K.split_heads(datty, 0, dy, B, T, nh, half=half)  # (B*nh, T, hs)
         del datty
         dv = xp.empty((B * nh, T, hs), xp.float32)
-        self._gemm(c["att_mm"], dy, dv, trans_a=True)                             # dv = att.T @ dy
+        self._gemm(c["att_mm"], dy, dv, trans_a=True)  # dv = att.T @ dy
         half_scores = half is not None and self.ver["scores"] == "half"
         datt = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
-        self._gemm(dy, c["v"], datt, trans_b=True)                                # datt = dy @ v.T
+        self._gemm(dy, c["v"], datt, trans_b=True)  # datt = dy @ v.T
         del dy
         scale = 1.0 / math.sqrt(hs)
-        if half is None:                                                          # dpre, in place, scale folded in
-            self.K.attention_softmax_backward(c["att_mm"].reshape(-1, T), datt.reshape(-1, T), datt.reshape(-1, T),
-                                              scale)
+        if half is None:  # dpre, in place, scale folded in
+            self.K.attention_softmax_backward(
+                c["att_mm"].reshape(-1, T), datt.reshape(-1, T), datt.reshape(-1, T), scale
+            )
             dpre_mm = datt
-        else:                                                                     # half probabilities in, half dpre out
+        else:  # half probabilities in, half dpre out
             dpre_mm = self._mm_empty((B * nh, T, T))
-            self.K.attention_softmax_backward(c["att_mm"].reshape(-1, T), datt.reshape(-1, T),
-                                              dpre_mm.reshape(-1, T), scale, half=half)
+            self.K.attention_softmax_backward(
+                c["att_mm"].reshape(-1, T), datt.reshape(-1, T), dpre_mm.reshape(-1, T), scale, half=half
+            )
         del datt
         dqkv = xp.empty((B * T, 3 * C), xp.float32)
         self.K.merge_heads(dv, dqkv, 2 * C, B, T, nh)
         del dv
         for i, (b, ta) in enumerate(((c["k"], False), (c["q"], True))):
             part = xp.empty((B * nh, T, hs), xp.float32)
-            self._gemm(dpre_mm, b, part, trans_a=ta)                              # dq = dpre @ k, dk = dpre.T @ q
+            self._gemm(dpre_mm, b, part, trans_a=ta)  # dq = dpre @ k, dk = dpre.T @ q
             self.K.merge_heads(part, dqkv, i * C, B, T, nh)
             del part
         del dpre_mm
@@ -339,26 +381,27 @@ class GPUEngine(Engine):
         blocks = []
         for l in range(cfg.n_layer):
             x_in = h
-            h, c = self._block_forward(h, l, B, T, "none" if keep == "none" else
-                                       ("selective" if keep == "selective" else "full"))
+            h, c = self._block_forward(
+                h, l, B, T, "none" if keep == "none" else ("selective" if keep == "selective" else "full")
+            )
             blocks.append(c if keep != "full" else {"x": x_in})
         lnf_mm, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
         logits = xp.empty((B * T, V), xp.float32)
-        self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)                  # tied head: lnf @ wte.T
+        self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)  # tied head: lnf @ wte.T
         loss = None
         if y is not None:
             targets = xp.asarray(y).reshape(-1)
             losses = xp.empty(B * T, xp.float32)
-            if self.precision == "bf16":     # dlogits written in bf16 by the loss kernel: the head products' input
+            if self.precision == "bf16":  # dlogits written in bf16 by the loss kernel: the head products' input
                 dlogits = xp.empty((B * T, V), xp.uint16)
                 self.K.crossentropy_forward_backward_half(logits, targets, losses, dlogits, half="bf16")
-            else:                            # fp32; fp16 scales dlogits by the loss scale before rounding (backward)
+            else:  # fp32; fp16 scales dlogits by the loss scale before rounding (backward)
                 dlogits = xp.empty_like(logits)
-                self.K.crossentropy_forward_backward(logits, targets, losses, dlogits,
-                                                     version=self.ver["crossentropy"])
+                self.K.crossentropy_forward_backward(logits, targets, losses, dlogits, version=self.ver["crossentropy"])
             loss = losses.mean() if device_loss else float(losses.mean())
-            self._cache = dict(B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm,
-                               dlogits=dlogits)
+            self._cache = dict(
+                B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm, dlogits=dlogits
+            )
         return logits.reshape(B, T, V), loss
 
     def backward(self, loss_scale=1.0):
@@ -370,29 +413,30 @@ class GPUEngine(Engine):
         self._cache = None
         B, T = c["B"], c["T"]
         dlogits = c["dlogits"]
-        if self.precision == "fp16":      # scale before rounding to fp16: that is what keeps small values alive
+        if self.precision == "fp16":  # scale before rounding to fp16: that is what keeps small values alive
             dl_mm = (dlogits * np.float32(loss_scale)).astype(xp.float16).view(xp.uint16)
             alpha = 1.0
-        else:                             # fp32: dlogits itself; bf16: already bf16 bits
+        else:  # fp32: dlogits itself; bf16: already bf16 bits
             dl_mm, alpha = dlogits, loss_scale
         del dlogits, c["dlogits"]
         dlnf = xp.empty((B * T, cfg.d_model), xp.float32)
-        self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)                      # dlnf = dlogits @ wte
+        self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)  # dlnf = dlogits @ wte
         self._gemm(dl_mm, c["lnf_mm"], self.grads["wte"], trans_a=True, alpha=alpha)  # dwte (head) = dlogits.T @ lnf
         del dl_mm
         dx = self._layernorm_backward(dlnf, c["h"], c["meanf"], c["rstdf"], "lnfw", "lnfb", None)
         for l in reversed(range(cfg.n_layer)):
             blk = c["blocks"][l]
             if self.policy == "full":
-                blk = self._block_forward(blk["x"], l, B, T, "none")[1]    # the recomputed output is not kept
+                blk = self._block_forward(blk["x"], l, B, T, "none")[1]  # the recomputed output is not kept
             elif self.policy == "selective":
                 self._rebuild(blk, l)
             dx = self._block_backward(dx, blk, l, B, T)
-            c["blocks"][l] = None                                                 # free the block's cache
-            del blk                                                               # (before the next recompute)
+            c["blocks"][l] = None  # free the block's cache
+            del blk  # (before the next recompute)
         dwte_enc = xp.empty_like(self.grads["wte"])
-        self.K.encoder_backward(dx.reshape(B, T, cfg.d_model), c["idx"], dwte_enc, self.grads["wpe"][:T],
-                                version=self.ver["encoder"])
+        self.K.encoder_backward(
+            dx.reshape(B, T, cfg.d_model), c["idx"], dwte_enc, self.grads["wpe"][:T], version=self.ver["encoder"]
+        )
         if T < cfg.block_size:
             self.grads["wpe"][T:] = 0
         self.grads["wte"] += dwte_enc
@@ -420,10 +464,23 @@ class GPUEngine(Engine):
         return to_backend(b, where), to_backend(f, where)
 
     def _adamw(self, st, lr, weight_decay, grad_scale):
-        self.K.adamw_step(st.params, st.grads, st.m, st.v, lr, self.betas[0], self.betas[1], self.eps, weight_decay,
-                          self.t, decay_bounds=st.decay, grad_scale=grad_scale, half_out=st.half,
-                          half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision)
-                          if st.half is not None else None, version=self.ver["adamw"])
+        self.K.adamw_step(
+            st.params,
+            st.grads,
+            st.m,
+            st.v,
+            lr,
+            self.betas[0],
+            self.betas[1],
+            self.eps,
+            weight_decay,
+            self.t,
+            decay_bounds=st.decay,
+            grad_scale=grad_scale,
+            half_out=st.half,
+            half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision) if st.half is not None else None,
+            version=self.ver["adamw"],
+        )
 
     def _hyper(self, lr, weight_decay, grad_clip):
         """The graph step's update policy on the host: the step count advances and AdamW's scalars (lr, lr * wd, bias
@@ -438,9 +495,20 @@ class GPUEngine(Engine):
         AdamW from it (the same clip_coefficient), AdamW over the whole buffer (the graph step: fp32 / bf16, no scaler)."""
         st = self.optimizer_state()
         self.K.grad_sumsq(st.grads, self._sumsq)
-        self.K.adamw_step_device(st.params, st.grads, st.m, st.v, hyper, self._sumsq, self.betas[0], self.betas[1],
-                                 self.eps, decay_bounds=st.decay, half_out=st.half,
-                                 half_dtype="bfloat16" if self.precision == "bf16" else None)
+        self.K.adamw_step_device(
+            st.params,
+            st.grads,
+            st.m,
+            st.v,
+            hyper,
+            self._sumsq,
+            self.betas[0],
+            self.betas[1],
+            self.eps,
+            decay_bounds=st.decay,
+            half_out=st.half,
+            half_dtype="bfloat16" if self.precision == "bf16" else None,
+        )
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
         """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off.
@@ -463,8 +531,13 @@ class GPUEngine(Engine):
                     if self._graphs_required:
                         raise EngineError(f"capturing the training step as a CUDA graph failed: {e}") from e
                     import warnings
-                    warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); training step by step "
-                                  f"from Python instead", RuntimeWarning, stacklevel=2)
+
+                    warnings.warn(
+                        f"CUDA graph capture failed ({type(e).__name__}: {e}); training step by step "
+                        f"from Python instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                     self.graphs = False
                     graph = None
             if graph is not None:

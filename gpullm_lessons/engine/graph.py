@@ -1,5 +1,6 @@
 """StepGraph: one training step of a GPUEngine captured as a CUDA graph (or two, around a data-parallel all-reduce)
 and replayed; part of the engine (it runs the engine's own forward, backward and device-side update)."""
+
 from __future__ import annotations
 
 import math
@@ -30,21 +31,21 @@ class StepGraph:
         self.hyper = cp.asarray(adamw_hyper(0.0, 0.0, 1, *eng.betas))
         self.result = cp.zeros(2, cp.float32)
         self.pool = cp.cuda.MemoryPool()
-        self.stream = cp.cuda.Stream()           # a blocking stream: ordered with work on the default stream
+        self.stream = cp.cuda.Stream()  # a blocking stream: ordered with work on the default stream
         from ..blas import prepare_capture
 
-        prepare_capture()                        # cuBLAS handle + workspace for captured matrix products
+        prepare_capture()  # cuBLAS handle + workspace for captured matrix products
         state = [eng.params.flat, eng.grads.flat, eng.m, eng.v] + ([eng.half] if eng.half is not None else [])
         saved = [a.copy() for a in state]
         parts = [self._grads, self._update] if self.split else [self._whole]
         self.graphs = []
         try:
             with cp.cuda.using_allocator(self.pool.malloc), self.stream:
-                for part in parts:               # warm-up: compiles kernels, fills the private pool
+                for part in parts:  # warm-up: compiles kernels, fills the private pool
                     part()
                 self.stream.synchronize()
-                for part in parts:               # split: the update's graph reuses backward's freed blocks, safely:
-                    self.stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)   # one stream, in order
+                for part in parts:  # split: the update's graph reuses backward's freed blocks, safely:
+                    self.stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)  # one stream, in order
                     try:
                         part()
                     finally:
@@ -52,7 +53,7 @@ class StepGraph:
         finally:
             eng._cache = None
             cp.cuda.Device().synchronize()
-            for dst, src in zip(state, saved):   # neither run leaves a trace in the model or the optimizer
+            for dst, src in zip(state, saved):  # neither run leaves a trace in the model or the optimizer
                 dst[...] = src
             cp.cuda.Device().synchronize()
 

@@ -1,4 +1,5 @@
 """engine_memory: the predicted peak GPU memory of GPUEngine.train_step, what the engine allocates."""
+
 from __future__ import annotations
 
 from ..params import GPTConfig, num_params
@@ -26,50 +27,52 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
         raise ValueError(f"engine_memory: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     f, e = 4, (4 if precision == "fp32" else 2)
     half = e == 2
-    h = e if half else 0                       # bytes of a half copy that exists only in half precision
+    h = e if half else 0  # bytes of a half copy that exists only in half precision
     C, nh, L, V = cfg.d_model, cfg.n_head, cfg.n_layer, cfg.vocab_size
     N, P, TT = B * T, num_params(cfg), B * nh * T * T
     NC = N * C
     model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": 2 * P * f}
     # what one block keeps, per policy (GPUEngine._block_forward)
-    base = NC * f + 4 * N * f                                           # x, mean1, rstd1, mean2, rstd2
-    sel = 3 * NC * e + TT * e + NC * e + NC * f + 4 * NC * f            # q, k, v, att_mm, atty_mm, x1, fc
-    rebuilt = NC * e + NC * e + 4 * NC * e                              # ln1_mm, ln2_mm, gelu_mm
+    base = NC * f + 4 * N * f  # x, mean1, rstd1, mean2, rstd2
+    sel = 3 * NC * e + TT * e + NC * e + NC * f + 4 * NC * f  # q, k, v, att_mm, atty_mm, x1, fc
+    rebuilt = NC * e + NC * e + 4 * NC * e  # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
     kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f}[policy]
-    dl = 2 if precision == "bf16" else 4                                  # dlogits: bf16 from the loss kernel
-    top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4                # h, meanf, rstdf, lnf_mm, dlogits, idx
+    dl = 2 if precision == "bf16" else 4  # dlogits: bf16 from the loss kernel
+    top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4  # h, meanf, rstdf, lnf_mm, dlogits, idx
     activations = L * kept_block + top
     # forward: one temporary at a time beside the growing cache: qkv before the head split, the scores (half or
     # fp32: half_scores) before the half softmax output (half runs), y before merge_heads, the block output; under
     # selective the matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on
     # return)
-    ts = e if (half and half_scores) else f                              # bytes of a score / its gradient
+    ts = e if (half and half_scores) else f  # bytes of a score / its gradient
     fwd_block = max(3 * NC * f, TT * ts * half, NC * f)
     if policy == "selective":
         fwd_block += rebuilt
     elif policy == "full":
         fwd_block += full_cache - NC * f
-    head = N * V * f + N * f + N * 4                                     # logits, losses, targets
+    head = N * V * f + N * f + N * 4  # logits, losses, targets
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
-    stages = [NC * h + 4 * NC * f,                                       # fcproj: dx_mm, dgelu
-              8 * NC * f,                                                # dgelu, dfc
-              4 * NC * f + 4 * NC * h + NC * f,                          # fc: dfc, dfc_mm, dln2
-              2 * NC * f,                                                # dln2, dx1
-              2 * NC * f + NC * h,                                       # attproj: dx1, dx1_mm, datty
-              2 * NC * f + NC * e,                                       # dx1, datty, dy
-              2 * NC * f + NC * e + TT * ts,                             # dx1, dy, dv, datt
-              2 * NC * f + TT * ts + TT * h,                             # dx1, dv, datt, dpre (half)
-              5 * NC * f + TT * e,                                       # dx1, dqkv, dv / part, dpre
-              5 * NC * f + 3 * NC * h,                                   # qkv: dx1, dqkv, dqkv_mm, dln1
-              3 * NC * f]                                                # dx1, dln1, dx0
+    stages = [
+        NC * h + 4 * NC * f,  # fcproj: dx_mm, dgelu
+        8 * NC * f,  # dgelu, dfc
+        4 * NC * f + 4 * NC * h + NC * f,  # fc: dfc, dfc_mm, dln2
+        2 * NC * f,  # dln2, dx1
+        2 * NC * f + NC * h,  # attproj: dx1, dx1_mm, datty
+        2 * NC * f + NC * e,  # dx1, datty, dy
+        2 * NC * f + NC * e + TT * ts,  # dx1, dy, dv, datt
+        2 * NC * f + TT * ts + TT * h,  # dx1, dv, datt, dpre (half)
+        5 * NC * f + TT * e,  # dx1, dqkv, dv / part, dpre
+        5 * NC * f + 3 * NC * h,  # qkv: dx1, dqkv, dqkv_mm, dln1
+        3 * NC * f,
+    ]  # dx1, dln1, dx0
     recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f}[policy]
     bwd_block = NC * f + max(stages) + recompute
-    if policy == "full":                     # the recompute's own forward locals, before the backward stages
+    if policy == "full":  # the recompute's own forward locals, before the backward stages
         bwd_block = max(bwd_block, NC * f + fwd_block)
-    fp16_copy = N * V * (f + 2) if precision == "fp16" else 0             # dlogits * scale, then its fp16 cast
+    fp16_copy = N * V * (f + 2) if precision == "fp16" else 0  # dlogits * scale, then its fp16 cast
     bwd_head = fp16_copy + NC * f
-    embed_bwd = NC * f + V * C * (f + 8)              # dx, the embedding's dwte, v3's int64 accumulator (V, C)
+    embed_bwd = NC * f + V * C * (f + 8)  # dx, the embedding's dwte, v3's int64 accumulator (V, C)
     peak_set = max(fwd_block, head, bwd_head, bwd_block, embed_bwd)
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
     out["total"] = sum(model.values()) + activations + peak_set

@@ -1,5 +1,6 @@
 """OpProfiler: every launcher call and matrix product of a GPUEngine timed (CUDA events on a GPU, the wall clock in
 the simulator), for lesson 09's per-op table (GPUEngine.enable_profiling)."""
+
 from __future__ import annotations
 
 
@@ -13,7 +14,7 @@ class OpProfiler:
 
     def __init__(self, on_gpu):
         self.on_gpu = on_gpu
-        self.records = []          # (name, start, stop): events or perf_counter floats
+        self.records = []  # (name, start, stop): events or perf_counter floats
         self.wall = 0.0
 
     def wrap(self, name, fn):
@@ -22,6 +23,7 @@ class OpProfiler:
         def timed(*args, **kwargs):
             if self.on_gpu:
                 import cupy as cp
+
                 start, stop = cp.cuda.Event(), cp.cuda.Event()
                 start.record()
                 out = fn(*args, **kwargs)
@@ -32,6 +34,7 @@ class OpProfiler:
                 stop = time.perf_counter()
             self.records.append((name, start, stop))
             return out
+
         return timed
 
     def step(self, fn, *args, **kwargs):
@@ -40,6 +43,7 @@ class OpProfiler:
 
         if self.on_gpu:
             import cupy as cp
+
             cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
@@ -54,6 +58,7 @@ class OpProfiler:
         for name, start, stop in self.records:
             if self.on_gpu:
                 import cupy as cp
+
                 stop.synchronize()
                 ms = cp.cuda.get_elapsed_time(start, stop)
             else:
@@ -63,8 +68,9 @@ class OpProfiler:
         wall_ms = 1e3 * self.wall
         rows = [{"op": k, "calls": calls[k], "ms": v} for k, v in sorted(totals.items(), key=lambda kv: -kv[1])]
         if wall_ms:
-            rows.append({"op": "other (CuPy ops, copies, Python)", "calls": 0,
-                         "ms": max(wall_ms - sum(totals.values()), 0.0)})
+            rows.append(
+                {"op": "other (CuPy ops, copies, Python)", "calls": 0, "ms": max(wall_ms - sum(totals.values()), 0.0)}
+            )
         for r in rows:
             r["share"] = r["ms"] / wall_ms if wall_ms else float("nan")
         return rows

@@ -36,16 +36,48 @@ gradients (rank r gets the summed shard r), x 1/N, the global norm from one all-
 AdamW on the shard only (m and v exist only for the shard: 1/N of the optimizer memory), all-gather the parameters.
 On GPUs the half copy of the weights (bf16/fp16) is re-converted from the gathered fp32 params (one pass).
 """
+
 from __future__ import annotations
 
-from .benchmark import (DEFAULT_SIZES, bench_allreduce, bench_result, dp_bench, format_bench,  # noqa: F401
-                        ring_fraction)
-from .data_parallel import (DataParallel, ReplicaMismatch, shard_bounds, shard_decay_table, shard_size,  # noqa: F401
-                            zero_memory_table)
+from .benchmark import (
+    DEFAULT_SIZES,
+    bench_allreduce,
+    bench_result,
+    dp_bench,
+    format_bench,  # noqa: F401
+    ring_fraction,
+)
+from .data_parallel import (
+    DataParallel,
+    ReplicaMismatch,
+    shard_bounds,
+    shard_decay_table,
+    shard_size,  # noqa: F401
+    zero_memory_table,
+)
 from .launching import launch_plan, launch_subprocess  # noqa: F401
-from .ring import (check_allreduce, chunk_bounds, ring_allreduce, ring_allreduce_chunks, ring_allreduce_sim,  # noqa: F401
-                   ring_contributions, selftest)
+from .ring import (
+    check_allreduce,
+    chunk_bounds,
+    ring_allreduce,
+    ring_allreduce_chunks,
+    ring_allreduce_sim,  # noqa: F401
+    ring_contributions,
+    selftest,
+)
 
-__all__ = ["chunk_bounds", "ring_allreduce_chunks", "ring_allreduce_sim", "ring_allreduce", "check_allreduce",
-           "shard_size", "shard_bounds", "shard_decay_table", "DataParallel", "ReplicaMismatch", "bench_allreduce",
-           "format_bench", "zero_memory_table"]
+__all__ = [
+    "chunk_bounds",
+    "ring_allreduce_chunks",
+    "ring_allreduce_sim",
+    "ring_allreduce",
+    "check_allreduce",
+    "shard_size",
+    "shard_bounds",
+    "shard_decay_table",
+    "DataParallel",
+    "ReplicaMismatch",
+    "bench_allreduce",
+    "format_bench",
+    "zero_memory_table",
+]

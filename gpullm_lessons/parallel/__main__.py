@@ -1,5 +1,6 @@
 """The command line of the ranks (each rank runs it; start them with the launcher or mpirun): selftest, bench,
 dpbench, and train (the training job itself, gpullm_lessons.train, on these ranks). See the package docstring."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,16 @@ def main(argv=None) -> int:
     import argparse
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":                   # the training job itself (train.py), its flags follow
+    if argv and argv[0] == "train":  # the training job itself (train.py), its flags follow
         from ..train import cli
 
-        cli(argv[1:])                                 # configuration problems: "error: ..." and exit status 2
+        cli(argv[1:])  # configuration problems: "error: ..." and exit status 2
         return 0
-    p = argparse.ArgumentParser(prog="python -m gpullm_lessons.parallel",
-                                description="collectives self-test, all-reduce benchmark, data-parallel throughput "
-                                            "(run on every rank: start with python -m gpullm_lessons.launch)")
+    p = argparse.ArgumentParser(
+        prog="python -m gpullm_lessons.parallel",
+        description="collectives self-test, all-reduce benchmark, data-parallel throughput "
+        "(run on every rank: start with python -m gpullm_lessons.launch)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("selftest", help="every collective, the ring by hand, a wrong ring caught")
     b = sub.add_parser("bench", help="all-reduce algbw / busbw, engine vs ring, 1 KiB .. 1 GiB")
@@ -59,13 +62,16 @@ def main(argv=None) -> int:
                         json.dump(res, f, indent=1)
             return 0
         if args.cmd == "dpbench":
-            res = dp_bench(comm, args.preset, args.precision, args.batch_per_rank, args.steps, zero=args.zero,
-                           backend=args.backend)
+            res = dp_bench(
+                comm, args.preset, args.precision, args.batch_per_rank, args.steps, zero=args.zero, backend=args.backend
+            )
             if comm.rank == 0:
                 print(json.dumps(res))
-                print(f"data parallel {res['preset']} {res['precision']}: {res['world']} rank(s) x B={res['batch_per_rank']}"
-                      f", {res['step_ms']:.1f} ms/step (gradient comm {res['comm_ms']:.1f} ms), "
-                      f"{res['tokens_per_s']:,.0f} tokens/s")
+                print(
+                    f"data parallel {res['preset']} {res['precision']}: {res['world']} rank(s) x B={res['batch_per_rank']}"
+                    f", {res['step_ms']:.1f} ms/step (gradient comm {res['comm_ms']:.1f} ms), "
+                    f"{res['tokens_per_s']:,.0f} tokens/s"
+                )
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump(res, f, indent=1)

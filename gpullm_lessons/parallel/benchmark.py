@@ -1,6 +1,7 @@
 """What the ranks measure: all-reduce algorithm and bus bandwidth (nccl-tests' definitions), the collectives'
 engine against the ring by hand, and data-parallel training throughput (`python -m gpullm_lessons.parallel bench |
 dpbench`)."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from .ring import xp_of, ring_allreduce
 # 5. All-reduce bandwidth: nccl-tests' algbw and busbw
 # ================================================================================================================
 
-DEFAULT_SIZES = tuple(2 ** k for k in range(10, 31, 2))          # 1 KiB, 4 KiB, ..., 1 GiB
+DEFAULT_SIZES = tuple(2**k for k in range(10, 31, 2))  # 1 KiB, 4 KiB, ..., 1 GiB
 
 
 def bench_allreduce(comm: Communicator, sizes=DEFAULT_SIZES, iters=None, ring=True, warmup=2) -> list:
@@ -32,7 +33,7 @@ def bench_allreduce(comm: Communicator, sizes=DEFAULT_SIZES, iters=None, ring=Tr
     rows = []
     for size in sizes:
         n = max(1, int(size) // 4)
-        buf = xp.zeros(n, xp.float32)                           # zeros: sums stay finite however often we add
+        buf = xp.zeros(n, xp.float32)  # zeros: sums stay finite however often we add
         work = xp.empty(-(-n // N), xp.float32)
         algos = [(comm.name, lambda: comm.all_reduce(buf))]
         if ring and N > 1:
@@ -54,8 +55,16 @@ def bench_allreduce(comm: Communicator, sizes=DEFAULT_SIZES, iters=None, ring=Tr
             comm.synchronize()
             sec = comm.all_reduce_scalars([(time.perf_counter() - t0) / k], op="max")[0]
             algbw = n * 4 / sec / 1e9
-            rows.append({"size_bytes": n * 4, "algo": algo, "iters": k, "time_us": sec * 1e6, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * 2 * (N - 1) / N})
+            rows.append(
+                {
+                    "size_bytes": n * 4,
+                    "algo": algo,
+                    "iters": k,
+                    "time_us": sec * 1e6,
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": algbw * 2 * (N - 1) / N,
+                }
+            )
     return rows
 
 
@@ -68,12 +77,16 @@ def _size(b) -> str:
 
 def format_bench(result) -> str:
     """The table of a bench result (dict with rows, world, comm, card, date)."""
-    lines = [f"all-reduce, {result['world']} ranks, {result['comm']} ({result['card']}, {result['date']}); "
-             f"busbw = algbw x 2(N-1)/N",
-             f"{'size':>9} {'algo':<6}{'time us':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    lines = [
+        f"all-reduce, {result['world']} ranks, {result['comm']} ({result['card']}, {result['date']}); "
+        f"busbw = algbw x 2(N-1)/N",
+        f"{'size':>9} {'algo':<6}{'time us':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}",
+    ]
     for r in result["rows"]:
-        lines.append(f"{_size(r['size_bytes']):>9} {r['algo']:<6}{r['time_us']:11.1f}{r['algbw_GBps']:12.2f}"
-                     f"{r['busbw_GBps']:12.2f}")
+        lines.append(
+            f"{_size(r['size_bytes']):>9} {r['algo']:<6}{r['time_us']:11.1f}{r['algbw_GBps']:12.2f}"
+            f"{r['busbw_GBps']:12.2f}"
+        )
     ratio = ring_fraction(result)
     if ratio:
         size, frac = ratio
@@ -107,12 +120,18 @@ def bench_result(comm, sizes=DEFAULT_SIZES, iters=None, ring=True) -> dict:
     import datetime
 
     rows = bench_allreduce(comm, sizes, iters=iters, ring=ring)
-    return {"world": comm.world_size, "comm": comm.name, "card": _where(comm),
-            "date": datetime.date.today().isoformat(), "rows": rows}
+    return {
+        "world": comm.world_size,
+        "comm": comm.name,
+        "card": _where(comm),
+        "date": datetime.date.today().isoformat(),
+        "rows": rows,
+    }
 
 
-def dp_bench(comm, preset="gpt2", precision="bf16", batch_per_rank=16, steps=10, warmup=3, zero=False,
-             backend="auto") -> dict:
+def dp_bench(
+    comm, preset="gpt2", precision="bf16", batch_per_rank=16, steps=10, warmup=3, zero=False, backend="auto"
+) -> dict:
     """Tokens/s of data-parallel training steps on random tokens: B = batch_per_rank rows per rank, T = block size."""
     from .. import engine as engine_mod
     from ..params import GPTConfig
@@ -126,8 +145,13 @@ def dp_bench(comm, preset="gpt2", precision="bf16", batch_per_rank=16, steps=10,
     eng = engine_mod.build(cfg, engine_mod.check_backend(backend), precision=precision)
     dp = DataParallel(eng, comm, zero=zero)
     rng = np.random.default_rng(comm.rank)
-    batches = [(rng.integers(0, cfg.vocab_size, (batch_per_rank, T)).astype(np.int32),
-                rng.integers(0, cfg.vocab_size, (batch_per_rank, T)).astype(np.int32)) for _ in range(steps + warmup)]
+    batches = [
+        (
+            rng.integers(0, cfg.vocab_size, (batch_per_rank, T)).astype(np.int32),
+            rng.integers(0, cfg.vocab_size, (batch_per_rank, T)).astype(np.int32),
+        )
+        for _ in range(steps + warmup)
+    ]
     times, comm_times = [], []
     for i, (x, y) in enumerate(batches):
         comm.barrier()
@@ -140,6 +164,16 @@ def dp_bench(comm, preset="gpt2", precision="bf16", batch_per_rank=16, steps=10,
             times.append(dt)
             comm_times.append(dp.comm_seconds - c0)
     sec = float(np.median(times))
-    return {"preset": preset, "precision": precision, "world": comm.world_size, "comm": comm.name, "zero": zero,
-            "batch_per_rank": batch_per_rank, "T": T, "step_ms": 1e3 * sec, "comm_ms": 1e3 * float(np.median(comm_times)),
-            "tokens_per_s": comm.world_size * batch_per_rank * T / sec, "optimizer_bytes": dp.optimizer_bytes()}
+    return {
+        "preset": preset,
+        "precision": precision,
+        "world": comm.world_size,
+        "comm": comm.name,
+        "zero": zero,
+        "batch_per_rank": batch_per_rank,
+        "T": T,
+        "step_ms": 1e3 * sec,
+        "comm_ms": 1e3 * float(np.median(comm_times)),
+        "tokens_per_s": comm.world_size * batch_per_rank * T / sec,
+        "optimizer_bytes": dp.optimizer_bytes(),
+    }

@@ -1,5 +1,6 @@
 """Data parallel training and ZeRO-1 around an engine: the shard bookkeeping (which elements of the flat buffer
 each rank's optimizer owns) and DataParallel, the step every rank runs (see the package docstring)."""
+
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from ..optim import shard_decay_table  # noqa: F401 - part of the ZeRO bookkeepi
 # ================================================================================================================
 # 3. ZeRO-1 bookkeeping: shards of the flat buffer
 # ================================================================================================================
+
 
 def shard_size(n: int, world: int, align: int = 1) -> int:
     """Elements per shard: ceil(n / world), rounded up to a multiple of align. The flat buffer is padded to world * S."""
@@ -43,14 +45,22 @@ def zero_memory_table(n_params: int, worlds=(1, 2, 4, 8), precision="fp32") -> l
         S = shard_size(n_params, W)
         dp = {"params": 4 * n_params + half * n_params, "grads": 4 * n_params, "optimizer": 8 * n_params}
         z1 = {"params": dp["params"], "grads": dp["grads"], "optimizer": 8 * S}
-        rows.append({"world": W, "dp_total": sum(dp.values()), "zero1_total": sum(z1.values()), **{
-            f"dp_{k}": v for k, v in dp.items()}, **{f"zero1_{k}": v for k, v in z1.items()}})
+        rows.append(
+            {
+                "world": W,
+                "dp_total": sum(dp.values()),
+                "zero1_total": sum(z1.values()),
+                **{f"dp_{k}": v for k, v in dp.items()},
+                **{f"zero1_{k}": v for k, v in z1.items()},
+            }
+        )
     return rows
 
 
 # ================================================================================================================
 # 4. Data parallel training (and ZeRO-1) around an engine
 # ================================================================================================================
+
 
 class ReplicaMismatch(RuntimeError):
     """The ranks' parameters differ: data parallel training lost its one invariant."""
@@ -79,8 +89,10 @@ class DataParallel:
         self.steps = 0
         self.comm_seconds = 0.0
         if comm.name == "nccl" and self.xp is np:
-            raise ValueError("DataParallel: an NCCL communicator needs a GPU engine (backend hip or numba on a GPU); "
-                             "the NumPy engine runs on MPI ranks")
+            raise ValueError(
+                "DataParallel: an NCCL communicator needs a GPU engine (backend hip or numba on a GPU); "
+                "the NumPy engine runs on MPI ranks"
+            )
         comm.broadcast(engine.params.flat, root=0)
         engine.params_changed()
         if self.zero:
@@ -90,13 +102,13 @@ class DataParallel:
     def _setup_zero(self, align):
         xp, eng, W, r = self.xp, self.eng, self.W, self.rank
         self.S = S = shard_size(self.n, W, align)
-        self.lo, self.hi = r * S, (r + 1) * S                    # this rank's slice of the padded buffer
+        self.lo, self.hi = r * S, (r + 1) * S  # this rank's slice of the padded buffer
         self.gpad = eng.grads.pad_to(W * S)
         self.ppad = eng.params.pad_to(W * S)
-        self.g_shard = xp.zeros(S, xp.float32)                   # the reduce-scatter's output: the summed shard
+        self.g_shard = xp.zeros(S, xp.float32)  # the reduce-scatter's output: the summed shard
         # AdamW over the shard: params a view of the padded params (the update lands there), m and v of S elements
         # (from the engine's, so a loaded checkpoint carries over); then the full-size state goes
-        self.shard = eng.optimizer_shard(self.lo, self.hi, self.ppad[self.lo:self.hi], self.g_shard)
+        self.shard = eng.optimizer_shard(self.lo, self.hi, self.ppad[self.lo : self.hi], self.g_shard)
         eng.release_optimizer_state()
 
     # ---- memory ----------------------------------------------------------------------------------------------------
@@ -110,8 +122,13 @@ class DataParallel:
         """This rank's model-state bytes: params, grads (padded under ZeRO), optimizer; and the unsharded optimizer."""
         p = self.ppad.nbytes if self.zero else self.eng.params.flat.nbytes
         g = self.gpad.nbytes if self.zero else self.eng.grads.flat.nbytes
-        return {"params": int(p), "grads": int(g), "optimizer": self.optimizer_bytes(), "optimizer_full": 8 * self.n,
-                "ratio": self.optimizer_bytes() / (8 * self.n)}
+        return {
+            "params": int(p),
+            "grads": int(g),
+            "optimizer": self.optimizer_bytes(),
+            "optimizer_full": 8 * self.n,
+            "ratio": self.optimizer_bytes() / (8 * self.n),
+        }
 
     # ---- state: what a checkpoint holds, the same on 1 and N ranks -------------------------------------------------
     def state_dict(self) -> dict:
@@ -122,7 +139,7 @@ class DataParallel:
             for key in ("m", "v"):
                 full = self.xp.zeros(self.W * self.S, self.xp.float32)
                 self.comm.all_gather(getattr(self.shard, key), full)
-                state[key] = np.array(full[:self.n].get() if is_cupy(full) else full[:self.n], np.float32)
+                state[key] = np.array(full[: self.n].get() if is_cupy(full) else full[: self.n], np.float32)
         return state
 
     # ---- one step ----------------------------------------------------------------------------------------------
@@ -131,7 +148,7 @@ class DataParallel:
             self.xp.cuda.get_current_stream().synchronize()
 
     def _timed(self, fn, *args):
-        self._sync()                                             # the kernels before it done: time only the comm
+        self._sync()  # the kernels before it done: time only the comm
         t0 = time.perf_counter()
         fn(*args)
         self._sync()
@@ -141,7 +158,7 @@ class DataParallel:
         if self.bucket_mb > 0:
             step = max(1, int(self.bucket_mb * 2**20 // 4))
             for lo in range(0, g.size, step):
-                self.comm.all_reduce(g[lo:lo + step])
+                self.comm.all_reduce(g[lo : lo + step])
         else:
             self.comm.all_reduce(g)
 
@@ -160,7 +177,7 @@ class DataParallel:
         engine's update on this rank's shard (_zero_step)."""
         eng = self.eng
         if not self.zero:
-            if self.W == 1:                                      # nothing to combine: the engine's own step
+            if self.W == 1:  # nothing to combine: the engine's own step
                 return eng.train_step(x, y, lr, weight_decay, grad_clip)
             out = dict(eng.train_step(x, y, lr, weight_decay, grad_clip, reduce_grads=self.mean_gradient))
             out["loss"] = float(self.comm.all_reduce_scalars([out["loss"]])[0]) / self.W
@@ -176,17 +193,19 @@ class DataParallel:
 
     def _zero_step(self, loss, lr, weight_decay, grad_clip):
         eng, comm, g = self.eng, self.comm, self.g_shard
-        self._timed(comm.reduce_scatter, self.gpad, g)           # rank r: the sum of every rank's shard r
+        self._timed(comm.reduce_scatter, self.gpad, g)  # rank r: the sum of every rank's shard r
         if self.W > 1:
             g *= np.float32(1.0 / self.W)
         bad = eng.count_nonfinite(g) if eng.scaler is not None else 0
-        red = comm.all_reduce_scalars([loss, eng.grad_sumsq(g), bad])   # one small all-reduce for all three
+        red = comm.all_reduce_scalars([loss, eng.grad_sumsq(g), bad])  # one small all-reduce for all three
         # the same global norm and non-finite count on every rank: the same clip factor and skip decision
-        out = {"loss": float(red[0]) / self.W,
-               **eng.update(lr, weight_decay, grad_clip, sumsq=float(red[1]), nonfinite=int(red[2]), shard=self.shard)}
+        out = {
+            "loss": float(red[0]) / self.W,
+            **eng.update(lr, weight_decay, grad_clip, sumsq=float(red[1]), nonfinite=int(red[2]), shard=self.shard),
+        }
         if not out["skipped"]:
-            self._timed(comm.all_gather, self.shard.params, self.ppad)   # every rank gets every updated shard
-            eng.params_changed()                                 # the half copy, re-converted from the fp32 params
+            self._timed(comm.all_gather, self.shard.params, self.ppad)  # every rank gets every updated shard
+            eng.params_changed()  # the half copy, re-converted from the fp32 params
         return out
 
     # ---- evaluation and checks -------------------------------------------------------------------------------
@@ -200,13 +219,15 @@ class DataParallel:
         p = self.eng.params.flat
         if self.xp is np:
             return float(np.sum(p, dtype=np.float64)), float(np.dot(p.astype(np.float64), p.astype(np.float64)))
-        return float(self.xp.sum(p, dtype=self.xp.float64)), float(self.xp.dot(p, p))   # no float64 copy on a GPU
+        return float(self.xp.sum(p, dtype=self.xp.float64)), float(self.xp.dot(p, p))  # no float64 copy on a GPU
 
     def check_replicas(self):
         """Compare every rank's parameter checksum with rank 0's; ReplicaMismatch naming the ranks that differ."""
         sums = self.comm.gather_scalars(self.checksum())
         bad = [r for r in range(self.W) if not np.array_equal(sums[r], sums[0])]
         if bad:
-            raise ReplicaMismatch(f"after step {self.steps} the parameters differ between ranks: rank(s) {bad} "
-                                  f"disagree with rank 0 (checksums {', '.join(f'rank {r}: {sums[r, 0]!r}' for r in range(self.W))})")
+            raise ReplicaMismatch(
+                f"after step {self.steps} the parameters differ between ranks: rank(s) {bad} "
+                f"disagree with rank 0 (checksums {', '.join(f'rank {r}: {sums[r, 0]!r}' for r in range(self.W))})"
+            )
         return sums[0]

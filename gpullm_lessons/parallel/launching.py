@@ -1,5 +1,6 @@
 """Starting ranks from a notebook or a test: how this machine can start N of them, and a launcher run as a
 subprocess."""
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,11 @@ def launch_plan(nproc: int = 2) -> dict:
             errors.append(str(e))
             continue
         engine = "hip" if comm == "nccl" else "numpy"
-        return {"comm": comm, "engine": engine,
-                "why": f"{nproc} ranks over {comm}, one per {'GPU' if comm == 'nccl' else 'CPU process'}, "
-                       f"engine {engine}"}
+        return {
+            "comm": comm,
+            "engine": engine,
+            "why": f"{nproc} ranks over {comm}, one per {'GPU' if comm == 'nccl' else 'CPU process'}, engine {engine}",
+        }
     return {"comm": None, "engine": None, "why": "; ".join(dict.fromkeys(errors))}
 
 
@@ -36,6 +39,17 @@ def launch_subprocess(nproc, module_args, module="gpullm_lessons.parallel", comm
 
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "gpullm_lessons.launch", "--nproc", str(nproc), "--backend", comm, "--module",
-           module, "--", *[str(a) for a in module_args]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpullm_lessons.launch",
+        "--nproc",
+        str(nproc),
+        "--backend",
+        comm,
+        "--module",
+        module,
+        "--",
+        *[str(a) for a in module_args],
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

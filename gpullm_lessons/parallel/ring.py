@@ -1,6 +1,7 @@
 """The ring all-reduce by hand: N simulated ranks in NumPy (with the step log lesson 10 draws), the same algorithm
 across real ranks over the communicator's send/recv, a check of any all-reduce against the locally computed sum,
 and the self-test of a communicator's collectives (`python -m gpullm_lessons.parallel selftest`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +12,7 @@ from ..comm import Communicator, is_cupy
 # ================================================================================================================
 # 1. The ring, simulated: N ranks as N NumPy buffers in one process
 # ================================================================================================================
+
 
 def chunk_bounds(n: int, world: int) -> list:
     """The ring's N chunks of n elements: [(lo, hi), ...], sizes differ by at most 1 (the first n mod N are longer)."""
@@ -33,17 +35,17 @@ def ring_allreduce_chunks(chunks):
     rank sends before any receives (the messages are copied first), as real ranks do."""
     N = len(chunks)
     log = []
-    for s in range(N - 1):                                     # reduce-scatter
+    for s in range(N - 1):  # reduce-scatter
         sends = [(r, (r + 1) % N, (r - s) % N) for r in range(N)]
         data = [np.array(chunks[src][c], copy=True) for src, _, c in sends]
         for (src, dst, c), d in zip(sends, data):
-            chunks[dst][c] += d                                # add what arrives into my copy of that chunk
+            chunks[dst][c] += d  # add what arrives into my copy of that chunk
         log.append(sends)
-    for s in range(N - 1):                                     # all-gather
+    for s in range(N - 1):  # all-gather
         sends = [(r, (r + 1) % N, (r + 1 - s) % N) for r in range(N)]
         data = [np.array(chunks[src][c], copy=True) for src, _, c in sends]
         for (src, dst, c), d in zip(sends, data):
-            chunks[dst][c][...] = d                            # a finished sum: overwrite
+            chunks[dst][c][...] = d  # a finished sum: overwrite
         log.append(sends)
     return chunks, log
 
@@ -55,14 +57,17 @@ def ring_allreduce_sim(buffers):
     N = len(buffers)
     if N < 1:
         raise ValueError("ring_allreduce_sim: give at least one buffer")
-    bufs = [np.array(b, dtype=np.float64 if np.asarray(b).dtype.kind != "f" else np.asarray(b).dtype, copy=True)
-            .reshape(-1) for b in buffers]
+    bufs = [
+        np.array(b, dtype=np.float64 if np.asarray(b).dtype.kind != "f" else np.asarray(b).dtype, copy=True).reshape(-1)
+        for b in buffers
+    ]
     n = bufs[0].size
     if any(b.size != n for b in bufs):
-        raise ValueError(f"ring_allreduce_sim: every rank's buffer must have the same size, got "
-                         f"{[b.size for b in bufs]}")
+        raise ValueError(
+            f"ring_allreduce_sim: every rank's buffer must have the same size, got {[b.size for b in bufs]}"
+        )
     bounds = chunk_bounds(n, N)
-    chunks = [[b[lo:hi] for lo, hi in bounds] for b in bufs]   # views: the chunks write through to the buffers
+    chunks = [[b[lo:hi] for lo, hi in bounds] for b in bufs]  # views: the chunks write through to the buffers
     _, log = ring_allreduce_chunks(chunks)
     return bufs, log
 
@@ -86,6 +91,7 @@ def ring_contributions(N: int, log):
 # 2. The ring across real ranks, over the communicator's send/recv
 # ================================================================================================================
 
+
 def ring_allreduce(comm: Communicator, buf, work=None, _skip_allgather=False):
     """Sum `buf` (a contiguous 1-D buffer, NumPy for MPI / CuPy for NCCL) over all ranks, in place, by the ring.
 
@@ -102,14 +108,14 @@ def ring_allreduce(comm: Communicator, buf, work=None, _skip_allgather=False):
         xp = xp_of(flat)
         work = xp.empty(width, flat.dtype)
     right, left = (r + 1) % N, (r - 1) % N
-    for s in range(N - 1):                                     # reduce-scatter
+    for s in range(N - 1):  # reduce-scatter
         (slo, shi), (rlo, rhi) = bounds[(r - s) % N], bounds[(r - s - 1) % N]
-        tmp = work[:rhi - rlo]
+        tmp = work[: rhi - rlo]
         comm.sendrecv(flat[slo:shi], right, tmp, left)
         flat[rlo:rhi] += tmp
     if _skip_allgather:
         return buf
-    for s in range(N - 1):                                     # all-gather
+    for s in range(N - 1):  # all-gather
         (slo, shi), (rlo, rhi) = bounds[(r + 1 - s) % N], bounds[(r - s) % N]
         comm.sendrecv(flat[slo:shi], right, flat[rlo:rhi], left)
     return buf
@@ -129,14 +135,14 @@ def check_allreduce(comm: Communicator, fn, sizes=(1, 7, 1000, 4099), seed=0, rt
     N, r = comm.world_size, comm.rank
     ok, msg = True, f"ring all-reduce matches comm.all_reduce on {N} ranks, sizes {list(sizes)}"
     for n in sizes:
-        rng = np.random.default_rng([seed, n, r])                # different data on every rank
+        rng = np.random.default_rng([seed, n, r])  # different data on every rank
         host = rng.standard_normal(n).astype(np.float32)
         xp = np if comm.name in ("mpi", "single") else xp_of(comm._host_like([0.0]))
         mine, ref = xp.asarray(host.copy()), xp.asarray(host.copy())
         try:
             fn(comm, mine)
             err = None
-        except Exception as exc:                                 # reported, the other ranks are told too
+        except Exception as exc:  # reported, the other ranks are told too
             err = f"{type(exc).__name__}: {exc}"
         comm.all_reduce(ref)
         a = np.asarray(mine.get() if is_cupy(mine) else mine, dtype=np.float64)
@@ -150,15 +156,16 @@ def check_allreduce(comm: Communicator, fn, sizes=(1, 7, 1000, 4099), seed=0, rt
             if flags[worst, 0]:
                 msg = f"size {n}: the function raised on rank {worst}" + (f" ({err})" if err and worst == r else "")
             else:
-                msg = (f"size {n}: {int(flags[worst, 1])} of {n} elements differ from comm.all_reduce on rank "
-                       f"{worst} (first at index {int(flags[worst, 2])}); ranks with errors: "
-                       f"{[int(i) for i in np.flatnonzero(flags[:, 1])]}")
+                msg = (
+                    f"size {n}: {int(flags[worst, 1])} of {n} elements differ from comm.all_reduce on rank "
+                    f"{worst} (first at index {int(flags[worst, 2])}); ranks with errors: "
+                    f"{[int(i) for i in np.flatnonzero(flags[:, 1])]}"
+                )
             break
         if len(set(flags[:, 3].tolist())) != 1:
             ok, msg = False, f"size {n}: the ranks ended with different buffers (sums {flags[:, 3].tolist()})"
             break
     return ok, msg
-
 
 
 def selftest(comm: Communicator) -> bool:
@@ -185,7 +192,7 @@ def selftest(comm: Communicator) -> bool:
         check(f"all_reduce max ({N * m})", buf, base + N - 1)
         recv = xp.zeros(m, xp.float32)
         comm.reduce_scatter(xp.asarray(base * (r + 1)), recv)
-        check(f"reduce_scatter ({N * m} -> {m})", recv, base[r * m:(r + 1) * m] * N * (N + 1) / 2)
+        check(f"reduce_scatter ({N * m} -> {m})", recv, base[r * m : (r + 1) * m] * N * (N + 1) / 2)
         recv = xp.zeros(N * m, xp.float32)
         comm.all_gather(xp.asarray(np.full(m, r, np.float32)), recv)
         check(f"all_gather ({m} -> {N * m})", recv, np.repeat(np.arange(N, dtype=np.float32), m))
@@ -204,8 +211,16 @@ def selftest(comm: Communicator) -> bool:
     comm.barrier()
     if r == 0:
         import textwrap
-        for name, ok in results:   # lines of at most 100 characters (a notebook shows this output)
-            print(textwrap.fill(f"[{'OK' if ok else 'FAIL'}] {name}", 100, subsequent_indent="     ",
-                                break_long_words=False, break_on_hyphens=False))
+
+        for name, ok in results:  # lines of at most 100 characters (a notebook shows this output)
+            print(
+                textwrap.fill(
+                    f"[{'OK' if ok else 'FAIL'}] {name}",
+                    100,
+                    subsequent_indent="     ",
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+            )
         print(f"selftest: {sum(ok for _, ok in results)}/{len(results)} passed on {N} ranks ({comm.name})")
     return all(ok for _, ok in results)

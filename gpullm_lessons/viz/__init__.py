@@ -9,6 +9,7 @@ Import from here, not from a lesson module: `from gpullm_lessons import viz; viz
 the course's own modules (profiling, parallel, optim, precision, checks, kernel_trace) are imported inside the
 function that needs them, so importing viz pulls in no engine, job or device.
 """
+
 from .common import pyplot  # noqa: F401  (kernel_trace's pictures draw with it)
 from .l00_gpu_orientation import plot_ceilings, plot_grid_mapping, show_kernel  # noqa: F401
 from .l02_linear_backward import plot_dbias_columns, plot_linear_rates, plot_roofline, plot_tiled_gemm  # noqa: F401
@@ -16,12 +17,29 @@ from .l03_softmax_backward import plot_block_reduction, plot_softmax_mapping, pl
 from .l04_layernorm_backward import plot_column_reduction, plot_layernorm_dinp_mapping  # noqa: F401
 from .l05_gelu_attention_cross_entropy import plot_attention_backward_mask, plot_crossentropy_row_pass  # noqa: F401
 from .l06_fused_adamw import ADAMW_TRAFFIC, plot_adamw_bytes, plot_param_buffer  # noqa: F401
-from .l07_mixed_precision import (float_formats_html, float_formats_widget, plot_float_formats,  # noqa: F401
-                                  plot_grad_histogram, plot_loss_scale, plot_precision_losses)
+from .l07_mixed_precision import (
+    float_formats_html,
+    float_formats_widget,
+    plot_float_formats,  # noqa: F401
+    plot_grad_histogram,
+    plot_loss_scale,
+    plot_precision_losses,
+)
 from .l08_activation_checkpointing import plot_activation_timeline, plot_checkpoint_tradeoff  # noqa: F401
-from .l09_full_training_loop import (LiveLossPlot, plot_loss, plot_step_profile, plot_step_timeline,  # noqa: F401
-                                     plot_train_bench, plot_training_step)
-from .l10_multi_gpu import (_cells, plot_allreduce_bandwidth, plot_collectives, plot_ring_steps,  # noqa: F401
-                            plot_zero_memory)
+from .l09_full_training_loop import (
+    LiveLossPlot,
+    plot_loss,
+    plot_step_profile,
+    plot_step_timeline,  # noqa: F401
+    plot_train_bench,
+    plot_training_step,
+)
+from .l10_multi_gpu import (
+    _cells,
+    plot_allreduce_bandwidth,
+    plot_collectives,
+    plot_ring_steps,  # noqa: F401
+    plot_zero_memory,
+)
 
 _pyplot = pyplot  # its name before viz was a package

@@ -3,6 +3,7 @@
 Without a display (a server, CI) matplotlib is switched to its file-only Agg backend, unless pyplot is already
 loaded or MPLBACKEND is set (Jupyter sets its inline backend itself).
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Lesson 00, the GPU orientation: the grid-to-element mapping of a 1-D kernel, the measured ceilings, and
 show_kernel (see your own kernel's threads; every later lesson's exercises call it)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -21,8 +22,11 @@ def plot_grid_mapping(n: int, threads_per_block: int, ax=None):
     for i in range(total):
         b, t = divmod(i, threads_per_block)
         idle = i >= n
-        ax.add_patch(plt.Rectangle((i, 0), 0.95, 1, color=colors(b % 10), alpha=0.25 if idle else 0.7,
-                                   hatch="//" if idle else None))
+        ax.add_patch(
+            plt.Rectangle(
+                (i, 0), 0.95, 1, color=colors(b % 10), alpha=0.25 if idle else 0.7, hatch="//" if idle else None
+            )
+        )
         ax.text(i + 0.47, 0.5, str(t), ha="center", va="center", fontsize=8)
         if t == 0:
             ax.text(i + threads_per_block / 2, 1.15, f"block {b}", ha="center", fontsize=9)
@@ -30,8 +34,11 @@ def plot_grid_mapping(n: int, threads_per_block: int, ax=None):
     ax.set_xlim(-0.2, total + 2.5)
     ax.set_ylim(-0.5, 1.5)
     ax.axis("off")
-    ax.set_title(f"{blocks} blocks x {threads_per_block} threads: element i = blockIdx.x * blockDim.x + threadIdx.x "
-                 f"(hatched: i >= n, idle)", fontsize=9)
+    ax.set_title(
+        f"{blocks} blocks x {threads_per_block} threads: element i = blockIdx.x * blockDim.x + threadIdx.x "
+        f"(hatched: i >= n, idle)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -72,6 +79,7 @@ def show_kernel(fn, *args, op: Optional[str] = None, like=None, case: int = 0, *
         print(f"show_kernel: {kernel_trace.SIM_ONLY}")
         return kernel_trace.trace(fn)
     from ..checks import unfinished_kernel
+
     stub = unfinished_kernel(fn)
     if stub is not None:
         print(f"show_kernel: not attempted: {stub} still raises NotImplementedError (write it first)")

@@ -1,6 +1,7 @@
 """Lesson 03, softmax backward (row reductions): who owns which element under each mapping, the block
 reduction (shared-memory tree, warp shuffle), and the fraction of the ceiling per kernel version (reused by
 lessons 05 and 06)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,22 +14,32 @@ def plot_softmax_mapping(N: int = 6, n: int = 12, threads: int = 4, warp: int = 
 
     Left, v1: one thread per row (thread r walks row r). Middle, v2/v3: one block per row (block b owns row b, its
     threads stride the row: thread t takes columns t, t + threads, ...). Right, v4: one warp per row, several rows
-    per block (`rows_per_block` warps of `warp` lanes). Cell colour: block; label: threadIdx.x (v4: the lane). Outlined cells: what the first warp reads in
+    per block (`rows_per_block` warps of `warp` lanes). Cell colour: block; label: threadIdx.x (v4: the lane).
+    Outlined cells: what the first warp reads in
     its first loop step, one load instruction: n elements apart in v1 (uncoalesced), neighbours in v2 and v4
     (coalesced). Drawn with `warp`-lane warps so it fits (a real warp has 32 lanes, 64 on AMD CDNA)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.55 * N + 2.2))
     colors = plt.get_cmap("tab10")
     panels = [
-        ("v1: one thread per row", lambda r, j: (r // threads, r % threads),
-         lambda r, j: j == 0 and r < warp,
-         f"a warp's {warp} threads read column 0 of {warp} rows: addresses n*4 = {4 * n} bytes apart"),
-        ("v2 / v3: one block per row", lambda r, j: (r, j % threads),
-         lambda r, j: r == 0 and j < min(warp, threads),
-         f"thread t takes columns t, t+{threads}, ...: a warp reads {min(warp, threads)} neighbouring floats"),
-        (f"v4: one warp per row, {rows_per_block} rows per block", lambda r, j: (r // rows_per_block, j % warp),
-         lambda r, j: r == 0 and j < warp,
-         f"lane l takes columns l, l+{warp}, ...: a warp reads {warp} neighbouring floats"),
+        (
+            "v1: one thread per row",
+            lambda r, j: (r // threads, r % threads),
+            lambda r, j: j == 0 and r < warp,
+            f"a warp's {warp} threads read column 0 of {warp} rows: addresses n*4 = {4 * n} bytes apart",
+        ),
+        (
+            "v2 / v3: one block per row",
+            lambda r, j: (r, j % threads),
+            lambda r, j: r == 0 and j < min(warp, threads),
+            f"thread t takes columns t, t+{threads}, ...: a warp reads {min(warp, threads)} neighbouring floats",
+        ),
+        (
+            f"v4: one warp per row, {rows_per_block} rows per block",
+            lambda r, j: (r // rows_per_block, j % warp),
+            lambda r, j: r == 0 and j < warp,
+            f"lane l takes columns l, l+{warp}, ...: a warp reads {warp} neighbouring floats",
+        ),
     ]
     for ax, (title, owner, first, caption) in zip(axes, panels):
         for r in range(N):
@@ -44,8 +55,11 @@ def plot_softmax_mapping(N: int = 6, n: int = 12, threads: int = 4, warp: int = 
         ax.text(n / 2, -0.6, caption, ha="center", va="center", fontsize=8, wrap=True)
         ax.set_title(title, fontsize=10)
         ax.axis("off")
-    fig.suptitle(f"softmax backward, N = {N} rows of n = {n}: colour = block, number = threadIdx.x (v4: lane); "
-                 f"black outline = the first warp's first load", fontsize=10)
+    fig.suptitle(
+        f"softmax backward, N = {N} rows of n = {n}: colour = block, number = threadIdx.x (v4: lane); "
+        f"black outline = the first warp's first load",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -74,22 +88,37 @@ def plot_block_reduction(threads: int = 8):
             for t in range(threads):
                 if kind == "tree":
                     if t < offset:
-                        ax.annotate("", (t, y - 1 + 0.3), (t + offset, y - 0.3),
-                                    arrowprops=dict(arrowstyle="->", color="tab:orange", lw=1.2))
+                        ax.annotate(
+                            "",
+                            (t, y - 1 + 0.3),
+                            (t + offset, y - 0.3),
+                            arrowprops=dict(arrowstyle="->", color="tab:orange", lw=1.2),
+                        )
                         ax.plot([t, t], [y - 0.3, y - 1 + 0.3], color="tab:blue", lw=1)
                 else:
-                    ax.annotate("", (t, y - 1 + 0.3), (t ^ offset, y - 0.3),
-                                arrowprops=dict(arrowstyle="->", color="tab:green", lw=0.9, alpha=0.8))
-            note = (f"stride {offset}: t < {offset} adds partial[t + {offset}]; __syncthreads()" if kind == "tree"
-                    else f"offset {offset}: v += shfl_xor(v, {offset})")
+                    ax.annotate(
+                        "",
+                        (t, y - 1 + 0.3),
+                        (t ^ offset, y - 0.3),
+                        arrowprops=dict(arrowstyle="->", color="tab:green", lw=0.9, alpha=0.8),
+                    )
+            note = (
+                f"stride {offset}: t < {offset} adds partial[t + {offset}]; __syncthreads()"
+                if kind == "tree"
+                else f"offset {offset}: v += shfl_xor(v, {offset})"
+            )
             ax.text(threads - 0.2, y - 0.5, note, va="center", fontsize=8)
             active = offset
         ax.set_xlim(-2.0, threads + 5.5)
         ax.set_ylim(-steps - 0.6, 0.9)
         ax.set_aspect("equal")
         ax.axis("off")
-        ax.set_title("v2: tree in shared memory (the total ends in partial[0])" if kind == "tree" else
-                     "v3 / v4: warp shuffle butterfly (every lane ends with the total)", fontsize=10)
+        ax.set_title(
+            "v2: tree in shared memory (the total ends in partial[0])"
+            if kind == "tree"
+            else "v3 / v4: warp shuffle butterfly (every lane ends with the total)",
+            fontsize=10,
+        )
     fig.suptitle(f"adding {threads} partial sums in log2({threads}) = {steps} steps", fontsize=10)
     fig.tight_layout()
     return fig

@@ -1,5 +1,6 @@
 """Lesson 07, mixed precision: the float formats' bits (a figure, an HTML table, a widget), gradients against
 fp16's range, the dynamic loss scale, the losses under each matmul precision."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,6 +14,7 @@ def plot_float_formats(ax=None):
     input in an fp32 matmul (cuBLAS's TF32 mode): fp32's sign and 8 exponent bits and the top 10 mantissa bits."""
     plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
+
     fmts = [("fp32", 8, 23), ("tf32", 8, 10), ("fp16", 5, 10), ("bf16", 8, 7)]
     if ax is None:
         fig, ax = plt.subplots(figsize=(11, 4.0))
@@ -24,13 +26,15 @@ def plot_float_formats(ax=None):
         kinds = ["sign"] + ["exponent"] * e + ["mantissa"] * m
         for i, kind in enumerate(kinds):
             ax.add_patch(Rectangle((i, y), 0.92, 0.8, color=colors[kind], alpha=0.75))
-        if name == "tf32":   # the 13 low bits of the fp32 word that the tensor core ignores
+        if name == "tf32":  # the 13 low bits of the fp32 word that the tensor core ignores
             for i in range(len(kinds), 32):
                 ax.add_patch(Rectangle((i, y), 0.92, 0.8, facecolor="none", edgecolor="0.5", ls=":"))
         bias = 2 ** (e - 1) - 1
-        largest = (2 - 2.0 ** -m) * 2.0 ** bias
-        info = (f"{name}: 1 + {e} + {m} bits | max {largest:.4g} | min normal 2^{1 - bias} = {2.0 ** (1 - bias):.2g} | "
-                f"min subnormal 2^{1 - bias - m} = {2.0 ** (1 - bias - m):.2g} | eps 2^-{m} = {2.0 ** -m:.2g}")
+        largest = (2 - 2.0**-m) * 2.0**bias
+        info = (
+            f"{name}: 1 + {e} + {m} bits | max {largest:.4g} | min normal 2^{1 - bias} = {2.0 ** (1 - bias):.2g} | "
+            f"min subnormal 2^{1 - bias - m} = {2.0 ** (1 - bias - m):.2g} | eps 2^-{m} = {2.0**-m:.2g}"
+        )
         ax.text(0, y + 0.88, info, fontsize=8.5, va="bottom")
     handles = [Patch(color=c, alpha=0.75, label=k) for k, c in colors.items()]
     handles.append(Patch(facecolor="none", edgecolor="0.5", ls=":", label="tf32: the fp32 bits a tensor core ignores"))
@@ -38,8 +42,11 @@ def plot_float_formats(ax=None):
     ax.set_xlim(-0.5, 33)
     ax.set_ylim(-(len(fmts) - 1) * 1.2 - 0.9, 1.4)
     ax.axis("off")
-    ax.set_title("bf16 keeps fp32's 8 exponent bits (its range), fp16 keeps more mantissa (its precision); TF32, "
-                 "what tensor cores read of fp32 in an fp32 matmul, has both", fontsize=10)
+    ax.set_title(
+        "bf16 keeps fp32's 8 exponent bits (its range), fp16 keeps more mantissa (its precision); TF32, "
+        "what tensor cores read of fp32 in an fp32 matmul, has both",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -51,22 +58,42 @@ def float_formats_html(value: float) -> str:
     import html
 
     from ..precision import format_rows, tf32_row
+
     rows = format_rows(value) + [tf32_row(value)]
     mono = "font-family: var(--jp-code-font-family, monospace); white-space: pre;"
     cell = f"padding: 1px 8px; text-align: left; {mono}"
-    head = "".join(f'<th style="padding: 1px 8px; text-align: {a}">{h}</th>' for h, a in (
-        ("format", "left"), ("sign", "left"), ("exponent", "left"), ("mantissa", "left"), ("hex", "left"),
-        ("stored value", "right"), ("rel. error", "right")))
+    head = "".join(
+        f'<th style="padding: 1px 8px; text-align: {a}">{h}</th>'
+        for h, a in (
+            ("format", "left"),
+            ("sign", "left"),
+            ("exponent", "left"),
+            ("mantissa", "left"),
+            ("hex", "left"),
+            ("stored value", "right"),
+            ("rel. error", "right"),
+        )
+    )
     body = []
     for r in rows:
         sign, exponent, mantissa = r["bits"].split()
-        tds = [(r["name"], "left"), (sign, "left"), (exponent, "left"), (mantissa, "left"), (r["hex"], "left"),
-               (f"{r['stored']:.10g}", "right"), (f"{r['rel_err']:.2e}", "right")]
-        body.append("<tr>" + "".join(f'<td style="{cell} text-align: {a}">{html.escape(t)}</td>' for t, a in tds)
-                    + "</tr>")
-    return (f'<div style="{mono}">value {html.escape(repr(float(value)))}</div>'
-            f'<table style="border-collapse: collapse"><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table>')
+        tds = [
+            (r["name"], "left"),
+            (sign, "left"),
+            (exponent, "left"),
+            (mantissa, "left"),
+            (r["hex"], "left"),
+            (f"{r['stored']:.10g}", "right"),
+            (f"{r['rel_err']:.2e}", "right"),
+        ]
+        body.append(
+            "<tr>" + "".join(f'<td style="{cell} text-align: {a}">{html.escape(t)}</td>' for t, a in tds) + "</tr>"
+        )
+    return (
+        f'<div style="{mono}">value {html.escape(repr(float(value)))}</div>'
+        f'<table style="border-collapse: collapse"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table>"
+    )
 
 
 def float_formats_widget(value: float = 0.1):
@@ -79,10 +106,11 @@ def float_formats_widget(value: float = 0.1):
 
     lo, hi, step = -9.0, 6.0, 0.05
     box = widgets.FloatText(value=value, description="value", step=0.1)
-    exp = widgets.FloatSlider(value=0.0, min=lo, max=hi, step=step, description="or 10^",
-                              continuous_update=True, readout_format=".2f")
+    exp = widgets.FloatSlider(
+        value=0.0, min=lo, max=hi, step=step, description="or 10^", continuous_update=True, readout_format=".2f"
+    )
     out = widgets.HTML()
-    syncing = []                     # non-empty while one control sets the other: no echo back
+    syncing = []  # non-empty while one control sets the other: no echo back
 
     def show(*_):
         out.value = float_formats_html(box.value)
@@ -112,19 +140,20 @@ def float_formats_widget(value: float = 0.1):
 
     box.observe(from_box, names="value")
     exp.observe(from_slider, names="value")
-    syncing.append(1)                # the slider starts at the value's log10, the value itself stays as given
+    syncing.append(1)  # the slider starts at the value's log10, the value itself stays as given
     to_slider(value)
     syncing.clear()
     show()
     return widgets.VBox([widgets.HBox([box, exp]), out])
 
 
-def plot_grad_histogram(grads, scale: float = 2.0 ** 16, ax=None):
+def plot_grad_histogram(grads, scale: float = 2.0**16, ax=None):
     """Histogram of log2|g| of a gradient (nonzero elements), unscaled and multiplied by `scale`, with the fp16
     limits marked: 2^-24 (smallest subnormal: below about half of it a value rounds to 0), 2^-14 (smallest
     normal: below it precision drops), 65504 (largest: above it inf). The legend gives the fraction of the nonzero
     elements that round to 0 in fp16, without and with the scale."""
     import numpy as np
+
     plt = pyplot()
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 3.8))
@@ -138,13 +167,20 @@ def plot_grad_histogram(grads, scale: float = 2.0 ** 16, ax=None):
         over_s = float(np.mean(~np.isfinite((g * np.float32(scale)).astype(np.float16))))
     lg = np.log2(np.abs(g).astype(np.float64))
     bins = np.arange(np.floor(lg.min()) - 1, np.ceil(lg.max() + np.log2(scale)) + 2, 0.5)
-    ax.hist(lg, bins=bins, alpha=0.6, color="tab:blue",
-            label=f"g (unscaled): {100 * flushed:.2f}% round to 0 in fp16")
-    ax.hist(lg + np.log2(scale), bins=bins, alpha=0.5, color="tab:orange",
-            label=f"g x 2^{np.log2(scale):.0f}: {100 * flushed_s:.4f}% round to 0, {100 * over_s:.4f}% overflow")
+    ax.hist(lg, bins=bins, alpha=0.6, color="tab:blue", label=f"g (unscaled): {100 * flushed:.2f}% round to 0 in fp16")
+    ax.hist(
+        lg + np.log2(scale),
+        bins=bins,
+        alpha=0.5,
+        color="tab:orange",
+        label=f"g x 2^{np.log2(scale):.0f}: {100 * flushed_s:.4f}% round to 0, {100 * over_s:.4f}% overflow",
+    )
     ax.axvspan(bins[0], -25, color="tab:red", alpha=0.12)
-    for x, text in ((-24, "2^-24 smallest subnormal"), (-14, "2^-14 smallest normal"),
-                    (np.log2(65504.0), "65504 largest fp16")):
+    for x, text in (
+        (-24, "2^-24 smallest subnormal"),
+        (-14, "2^-14 smallest normal"),
+        (np.log2(65504.0), "65504 largest fp16"),
+    ):
         ax.axvline(x, color="tab:red", ls="--", lw=1)
         ax.text(x + 0.2, ax.get_ylim()[1] * 0.95, text, rotation=90, va="top", fontsize=8, color="tab:red")
     ax.set_xlabel("log2 |gradient|")
@@ -158,6 +194,7 @@ def plot_grad_histogram(grads, scale: float = 2.0 ** 16, ax=None):
 def plot_loss_scale(scales, skipped=(), ax=None):
     """The loss scale used at each step (log2 axis), overflowing steps (skipped, then the scale halves) marked."""
     import numpy as np
+
     plt = pyplot()
     if ax is None:
         fig, ax = plt.subplots(figsize=(9, 3))
@@ -183,13 +220,14 @@ def plot_precision_losses(result: dict, rtol: Optional[float] = None, reference:
     |loss - reference loss| / reference loss on a log scale, so a run 1e-5 and one 30% away both stay readable,
     with the tracking tolerance rtol as a line (below it: tracks)."""
     import numpy as np
+
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     ref = np.asarray(result[reference]["loss"], dtype=np.float64)
     steps = np.arange(1, len(ref) + 1)
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 2)), "P")]
     every = max(1, len(ref) // 10)
-    floor = 1e-8                       # |deviation| 0 (bit-identical losses) is drawn here on the log axis
+    floor = 1e-8  # |deviation| 0 (bit-identical losses) is drawn here on the log axis
     for i, (name, run) in enumerate(result.items()):
         loss = np.asarray(run["loss"], dtype=np.float64)
         ls, marker = styles[i % len(styles)]

@@ -1,4 +1,5 @@
 """Lesson 08, activation checkpointing: live activation memory through a step, memory saved vs time paid."""
+
 from __future__ import annotations
 
 from .common import pyplot
@@ -22,8 +23,14 @@ def plot_activation_timeline(timelines: dict, title: str = "", ax=None):
         mib = [b / 2**20 for _, b in points]
         ax.step(range(len(points)), mib, where="post", lw=2, color=colors.get(policy), label=policy)
         peak = max(range(len(mib)), key=mib.__getitem__)
-        ax.annotate(f"peak {mib[peak]:.1f} MiB", (peak, mib[peak]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8, color=colors.get(policy))
+        ax.annotate(
+            f"peak {mib[peak]:.1f} MiB",
+            (peak, mib[peak]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
+            color=colors.get(policy),
+        )
     turn = labels.index("head + loss")
     ax.axvspan(-0.5, turn + 0.5, color="tab:blue", alpha=0.05)
     ax.text(turn / 2, ax.get_ylim()[1] * 0.97, "forward", ha="center", va="top", fontsize=9, color="tab:blue")
@@ -55,12 +62,24 @@ def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
     if claim is not None:
         mem, (lo, hi) = claim
         ax.add_patch(plt.Rectangle((lo, mem - 0.1), hi - lo, 0.2, color="gray", alpha=0.2))
-        ax.text(lo, mem + 0.11, f"claim: ~{mem:.0%} memory for +{lo - 1:.0%}..{hi - 1:.0%} time", fontsize=8,
-                color="dimgray")
+        ax.text(
+            lo,
+            mem + 0.11,
+            f"claim: ~{mem:.0%} memory for +{lo - 1:.0%}..{hi - 1:.0%} time",
+            fontsize=8,
+            color="dimgray",
+        )
     for k, (name, points) in enumerate(sources.items()):
         for policy, (mem_rel, time_rel) in points.items():
-            ax.scatter(time_rel, mem_rel, marker=markers.get(policy, "x"), s=60, color=cmap(k % 10),
-                       label=name if policy == "none" else None, zorder=3)
+            ax.scatter(
+                time_rel,
+                mem_rel,
+                marker=markers.get(policy, "x"),
+                s=60,
+                color=cmap(k % 10),
+                label=name if policy == "none" else None,
+                zorder=3,
+            )
             ax.annotate(policy, (time_rel, mem_rel), textcoords="offset points", xytext=(5, -3), fontsize=7)
     for policy, m in markers.items():
         ax.scatter([], [], marker=m, color="gray", label=policy)

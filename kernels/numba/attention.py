@@ -13,7 +13,8 @@ Masked entries (s > t) have att = 0, so they never contribute: the loops skip th
 which halves the work (the causal mask is a saving in backward too).
 
 v1: naive, one thread per output element, every sum a loop over global memory (the steps above, literally):
-    kernels v1 (datt), v1_dpre (causal softmax backward) and v1_dqkv (dq, dk, dv). Runs in the simulator. The HIP backend adds a cuBLAS version (batched matmuls through CuPy) beside it.
+    kernels v1 (datt), v1_dpre (causal softmax backward) and v1_dqkv (dq, dk, dv). Runs in the simulator. The HIP
+    backend adds a cuBLAS version (batched matmuls through CuPy) beside it.
 
 For the training loop (gpullm_lessons.engine), which does the matmuls through cuBLAS and keeps att (B*nh*T, T):
     v1_softmax_fwd                   causal softmax of the scaled scores, one thread per row (launcher

@@ -7,21 +7,29 @@ HIP only: v3, v2 with float4 loads and stores (4 elements per thread per step); 
 aligned buffers and runs v2 otherwise.
 params, grads, m, v are 1-D float32 CuPy arrays of one length n (the flat parameter buffer and its companions).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from gpullm_lessons.contracts import check_array, check_threads, check_version
-from gpullm_lessons.contracts.adamw import (HALF_NONE, check_buffers, check_device_args, check_hyper, check_table,
-                                            half_mode_of, host_scalars)
+from gpullm_lessons.contracts.adamw import (
+    HALF_NONE,
+    check_buffers,
+    check_device_args,
+    check_hyper,
+    check_table,
+    half_mode_of,
+    host_scalars,
+)
 
 __all__ = ["adamw_step", "adamw_step_device", "grad_sumsq", "VERSIONS"]
 VERSIONS = ("v1", "v2", "v3")
-LAUNCHERS = ("adamw_step_device", "grad_sumsq")   # besides adamw_step; gathered by backends/_collect.py
+LAUNCHERS = ("adamw_step_device", "grad_sumsq")  # besides adamw_step; gathered by backends/_collect.py
 SUMSQ_THREADS = 512
 SUMSQ_BLOCKS = 1024  # stage 1's grid: enough blocks to fill an H200 / MI300 several times
-MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
-_DEFAULT_TABLES = {}   # (device id, n) -> the "decay everything" table ([0, n], [1]) on that GPU
+MAX_BLOCKS = 4096  # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
+_DEFAULT_TABLES = {}  # (device id, n) -> the "decay everything" table ([0, n], [1]) on that GPU
 
 
 def _check_cupy(fn, name, a, shape, dtype):
@@ -36,9 +44,12 @@ def _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype):
     """(bounds, flags, half bits, half_mode) on the GPU: the decay table (None: decay everything) and the half copy
     (a one-element stand-in when there is none); checks named after fn."""
     import cupy as cp
+
     half_mode = half_mode_of(fn, half_out, half_dtype, n)
     if half_out is not None and not isinstance(half_out, cp.ndarray):
-        raise TypeError(f"{fn}: half_out must be a CuPy array, got {type(half_out).__module__}.{type(half_out).__name__}")
+        raise TypeError(
+            f"{fn}: half_out must be a CuPy array, got {type(half_out).__module__}.{type(half_out).__name__}"
+        )
     if decay_bounds is None:
         key = (params.device.id, n)
         if key not in _DEFAULT_TABLES:
@@ -47,22 +58,38 @@ def _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype):
     else:
         check_table(fn, decay_bounds, n, _is_host)
         bounds, flags = decay_bounds
-        if _is_host(bounds):   # a NumPy table: copy it to the GPU (build it there once with decay_table instead)
+        if _is_host(bounds):  # a NumPy table: copy it to the GPU (build it there once with decay_table instead)
             bounds = cp.asarray(np.ascontiguousarray(bounds, dtype=np.int64))
         if _is_host(flags):
             flags = cp.asarray(np.ascontiguousarray(np.asarray(flags) != 0, dtype=np.uint8))
     if half_mode == HALF_NONE:
         key = (params.device.id, "half")
         if key not in _DEFAULT_TABLES:
-            _DEFAULT_TABLES[key] = cp.zeros(1, cp.uint16)    # never written (half_mode 0)
+            _DEFAULT_TABLES[key] = cp.zeros(1, cp.uint16)  # never written (half_mode 0)
         half_bits = _DEFAULT_TABLES[key]
     else:
         half_bits = half_out.view(cp.uint16)
     return bounds, flags, half_bits, np.int32(half_mode)
 
 
-def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
-               half_out=None, half_dtype=None, version="v2", threads=256):
+def adamw_step(
+    params,
+    grads,
+    m,
+    v,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    decay_bounds=None,
+    grad_scale=1.0,
+    half_out=None,
+    half_dtype=None,
+    version="v2",
+    threads=256,
+):
     """One AdamW step in place on CuPy arrays: params, m, v updated, grads zeroed (all float32 (n,)).
 
     step: the step count t after increment (>= 1). decay_bounds: None (decay everything) or (bounds, flags) from
@@ -71,6 +98,7 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights.
     """
     from gpullm_lessons import hip
+
     fn = "adamw_step"
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
@@ -83,51 +111,117 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     blocks = min((n + threads - 1) // threads, MAX_BLOCKS)
     grid, block, nn = (blocks,), (threads,), np.int64(n)
     if version == "v3" and (n % 4 != 0 or any(a.data.ptr % 16 for a in (params, grads, m, v))):
-        version = "v2"   # float4 needs whole, aligned groups of 4: the scalar kernel does the same work
+        version = "v2"  # float4 needs whole, aligned groups of 4: the scalar kernel does the same work
     if version == "v3":
         blocks4 = min((n // 4 + threads - 1) // threads, MAX_BLOCKS)
-        hip.kernel("adamw", "adamw_step_v3")((blocks4,), block, (
-            params, grads, m, v, bounds, flags, half_bits, mode, nn, s["lr"], s["lr_wd"], s["beta1"],
-            s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"],
-            s["grad_scale"]))
+        hip.kernel("adamw", "adamw_step_v3")(
+            (blocks4,),
+            block,
+            (
+                params,
+                grads,
+                m,
+                v,
+                bounds,
+                flags,
+                half_bits,
+                mode,
+                nn,
+                s["lr"],
+                s["lr_wd"],
+                s["beta1"],
+                s["one_minus_beta1"],
+                s["beta2"],
+                s["one_minus_beta2"],
+                s["bias1"],
+                s["bias2"],
+                s["eps"],
+                s["grad_scale"],
+            ),
+        )
     elif version == "v2":
-        hip.kernel("adamw", "adamw_step_v2")(grid, block, (
-            params, grads, m, v, bounds, flags, half_bits, mode, nn, s["lr"], s["lr_wd"], s["beta1"],
-            s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"],
-            s["grad_scale"]))
+        hip.kernel("adamw", "adamw_step_v2")(
+            grid,
+            block,
+            (
+                params,
+                grads,
+                m,
+                v,
+                bounds,
+                flags,
+                half_bits,
+                mode,
+                nn,
+                s["lr"],
+                s["lr_wd"],
+                s["beta1"],
+                s["one_minus_beta1"],
+                s["beta2"],
+                s["one_minus_beta2"],
+                s["bias1"],
+                s["bias2"],
+                s["eps"],
+                s["grad_scale"],
+            ),
+        )
     else:  # v1: five launches, each a full pass over its buffers
-        hip.kernel("adamw", "adamw_step_v1_decay")(grid, block, (params, grads, bounds, flags, nn, s["lr_wd"],
-                                                                 s["grad_scale"]))
+        hip.kernel("adamw", "adamw_step_v1_decay")(
+            grid, block, (params, grads, bounds, flags, nn, s["lr_wd"], s["grad_scale"])
+        )
         hip.kernel("adamw", "adamw_step_v1_m")(grid, block, (grads, m, nn, s["beta1"], s["one_minus_beta1"]))
         hip.kernel("adamw", "adamw_step_v1_v")(grid, block, (grads, v, nn, s["beta2"], s["one_minus_beta2"]))
-        hip.kernel("adamw", "adamw_step_v1_update")(grid, block, (params, m, v, half_bits, mode, nn, s["lr"],
-                                                                  s["bias1"], s["bias2"], s["eps"]))
+        hip.kernel("adamw", "adamw_step_v1_update")(
+            grid, block, (params, m, v, half_bits, mode, nn, s["lr"], s["bias1"], s["bias2"], s["eps"])
+        )
         hip.kernel("adamw", "adamw_step_v1_zero")(grid, block, (grads, nn))
 
 
-def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None,
-                      half_dtype=None, threads=256):
+def adamw_step_device(
+    params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None, half_dtype=None, threads=256
+):
     """adamw_step (v3's float4 pass; v2's scalar pass is not offered) with lr, weight decay, the step count, the loss
     scale and the clip threshold read from `hyper` (contracts.adamw.adamw_hyper(), copied to the GPU) and the
     squared gradient norm from `sumsq` (grad_sumsq): nothing in the launch changes from step to step, so a CUDA graph
     can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise)."""
     from gpullm_lessons import hip
+
     fn = "adamw_step_device"
     threads = check_threads(fn, threads)
     n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), _check_cupy)
     check_device_args(fn, n, hyper, sumsq, _check_cupy)
     check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
     if n % 4 or any(a.data.ptr % 16 for a in (params, grads, m, v)):
-        raise ValueError(f"{fn}: the float4 kernel needs n % 4 == 0 (n = {n}) and 16-byte aligned buffers; "
-                         f"use adamw_step")
+        raise ValueError(
+            f"{fn}: the float4 kernel needs n % 4 == 0 (n = {n}) and 16-byte aligned buffers; use adamw_step"
+        )
     bounds, flags, half_bits, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     f = np.float32
     blocks4 = min((n // 4 + threads - 1) // threads, MAX_BLOCKS)
-    hip.kernel("adamw", "adamw_step_v4")((blocks4,), (threads,), (
-        params, grads, m, v, bounds, flags, half_bits, mode, np.int64(n), hyper, sumsq, f(beta1), f(1.0 - beta1),
-        f(beta2), f(1.0 - beta2), f(eps)))
+    hip.kernel("adamw", "adamw_step_v4")(
+        (blocks4,),
+        (threads,),
+        (
+            params,
+            grads,
+            m,
+            v,
+            bounds,
+            flags,
+            half_bits,
+            mode,
+            np.int64(n),
+            hyper,
+            sumsq,
+            f(beta1),
+            f(1.0 - beta1),
+            f(beta2),
+            f(1.0 - beta2),
+            f(eps),
+        ),
+    )
 
 
 def grad_sumsq(flat, out, blocks=SUMSQ_BLOCKS):
@@ -136,6 +230,7 @@ def grad_sumsq(flat, out, blocks=SUMSQ_BLOCKS):
     import cupy as cp
 
     from gpullm_lessons import hip
+
     fn = "grad_sumsq"
     if not hasattr(flat, "shape") or len(flat.shape) != 1:
         raise ValueError(f"{fn}: flat must be a 1-D float32 array, got shape {getattr(flat, 'shape', None)}")

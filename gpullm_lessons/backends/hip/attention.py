@@ -19,13 +19,19 @@ Those two half-in calls take the vectorised entry points attention_softmax_fwd_v
 attention_dpre_v{C}_<fmt>_<fmt>_<fmt> when T % 8 == 0, T <= 8 * C * warp size and every row starts on 16 bytes: 8
 elements per 16-byte load or store per lane (the GPT-2 step's scores; _w{K} otherwise).
 """
+
 import math
 
 import numpy as np
 
 from gpullm_lessons import hip
-from gpullm_lessons.contracts.attention import (FMT_BF16, FMT_F32, check_attention_args, check_softmax_backward_args,
-                                                check_softmax_forward_args)
+from gpullm_lessons.contracts.attention import (
+    FMT_BF16,
+    FMT_F32,
+    check_attention_args,
+    check_softmax_backward_args,
+    check_softmax_forward_args,
+)
 
 VERSIONS = ("v1", "cublas")
 
@@ -33,6 +39,7 @@ VERSIONS = ("v1", "cublas")
 def attention_backward(dout, qkv, att, dqkv, n_head, version="cublas"):
     """dout (B,T,C), qkv (B,T,3C), att (B,nh,T,T) -> dqkv (B,T,3C)."""
     import cupy as cp
+
     if version not in VERSIONS:
         raise ValueError(f"attention_backward: version {version!r} unknown; HIP versions: {', '.join(VERSIONS)}")
     B, T, C, nh = check_attention_args("attention_backward", dout, qkv, att, dqkv, n_head)
@@ -46,45 +53,48 @@ def attention_backward(dout, qkv, att, dqkv, n_head, version="cublas"):
         dpre = cp.empty_like(datt)
         hip.kernel("attention", "attention_dpre")((B * nh * T,), (threads,), (att, datt, dpre, np.int32(T), scale))
         n = B * T * 3 * C
-        hip.kernel("attention", "attention_dqkv_v1")(((n + threads - 1) // threads,), (threads,),
-                                                     (dout, qkv, att, dpre, dqkv) + ints)
+        hip.kernel("attention", "attention_dqkv_v1")(
+            ((n + threads - 1) // threads,), (threads,), (dout, qkv, att, dpre, dqkv) + ints
+        )
         return
     # cublas: split heads with views (B, nh, T, hs); matmuls batched over (B, nh)
-    q, k, v = (qkv[:, :, i * C:(i + 1) * C].reshape(B, T, nh, hs).transpose(0, 2, 1, 3) for i in range(3))
+    q, k, v = (qkv[:, :, i * C : (i + 1) * C].reshape(B, T, nh, hs).transpose(0, 2, 1, 3) for i in range(3))
     dy = dout.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
-    datt = cp.matmul(dy, v.transpose(0, 1, 3, 2))                       # (B, nh, T, T)
+    datt = cp.matmul(dy, v.transpose(0, 1, 3, 2))  # (B, nh, T, T)
     dpre = cp.empty_like(datt)
     hip.kernel("attention", "attention_dpre")((B * nh * T,), (threads,), (att, datt, dpre, np.int32(T), scale))
-    dq = cp.matmul(dpre, k)                                              # (B, nh, T, hs), already scaled
+    dq = cp.matmul(dpre, k)  # (B, nh, T, hs), already scaled
     dk = cp.matmul(dpre.transpose(0, 1, 3, 2), q)
     dv = cp.matmul(att.transpose(0, 1, 3, 2), dy)
     for i, part in enumerate((dq, dk, dv)):
-        dqkv[:, :, i * C:(i + 1) * C] = part.transpose(0, 2, 1, 3).reshape(B, T, C)
+        dqkv[:, :, i * C : (i + 1) * C] = part.transpose(0, 2, 1, 3).reshape(B, T, C)
 
 
 def _check_cupy(fn, arrays):
     import cupy as cp
+
     for name, a in arrays:
         if not isinstance(a, cp.ndarray):
-            raise TypeError(f"{fn}: {name} must be a CuPy array (HIP backend), got {type(a).__module__}."
-                            f"{type(a).__name__}")
+            raise TypeError(
+                f"{fn}: {name} must be a CuPy array (HIP backend), got {type(a).__module__}.{type(a).__name__}"
+            )
         if not a.flags.c_contiguous:
             raise ValueError(f"{fn}: {name} must be C-contiguous")
 
 
-_FMT_NAME = {FMT_F32: "f32", FMT_BF16: "bf16"}     # kernel-name suffix per format; fp16 is "f16"
+_FMT_NAME = {FMT_F32: "f32", FMT_BF16: "bf16"}  # kernel-name suffix per format; fp16 is "f16"
 
 
 def _fmt(code):
     return _FMT_NAME.get(code, "f16")
 
 
-WARP_K = (1, 2, 4, 8, 16, 32)   # the warp-per-row entry points: row elements per lane (T <= K * warp size)
-WARP_BLOCK = 256                # threads per block of the warp-per-row kernels (8 rows on NVIDIA, 4 on AMD CDNA)
+WARP_K = (1, 2, 4, 8, 16, 32)  # the warp-per-row entry points: row elements per lane (T <= K * warp size)
+WARP_BLOCK = 256  # threads per block of the warp-per-row kernels (8 rows on NVIDIA, 4 on AMD CDNA)
 
 
 def _warp_size(x) -> int:
-    return hip.warp_size(int(x.device.id))     # read from the device once, cached
+    return hip.warp_size(int(x.device.id))  # read from the device once, cached
 
 
 def _warp_k(x, T):
@@ -93,7 +103,7 @@ def _warp_k(x, T):
     return next((k for k in WARP_K if T <= k * ws), None)
 
 
-VEC_C = (1, 2, 4, 8)            # the vectorised half-in entry points: 8-element chunks per lane, T <= 8 * C * warp size
+VEC_C = (1, 2, 4, 8)  # the vectorised half-in entry points: 8-element chunks per lane, T <= 8 * C * warp size
 
 
 def _vec_c(T, arrays):
@@ -123,25 +133,29 @@ def attention_softmax_forward(pre, att, scale, att_half=None, half=None, threads
     if not rows:
         return
     K = _warp_k(pre, T)
-    if pf != FMT_F32:                              # half in, half out (att None)
+    if pf != FMT_F32:  # half in, half out (att None)
         C = _vec_c(T, (pre, att_half))
-        if C:                                      # 16-byte chunks per lane
+        if C:  # 16-byte chunks per lane
             grid, block = _warp_grid(pre, rows)
             hip.kernel("attention", f"attention_softmax_fwd_v{C}_{_fmt(pf)}_in")(
-                grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale)))
+                grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale))
+            )
         elif K:
             grid, block = _warp_grid(pre, rows)
             hip.kernel("attention", f"attention_softmax_fwd_w{K}_{_fmt(pf)}_in")(
-                grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale)))
+                grid, block, (pre, att_half, np.int64(rows), np.int32(T), np.float32(scale))
+            )
         else:
             hip.kernel("attention", f"attention_softmax_fwd_{_fmt(pf)}_in")(
-                (rows,), (min(threads, max(32, T)),), (pre, att_half, np.int32(T), np.float32(scale)))
+                (rows,), (min(threads, max(32, T)),), (pre, att_half, np.int32(T), np.float32(scale))
+            )
         return
-    if K and (att is None or hf == FMT_F32):       # one warp per row (the engine's calls: one output)
+    if K and (att is None or hf == FMT_F32):  # one warp per row (the engine's calls: one output)
         out = att if hf == FMT_F32 else att_half
         grid, block = _warp_grid(pre, rows)
         hip.kernel("attention", f"attention_softmax_fwd_w{K}_{_fmt(hf)}")(
-            grid, block, (pre, out, np.int64(rows), np.int32(T), np.float32(scale)))
+            grid, block, (pre, out, np.int64(rows), np.int32(T), np.float32(scale))
+        )
         return
     block, args = (min(threads, max(32, T)),), (np.int32(T), np.float32(scale))
     if hf == FMT_F32:
@@ -165,26 +179,31 @@ def attention_softmax_backward(att, datt, dpre, scale, half=None, threads=256):
     if not rows:
         return
     K = _warp_k(att, T)
-    if df != FMT_F32:                              # att, datt, dpre: half bits of one format
+    if df != FMT_F32:  # att, datt, dpre: half bits of one format
         f = _fmt(df)
         C = _vec_c(T, (att, datt, dpre))
-        if C:                                      # 16-byte chunks per lane
+        if C:  # 16-byte chunks per lane
             grid, block = _warp_grid(att, rows)
             hip.kernel("attention", f"attention_dpre_v{C}_{f}_{f}_{f}")(
-                grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))
+                grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale))
+            )
         elif K:
             grid, block = _warp_grid(att, rows)
             hip.kernel("attention", f"attention_dpre_w{K}_{f}_{f}_{f}")(
-                grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))
+                grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale))
+            )
         else:
             hip.kernel("attention", f"attention_dpre_{f}_{f}_{f}")(
-                (rows,), (min(threads, max(32, T)),), (att, datt, dpre, np.int32(T), np.float32(scale)))
+                (rows,), (min(threads, max(32, T)),), (att, datt, dpre, np.int32(T), np.float32(scale))
+            )
         return
-    if K and af == of:                             # one warp per row (f32 -> f32, half -> the same half)
+    if K and af == of:  # one warp per row (f32 -> f32, half -> the same half)
         grid, block = _warp_grid(att, rows)
         hip.kernel("attention", f"attention_dpre_w{K}_{_fmt(af)}_{_fmt(of)}")(
-            grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale)))
+            grid, block, (att, datt, dpre, np.int64(rows), np.int32(T), np.float32(scale))
+        )
         return
     name = "attention_dpre" if af == of == FMT_F32 else f"attention_dpre_{_fmt(af)}_{_fmt(of)}"
-    hip.kernel("attention", name)((rows,), (min(threads, max(32, T)),),
-                                  (att, datt, dpre, np.int32(T), np.float32(scale)))
+    hip.kernel("attention", name)(
+        (rows,), (min(threads, max(32, T)),), (att, datt, dpre, np.int32(T), np.float32(scale))
+    )

@@ -4,6 +4,7 @@ Same names, signatures, versions and rounding as kernels/numba/convert.py (v1: o
 loop; the count: a register per thread, one atomicAdd per thread that found any inf/NaN). Arrays are 1-D CuPy
 arrays: float32, and uint16 for the 16-bit side (float16 is accepted for f32_to_f16 and viewed as uint16).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,7 @@ from gpullm_lessons.contracts.convert import check_count_args, check_pair
 
 __all__ = ["f32_to_bf16", "bf16_to_f32", "f32_to_f16", "nonfinite_count", "VERSIONS"]
 VERSIONS = ("v1",)
-MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
+MAX_BLOCKS = 4096  # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 
 
 def _check_cupy(fn, name, a, shape, dtype):
@@ -26,6 +27,7 @@ def _bits(a):
 
 def _launch(fn, name, version, threads, n, args):
     from gpullm_lessons import hip
+
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
     if n == 0:
@@ -61,5 +63,5 @@ def nonfinite_count(flat, out, version="v1", threads=256):
     n = check_count_args(fn, flat, out, check=_check_cupy)
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
-    out.fill(0)   # the kernel only adds
+    out.fill(0)  # the kernel only adds
     _launch(fn, "nonfinite_count", version, threads, n, (flat, out))

@@ -8,6 +8,7 @@ v1: one thread per row. v2: one block per row, shared-memory tree. v3: v2 with w
 v4 (backward only, HIP only): v3 with float4 loads/stores when V % 4 == 0 and the arrays are 16-byte aligned (else
 v3's scalar loops in the same kernel), 1024 threads per block by default.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,9 +17,9 @@ import numpy as np
 from gpullm_lessons.contracts.crossentropy import check_half_inputs, check_inputs
 
 VERSIONS = ("v1", "v2", "v3", "v4")
-LAUNCHERS = ("crossentropy_forward_backward_half",)   # gathered by backends/_collect.py
-FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4 is a backward kernel only
-DEFAULT_THREADS = {"v4": 1024}         # others: the threads= default of each function
+LAUNCHERS = ("crossentropy_forward_backward_half",)  # gathered by backends/_collect.py
+FORWARD_VERSIONS = ("v1", "v2", "v3")  # v4 is a backward kernel only
+DEFAULT_THREADS = {"v4": 1024}  # others: the threads= default of each function
 MAX_THREADS = 1024
 
 
@@ -38,6 +39,7 @@ def _launch_shape(fn, version, N, threads, allowed=VERSIONS):
 
 def _kernel(name):
     from gpullm_lessons import hip
+
     return hip.kernel("crossentropy", name)
 
 
@@ -49,8 +51,9 @@ def crossentropy_backward(logits, targets, dlogits, version="v2", threads=None):
     threads = DEFAULT_THREADS.get(version, 256) if threads is None else int(threads)
     grid, block = _launch_shape("crossentropy_backward", version, N, threads)
     if N:
-        _kernel(f"crossentropy_backward_{version}")((grid,), (block,),
-                                                   (logits, targets, dlogits, np.int32(N), np.int32(V)))
+        _kernel(f"crossentropy_backward_{version}")(
+            (grid,), (block,), (logits, targets, dlogits, np.int32(N), np.int32(V))
+        )
     return dlogits
 
 
@@ -59,8 +62,9 @@ def crossentropy_forward(logits, targets, losses, version="v2", threads=256):
     N, V = check_inputs("crossentropy_forward", logits, targets, losses=losses, cupy=True)
     grid, block = _launch_shape("crossentropy_forward", version, N, threads, allowed=FORWARD_VERSIONS)
     if N:
-        _kernel(f"crossentropy_forward_{version}")((grid,), (block,),
-                                                  (logits, targets, losses, np.int32(N), np.int32(V)))
+        _kernel(f"crossentropy_forward_{version}")(
+            (grid,), (block,), (logits, targets, losses, np.int32(N), np.int32(V))
+        )
     return losses
 
 
@@ -69,12 +73,13 @@ def crossentropy_forward_backward(logits, targets, losses, dlogits, version="v2"
     N, V = check_inputs("crossentropy_forward_backward", logits, targets, losses=losses, dlogits=dlogits, cupy=True)
     grid, block = _launch_shape("crossentropy_forward_backward", version, N, threads, allowed=("v2",))
     if N:
-        _kernel("crossentropy_forward_backward_v2")((grid,), (block,),
-                                                    (logits, targets, losses, dlogits, np.int32(N), np.int32(V)))
+        _kernel("crossentropy_forward_backward_v2")(
+            (grid,), (block,), (logits, targets, losses, dlogits, np.int32(N), np.int32(V))
+        )
     return losses, dlogits
 
 
-HALF_THREADS = 1024   # crossentropy_forward_backward_half: whole warps on either vendor, many bytes in flight
+HALF_THREADS = 1024  # crossentropy_forward_backward_half: whole warps on either vendor, many bytes in flight
 
 
 def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, threads=HALF_THREADS):
@@ -85,11 +90,13 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
     N, V = check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=True)
     threads = int(threads)
     if threads % 64 or not 64 <= threads <= 1024:
-        raise ValueError(f"{fn}: threads={threads} must be a multiple of 64 in [64, 1024] (whole warps on NVIDIA "
-                         f"and AMD)")
+        raise ValueError(
+            f"{fn}: threads={threads} must be a multiple of 64 in [64, 1024] (whole warps on NVIDIA and AMD)"
+        )
     if N:
         # float4 loads / 8-byte half stores when the rows allow them (GPT-2's V = 50304 does), scalar otherwise
         vec = "4" if V % 4 == 0 and logits.data.ptr % 16 == 0 and dlogits.data.ptr % 8 == 0 else ""
         _kernel(f"crossentropy_forward_backward_half{vec}_{'bf16' if half == 'bf16' else 'f16'}")(
-            (N,), (threads,), (logits, targets, losses, dlogits, np.int32(N), np.int32(V)))
+            (N,), (threads,), (logits, targets, losses, dlogits, np.int32(N), np.int32(V))
+        )
     return losses, dlogits

@@ -7,6 +7,7 @@ one thread per (v, c) / (t, c) summing in a fixed order (deterministic, no atomi
 v3: fixed-point integer atomics (deterministic, all on the GPU: no host copy or sync, so a CUDA graph captures it):
 max |dout| and a power-of-two scale on the device, int64 atomicAdd of rint(dout * 2^e), then dwte = acc * 2^-e.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,8 @@ from gpullm_lessons.contracts.encoder import token_buckets as _token_buckets
 
 VERSIONS = ("v1", "v2", "v3")
 MAX_THREADS = 1024
-AMAX_BLOCKS = 1024      # v3: at most this many partial maxima (the amax kernel is grid-stride)
-MAX_BLOCKS = 65535      # v3: grid-stride kernels launch at most this many blocks
+AMAX_BLOCKS = 1024  # v3: at most this many partial maxima (the amax kernel is grid-stride)
+MAX_BLOCKS = 65535  # v3: grid-stride kernels launch at most this many blocks
 
 
 def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256):
@@ -43,30 +44,34 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256):
         zero(blocks(V * C), (threads,), (dwte, np.int64(V * C)))
         zero(blocks(maxT * C), (threads,), (dwpe, np.int64(maxT * C)))
         if B * T * C:
-            hip.kernel("encoder", "encoder_backward_v1")(blocks(B * T * C), (threads,),
-                                                         (dout, idx, dwte, dwpe, np.int32(B), np.int32(T), np.int32(C)))
+            hip.kernel("encoder", "encoder_backward_v1")(
+                blocks(B * T * C), (threads,), (dout, idx, dwte, dwpe, np.int32(B), np.int32(T), np.int32(C))
+            )
     elif version == "v3":
         n = B * T * C
         n_partial = min(blocks(n)[0], AMAX_BLOCKS)
-        partial = cupy.empty(n_partial, cupy.float32)           # every element written by v3_amax
-        scale = cupy.empty(2, cupy.float32)                     # [2^e, 2^-e], written by v3_scale
-        acc = cupy.empty((V, C), cupy.int64)                    # zeroed by v3_zero
+        partial = cupy.empty(n_partial, cupy.float32)  # every element written by v3_amax
+        scale = cupy.empty(2, cupy.float32)  # [2^e, 2^-e], written by v3_scale
+        acc = cupy.empty((V, C), cupy.int64)  # zeroed by v3_zero
         hip.kernel("encoder", "encoder_backward_v3_amax")((n_partial,), (threads,), (dout, partial, np.int64(n)))
-        hip.kernel("encoder", "encoder_backward_v3_scale")((1,), (threads,),
-                                                           (partial, np.int32(n_partial), np.int64(B * T), scale))
+        hip.kernel("encoder", "encoder_backward_v3_scale")(
+            (1,), (threads,), (partial, np.int32(n_partial), np.int64(B * T), scale)
+        )
         grid = (min(blocks(V * C)[0], MAX_BLOCKS),)
         hip.kernel("encoder", "encoder_backward_v3_zero")(grid, (threads,), (acc, np.int64(V * C)))
-        hip.kernel("encoder", "encoder_backward_v3_add")((min(blocks(n)[0], MAX_BLOCKS),), (threads,),
-                                                         (dout, idx, scale, acc, np.int64(n), np.int32(C)))
+        hip.kernel("encoder", "encoder_backward_v3_add")(
+            (min(blocks(n)[0], MAX_BLOCKS),), (threads,), (dout, idx, scale, acc, np.int64(n), np.int32(C))
+        )
         hip.kernel("encoder", "encoder_backward_v3_finish")(grid, (threads,), (acc, scale, dwte, np.int64(V * C)))
-        hip.kernel("encoder", "encoder_backward_v2_dwpe")(blocks(maxT * C), (threads,),
-                                                          (dout, dwpe, np.int32(B), np.int32(T), np.int32(maxT),
-                                                           np.int32(C)))
+        hip.kernel("encoder", "encoder_backward_v2_dwpe")(
+            blocks(maxT * C), (threads,), (dout, dwpe, np.int32(B), np.int32(T), np.int32(maxT), np.int32(C))
+        )
     else:
         order, starts = (cupy.asarray(a) for a in _token_buckets(idx.get(), V))
-        hip.kernel("encoder", "encoder_backward_v2")(blocks(V * C), (threads,),
-                                                     (dout, order, starts, dwte, np.int32(V), np.int32(C)))
-        hip.kernel("encoder", "encoder_backward_v2_dwpe")(blocks(maxT * C), (threads,),
-                                                          (dout, dwpe, np.int32(B), np.int32(T), np.int32(maxT),
-                                                           np.int32(C)))
+        hip.kernel("encoder", "encoder_backward_v2")(
+            blocks(V * C), (threads,), (dout, order, starts, dwte, np.int32(V), np.int32(C))
+        )
+        hip.kernel("encoder", "encoder_backward_v2_dwpe")(
+            blocks(maxT * C), (threads,), (dout, dwpe, np.int32(B), np.int32(T), np.int32(maxT), np.int32(C))
+        )
     return dwte, dwpe

@@ -16,6 +16,7 @@ runs of hs; colsum_convert runs a block per (tile of 32 columns x chunk of rows)
 here, then one thread per column adds the chunks in order: the chunking depends on (N, C) only, so the sum has the
 same bits on every run; layernorm_forward_half runs one warp per row.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,18 +24,31 @@ import math
 import numpy as np
 
 from gpullm_lessons.contracts import check_array, check_threads, check_version
-from gpullm_lessons.contracts.fused import (check_bias_add, check_bias_gelu, check_colsum, check_layernorm_half,
-                                            check_merge, check_split)
+from gpullm_lessons.contracts.fused import (
+    check_bias_add,
+    check_bias_gelu,
+    check_colsum,
+    check_layernorm_half,
+    check_merge,
+    check_split,
+)
 
-__all__ = ["bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
-           "layernorm_forward_half", "VERSIONS"]
+__all__ = [
+    "bias_add",
+    "bias_gelu_forward",
+    "split_heads",
+    "merge_heads",
+    "colsum_convert",
+    "layernorm_forward_half",
+    "VERSIONS",
+]
 VERSIONS = ("v1",)
-MAX_BLOCKS = 4096          # grid cap for the grid-stride kernels: enough to fill any GPU
-MAX_ROW_BLOCKS = 8192      # grid cap for the row kernels (split/merge, layernorm)
-WARP_MAX = 64              # layernorm_forward_half: blocks of whole warps on NVIDIA (32) and AMD CDNA (64)
-COLSUM_TILE = 32           # colsum stage 1: columns per block (blockDim.x)
-COLSUM_ROWS = 8            # colsum stage 1: threads striding the rows of a chunk (blockDim.y)
-COLSUM_TARGET_BLOCKS = 2048   # colsum stage 1: about this many blocks (tiles x chunks), whatever the GPU
+MAX_BLOCKS = 4096  # grid cap for the grid-stride kernels: enough to fill any GPU
+MAX_ROW_BLOCKS = 8192  # grid cap for the row kernels (split/merge, layernorm)
+WARP_MAX = 64  # layernorm_forward_half: blocks of whole warps on NVIDIA (32) and AMD CDNA (64)
+COLSUM_TILE = 32  # colsum stage 1: columns per block (blockDim.x)
+COLSUM_ROWS = 8  # colsum stage 1: threads striding the rows of a chunk (blockDim.y)
+COLSUM_TARGET_BLOCKS = 2048  # colsum stage 1: about this many blocks (tiles x chunks), whatever the GPU
 SUFFIX = {0: "f32", 1: "bf16", 2: "f16"}
 
 
@@ -44,6 +58,7 @@ def _check_cupy(fn, name, a, shape, dtype):
 
 def _kernel(name):
     from gpullm_lessons import hip
+
     return hip.kernel("fused", name)
 
 
@@ -62,8 +77,14 @@ def _row_block(C, threads):
     return tx, max(1, threads // tx)
 
 
-LAUNCHERS = ("bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
-             "layernorm_forward_half")   # gathered by backends/_collect.py
+LAUNCHERS = (
+    "bias_add",
+    "bias_gelu_forward",
+    "split_heads",
+    "merge_heads",
+    "colsum_convert",
+    "layernorm_forward_half",
+)  # gathered by backends/_collect.py
 
 
 def bias_add(inp, bias, out, res=None, version="v1", threads=256):
@@ -89,8 +110,9 @@ def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256)
     n = N * C
     if n == 0:
         return
-    _kernel(f"bias_gelu_forward_v1_{SUFFIX[mode]}")((_flat_grid(n, threads),), (threads,),
-                                                     (inp, bias, pre, out, np.int64(n), np.int32(C)))
+    _kernel(f"bias_gelu_forward_v1_{SUFFIX[mode]}")(
+        (_flat_grid(n, threads),), (threads,), (inp, bias, pre, out, np.int64(n), np.int32(C))
+    )
 
 
 def _heads_launch(name, args, N, C, threads, sizes):
@@ -143,9 +165,10 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
     threads = _setup(fn, version, threads)
     if C == 0:
         return
-    import cupy   # lazy: after the checks, so they work (and teach) without cupy
+    import cupy  # lazy: after the checks, so they work (and teach) without cupy
+
     chunks, rows = colsum_chunking(N, C)
-    partial = cupy.empty((chunks, C), cupy.float32)        # scratch: every element written by stage 1
+    partial = cupy.empty((chunks, C), cupy.float32)  # scratch: every element written by stage 1
     grid1 = (-(-C // COLSUM_TILE), chunks)
     block1 = (COLSUM_TILE, COLSUM_ROWS)
     sizes = (np.int32(N), np.int32(C), np.int32(rows))
@@ -153,8 +176,9 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
         _kernel("colsum_partials_v1")(grid1, block1, (inp, partial, *sizes))
     else:
         _kernel(f"colsum_partials_v1_{SUFFIX[mode]}")(grid1, block1, (inp, partial, out, *sizes))
-    _kernel("colsum_reduce_v1")((min(-(-C // threads), MAX_BLOCKS),), (threads,),
-                                (partial, colsum, np.int32(chunks), np.int32(C)))
+    _kernel("colsum_reduce_v1")(
+        (min(-(-C // threads), MAX_BLOCKS),), (threads,), (partial, colsum, np.int32(chunks), np.int32(C))
+    )
 
 
 def layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5, version="v1", threads=256):
@@ -167,8 +191,8 @@ def layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5, v
         raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP_MAX} (whole warps on NVIDIA and AMD)")
     if N == 0:
         return
-    rows_per_block = threads // 32          # warps per block on NVIDIA; on AMD the grid-stride loop covers the rest
+    rows_per_block = threads // 32  # warps per block on NVIDIA; on AMD the grid-stride loop covers the rest
     grid = min(math.ceil(N / rows_per_block), MAX_ROW_BLOCKS)
-    _kernel(f"layernorm_forward_half_v1_{SUFFIX[mode]}")((grid,), (threads,), (inp, weight, bias, out, mean, rstd,
-                                                                               np.int32(N), np.int32(C),
-                                                                               np.float32(eps)))
+    _kernel(f"layernorm_forward_half_v1_{SUFFIX[mode]}")(
+        (grid,), (threads,), (inp, weight, bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps))
+    )

@@ -3,6 +3,7 @@
 Same names, signatures and versions as kernels/numba/gelu.py (v1: one thread per element, grid-stride loop).
 Arrays are 1-D float32 CuPy arrays of one length n.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,11 +11,12 @@ import numpy as np
 from gpullm_lessons.contracts import check_cupy_args, check_threads, check_version
 
 VERSIONS = ("v1",)
-MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
+MAX_BLOCKS = 4096  # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 
 
 def _launch(fn, name, version, threads, names, arrays):
     from gpullm_lessons import hip
+
     check_version(fn, version, VERSIONS)
     check_cupy_args(fn, names, arrays, ndim=1)
     threads = check_threads(fn, threads)

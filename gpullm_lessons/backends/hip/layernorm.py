@@ -28,42 +28,47 @@ cudaGetDeviceProperties can cost far more than the kernel (v4 measured 1.47 ms o
 0.153 ms after it).
 All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from gpullm_lessons import hip
 from gpullm_lessons.contracts import check_version, is_cupy
+
 # the shape/dtype/threads checks are the Numba wrappers' too (cupy=True: CuPy arrays, cupy in the hints)
 from gpullm_lessons.contracts.layernorm import check_array, check_block, check_rows
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5")
-FORWARD_VERSIONS = ("v1", "v2", "v3")   # v4, v5 are backward kernels only
-LN_V4_COLS = 32        # v4: columns each lane owns (LN_V4_COLS in layernorm.cu): C <= LN_V4_COLS * warp size
-V4_THREADS = 256       # v4's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
-WARP_MAX = 64          # v3 blocks are whole warps on either vendor (32 lanes on NVIDIA, 64 on AMD CDNA)
-ROWS_PER_CHUNK = 32    # rows summed by one thread in stage 1 of the dweight/dbias reduction
-V5_THREADS = 256       # v5's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
-V5_BLOCKS_PER_SM = None          # v5's default grid: None = as many blocks as fit at once (occupancy API)
-V5_F4_K = (1, 2, 3, 4, 6, 8)     # v5 entry points layernorm_backward_v5_w4_k{K}: K float4 per lane per array
-V5_F1_K = (1, 4, 8, 16, 32)      # v5 entry points layernorm_backward_v5_w1_k{K}: K floats per lane (scalar path)
-V5_REDUCE_THREADS = 512          # v5 stage 2: 32 columns x 16 row groups per block (fixes its summation order)
+FORWARD_VERSIONS = ("v1", "v2", "v3")  # v4, v5 are backward kernels only
+LN_V4_COLS = 32  # v4: columns each lane owns (LN_V4_COLS in layernorm.cu): C <= LN_V4_COLS * warp size
+V4_THREADS = 256  # v4's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
+WARP_MAX = 64  # v3 blocks are whole warps on either vendor (32 lanes on NVIDIA, 64 on AMD CDNA)
+ROWS_PER_CHUNK = 32  # rows summed by one thread in stage 1 of the dweight/dbias reduction
+V5_THREADS = 256  # v5's default block: 8 warps (NVIDIA), 4 wavefronts (AMD)
+V5_BLOCKS_PER_SM = None  # v5's default grid: None = as many blocks as fit at once (occupancy API)
+V5_F4_K = (1, 2, 3, 4, 6, 8)  # v5 entry points layernorm_backward_v5_w4_k{K}: K float4 per lane per array
+V5_F1_K = (1, 4, 8, 16, 32)  # v5 entry points layernorm_backward_v5_w1_k{K}: K floats per lane (scalar path)
+V5_REDUCE_THREADS = 512  # v5 stage 2: 32 columns x 16 row groups per block (fixes its summation order)
 
 
 def _check_on_gpu(fn, named):
     """Every array must live in GPU memory: a CuPy array."""
     for name, x in named:
         if not is_cupy(x):
-            raise TypeError(f"{fn}: {name} must be a CuPy array (GPU memory), got {type(x).__module__}."
-                            f"{type(x).__name__}: move it with cupy.asarray(...)")
+            raise TypeError(
+                f"{fn}: {name} must be a CuPy array (GPU memory), got {type(x).__module__}."
+                f"{type(x).__name__}: move it with cupy.asarray(...)"
+            )
 
 
 def _check_launch(fn, version, threads):
     check_version(fn, version, VERSIONS)
     threads = check_block(fn, version, threads)
     if version in ("v3", "v4", "v5") and threads % WARP_MAX:
-        raise ValueError(f"{fn}: threads={threads} must be a multiple of {WARP_MAX} for {version} (whole warps on "
-                         f"NVIDIA and AMD)")
+        raise ValueError(
+            f"{fn}: threads={threads} must be a multiple of {WARP_MAX} for {version} (whole warps on NVIDIA and AMD)"
+        )
     return threads
 
 
@@ -101,6 +106,7 @@ def _aligned16(*arrays) -> bool:
 def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid):
     """v5's two launches; returns False (nothing launched) when C is too wide for it."""
     import cupy
+
     N, C = inp.shape
     props = hip.device_properties(int(dout.device.id))
     ws = int(props["warpSize"])
@@ -111,18 +117,19 @@ def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, 
     # the big-K entry points are compiled for smaller blocks (__launch_bounds__): lower threads to whole warps below
     threads = max(ws, min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws))
     warps = threads // ws
-    blocks = (N + warps - 1) // warps                     # enough blocks to give every warp a row
+    blocks = (N + warps - 1) // warps  # enough blocks to give every warp a row
     if grid is not None:
         blocks = min(blocks, int(grid))
     else:
         blocks_per_sm = V5_BLOCKS_PER_SM if blocks_per_sm is None else blocks_per_sm
         per_sm = int(blocks_per_sm) if blocks_per_sm is not None else hip.blocks_per_sm(k, threads, props)
         blocks = min(blocks, per_sm * hip.sm_count(int(dout.device.id)))
-    part = cupy.empty((blocks, 2 * C), dtype=cupy.float32)   # one (dweight | dbias) row per block, all written
+    part = cupy.empty((blocks, 2 * C), dtype=cupy.float32)  # one (dweight | dbias) row per block, all written
     n, c = np.int32(N), np.int32(C)
     k((blocks,), (threads,), (dout, inp, weight, mean, rstd, dinp, part, n, c))
     hip.kernel("layernorm", "layernorm_backward_v5_reduce")(
-        ((2 * C + 31) // 32,), (V5_REDUCE_THREADS,), (part, dweight, dbias, np.int32(blocks), c))
+        ((2 * C + 31) // 32,), (V5_REDUCE_THREADS,), (part, dweight, dbias, np.int32(blocks), c)
+    )
     return True
 
 
@@ -130,21 +137,40 @@ def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2"
     """inp (N, C), weight (C,), bias (C,) -> writes out (N, C), mean (N,), rstd (N,)."""
     fn = "layernorm_forward"
     N, C = check_rows(fn, inp, cupy=True)
-    named = (("inp", inp, (N, C)), ("weight", weight, (C,)), ("bias", bias, (C,)),
-             ("out", out, (N, C)), ("mean", mean, (N,)), ("rstd", rstd, (N,)))
+    named = (
+        ("inp", inp, (N, C)),
+        ("weight", weight, (C,)),
+        ("bias", bias, (C,)),
+        ("out", out, (N, C)),
+        ("mean", mean, (N,)),
+        ("rstd", rstd, (N,)),
+    )
     for name, x, shape in named:
         check_array(fn, name, x, shape, cupy=True)
     check_version(fn, version, FORWARD_VERSIONS)
     threads = _check_launch(fn, version, threads)
     _check_on_gpu(fn, [(name, x) for name, x, _ in named])
-    blocks = (N + threads - 1) // threads if version == "v1" else N   # v1: a thread per row; v2, v3: a block
+    blocks = (N + threads - 1) // threads if version == "v1" else N  # v1: a thread per row; v2, v3: a block
     k = hip.kernel("layernorm", f"layernorm_forward_{version}")
     k((blocks,), (threads,), (inp, weight, bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
     return out
 
 
-def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version="v2", threads=None,
-                       rows_per_chunk=ROWS_PER_CHUNK, blocks_per_sm=None, grid=None):
+def layernorm_backward(
+    dout,
+    inp,
+    weight,
+    mean,
+    rstd,
+    dinp,
+    dweight,
+    dbias,
+    version="v2",
+    threads=None,
+    rows_per_chunk=ROWS_PER_CHUNK,
+    blocks_per_sm=None,
+    grid=None,
+):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,).
 
     threads: per block; None: 256 for v4 and v5, 128 otherwise. v4 and v5 lower threads to what their register use
@@ -154,8 +180,16 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
     for a given GPU and launch configuration; a different grid sums in a different order (last bits differ)."""
     fn = "layernorm_backward"
     N, C = check_rows(fn, inp, cupy=True)
-    named = (("dout", dout, (N, C)), ("inp", inp, (N, C)), ("weight", weight, (C,)), ("mean", mean, (N,)),
-             ("rstd", rstd, (N,)), ("dinp", dinp, (N, C)), ("dweight", dweight, (C,)), ("dbias", dbias, (C,)))
+    named = (
+        ("dout", dout, (N, C)),
+        ("inp", inp, (N, C)),
+        ("weight", weight, (C,)),
+        ("mean", mean, (N,)),
+        ("rstd", rstd, (N,)),
+        ("dinp", dinp, (N, C)),
+        ("dweight", dweight, (C,)),
+        ("dbias", dbias, (C,)),
+    )
     for name, x, shape in named:
         check_array(fn, name, x, shape, cupy=True)
     if threads is None:
@@ -169,15 +203,18 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
     col_blocks = (C + threads - 1) // threads
     if version == "v1":
         hip.kernel("layernorm", "layernorm_backward_v1")(
-            ((N + threads - 1) // threads,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c))
+            ((N + threads - 1) // threads,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c)
+        )
         hip.kernel("layernorm", "layernorm_backward_v1_dparams")(
-            (col_blocks,), (threads,), (dout, inp, mean, rstd, dweight, dbias, n, c))
+            (col_blocks,), (threads,), (dout, inp, mean, rstd, dweight, dbias, n, c)
+        )
         return dinp, dweight, dbias
     import cupy  # lazily: an optional extra
+
     if version == "v5":
         if _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid):
             return dinp, dweight, dbias
-        version = "v3"   # rows too wide for v5's per-lane registers (C > 32 * warp size): the two-pass v3
+        version = "v3"  # rows too wide for v5's per-lane registers (C > 32 * warp size): the two-pass v3
     if version == "v4":
         props = hip.device_properties(int(dout.device.id))
         ws = int(props["warpSize"])
@@ -186,23 +223,28 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
             # ~170 registers per thread on sm_90: at most max_threads_per_block (about 384) threads per block
             threads = min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws)
             blocks = min((N + threads // ws - 1) // (threads // ws), hip.resident_blocks(k, threads, props))
-            dweight_part = cupy.empty((blocks, C), dtype=cupy.float32)   # one row per block, every element written
+            dweight_part = cupy.empty((blocks, C), dtype=cupy.float32)  # one row per block, every element written
             dbias_part = cupy.empty((blocks, C), dtype=cupy.float32)
             k((blocks,), (threads,), (dout, inp, weight, mean, rstd, dinp, dweight_part, dbias_part, n, c))
             # a block per tile of warpSize columns: C / 32 tiles covers either warp size (the kernel grid-strides)
             hip.kernel("layernorm", "layernorm_backward_v4_reduce")(
-                ((C + 31) // 32,), (512,), (dweight_part, dbias_part, dweight, dbias, np.int32(blocks), c))
+                ((C + 31) // 32,), (512,), (dweight_part, dbias_part, dweight, dbias, np.int32(blocks), c)
+            )
             return dinp, dweight, dbias
-        version = "v3"   # rows too wide for v4's per-lane registers: the two-pass v3
+        version = "v3"  # rows too wide for v4's per-lane registers: the two-pass v3
     hip.kernel("layernorm", f"layernorm_backward_{version}")(
-        (N,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c))              # one block per row
-    rows_per_chunk = max(int(rows_per_chunk), (N + 65534) // 65535)                # gridDim.y is at most 65535
+        (N,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c)
+    )  # one block per row
+    rows_per_chunk = max(int(rows_per_chunk), (N + 65534) // 65535)  # gridDim.y is at most 65535
     n_chunks = (N + rows_per_chunk - 1) // rows_per_chunk
-    dweight_part = cupy.empty((n_chunks, C), dtype=cupy.float32)                    # scratch, every element written
+    dweight_part = cupy.empty((n_chunks, C), dtype=cupy.float32)  # scratch, every element written
     dbias_part = cupy.empty((n_chunks, C), dtype=cupy.float32)
     hip.kernel("layernorm", "layernorm_backward_v2_partials")(
-        (col_blocks, n_chunks), (threads,),
-        (dout, inp, mean, rstd, dweight_part, dbias_part, n, c, np.int32(rows_per_chunk)))
+        (col_blocks, n_chunks),
+        (threads,),
+        (dout, inp, mean, rstd, dweight_part, dbias_part, n, c, np.int32(rows_per_chunk)),
+    )
     hip.kernel("layernorm", "layernorm_backward_v2_reduce")(
-        (col_blocks,), (threads,), (dweight_part, dbias_part, dweight, dbias, np.int32(n_chunks), c))
+        (col_blocks,), (threads,), (dweight_part, dbias_part, dweight, dbias, np.int32(n_chunks), c)
+    )
     return dinp, dweight, dbias

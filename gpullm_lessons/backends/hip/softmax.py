@@ -18,6 +18,7 @@ NVIDIA: ~166 registers per lane, so at most 256 threads per block). Tunables: th
 v6 and v7 need n % 4 == 0 and 16-byte aligned arrays and rows that fit their registers; otherwise (and only for the
 default settings, see softmax_backward) they run v5, which handles any shape. Arrays are CuPy arrays.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,8 @@ DEFAULT_THREADS = {"v1": 128, "v2": 256, "v3": 256, "v4": 256, "v5": 256, "v6": 
 # each is compiled for (__launch_bounds__ in softmax.cu)
 V6_MAX_THREADS = {1: 1024, 2: 1024, 4: 1024, 8: 512}
 V7_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 256}
-V6_FLOATS_PER_THREAD = 16   # the default v6 plan: threads per row so that each holds <= 16 floats (K <= 4)
-DEFAULT_BLOCKS_PER_SM = {"v6": None, "v7": None}   # None: as many blocks as fit at once; 0: a block per row tile
+V6_FLOATS_PER_THREAD = 16  # the default v6 plan: threads per row so that each holds <= 16 floats (K <= 4)
+DEFAULT_BLOCKS_PER_SM = {"v6": None, "v7": None}  # None: as many blocks as fit at once; 0: a block per row tile
 
 
 def _k_for(n: int, group: int, ks=(1, 2, 4, 8)):
@@ -63,21 +64,28 @@ def v6_plan(fn, n: int, ws: int, threads=None, rows_per_block=None):
     if not explicit and threads > 1024:
         return None
     if not 1 <= threads <= 1024:
-        raise ValueError(f"{fn}: threads={threads} must be in [1, 1024] (v6: threads = rows_per_block x threads "
-                         f"per row)")
+        raise ValueError(
+            f"{fn}: threads={threads} must be in [1, 1024] (v6: threads = rows_per_block x threads per row)"
+        )
     if threads % r or (threads // r) % ws:
-        raise ValueError(f"{fn}: v6 gives each row threads / rows_per_block = {threads}/{r} threads, which must be "
-                         f"whole warps (a multiple of {ws})")
+        raise ValueError(
+            f"{fn}: v6 gives each row threads / rows_per_block = {threads}/{r} threads, which must be "
+            f"whole warps (a multiple of {ws})"
+        )
     g = threads // r
     k = _k_for(n, g)
     if k is None:
         if not explicit:
             return None
-        raise ValueError(f"{fn}: v6 holds at most 32 floats per thread: a row of n={n} needs at least "
-                         f"{-(-n // 32)} threads per row, got {g} (threads={threads}, rows_per_block={r})")
+        raise ValueError(
+            f"{fn}: v6 holds at most 32 floats per thread: a row of n={n} needs at least "
+            f"{-(-n // 32)} threads per row, got {g} (threads={threads}, rows_per_block={r})"
+        )
     if threads > V6_MAX_THREADS[k]:
-        raise ValueError(f"{fn}: v6 with {4 * k} floats per thread (n={n}, {g} threads per row) is compiled for "
-                         f"blocks of at most {V6_MAX_THREADS[k]} threads, got threads={threads}")
+        raise ValueError(
+            f"{fn}: v6 with {4 * k} floats per thread (n={n}, {g} threads per row) is compiled for "
+            f"blocks of at most {V6_MAX_THREADS[k]} threads, got threads={threads}"
+        )
     return k, threads, r
 
 
@@ -88,8 +96,10 @@ def v7_plan(fn, n: int, ws: int, threads=None):
         return None
     threads = min(DEFAULT_THREADS["v7"], V7_MAX_THREADS[k]) if threads is None else int(threads)
     if threads > V7_MAX_THREADS[k]:
-        raise ValueError(f"{fn}: v7 with {4 * k} floats per lane and two rows in registers (n={n}) is compiled for "
-                         f"blocks of at most {V7_MAX_THREADS[k]} threads, got threads={threads}")
+        raise ValueError(
+            f"{fn}: v7 with {4 * k} floats per lane and two rows in registers (n={n}) is compiled for "
+            f"blocks of at most {V7_MAX_THREADS[k]} threads, got threads={threads}"
+        )
     return k, threads
 
 
@@ -99,7 +109,7 @@ def _grid(k, threads, tiles, blocks_per_sm, device_id):
     if blocks_per_sm == 0:
         return tiles
     if blocks_per_sm is None:
-        blocks_per_sm = hip.blocks_per_sm(k, threads, hip.device_properties(device_id))   # the occupancy API
+        blocks_per_sm = hip.blocks_per_sm(k, threads, hip.device_properties(device_id))  # the occupancy API
     return max(1, min(tiles, int(blocks_per_sm) * hip.sm_count(device_id)))
 
 
@@ -126,8 +136,10 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
         if version not in ("v6", "v7"):
             raise ValueError(f"{fn}: blocks_per_sm= is a v6/v7 setting; version {version!r} does not take it")
         if not isinstance(blocks_per_sm, (int, np.integer)) or isinstance(blocks_per_sm, bool) or blocks_per_sm < 0:
-            raise ValueError(f"{fn}: blocks_per_sm={blocks_per_sm!r}, expected an int >= 0 (0: one row tile per "
-                             f"block; None: as many blocks as fit)")
+            raise ValueError(
+                f"{fn}: blocks_per_sm={blocks_per_sm!r}, expected an int >= 0 (0: one row tile per "
+                f"block; None: as many blocks as fit)"
+            )
     check_cupy_args(fn, ("dout", "out", "dinp"), (dout, out, dinp), ndim=2)
     if version in ("v6", "v7"):
         N, n = dout.shape
@@ -140,10 +152,11 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
         if blocks_per_sm is None:
             blocks_per_sm = DEFAULT_BLOCKS_PER_SM[version]
         if threads is not None and (int(threads) % ws or not 1 <= int(threads) <= 1024):
-            raise ValueError(f"{fn}: {version} needs whole warps, threads a multiple of {ws} in [1, 1024], "
-                             f"got {threads}")
+            raise ValueError(
+                f"{fn}: {version} needs whole warps, threads a multiple of {ws} in [1, 1024], got {threads}"
+            )
         vector = n % 4 == 0 and _aligned16(dout, out, dinp)
-        plan = (v6_plan(fn, n, ws, threads, rows_per_block) if version == "v6" else v7_plan(fn, n, ws, threads))
+        plan = v6_plan(fn, n, ws, threads, rows_per_block) if version == "v6" else v7_plan(fn, n, ws, threads)
         if plan is not None and vector:
             if version == "v6":
                 kk, threads, r = plan
@@ -157,7 +170,7 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
                 blocks = _grid(k, threads, (N + wpb - 1) // wpb, blocks_per_sm, dev)
                 k((blocks,), (threads,), (dout, out, dinp, np.int32(N), np.int32(n)))
             return
-        version, threads = "v5", None   # n % 4 != 0, unaligned, or rows too long for v6/v7's registers
+        version, threads = "v5", None  # n % 4 != 0, unaligned, or rows too long for v6/v7's registers
     threads = DEFAULT_THREADS[version] if threads is None else int(threads)
     if not 1 <= threads <= 1024:
         raise ValueError(f"{fn}: threads={threads} must be in [1, 1024]")
@@ -177,10 +190,10 @@ def softmax_backward(dout, out, dinp, version="v3", threads=None, rows_per_block
         # threads of it per block (about 640 on NVIDIA), so a larger threads= is lowered to whole warps below that
         threads = min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws)
     if version == "v1":
-        blocks = (N + threads - 1) // threads                      # one thread per row
+        blocks = (N + threads - 1) // threads  # one thread per row
     elif version in ("v4", "v5"):
-        rows_per_block = threads // ws                              # one warp per row
+        rows_per_block = threads // ws  # one warp per row
         blocks = (N + rows_per_block - 1) // rows_per_block
     else:
-        blocks = N                                                  # one block per row
+        blocks = N  # one block per row
     k((blocks,), (threads,), (dout, out, dinp, np.int32(N), np.int32(n)))
