@@ -208,6 +208,14 @@ class Communicator:
         """A small float64 array on this communicator's device (NumPy here; NCCL overrides)."""
         return np.array(values, dtype=np.float64)
 
+    def array_module(self):
+        """The array module of this communicator's buffers: numpy, or cupy for one that moves GPU memory (NCCL)."""
+        if is_cupy(self._host_like([0.0])):
+            import cupy
+
+            return cupy
+        return np
+
     def all_reduce_scalars(self, values, op="sum") -> np.ndarray:
         """Reduce a few Python numbers over ranks (one small all-reduce); returns a NumPy float64 array."""
         a = self._host_like(list(values))

@@ -137,7 +137,7 @@ def check_allreduce(comm: Communicator, fn, sizes=(1, 7, 1000, 4099), seed=0, rt
     for n in sizes:
         rng = np.random.default_rng([seed, n, r])  # different data on every rank
         host = rng.standard_normal(n).astype(np.float32)
-        xp = np if comm.name in ("mpi", "single") else xp_of(comm._host_like([0.0]))
+        xp = np if comm.name in ("mpi", "single") else comm.array_module()
         mine, ref = xp.asarray(host.copy()), xp.asarray(host.copy())
         try:
             fn(comm, mine)
@@ -173,7 +173,7 @@ def selftest(comm: Communicator) -> bool:
     ring (no all-gather phase) caught. Prints one line per check on rank 0; True when all pass on every rank."""
     N, r = comm.world_size, comm.rank
     gpu = comm.name == "nccl"
-    xp = xp_of(comm._host_like([0.0])) if gpu else np
+    xp = comm.array_module() if gpu else np
     host = lambda a: np.asarray(a.get() if is_cupy(a) else a)  # noqa: E731
     results = []
 
