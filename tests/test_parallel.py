@@ -96,6 +96,7 @@ def test_one_rank_data_parallel_equals_the_engine(zero):
         b = dp.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=0.5)
         assert a["loss"] == b["loss"]
     np.testing.assert_array_equal(ref.params.flat, eng.params.flat)
+    assert dp.steps == 3                                     # counted on one rank too
     if zero:
         assert dp.optimizer_bytes() == 8 * P.shard_size(num_params(cfg), 1, 64)
 

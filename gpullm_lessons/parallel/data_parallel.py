@@ -178,9 +178,10 @@ class DataParallel:
         eng = self.eng
         if not self.zero:
             if self.W == 1:  # nothing to combine: the engine's own step
-                return eng.train_step(x, y, lr, weight_decay, grad_clip)
-            out = dict(eng.train_step(x, y, lr, weight_decay, grad_clip, reduce_grads=self.mean_gradient))
-            out["loss"] = float(self.comm.all_reduce_scalars([out["loss"]])[0]) / self.W
+                out = eng.train_step(x, y, lr, weight_decay, grad_clip)
+            else:
+                out = dict(eng.train_step(x, y, lr, weight_decay, grad_clip, reduce_grads=self.mean_gradient))
+                out["loss"] = float(self.comm.all_reduce_scalars([out["loss"]])[0]) / self.W
         else:
             scale = eng.scaler.scale if eng.scaler is not None else 1.0
             _, loss = eng.forward(x, y)
