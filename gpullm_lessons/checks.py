@@ -52,21 +52,16 @@ GELU) are only detectable in fp32/fp64.
 """
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
-import re
-import secrets
-from typing import Callable, Optional
 
 import numpy as np
 
-from . import arrays as _arrays
-from . import device as _device
 from . import reference as ref
-from . import verdict
+from .opcheck import (GUARD_BYTES, SIZES, TOLERANCES, Case, Mistake, Op, awkward_size, compare_outputs,  # noqa: F401
+                      default_size, guard_verdict, hip_compile_only, if_square, learner_fn_and_seed, normalize_dtype,
+                      op_error, random_rows, row_scales, run, source_text, unfinished_kernel)
 from .verdict import STATUSES  # noqa: F401  (checks.STATUSES, as before the core moved out)
-from .verdict import DTYPE_SHORT, CheckResult, close, compare, fmt, fmt_index, mistake_slack, where_raised
+from .verdict import CheckResult, close, mistake_slack
 
 __all__ = [
     "CheckResult", "TOLERANCES", "CHECKERS",
@@ -75,106 +70,8 @@ __all__ = [
     "check_residual_backward", "hip_compile_only",
 ]
 
-SIZES = ("small", "large")
-
-# Relative tolerance per dtype; the absolute floor is tol * M, M the output's magnitude (see the docstring).
-TOLERANCES = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
-_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16",
-            "float": "float32", "double": "float64"}
-
-# The poison: a quiet NaN with a recognizable payload, so "never written" can be told apart from a NaN that
-# your arithmetic produced (NumPy on the CPU carries the payload through x + NaN, GPUs do not).
-_POISON = {"float64": (np.uint64, 0x7FF80000DEADBEEF), "float32": (np.uint32, 0x7FC0DEAD),
-           "float16": (np.uint16, 0x7E5A), "bfloat16": (np.uint16, 0x7FD5)}
-
-# The verdict (CheckResult, STATUSES), how it is recorded and printed, how your function is called, and how numbers
-# and indices are written in the messages: gpullm_lessons/verdict.py, the core every checker module shares.
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Cases: one set of inputs for one call of your function
-# ------------------------------------------------------------------------------------------------------------
-class _Case:
-    """Inputs (rounded to dtype), output shapes, int scalars, and float64 copies for the reference/mistakes."""
-
-    def __init__(self, dtype: np.dtype, dims: dict):
-        self.dtype = dtype
-        self.dims = dict(dims)   # symbol -> size
-        self.inputs = {}         # name -> np.ndarray in call order (floats in dtype, indices int32)
-        self.outputs = {}        # name -> shape, in call order
-        self.scalars = {}        # name -> int, passed after the outputs
-        self.sym = {}            # name -> symbolic shape, e.g. ("N", "C")
-        self.x = {}              # name -> float64 array (rounded inputs, derived values) for reference/mistakes
-
-    def shape(self, sym) -> tuple:
-        return tuple(self.dims[s] for s in sym)
-
-    def add_float(self, name, sym, values):
-        """A float input: rounded to the case's dtype; the reference sees exactly the rounded values."""
-        a = np.ascontiguousarray(np.asarray(values, dtype=np.float64).astype(self.dtype))
-        self.inputs[name], self.sym[name], self.x[name] = a, tuple(sym), a.astype(np.float64)
-        return self.x[name]
-
-    def add_index(self, name, sym, values):
-        a = np.ascontiguousarray(np.asarray(values, dtype=np.int32))
-        self.inputs[name], self.sym[name], self.x[name] = a, tuple(sym), a
-        return a
-
-    def add_output(self, name, sym):
-        self.outputs[name], self.sym[name] = self.shape(sym), tuple(sym)
-
-    def describe_shapes(self) -> str:
-        """'dout (N, OC) = (37, 12), inp (N, C) = (37, 20), ...' for every argument, in call order."""
-        parts = []
-        for name in list(self.inputs) + list(self.outputs):
-            sym = self.sym[name]
-            parts.append(f"{name} ({', '.join(sym)}{',' if len(sym) == 1 else ''}) = {self.shape(sym)}")
-        parts += [f"{k}={v}" for k, v in self.scalars.items()]
-        return ", ".join(parts)
-
-
-@dataclasses.dataclass
-class _Mistake:
-    """A known mistake: either the wrong outputs it produces, or a pattern test on your output."""
-    hint: str
-    outputs: Optional[Callable] = None  # case -> {output name: wrong float64 array} for the outputs it changes
-    test: Optional[Callable] = None     # (case, name, ours, expected, bad) -> bool, or the hint itself (a str)
-
-
-@dataclasses.dataclass
-class _Op:
-    name: str
-    make: Callable       # (rng, dtype, size, k) -> _Case, k = case number
-    expected: Callable   # case -> {output name: float64 array}
-    formula: str         # the right formula, the fallback hint
-    shape_hint: str      # for shape errors (raised by matmul/broadcasting)
-    mistakes: list
-    n_cases: int = 1
-    accumulates: bool = False  # outputs must be zeroed first: "all NaN" is that op's own mistake, not rebinding
-    terms: Optional[Callable] = None  # case -> {output: size of the terms it is computed from}, see verdict.compare
-    parts: Optional[dict] = None      # {output: blocks along the last axis judged separately}, see verdict.compare
-
-
-def _awkward(rng, lo, hi, avoid=()) -> int:
-    """A random size in [lo, hi] that is not a multiple of 16 (so never of 32) and not in `avoid`."""
-    for _ in range(1000):
-        n = int(rng.integers(lo, hi + 1))
-        if (n % 16 or lo == hi) and n not in avoid:
-            return n
-    return lo
-
-
-def _scales(rng, n, lo=-1.0, hi=0.5):
-    """Per-row scale factors 10**U(lo, hi): rows of very different magnitude."""
-    return 10.0 ** rng.uniform(lo, hi, size=n)
-
-
-def _rows(rng, shape, lo=-1.0, hi=0.5):
-    """Standard normal values whose rows (leading axis after flattening all but the last) have random scales."""
-    x = rng.standard_normal(shape)
-    lead = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    s = _scales(rng, lead, lo, hi).reshape(shape[:-1] + (1,)) if len(shape) > 1 else _scales(rng, shape[0], lo, hi)
-    return x * s
+# How a check runs (cases, poison, guards, comparing, hints, the loop): gpullm_lessons/opcheck.py. The verdict and
+# its number formats: gpullm_lessons/verdict.py. This module holds the ops of lessons 02-07 and their checkers.
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -196,12 +93,16 @@ def _dims(op_name, size, k) -> dict:
     return dict(CASE_DIMS[op_name][size][k])
 
 
+def _case(op_name, dt, size, k) -> Case:
+    """An empty case with the dims of CASE_DIMS[op_name][size][k]."""
+    return Case(dt, _dims(op_name, size, k))
+
+
 def _make_linear(rng, dt, size, k):
-    d = _dims("linear_backward", size, k)
-    N, C, OC = d["N"], d["C"], d["OC"]
-    c = _Case(dt, {"N": N, "C": C, "OC": OC})
-    c.add_float("dout", ("N", "OC"), _rows(rng, (N, OC)))
-    c.add_float("inp", ("N", "C"), _rows(rng, (N, C)))
+    c = _case("linear_backward", dt, size, k)
+    N, C, OC = c.dims["N"], c.dims["C"], c.dims["OC"]
+    c.add_float("dout", ("N", "OC"), random_rows(rng, (N, OC)))
+    c.add_float("inp", ("N", "C"), random_rows(rng, (N, C)))
     c.add_float("weight", ("C", "OC"), rng.standard_normal((C, OC)))
     for name, sym in (("dinp", ("N", "C")), ("dweight", ("C", "OC")), ("dbias", ("OC",))):
         c.add_output(name, sym)
@@ -213,16 +114,6 @@ def _expected_linear(c):
     _, cache = ref.linear_forward(x["inp"], x["weight"], np.zeros(c.dims["OC"]))
     dinp, dweight, dbias = ref.linear_backward(x["dout"], cache)
     return {"dinp": dinp, "dweight": dweight, "dbias": dbias}
-
-
-def _if_square(fn):
-    """A mistake that only exists as numbers when the shapes allow it (else it is a shape error)."""
-    def wrapped(c):
-        try:
-            return fn(c)
-        except ValueError:
-            return {}
-    return wrapped
 
 
 def _linear_partial_k(c, name, kept):
@@ -269,36 +160,36 @@ def _linear_k_tiles_test(c, name, ours, expected, bad):
 
 def _k_tile_hints():
     return [
-        _Mistake("", test=_linear_k_tiles_test),
-        _Mistake("all zeros, as a loop over K // TILE tiles gives when K < TILE (K = OC for dinp, K = N for dweight; "
+        Mistake("", test=_linear_k_tiles_test),
+        Mistake("all zeros, as a loop over K // TILE tiles gives when K < TILE (K = OC for dinp, K = N for dweight; "
                  "here K < 16): the partial tile is skipped, and here it is the only one. In a tiled GEMM, " + _K_LOOP,
                  lambda c: {name: np.zeros(c.outputs[name]) for name, K in (("dinp", c.dims["OC"]),
                                                                             ("dweight", c.dims["N"])) if K < 16}),
     ]
 
 
-_LINEAR = _Op(
+_LINEAR = Op(
     "linear_backward", _make_linear, _expected_linear, n_cases=4,
     formula="dinp = dout @ weight.T (N, C); dweight = inp.T @ dout (C, OC); dbias = dout.sum(axis=0) (OC,)",
     shape_hint="weight is stored (C, OC) (in, out): dinp = dout @ weight.T, dweight = inp.T @ dout, "
                "dbias = dout.sum(axis=0). Each gradient has the shape of its input.",
     mistakes=[
-        _Mistake("missing transpose: dinp looks like dout @ weight. weight is stored (C, OC), so "
+        Mistake("missing transpose: dinp looks like dout @ weight. weight is stored (C, OC), so "
                  "dinp = dout @ weight.T: (N, OC) @ (OC, C) -> (N, C)",
-                 _if_square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
-        _Mistake("dweight is transposed: it must have weight's layout (C, OC), dweight[c, o] = sum_n inp[n, c] "
+                 if_square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
+        Mistake("dweight is transposed: it must have weight's layout (C, OC), dweight[c, o] = sum_n inp[n, c] "
                  "dout[n, o], i.e. dweight = inp.T @ dout (not dout.T @ inp)",
-                 _if_square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
-        _Mistake("missing transpose in dweight: dweight = inp.T @ dout, (C, N) @ (N, OC); the sum runs over "
+                 if_square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
+        Mistake("missing transpose in dweight: dweight = inp.T @ dout, (C, N) @ (N, OC); the sum runs over "
                  "the N rows",
-                 _if_square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
-        _Mistake("dbias is summed over the wrong axis: dbias[o] sums dout[n, o] over the N rows, "
+                 if_square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
+        Mistake("dbias is summed over the wrong axis: dbias[o] sums dout[n, o] over the N rows, "
                  "dbias = dout.sum(axis=0), one value per output channel",
-                 _if_square(lambda c: {"dbias": c.x["dout"].sum(axis=1)})),
-        _Mistake("dbias is not computed: the bias is added to every row, so dbias = dout.sum(axis=0) "
+                 if_square(lambda c: {"dbias": c.x["dout"].sum(axis=1)})),
+        Mistake("dbias is not computed: the bias is added to every row, so dbias = dout.sum(axis=0) "
                  "(sum over the N rows)",
                  lambda c: {"dbias": np.zeros(c.dims["OC"])}),
-        _Mistake("dbias was never written (it still holds the NaN it started with): dbias = dout.sum(axis=0) "
+        Mistake("dbias was never written (it still holds the NaN it started with): dbias = dout.sum(axis=0) "
                  "(sum over the N rows), written into the array: dbias[...] = ...",
                  lambda c: {"dbias": np.full(c.dims["OC"], np.nan)}),
         *_k_tile_hints(),
@@ -317,12 +208,11 @@ CASE_DIMS["softmax_backward"] = {
 
 
 def _make_softmax(rng, dt, size, k):
-    d = _dims("softmax_backward", size, k)
-    N, n = d["N"], d["n"]
-    c = _Case(dt, {"N": N, "n": n})
-    logits = _rows(rng, (N, n), -1.0, 1.0)              # some rows flat, some peaky
+    c = _case("softmax_backward", dt, size, k)
+    N, n = c.dims["N"], c.dims["n"]
+    logits = random_rows(rng, (N, n), -1.0, 1.0)              # some rows flat, some peaky
     out, _ = ref.softmax_forward(logits)
-    c.add_float("dout", ("N", "n"), _rows(rng, (N, n)))
+    c.add_float("dout", ("N", "n"), random_rows(rng, (N, n)))
     c.add_float("out", ("N", "n"), out)                 # the forward's output, rounded to dtype
     c.add_output("dinp", ("N", "n"))
     return c
@@ -336,25 +226,25 @@ def _softmax_with(c, s):
     return {"dinp": c.x["out"] * (c.x["dout"] - s)}
 
 
-_SOFTMAX = _Op(
+_SOFTMAX = Op(
     "softmax_backward", _make_softmax, _expected_softmax, n_cases=4,
     terms=lambda c: {"dinp": float(np.abs(c.x["out"] * c.x["dout"]).max())},
     formula="dinp = out * (dout - (out * dout).sum(axis=-1, keepdims=True)), the sum over each row",
     shape_hint="the row sum must keep its axis: s = (out * dout).sum(axis=-1, keepdims=True) is (N, 1)",
     mistakes=[
-        _Mistake("dinp = out * dout is missing the row-sum term: every out_j depends on every input of the row, "
+        Mistake("dinp = out * dout is missing the row-sum term: every out_j depends on every input of the row, "
                  "dinp = out * (dout - sum(out * dout) over the row)",
                  lambda c: {"dinp": c.x["out"] * c.x["dout"]}),
-        _Mistake("the row sum runs over the wrong axis: sum(out * dout) is over each row's n entries "
+        Mistake("the row sum runs over the wrong axis: sum(out * dout) is over each row's n entries "
                  "(axis=-1, keepdims=True), not down the columns (axis=0)",
                  lambda c: _softmax_with(c, (c.x["out"] * c.x["dout"]).sum(axis=0))),
-        _Mistake("the row sums are broadcast across the columns: sum(axis=-1) without keepdims=True gives shape "
+        Mistake("the row sums are broadcast across the columns: sum(axis=-1) without keepdims=True gives shape "
                  "(N,), which lines up with the last axis; use keepdims=True (or s[:, None])",
-                 _if_square(lambda c: _softmax_with(c, (c.x["out"] * c.x["dout"]).sum(axis=-1)[None, :]))),
-        _Mistake("out * (1 - out) * dout keeps only the diagonal of the softmax Jacobian; the off-diagonal "
+                 if_square(lambda c: _softmax_with(c, (c.x["out"] * c.x["dout"]).sum(axis=-1)[None, :]))),
+        Mistake("out * (1 - out) * dout keeps only the diagonal of the softmax Jacobian; the off-diagonal "
                  "terms give dinp = out * (dout - sum(out * dout) over the row)",
                  lambda c: {"dinp": c.x["out"] * (1 - c.x["out"]) * c.x["dout"]}),
-        _Mistake("the row sum is sum(out * dout), weighted by out, not sum(dout)",
+        Mistake("the row sum is sum(out * dout), weighted by out, not sum(dout)",
                  lambda c: _softmax_with(c, c.x["dout"].sum(axis=-1, keepdims=True))),
     ])
 
@@ -369,11 +259,10 @@ CASE_DIMS["layernorm_backward"] = {
 
 
 def _make_layernorm(rng, dt, size, k):
-    d = _dims("layernorm_backward", size, k)
-    N, C = d["N"], d["C"]
-    c = _Case(dt, {"N": N, "C": C})
-    c.add_float("dout", ("N", "C"), _rows(rng, (N, C)))
-    inp = c.add_float("inp", ("N", "C"), _rows(rng, (N, C)) + rng.standard_normal((N, 1)))  # rows: own scale, offset
+    c = _case("layernorm_backward", dt, size, k)
+    N, C = c.dims["N"], c.dims["C"]
+    c.add_float("dout", ("N", "C"), random_rows(rng, (N, C)))
+    inp = c.add_float("inp", ("N", "C"), random_rows(rng, (N, C)) + rng.standard_normal((N, 1)))  # rows: own scale, offset
     c.add_float("weight", ("C",), rng.normal(1.0, 0.5, C))
     mean, rstd = ref.layernorm_stats(inp)
     c.add_float("mean", ("N",), mean)                   # the forward's statistics, rounded to dtype
@@ -406,7 +295,7 @@ def _ln_dinp(c, g=None, mean_term=True, xhat_term=True, rstd=True):
     return {"dinp": d * x["rstd"][:, None] if rstd else d}
 
 
-_LAYERNORM = _Op(
+_LAYERNORM = Op(
     "layernorm_backward", _make_layernorm, _expected_layernorm, n_cases=4,
     terms=lambda c: {"dinp": float(np.abs(c.x["g"] * c.x["rstd"][:, None]).max())},
     formula="xhat = (inp - mean) * rstd, g = dout * weight; dinp = rstd * (g - mean(g) - xhat * mean(g * xhat)) "
@@ -415,31 +304,31 @@ _LAYERNORM = _Op(
                "keepdims=True (or [:, None]) to broadcast against (N, C); mean and rstd are (N,): use "
                "mean[:, None]",
     mistakes=[
-        _Mistake("dinp is missing the mean term: subtract mean(g) over the row's C channels (g = dout * weight); "
+        Mistake("dinp is missing the mean term: subtract mean(g) over the row's C channels (g = dout * weight); "
                  "it comes from mean depending on every x: dinp = rstd * (g - mean(g) - xhat * mean(g * xhat))",
                  lambda c: _ln_dinp(c, mean_term=False)),
-        _Mistake("dinp is missing the xhat * mean(g * xhat) term (from rstd depending on every x): "
+        Mistake("dinp is missing the xhat * mean(g * xhat) term (from rstd depending on every x): "
                  "dinp = rstd * (g - mean(g) - xhat * mean(g * xhat))",
                  lambda c: _ln_dinp(c, xhat_term=False)),
-        _Mistake("dinp = rstd * dout * weight treats mean and rstd as constants, but they depend on x too: "
+        Mistake("dinp = rstd * dout * weight treats mean and rstd as constants, but they depend on x too: "
                  "dinp = rstd * (g - mean(g) - xhat * mean(g * xhat))",
                  lambda c: _ln_dinp(c, mean_term=False, xhat_term=False)),
-        _Mistake("dinp ignores weight: the gradient reaching xhat is g = dout * weight (out = xhat * weight + "
+        Mistake("dinp ignores weight: the gradient reaching xhat is g = dout * weight (out = xhat * weight + "
                  "bias); use g in all three terms",
                  lambda c: _ln_dinp(c, g=c.x["dout"])),
-        _Mistake("dinp is missing the final factor rstd: dinp = rstd * (g - mean(g) - xhat * mean(g * xhat))",
+        Mistake("dinp is missing the final factor rstd: dinp = rstd * (g - mean(g) - xhat * mean(g * xhat))",
                  lambda c: _ln_dinp(c, rstd=False)),
-        _Mistake("dweight and dbias are reduced over the wrong axis: they sum over the N rows (axis=0), one value "
+        Mistake("dweight and dbias are reduced over the wrong axis: they sum over the N rows (axis=0), one value "
                  "per channel: dweight = (dout * xhat).sum(axis=0), dbias = dout.sum(axis=0)",
-                 _if_square(lambda c: {"dweight": (c.x["dout"] * c.x["xhat"]).sum(axis=1),
+                 if_square(lambda c: {"dweight": (c.x["dout"] * c.x["xhat"]).sum(axis=1),
                                        "dbias": c.x["dout"].sum(axis=1)})),
-        _Mistake("dweight sums dout * xhat (the normalized input), not dout * inp",
+        Mistake("dweight sums dout * xhat (the normalized input), not dout * inp",
                  lambda c: {"dweight": (c.x["dout"] * c.x["inp"]).sum(axis=0)}),
-        _Mistake("dweight is not multiplied by xhat: dweight = (dout * xhat).sum(axis=0); dbias = dout.sum(axis=0)",
+        Mistake("dweight is not multiplied by xhat: dweight = (dout * xhat).sum(axis=0); dbias = dout.sum(axis=0)",
                  lambda c: {"dweight": c.x["dout"].sum(axis=0)}),
-        _Mistake("dbias is not computed: dbias = dout.sum(axis=0) (sum over the N rows)",
+        Mistake("dbias is not computed: dbias = dout.sum(axis=0) (sum over the N rows)",
                  lambda c: {"dbias": np.zeros(c.dims["C"])}),
-        _Mistake("dbias was never written (it still holds the NaN it started with): dbias = dout.sum(axis=0), "
+        Mistake("dbias was never written (it still holds the NaN it started with): dbias = dout.sum(axis=0), "
                  "written into the array: dbias[...] = ...",
                  lambda c: {"dbias": np.full(c.dims["C"], np.nan)}),
     ])
@@ -461,9 +350,9 @@ CASE_DIMS["gelu_backward"] = CASE_DIMS["residual_backward"] = {
 
 
 def _make_gelu(rng, dt, size, k):
-    n = _dims("gelu_backward", size, k)["n"]
-    c = _Case(dt, {"n": n})
-    c.add_float("dout", ("n",), rng.standard_normal(n) * _scales(rng, n))
+    c = _case("gelu_backward", dt, size, k)
+    n = c.dims["n"]
+    c.add_float("dout", ("n",), rng.standard_normal(n) * row_scales(rng, n))
     c.add_float("inp", ("n",), rng.standard_normal(n) * 10.0 ** rng.uniform(-0.5, 0.5, n))  # mostly in [-4, 4]
     c.add_output("dinp", ("n",))
     return c
@@ -500,27 +389,27 @@ def _gelu_terms(c):
     return {"dinp": float(np.abs(c.x["dout"]).max())}
 
 
-_GELU = _Op(
+_GELU = Op(
     "gelu_backward", _make_gelu, _expected_gelu, terms=_gelu_terms, n_cases=4,
     formula="u = sqrt(2/pi) (x + 0.044715 x^3), t = tanh(u); dinp = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) "
             "sqrt(2/pi) (1 + 3 * 0.044715 x^2))",
     shape_hint="gelu_backward is elementwise on 1-D arrays of length n: dinp[i] depends on dout[i], inp[i] only",
     mistakes=[
-        _Mistake("this is the derivative of the exact (erf) GELU; GPT-2 uses the tanh approximation: "
+        Mistake("this is the derivative of the exact (erf) GELU; GPT-2 uses the tanh approximation: "
                  "dinp = dout * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2))",
                  _gelu_erf),
-        _Mistake("du/dx is missing the 3 * 0.044715 x^2 term: u = sqrt(2/pi) (x + 0.044715 x^3), so "
+        Mistake("du/dx is missing the 3 * 0.044715 x^2 term: u = sqrt(2/pi) (x + 0.044715 x^3), so "
                  "du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)",
                  lambda c: {"dinp": c.x["dout"] * _gelu_local(c.x["inp"], dudx=_S)}),
-        _Mistake("du/dx: the derivative of 0.044715 x^3 is 3 * 0.044715 x^2 (the factor 3 is missing)",
+        Mistake("du/dx: the derivative of 0.044715 x^3 is 3 * 0.044715 x^2 (the factor 3 is missing)",
                  lambda c: {"dinp": c.x["dout"] * _gelu_local(c.x["inp"], dudx=_S * (1 + _K * c.x["inp"] ** 2))}),
-        _Mistake("the chain rule: multiply the local derivative by dout (dinp = dout * gelu'(x))",
+        Mistake("the chain rule: multiply the local derivative by dout (dinp = dout * gelu'(x))",
                  lambda c: {"dinp": _gelu_local(c.x["inp"])}),
-        _Mistake("product rule: out = 0.5 x (1 + tanh(u)) gives two terms, 0.5 (1 + tanh(u)) is missing",
+        Mistake("product rule: out = 0.5 x (1 + tanh(u)) gives two terms, 0.5 (1 + tanh(u)) is missing",
                  lambda c: {"dinp": c.x["dout"] * _gelu_local(c.x["inp"], first=False)}),
-        _Mistake("product rule: the 0.5 x (1 - tanh(u)^2) du/dx term is missing",
+        Mistake("product rule: the 0.5 x (1 - tanh(u)^2) du/dx term is missing",
                  lambda c: {"dinp": c.x["dout"] * _gelu_local(c.x["inp"], second=False)}),
-        _Mistake("tanh'(u) = 1 - tanh(u)^2 (squared)",
+        Mistake("tanh'(u) = 1 - tanh(u)^2 (squared)",
                  lambda c: {"dinp": c.x["dout"] * _gelu_local(c.x["inp"], sech2=False)}),
     ])
 
@@ -536,10 +425,9 @@ CASE_DIMS["crossentropy_backward"] = {
 
 
 def _make_crossentropy(rng, dt, size, k):
-    d = _dims("crossentropy_backward", size, k)
-    N, V = d["N"], d["V"]
-    c = _Case(dt, {"N": N, "V": V})
-    c.add_float("logits", ("N", "V"), _rows(rng, (N, V), -1.0, 0.7))
+    c = _case("crossentropy_backward", dt, size, k)
+    N, V = c.dims["N"], c.dims["V"]
+    c.add_float("logits", ("N", "V"), random_rows(rng, (N, V), -1.0, 0.7))
     c.add_index("targets", ("N",), rng.integers(0, V, N))
     c.add_output("dlogits", ("N", "V"))
     c.x["probs"], _ = ref.softmax_forward(c.x["logits"])
@@ -559,24 +447,24 @@ def _ce_broadcast_onehot(c):
     return {"dlogits": d / c.dims["N"]}
 
 
-_CROSSENTROPY = _Op(
+_CROSSENTROPY = Op(
     "crossentropy_backward", _make_crossentropy, _expected_crossentropy, n_cases=4,
     terms=lambda c: {"dlogits": 1.0 / c.dims["N"]},         # probs - onehot: 1 - p cancels when p is near 1
     formula="probs = softmax(logits) over each row; dlogits = (probs - onehot(targets)) / N",
     shape_hint="logits and dlogits are (N, V), targets (N,): probs = softmax over axis=-1 (keepdims=True for "
                "the max and the sum), then dlogits[np.arange(N), targets] -= 1, and divide by N",
     mistakes=[
-        _Mistake("the loss is the mean over the N rows, so every gradient is divided by N: "
+        Mistake("the loss is the mean over the N rows, so every gradient is divided by N: "
                  "dlogits = (probs - onehot) / N",
                  lambda c: {"dlogits": c.x["probs"] - c.x["onehot"]}),
-        _Mistake("subtract 1 at each row's target: dlogits = (probs - onehot(targets)) / N",
+        Mistake("subtract 1 at each row's target: dlogits = (probs - onehot(targets)) / N",
                  lambda c: {"dlogits": c.x["probs"] / c.dims["N"]}),
-        _Mistake("subtract 1 only at each row's own target: d[np.arange(N), targets] -= 1, not d[:, targets] "
+        Mistake("subtract 1 only at each row's own target: d[np.arange(N), targets] -= 1, not d[:, targets] "
                  "(that subtracts every row's target in every row)",
                  _ce_broadcast_onehot),
-        _Mistake("use probs = softmax(logits) (over each row, max subtracted), not the raw logits",
+        Mistake("use probs = softmax(logits) (over each row, max subtracted), not the raw logits",
                  lambda c: {"dlogits": (c.x["logits"] - c.x["onehot"]) / c.dims["N"]}),
-        _Mistake("the softmax runs over each row's V logits (axis=-1, keepdims=True), not over axis 0",
+        Mistake("the softmax runs over each row's V logits (axis=-1, keepdims=True), not over axis 0",
                  lambda c: {"dlogits": (ref.softmax_forward(c.x["logits"].T)[0].T - c.x["onehot"]) / c.dims["N"]}),
     ])
 
@@ -598,9 +486,9 @@ def _make_attention(rng, dt, size, k):
     d = _dims("attention_backward", size, k)
     B, T, nh, hs = d["B"], d["T"], d["nh"], d["hs"]
     C = nh * hs
-    c = _Case(dt, {"B": B, "T": T, "C": C, "3C": 3 * C, "nh": nh, "hs": hs})
-    c.add_float("dout", ("B", "T", "C"), _rows(rng, (B, T, C)))
-    qkv = c.add_float("qkv", ("B", "T", "3C"), _rows(rng, (B, T, 3 * C), -0.3, 0.3))
+    c = Case(dt, {"B": B, "T": T, "C": C, "3C": 3 * C, "nh": nh, "hs": hs})
+    c.add_float("dout", ("B", "T", "C"), random_rows(rng, (B, T, C)))
+    qkv = c.add_float("qkv", ("B", "T", "3C"), random_rows(rng, (B, T, 3 * C), -0.3, 0.3))
     _, cache = ref.attention_forward(qkv, nh)
     c.add_float("att", ("B", "nh", "T", "T"), cache["att"])   # the forward's attention, rounded to dtype
     c.add_output("dqkv", ("B", "T", "3C"))
@@ -660,27 +548,27 @@ def _attention_variant(c, scale=True, rowsum=True, dk_t=True, dv_t=True, wrong_h
     return {"dqkv": np.concatenate([_merge(g, wrong_heads) for g in (dq, dk, dv)], axis=-1)}
 
 
-_ATTENTION = _Op(
+_ATTENTION = Op(
     "attention_backward", _make_attention, _expected_attention, parts={"dqkv": 3}, terms=_attention_terms, n_cases=4,
     formula="per head: datt = dy @ v^T, dv = att^T @ dy, dpreatt = att * (datt - sum(att * datt, -1)), "
             "dq = dpreatt @ k / sqrt(hs), dk = dpreatt^T @ q / sqrt(hs); dqkv = [dq | dk | dv] on the last axis",
     shape_hint="qkv and dqkv are (B, T, 3C) = [q | k | v] along the last axis; per head q, k, v, dy are (B, nh, T, "
                "hs) (reshape (B, T, nh, hs), then transpose), att is (B, nh, T, T)",
     mistakes=[
-        _Mistake("your gradient matches attention without the causal mask: position t gets no gradient from "
+        Mistake("your gradient matches attention without the causal mask: position t gets no gradient from "
                  "t2 > t (att is 0 there; use the att you are given, or mask before the softmax if you recompute it)",
                  lambda c: _attention_variant(c, mask=False)),
-        _Mistake("dq and dk are missing the 1/sqrt(hs) scale: preatt = q @ k^T / sqrt(hs), so "
+        Mistake("dq and dk are missing the 1/sqrt(hs) scale: preatt = q @ k^T / sqrt(hs), so "
                  "dq = dpreatt @ k / sqrt(hs) and dk = dpreatt^T @ q / sqrt(hs)",
                  lambda c: _attention_variant(c, scale=False)),
-        _Mistake("the softmax backward is missing its row-sum term: dpreatt = att * (datt - sum(att * datt, "
+        Mistake("the softmax backward is missing its row-sum term: dpreatt = att * (datt - sum(att * datt, "
                  "axis=-1, keepdims=True))",
                  lambda c: _attention_variant(c, rowsum=False)),
-        _Mistake("missing transpose in dk: dk = dpreatt^T @ q (sum over the query positions t), not dpreatt @ q",
+        Mistake("missing transpose in dk: dk = dpreatt^T @ q (sum over the query positions t), not dpreatt @ q",
                  lambda c: _attention_variant(c, dk_t=False)),
-        _Mistake("missing transpose in dv: dv = att^T @ dy (sum over the query positions t), not att @ dy",
+        Mistake("missing transpose in dv: dv = att^T @ dy (sum over the query positions t), not att @ dy",
                  lambda c: _attention_variant(c, dv_t=False)),
-        _Mistake("the heads are split wrong: channel c of head h is at h*hs + c, so reshape (B, T, C) -> "
+        Mistake("the heads are split wrong: channel c of head h is at h*hs + c, so reshape (B, T, C) -> "
                  "(B, T, nh, hs) and transpose to (B, nh, T, hs) (and the reverse for dq, dk, dv), not a "
                  "direct reshape to (B, nh, T, hs)",
                  lambda c: _attention_variant(c, wrong_heads=True)),
@@ -700,10 +588,9 @@ CASE_DIMS["encoder_backward"] = {
 
 
 def _make_encoder(rng, dt, size, k):
-    d = _dims("encoder_backward", size, k)
-    B, T, C, V, maxT = d["B"], d["T"], d["C"], d["V"], d["maxT"]
-    c = _Case(dt, {"B": B, "T": T, "C": C, "V": V, "maxT": maxT})
-    c.add_float("dout", ("B", "T", "C"), _rows(rng, (B, T, C)))
+    c = _case("encoder_backward", dt, size, k)
+    B, T, C, V, maxT = c.dims["B"], c.dims["T"], c.dims["C"], c.dims["V"], c.dims["maxT"]
+    c.add_float("dout", ("B", "T", "C"), random_rows(rng, (B, T, C)))
     used = rng.choice(V, size=max(2, min(V - 1, (B * T) // 2, V // 2)), replace=False)  # some tokens never appear
     idx = rng.choice(used, size=(B, T))
     idx[-1, -1] = idx[0, 0]                               # at least one repeated token, guaranteed
@@ -748,24 +635,24 @@ def _encoder_unused_nan(c):
     return e
 
 
-_ENCODER = _Op(
+_ENCODER = Op(
     "encoder_backward", _make_encoder, _expected_encoder, accumulates=True, n_cases=4,
     formula="dwte = 0, dwpe = 0; then for every (b, t): dwte[idx[b, t]] += dout[b, t] and dwpe[t] += dout[b, t]",
     shape_hint="dout is (B, T, C), idx (B, T), dwte (V, C), dwpe (maxT, C) with maxT >= T: only dwpe[:T] gets "
                "gradient; np.add.at(dwte, idx, dout) scatter-adds, dwpe[:T] = dout.sum(axis=0)",
     mistakes=[
-        _Mistake("the output still holds the NaN it started with: outputs arrive filled with garbage (here NaN), "
+        Mistake("the output still holds the NaN it started with: outputs arrive filled with garbage (here NaN), "
                  "so set dwte and dwpe to 0 first (dwte[...] = 0), then add dout into them (and write into the "
                  "arrays you were given: dwte = ... only rebinds the name)",
                  lambda c: {"dwte": np.full(c.outputs["dwte"], np.nan), "dwpe": np.full(c.outputs["dwpe"], np.nan)}),
-        _Mistake("rows that get no gradient must be 0, not left as they came (NaN here): zero all of dwte "
+        Mistake("rows that get no gradient must be 0, not left as they came (NaN here): zero all of dwte "
                  "(tokens that never appear in idx) and all of dwpe (positions t >= T), then add",
                  _encoder_unused_nan),
-        _Mistake("tokens that appear several times must collect every contribution: dwte[idx] += dout (and "
+        Mistake("tokens that appear several times must collect every contribution: dwte[idx] += dout (and "
                  "dwte[idx] = dout) keeps only one of them; use np.add.at(dwte, idx, dout) in NumPy, "
                  "cuda.atomic.add in a kernel. dwpe[t] sums dout[b, t] over the whole batch",
                  _encoder_overwrite, _encoder_lost_repeats),
-        _Mistake("dwpe[t] sums dout[b, t] over the whole batch b: dwpe[:T] = dout.sum(axis=0)",
+        Mistake("dwpe[t] sums dout[b, t] over the whole batch b: dwpe[:T] = dout.sum(axis=0)",
                  lambda c: {"dwpe": np.concatenate([c.x["dout"][0], np.zeros((c.dims["maxT"] - c.dims["T"],
                                                                               c.dims["C"]))])}),
     ])
@@ -775,9 +662,9 @@ _ENCODER = _Op(
 # residual_backward(dout (n,), da (n,), db (n,))
 # ------------------------------------------------------------------------------------------------------------
 def _make_residual(rng, dt, size, k):
-    n = _dims("residual_backward", size, k)["n"]
-    c = _Case(dt, {"n": n})
-    c.add_float("dout", ("n",), rng.standard_normal(n) * _scales(rng, n))
+    c = _case("residual_backward", dt, size, k)
+    n = c.dims["n"]
+    c.add_float("dout", ("n",), rng.standard_normal(n) * row_scales(rng, n))
     c.add_output("da", ("n",))
     c.add_output("db", ("n",))
     return c
@@ -788,690 +675,25 @@ def _expected_residual(c):
     return {"da": da, "db": db}
 
 
-_RESIDUAL = _Op(
+_RESIDUAL = Op(
     "residual_backward", _make_residual, _expected_residual, n_cases=4,
     formula="out = a + b, so da = dout and db = dout (copied into both outputs)",
     shape_hint="dout, da and db are all 1-D of length n",
     mistakes=[
-        _Mistake("db was never written: out = a + b sends the gradient to both branches, write da = dout AND "
+        Mistake("db was never written: out = a + b sends the gradient to both branches, write da = dout AND "
                  "db = dout", lambda c: {"db": np.full(c.dims["n"], np.nan)}),
-        _Mistake("da was never written: out = a + b sends the gradient to both branches, write da = dout AND "
+        Mistake("da was never written: out = a + b sends the gradient to both branches, write da = dout AND "
                  "db = dout", lambda c: {"da": np.full(c.dims["n"], np.nan)}),
-        _Mistake("the gradient is copied to both branches, not split between them: da = dout and db = dout",
+        Mistake("the gradient is copied to both branches, not split between them: da = dout and db = dout",
                  lambda c: {"da": 0.5 * c.x["dout"], "db": 0.5 * c.x["dout"]}),
-        _Mistake("db = dout too: out = a + b depends on b with slope 1",
+        Mistake("db = dout too: out = a + b depends on b with slope 1",
                  lambda c: {"db": np.zeros(c.dims["n"])}),
-        _Mistake("da = dout too: out = a + b depends on a with slope 1",
+        Mistake("da = dout too: out = a + b depends on a with slope 1",
                  lambda c: {"da": np.zeros(c.dims["n"])}),
     ])
 
 
 _OPS = {op.name: op for op in (_LINEAR, _SOFTMAX, _LAYERNORM, _GELU, _CROSSENTROPY, _ATTENTION, _ENCODER, _RESIDUAL)}
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Comparing, diagnosing
-# ------------------------------------------------------------------------------------------------------------
-def normalize_dtype(dtype) -> np.dtype:
-    name = dtype.lower() if isinstance(dtype, str) else None
-    name = _ALIASES.get(name, name)
-    try:
-        if name == "bfloat16":
-            import ml_dtypes
-            dt = np.dtype(ml_dtypes.bfloat16)
-        else:
-            dt = np.dtype(name if name is not None else dtype)
-    except (TypeError, ImportError):
-        dt = None
-    if dt is None or dt.name not in TOLERANCES:
-        raise ValueError(f"dtype={dtype!r} is not supported by the checkers; use one of: "
-                         + ", ".join(TOLERANCES) + " (e.g. np.float32)")
-    return dt
-
-
-def _poison(shape, dt) -> np.ndarray:
-    uint, bits = _POISON[dt.name]
-    return np.full(shape, bits, dtype=uint).view(dt)
-
-
-def _is_poison(a: np.ndarray) -> np.ndarray:
-    uint, bits = _POISON[a.dtype.name] if a.dtype.name in _POISON else (None, None)
-    if uint is None or a.dtype.itemsize != np.dtype(uint).itemsize:
-        return np.zeros(a.shape, dtype=bool)
-    return np.ascontiguousarray(a).view(uint) == bits
-
-
-# Guard zones: on a real GPU nothing traps a write past the end of an array (the simulator raises IndexError and
-# the checker names the thread), so there each output is a view into a larger buffer with a zone of poison before
-# and after it. A zone that changed is an out-of-bounds write. 256 bytes keep the view on the 256-byte alignment
-# of a fresh allocation, so vector (float4) loads and stores stay legal. GUARDS: None = on a real GPU only,
-# True / False to force (the tests exercise the zones with NumPy arrays).
-GUARD_BYTES = 256
-GUARDS: Optional[bool] = None
-
-
-def _guards_on(arrays: str) -> bool:
-    if GUARDS is not None:
-        return bool(GUARDS)
-    return arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
-
-
-def _guarded_outputs(shapes, dt, arrays, guards: bool):
-    """(output arrays to pass, their guarded buffers or None) for the output shapes, all filled with the poison."""
-    outs, bufs = [], []
-    for shape in shapes:
-        if not guards:
-            outs.append(_arrays.to_backend(_poison(shape, dt), arrays))
-            bufs.append(None)
-            continue
-        g, n = GUARD_BYTES // dt.itemsize, int(np.prod(shape, dtype=np.int64))
-        big = _arrays.to_backend(_poison((g + n + g,), dt), arrays)
-        outs.append(big[g:g + n].reshape(shape))
-        bufs.append(big)
-    return outs, bufs
-
-
-def _guard_breach(names, shapes, bufs, dt):
-    """(output name, elements written before its start, after its end, first flat index past the end or None) for
-    the first output whose guard zones changed, else None."""
-    for name, shape, big in zip(names, shapes, bufs):
-        if big is None:
-            continue
-        host = np.asarray(_arrays.to_numpy(big))
-        g, n = GUARD_BYTES // dt.itemsize, int(np.prod(shape, dtype=np.int64))
-        before, after = ~_is_poison(host[:g]), ~_is_poison(host[g + n:])
-        if before.any() or after.any():
-            first = n + int(np.argmax(after)) if after.any() else None
-            return name, int(before.sum()), int(after.sum()), first
-    return None
-
-
-def guard_verdict(op, case, k, guard_bufs, dt, seed, info) -> Optional["CheckResult"]:
-    """'wrong' when case k's call wrote into a guard zone around one of its outputs (see _guarded_outputs)."""
-    breach = _guard_breach(case.outputs, case.outputs.values(), guard_bufs, dt)
-    if breach is None:
-        return None
-    name, n_before, n_after, first = breach
-    n = int(np.prod(case.outputs[name], dtype=np.int64))
-    where = []
-    if n_after:
-        where.append(f"{n_after} element{'s' if n_after > 1 else ''} past its end (its last is flat index "
-                     f"{n - 1}; the first written past it: {first})")
-    if n_before:
-        where.append(f"{n_before} element{'s' if n_before > 1 else ''} before its start (a negative index)")
-    sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
-    hint = (f"an out-of-bounds write: a thread whose index lies outside {name} still wrote. Every thread must test "
-            f"its index against the size before it writes (if i < n, not i <= n; with a grid-stride loop, the "
-            f"loop's condition is that guard). On a GPU nothing stops such a write: it lands in whatever memory "
-            f"lies there (seed {seed})")
-    msg = (f"{op.name}: wrong - your kernel wrote outside {name}: {' and '.join(where)} (case {k + 1} of "
-           f"{op.n_cases}: {sizes}; seed {seed})")
-    return verdict.build_result("wrong", msg, hint, output=name, **info)
-
-
-def _factor_name(c: float, dims: dict) -> str:
-    """'x0.5', 'x-1', 'x37 (= N)', 'x0.027 (= 1/N)', 'x2 (= sqrt(hs))'."""
-    text = f"x{c:.3g}"
-    for sym, d in dims.items():
-        if d <= 1:
-            continue
-        for value, label in ((d, sym), (1 / d, f"1/{sym}"), (math.sqrt(d), f"sqrt({sym})"),
-                             (1 / math.sqrt(d), f"1/sqrt({sym})")):
-            if abs(c - value) <= 1e-3 * abs(value) and label not in ("2", "1/2"):
-                return f"{text} (= {label})"
-    return text
-
-
-def _ranges(idx) -> str:
-    """'3, 17' / '4..9' / '4..9, 12' for sorted indices (at most 4 ranges, then '...')."""
-    runs, start, prev = [], None, None
-    for i in (int(v) for v in idx):
-        if start is None:
-            start = prev = i
-        elif i == prev + 1:
-            prev = i
-        else:
-            runs.append((start, prev))
-            start = prev = i
-    if start is not None:
-        runs.append((start, prev))
-    text = ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in runs[:4])
-    return text + (", ..." if len(runs) > 4 else "")
-
-
-def _rows_text(bad: np.ndarray) -> str:
-    """Where the wrong elements are: 'only the last 2 rows (35..36)', 'rows 3, 17', 'rows 4..9', '' (all or none)."""
-    if bad.ndim == 0:
-        return ""
-    lead = bad.reshape(bad.shape[0], -1).any(axis=1) if bad.ndim > 1 else bad
-    k, n = int(lead.sum()), lead.size
-    if k == n or k == 0:
-        return ""
-    unit = "row" if bad.ndim > 1 else "element"
-    idx = np.flatnonzero(lead)
-    first = int(idx[0])
-    if lead[first:].all():
-        return f"only the last {unit} ({first})" if k == 1 else f"only the last {k} {unit}s ({first}..{n - 1})"
-    if k <= 5 or len(_ranges(idx).split(", ")) <= 2:
-        return f"only {unit}s " + _ranges(idx)
-    return ""
-
-
-# The grids the exercises' launchers cap at (MAX_BLOCKS x THREADS): 2 x 32 in the simulator, 4096 x 256 on a GPU;
-# row kernels launch a block (or a warp, or a thread) per row: at most 2 / 4096 blocks, 64 / 1,048,576 threads.
-_GRID_CAPS = (2 * 32, 4096 * 256)
-_ROW_CAPS = (2, 2 * 32, 4096, 4096 * 256 // 32)
-
-
-def _ordinal(k: int) -> str:
-    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
-
-
-def _stride_pattern(idx, n) -> Optional[tuple]:
-    """(k, j) when the indices are exactly every k-th index from j (k > 1, at least 3 of them), else None."""
-    if idx.size < 3 or n < 6:
-        return None
-    d = np.diff(idx)
-    k, j = int(d[0]), int(idx[0])
-    if k <= 1 or not (d == k).all() or j >= k or idx[-1] + k < n:
-        return None
-    return k, j
-
-
-def _where_pattern(name, mask, what) -> Optional[str]:
-    """A sentence naming the pattern of `mask` (the wrong or unwritten elements of `name`), or None.
-
-    Patterns: a suffix past the (capped) grid, the last partial block, everything past the first block, a range of
-    rows, every k-th element. `what` is 'never written' or 'wrong'."""
-    if mask.ndim == 0 or not mask.any() or mask.all():
-        return None
-    flat = mask.reshape(-1)
-    n = flat.size
-    idx = np.flatnonzero(flat)
-    s = int(idx[0])
-    row_len = int(np.prod(mask.shape[1:])) if mask.ndim > 1 else 1
-    if mask.ndim == 2 and not flat[s:].all():            # only a top-left r0 x c0 block right: tiles / blocks
-        good = ~mask
-        r0 = int(good[:, 0].argmin()) if not good[:, 0].all() else mask.shape[0]
-        c0 = int(good[0].argmin()) if not good[0].all() else mask.shape[1]
-        if 0 < r0 and 0 < c0 and good[:r0, :c0].all() and mask[r0:].all() and mask[:, c0:].all():
-            R, C = mask.shape
-            part = (f"columns {c0}..{C - 1} of every row" if r0 == R else
-                    f"rows {r0}..{R - 1} and columns {c0}..{C - 1}")
-            return (f"only the top-left {r0} x {c0} block of {name} ({name}[:{r0}, :{c0}]) is right; {part} are "
-                    f"{what}: the grid covers only the first tile(s) / block(s) along "
-                    f"{'the columns' if r0 == R else 'both axes'}. Launch ceil(rows / TILE) x ceil(cols / TILE) "
-                    f"blocks (blockIdx.y for rows, blockIdx.x for columns), or loop over the rest")
-    if flat[s:].all():                                   # a suffix: everything from s on
-        if mask.ndim > 1 and s % row_len == 0 and row_len > 1:
-            unit, start, total, caps = "row", s // row_len, mask.shape[0], _ROW_CAPS
-        else:
-            unit, start, total, caps = "element", s, n, _GRID_CAPS
-        at = ("" if unit == "row" or mask.ndim == 1 else
-              f" (flat index; {name}{fmt_index(np.unravel_index(s, mask.shape))})")
-        span = f"{unit}s {start}..{total - 1}" if total - start > 1 else f"{unit} {start}"
-        partial = [b for b in (32, 64, 128, 256, 512, 1024) if total % b and start == total - total % b]
-        if start in caps:
-            text = (f"every {unit} past index G = {start} is {what} ({span}{at}): only the first G = blocks x threads "
-                    f"{unit}s are covered. A launcher that caps the grid (MAX_BLOCKS x THREADS) needs a grid-stride "
-                    f"loop in the kernel (for i in range(cuda.grid(1), n, cuda.gridsize(1)), or i += gridDim.x * "
-                    f"blockDim.x in C++); without a cap, launch blocks = (n + threads - 1) // threads")
-            if partial:
-                text += " (the last partial block)"
-            return text
-        if partial:
-            return (f"the last partial block is {what} ({span}{at}: {total} {unit}s is not a multiple of the "
-                    f"{partial[0]}-thread block): launch blocks = (n + threads - 1) // threads, rounding up, and "
-                    f"guard i < n in the kernel")
-        if start % 32 == 0:
-            return (f"only the first {start} {unit}s are right, {span} are {what}: the grid covers {start} threads "
-                    f"(only the first block?); launch blocks = (n + threads - 1) // threads, or loop (grid-stride) "
-                    f"over the rest")
-        return f"{span} are {what}{at}: a loop bound or grid size stops at {start} instead of {total}"
-    pattern = _stride_pattern(idx, n)
-    if pattern is not None:
-        k, j = pattern
-        return (f"every {_ordinal(k)} element of {name} is {what} (flat indices {j}, {j + k}, {j + 2 * k}, ...): "
-                f"an index mapping or stride bug (a step of {k}, or i * {k} where i is meant)")
-    good = np.flatnonzero(~flat)
-    pattern = _stride_pattern(good, n)
-    if pattern is not None:
-        k, j = pattern
-        return (f"only every {_ordinal(k)} element of {name} is right (flat indices {j}, {j + k}, {j + 2 * k}, "
-                f"...), the others are {what}: an index mapping or stride bug (a step of {k}, or each thread "
-                f"handling one element of every {k})")
-    if mask.ndim > 1:
-        rows = np.flatnonzero(mask.reshape(mask.shape[0], -1).any(axis=1))
-        if 0 < rows.size < mask.shape[0] and len(_ranges(rows).split(", ")) <= 2:
-            return f"rows {_ranges(rows)} of {name} are {what} (the other rows are right)"
-    return None
-
-
-def _factor_hint(name, c, dims, formula) -> str:
-    if abs(c + 1) < 1e-3:
-        return f"the sign of {name} is flipped (x-1): check the sign. {formula}"
-    return f"{name} is off by a constant factor ({_factor_name(c, dims)}): check the scale. {formula}"
-
-
-def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
-    """A hint from the pattern of the wrong elements, when no known mistake matches."""
-    poison = _is_poison(raw)
-    n = o.size
-    kernel = getattr(case, "arrays", "numpy") in ("numba", "cupy")
-    if poison.all():
-        extra = (" Your function returned a value: the checker ignores it, it reads the output arrays."
-                 if returned is not None else "")
-        if kernel:
-            return (f"{name} was never written (it still holds the NaN we filled it with): no thread of your kernel "
-                    f"wrote it. A launch of 0 blocks (blocks = n // threads is 0 when n < threads: use "
-                    f"(n + threads - 1) // threads), a guard that is never true, or a kernel given other arrays than "
-                    f"the outputs (pass the very array you were given to the kernel)? If you accumulate (+=), zero it "
-                    f"first.{extra}")
-        return (f"{name} was never written (it still holds the NaN we filled it with): write into the array you "
-                f"were given ({name}[...] = ... or in a kernel {name}[i] = ...); {name} = ... only rebinds the "
-                f"name to a new array the checker never sees. If you accumulate (+=), zero it first.{extra}")
-    if poison.any():
-        k = int(poison.sum())
-        pattern = _where_pattern(name, poison, "never written")
-        if pattern is None:
-            where = _rows_text(poison)
-            pattern = ("does your grid (or loop) cover every element, including the last partial block "
-                       "(blocks = ceil(n / threads))?" + (f" ({where})" if where else ""))
-        return (f"{k} of {n} elements of {name} were never written (still NaN; first at "
-                f"{fmt_index(np.argwhere(poison)[0])}): {pattern}. Did you write into the output ({name}[...] = ...) "
-                f"rather than rebinding the name?")
-    nonfinite = ~np.isfinite(o)
-    if nonfinite.any():
-        k = int(nonfinite.sum())
-        return (f"{k} of {n} elements of {name} are NaN/inf (first at {fmt_index(np.argwhere(nonfinite)[0])}): they "
-                f"come from reading an output before writing it (outputs start as NaN: zero before +=), 0/0, inf - "
-                f"inf, or exp overflow (subtract the row max)")
-    # a constant factor?
-    ee = float((e * e).sum())
-    if ee > 0:
-        c = float((o * e).sum()) / ee
-        if abs(c - 1) > mistake_slack(tol) and c != 0 and close(o, c * e, mistake_slack(tol)):
-            return _factor_hint(name, c, case.dims, op.formula)
-    if o.ndim == 2 and o.shape[0] == o.shape[1] and close(o, e.T, mistake_slack(tol)):
-        return f"{name} looks transposed: it should be laid out {case.sym[name]}. {op.formula}"
-    if not o.any():
-        return f"{name} is all zeros. {op.formula}"
-    if o.size > 1 and (o == o.flat[0]).all() and not (e == e.flat[0]).all():
-        return (f"every element of {name} has the same value ({fmt(float(o.flat[0]))}): a scalar broadcast into "
-                f"the array (a reduction over all axes?) where each element needs its own value. {op.formula}")
-    pattern = _where_pattern(name, bad, "wrong")
-    if pattern is not None:
-        return f"{pattern}. {op.formula}"
-    where = _rows_text(bad)
-    if where.startswith("only the last"):
-        return f"{name} is right except {where[5:]}: check your loop bound / grid size (the last partial block)."
-    count = f"{int(bad.sum())} of {n} elements of {name} are wrong" + (f" ({where})" if where else "")
-    return f"{count}. {op.formula}"
-
-
-def compare_outputs(op, case, ours_raw: dict, expected: dict, tol: float):
-    """Every output of one case against its float64 reference (the tolerance rule of verdict.compare, with the op's
-    extra terms and parts): (ours in float64, bad masks, (max abs, max rel) per output (NaN where the output is not
-    finite), atol per output, the names of the wrong outputs in order, (max abs, max rel) over the right ones)."""
-    ours = {name: r.astype(np.float64) for name, r in ours_raw.items()}
-    bads, stats, atols, wrong = {}, {}, {}, []
-    terms = op.terms(case) if op.terms is not None else {}
-    for name in case.outputs:
-        bad, err, rel, atol = compare(ours[name], expected[name], tol, terms.get(name, 0.0),
-                                       (op.parts or {}).get(name, 1))
-        bads[name], atols[name] = bad, atol
-        finite = bool(np.isfinite(ours[name]).all())
-        stats[name] = (float(err.max()) if finite and err.size else (math.nan if not finite else 0.0),
-                       float(rel.max()) if finite and rel.size else (math.nan if not finite else 0.0))
-        if bad.any():
-            wrong.append(name)
-    right = [stats[n] for n in case.outputs if n not in wrong and not math.isnan(stats[n][0])]
-    best = (max((a for a, _ in right), default=0.0), max((r for _, r in right), default=0.0))
-    return ours, bads, stats, atols, wrong, best
-
-
-def changed_inputs_note(case, dev_in) -> str:
-    """" (Note: your function changed its input ...)" when the learner's function wrote into an input, else ""."""
-    changed = [n for n, d in zip(case.inputs, dev_in)
-               if not np.array_equal(np.asarray(_arrays.to_numpy(d)), case.inputs[n], equal_nan=True)]
-    if not changed:
-        return ""
-    return (f" (Note: your function changed its input{'s' if len(changed) > 1 else ''} "
-            f"{', '.join(changed)}; inputs are read-only.)")
-
-
-def _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) -> str:
-    """Known mistakes first (per wrong output), then generic patterns; at most two hints."""
-    cache = {}
-
-    def mistake_outputs(i, m):
-        if i not in cache:
-            try:
-                cache[i] = m.outputs(case) if m.outputs is not None else {}
-            except Exception:  # a mistake that does not apply to these shapes
-                cache[i] = {}
-        return cache[i]
-
-    previous = getattr(case, "previous", None)   # {output: expected of an earlier call with the same shapes}
-    if previous and all(name in previous and previous[name].shape == ours[name].shape
-                        and not close(previous[name], expected[name], tol)
-                        and close(ours[name], previous[name], mistake_slack(tol)) for name in wrong):
-        return (f"your {', '.join(wrong)} equal{'s' if len(wrong) == 1 else ''} the right answer for the inputs of an "
-                f"EARLIER call, not this one: your function keeps state between calls (a cached result, a global, "
-                f"a buffer filled once and reused). Compute everything from this call's inputs; the checker calls "
-                f"it several times with different inputs")
-
-    if not op.accumulates and all(_is_poison(r).all() for r in ours_raw.values()):
-        name = wrong[0]  # nothing at all was written: the rebinding hint, whatever the op
-        hint = _generic_hint(op, case, name, ours_raw[name], ours[name], expected[name], bads[name], tol, returned)
-        if len(ours_raw) > 1:
-            names = ", ".join(ours_raw)
-            hint = hint.replace(f"{name} was never written", f"nothing was written ({names} still hold the NaN "
-                                                             f"we filled them with)", 1)
-            hint = hint.replace(" (it still holds the NaN we filled it with)", "", 1)
-        return hint
-
-    def known(name):
-        """The hint of the first mistake whose output equals yours; else of the first matching pattern test."""
-        for i, m in enumerate(op.mistakes):
-            wrong_out = mistake_outputs(i, m).get(name)
-            if wrong_out is not None and np.shape(wrong_out) == ours[name].shape:
-                wrong_out = np.asarray(wrong_out, dtype=np.float64)
-                if not close(wrong_out, expected[name], tol) and close(ours[name], wrong_out, mistake_slack(tol)):
-                    return m.hint
-        for m in op.mistakes:
-            try:
-                found = m.test(case, name, ours[name], expected[name], bads[name]) if m.test is not None else None
-                if found:
-                    return found if isinstance(found, str) else m.hint
-            except Exception:  # a pattern test that does not apply
-                pass
-        return None
-
-    hints = []
-    for name in wrong:
-        hint = known(name)
-        if hint is None and not hints:
-            hint = _generic_hint(op, case, name, ours_raw[name], ours[name], expected[name], bads[name], tol, returned)
-        if hint is not None and hint not in hints:
-            hints.append(hint)
-        if len(hints) == 2:
-            break
-    return " Also: ".join(hints)
-
-
-_SHAPE_WORDS = ("shape", "broadcast", "mismatch", "dimension", "matmul", "out of bounds", "index", "size",
-                "aligned")
-
-
-# An exception raised inside a kernel in Numba's CUDA simulator starts with the thread and block that raised it.
-_SIM_THREAD = re.compile(r"tid=\[(\d+),\s*(\d+),\s*(\d+)\]\s*ctaid=\[(\d+),\s*(\d+),\s*(\d+)\]:?\s*(.*)", re.S)
-
-
-def kernel_error(exc) -> Optional[tuple]:
-    """(thread (x, y, z), block (x, y, z), message) when exc was raised inside a kernel in the CUDA simulator."""
-    m = _SIM_THREAD.search(str(exc))
-    if m is None:
-        return None
-    g = [int(v) for v in m.groups()[:6]]
-    return tuple(g[:3]), tuple(g[3:]), " ".join(m.group(7).split())
-
-
-def _kernel_error_hint(exc, where, shapes) -> Optional[str]:
-    """The hint for an error raised inside a simulated kernel: which thread, which block, the likely cause."""
-    parsed = kernel_error(exc)
-    if parsed is None:
-        return None
-    tid, ctaid, text = parsed
-    at = f" at {where}" if where else ""
-    who = f"thread {tid} of block {ctaid} raised {type(exc).__name__}{at}: {text}"
-    low = text.lower()
-    if isinstance(exc, IndexError):
-        why = ("likely an index past the end of an array: guard it (if i < n:), since the last block has threads "
-               "past the end; check the index arithmetic (row * width + col, tile offsets k0 + kk) and loop bounds")
-    elif isinstance(exc, ZeroDivisionError):
-        why = "a division by zero in that thread: a count, size or stride that is 0 there?"
-    elif "math domain" in low:
-        why = ("a math domain error: sqrt or log of a negative number (a variance that rounding made slightly "
-               "negative? a value read from outside the array?)")
-    elif isinstance(exc, OverflowError) or "range" in low:
-        why = "a math range error: exp of a large number overflows (subtract the row max first)"
-    elif isinstance(exc, TypeError):
-        why = "a type problem inside the kernel (an argument of the wrong kind: pass arrays and int scalars)"
-    else:
-        why = "the error is in your kernel"
-    return f"{who} - {why}; {shapes}"
-
-
-def _error_hint(op, case, exc) -> str:
-    text = f"{type(exc).__name__}: {exc}".lower()
-    where = where_raised(exc)
-    at = f" (at {where})" if where else ""
-    shapes = f"shapes here: {case.describe_shapes()}"
-    in_kernel = _kernel_error_hint(exc, where, shapes)
-    if in_kernel is not None:
-        return in_kernel
-    if "grid" in text or "launch" in text:
-        return (f"check your kernel launch{at}: blocks = (n + threads - 1) // threads covers n elements with at "
-                f"least one block; {shapes}")
-    if isinstance(exc, (ValueError, IndexError, TypeError)) and any(w in text for w in _SHAPE_WORDS):
-        return f"a shape or index problem{at}: check your transposes and axes. {shapes}. {op.shape_hint}"
-    return verdict.error_hint(exc, shapes)
-
-
-def op_error(op, case, exc, seed, info) -> CheckResult:
-    """The "error" verdict (not yet recorded) for an exception raised by the call on `case`: the thread and block
-    when it was raised inside a kernel in the simulator, the hint of _error_hint, the seed. info: CheckResult
-    fields (name, task, dims, ...)."""
-    msg = verdict.error_message(op.name, exc)
-    parsed = kernel_error(exc)
-    if parsed is not None:
-        tid, ctaid, text = parsed
-        text = verdict.error_text(text)
-        msg = (f"{op.name}: error - your kernel raised {type(exc).__name__} in thread {tid} of block {ctaid}"
-               + (f": {text}" if text else ""))
-    return verdict.build_result("error", msg, _error_hint(op, case, exc) + f" (seed {seed})", **info)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Running one check
-# ------------------------------------------------------------------------------------------------------------
-def _validate(op_name, fn, arrays, dtype, size, seed):
-    checker = f"check_{op_name}"
-    if not callable(fn):
-        raise TypeError(f"{checker}(fn): fn must be your function, got {type(fn).__name__} {fn!r:.60}: pass the "
-                        f"function itself, e.g. {checker}({op_name}), without calling it")
-    kind = type(fn).__name__
-    if kind in ("CUDADispatcher", "FakeCUDAKernel") and "numba" in (type(fn).__module__ or ""):
-        raise TypeError(f"{checker}(fn): fn is a Numba kernel; pass a Python function that launches it with "
-                        f"the same arguments, e.g. def {op_name}(...): kernel[blocks, threads](...)")
-    _arrays.require(arrays)
-    dt = normalize_dtype(dtype)
-    size = default_size(arrays, size)
-    if size not in SIZES:
-        raise ValueError(f"size={size!r}: use one of {', '.join(repr(s) for s in SIZES)} (or None: 'large' when the "
-                         f"arrays live on a GPU, else 'small')")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise TypeError(f"seed={seed!r}: use a non-negative int, or None for fresh random inputs")
-    return dt, size
-
-
-def default_size(arrays, size=None) -> str:
-    """size=None means "large" when the arrays live on a real GPU (arrays="cupy", or "numba" when Numba runs on the
-    GPU) and "small" otherwise (NumPy, the CUDA simulator). Any other size is returned as given."""
-    if size is not None:
-        return size
-    on_gpu = arrays == "cupy" or (arrays == "numba" and _device.numba_on_gpu())
-    return "large" if on_gpu else "small"
-
-
-def learner_fn_and_seed(name, fn, seed, what="inputs") -> int:
-    """The checks every checker starts with: fn is the learner's callable (not its result), seed a non-negative int
-    or None. Returns the seed to use (a fresh one for None); raises naming the mistake."""
-    if not callable(fn):
-        raise TypeError(f"check_{name}(fn): fn must be your function, got {type(fn).__name__} {fn!r:.60}: pass "
-                        f"the function itself, without calling it")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise TypeError(f"seed={seed!r}: use a non-negative int, or None for fresh random {what}")
-    return secrets.randbelow(1_000_000) if seed is None else int(seed)
-
-
-def source_text(source):
-    """(text, None) or (None, (status, why)) from a HIP source given as a str or a zero-argument callable."""
-    if isinstance(source, str):
-        return source, None
-    try:
-        text = source()
-    except NotImplementedError:
-        return None, ("not attempted", "your source function raised NotImplementedError")
-    except Exception as exc:  # the learner's error is reported, never raised
-        where = where_raised(exc)
-        return None, ("error", verdict.what_raised(exc, "source function") + (f" (at {where})" if where else ""))
-    if not isinstance(text, str):
-        return None, ("error", f"your source function returned {type(text).__name__}, not the kernel source "
-                               f"as a str")
-    return text, None
-
-
-def hip_compile_only(name, source, entries, *, task=None, quiet=False) -> "CheckResult":
-    """Grade a HIP/CUDA C++ kernel source without a GPU: it must compile for NVIDIA (NVRTC, sm_90) and AMD (hipcc,
-    gfx90a, when installed), define every entry point in `entries` as ``extern "C" __global__``, and pass the
-    course's portability lint (``hip.lint_source``). It is not run: status "compiled" (counted apart from
-    correct/wrong), or "wrong" naming the compiler error, the lint finding or the missing entry point.
-
-    source: the source str, or a zero-argument function returning it (NotImplementedError: "not attempted").
-    entries: an entry point name or a list of them. Records the verdict for grading like every checker.
-    """
-    from . import hip
-    if not (isinstance(source, str) or callable(source)):
-        raise TypeError(f"hip_compile_only(source): pass the kernel source as a str, or a function returning it; "
-                        f"got {type(source).__name__}")
-    entries = (entries,) if isinstance(entries, str) else tuple(entries or ())
-    if not all(isinstance(e, str) and e for e in entries):
-        raise TypeError(f"hip_compile_only(entries): entry point names must be non-empty str, got {entries!r}")
-    text, failed = source_text(source)
-    if failed is not None:
-        status, why = failed
-        if status == "not attempted":
-            return verdict.record(verdict.not_attempted(name, who="source function", task=task, arrays="cupy",
-                                                        hint="replace the `raise NotImplementedError` with your "
-                                                             "kernel source"), quiet=quiet)
-        return verdict.verdict(name, task, "error", f"{name}: error - {why}", quiet=quiet, arrays="cupy")
-    ok, report = hip.grade_source(text, entries)
-    if ok:
-        return verdict.verdict(name, task, "compiled", f"{name}: compiled - {report}; not run: no GPU (it is run and "
-                               f"checked on a GPU server)", quiet=quiet, arrays="cupy")
-    return verdict.verdict(name, task, "wrong", f"{name}: wrong - your kernel source does not pass the checks without "
-                           f"a GPU", report, quiet=quiet, arrays="cupy")
-
-
-def unfinished_kernel(fn) -> Optional[str]:
-    """The name of a Numba kernel that the launcher ``fn`` refers to (a global name in its code, nested code
-    included, or a variable of an enclosing function) whose source still raises NotImplementedError, else None.
-
-    Needed on a GPU: there Numba compiles a ``raise`` inside a kernel away (it only raises with debug=True), so an
-    untouched exercise kernel runs, writes nothing and would read as "wrong" instead of "not attempted"."""
-    import inspect
-    code, glob = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or glob is None:
-        return None
-    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
-    names, todo = set(code.co_freevars), [code]
-    while todo:
-        co = todo.pop()
-        names.update(co.co_names)
-        todo.extend(c for c in co.co_consts if hasattr(c, "co_names"))
-    for name in sorted(names):
-        try:
-            obj = cells[name].cell_contents if name in cells else glob.get(name)
-        except ValueError:  # an empty closure cell
-            continue
-        if type(obj).__name__ not in ("CUDADispatcher", "FakeCUDAKernel"):
-            continue
-        py = getattr(obj, "py_func", None) or getattr(obj, "fn", None)
-        try:
-            if "raise NotImplementedError" in inspect.getsource(py):
-                return name
-        except (OSError, TypeError):
-            continue
-    return None
-
-
-def _run(op: _Op, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
-         source=None, entries=None):
-    if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        if source is not None:
-            return hip_compile_only(op.name, source, entries, task=task, quiet=quiet)
-        return verdict.skipped(op.name, task, quiet=quiet)
-    dt, size = _validate(op.name, fn, arrays, dtype, size, seed)
-    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
-    rng = np.random.default_rng(seed)
-    tol = TOLERANCES[dt.name]
-    short = DTYPE_SHORT[dt.name]
-    base = dict(name=op.name, task=task, tol=tol, seed=seed, dtype=dt.name, arrays=arrays)
-    stub = unfinished_kernel(inspect.unwrap(fn)) if arrays != "numpy" else None
-    if stub is not None:
-        return verdict.record(verdict.unfinished(**base, kernel=stub), quiet=quiet)
-    max_rel_all, max_abs_all = 0.0, 0.0
-    result = None
-
-    history = []   # (output shapes, expected) of the earlier cases: a stale answer matches one of them
-    for k in range(op.n_cases):
-        case = op.make(rng, dt, size, k)
-        case.arrays = arrays
-        expected = {name: np.asarray(v, dtype=np.float64) for name, v in op.expected(case).items()}
-        shapes = {name: np.shape(v) for name, v in expected.items()}
-        case.previous = next((prev for prev_shapes, prev in reversed(history) if prev_shapes == shapes), None)
-        history.append((shapes, expected))
-        try:
-            dev_in = [_arrays.to_backend(a, arrays) for a in case.inputs.values()]
-            dev_out, guard_bufs = _guarded_outputs(case.outputs.values(), dt, arrays, _guards_on(arrays))
-        except _arrays.BackendUnavailableError:
-            raise
-        except Exception as exc:  # e.g. a dtype the backend cannot hold
-            raise _arrays.BackendUnavailableError(f"could not put {dt.name} arrays on arrays={arrays!r} "
-                                                  f"({type(exc).__name__}: {exc}); use another dtype or "
-                                                  f"backend") from exc
-        info = dict(base, dims=dict(case.dims), inputs={k2: v.copy() for k2, v in case.inputs.items()})
-        returned = None
-        try:
-            returned = fn(*dev_in, *dev_out, *case.scalars.values())
-            ours_raw = {name: np.asarray(_arrays.to_numpy(d)) for name, d in zip(case.outputs, dev_out)}
-        except NotImplementedError:
-            result = verdict.not_attempted(**info)
-            break
-        except Exception as exc:  # the learner's error is reported, never raised: the notebook goes on
-            result = op_error(op, case, exc, seed, info)
-            break
-
-        result = guard_verdict(op, case, k, guard_bufs, dt, seed, info)
-        if result is not None:
-            break
-        ours, bads, stats, atols, wrong, (case_abs, case_rel) = compare_outputs(op, case, ours_raw, expected, tol)
-        max_abs_all, max_rel_all = max(max_abs_all, case_abs), max(max_rel_all, case_rel)
-        info["atol"] = atols
-
-        if wrong:
-            name = wrong[0]
-            index = tuple(int(i) for i in np.argwhere(bads[name])[0])
-            mine, exp = float(ours[name][index]), float(expected[name][index])
-            max_abs, max_rel = stats[name]
-            hint = _diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned)
-            hint += changed_inputs_note(case, dev_in)
-            sizes = ", ".join(f"{k2}={v}" for k2, v in case.dims.items() if k2.isidentifier())
-            msg = (f"{op.name}: wrong - {name} at {fmt_index(index)} (case {k + 1} of {op.n_cases}: {sizes}): "
-                   f"yours {fmt(mine, exp)}, expected {fmt(exp, mine)} "
-                   f"(max abs err {max_abs:.2g}, max rel {max_rel:.2g}, tol {tol:g}; seed {seed})")
-            result = verdict.build_result("wrong", msg, hint, output=name, max_abs=max_abs, max_rel=max_rel,
-                                          first_bad=index, ours=mine, expected=exp, **info)
-            break
-
-    if result is None:
-        n_out = len(case.outputs)
-        msg = (f"{op.name}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {short}, "
-               f"{n_out} output{'s' if n_out > 1 else ''})")
-        result = verdict.build_result("correct", msg, max_abs=max_abs_all, max_rel=max_rel_all, **info)
-    return verdict.record(result, quiet=quiet)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1493,65 +715,38 @@ _SIGNATURE_DOC = """
 """
 
 
-def check_linear_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                          quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (N,OC), inp (N,C), weight (C,OC), dinp (N,C), dweight (C,OC), dbias (OC,))."""
-    return _run(_LINEAR, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
+def _checker(op: Op, signature: str):
+    """check_<op>(fn, ...): run op's cases on fn (opcheck.run) and return the recorded verdict."""
+
+    def check(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None, quiet=False, source=None,
+              entries=None) -> CheckResult:
+        return run(op, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet, source=source,
+                   entries=entries)
+
+    check.__name__ = check.__qualname__ = f"check_{op.name}"
+    check.__doc__ = f"Check {signature}." + _SIGNATURE_DOC
+    return check
 
 
-def check_softmax_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                           quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (N,n), out (N,n), dinp (N,n)); out is softmax's output (rows sum to 1)."""
-    return _run(_SOFTMAX, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-def check_layernorm_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                             quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (N,C), inp (N,C), weight (C,), mean (N,), rstd (N,), dinp (N,C), dweight (C,), dbias (C,))."""
-    return _run(_LAYERNORM, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-def check_gelu_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                        quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (n,), inp (n,), dinp (n,)) for the tanh-form GELU."""
-    return _run(_GELU, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-def check_crossentropy_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                                quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(logits (N,V), targets (N,) int32, dlogits (N,V)) with dloss = 1 and the loss a mean over N rows."""
-    return _run(_CROSSENTROPY, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-def check_attention_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                             quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (B,T,C), qkv (B,T,3C), att (B,nh,T,T), dqkv (B,T,3C), n_head) (causal attention)."""
-    return _run(_ATTENTION, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-def check_encoder_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                           quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C)): zero both, then scatter-add."""
-    return _run(_ENCODER, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-def check_residual_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                            quiet=False, source=None, entries=None) -> CheckResult:
-    """Check fn(dout (n,), da (n,), db (n,))."""
-    return _run(_RESIDUAL, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                source=source, entries=entries)
-
-
-for _f in (check_linear_backward, check_softmax_backward, check_layernorm_backward, check_gelu_backward,
-           check_crossentropy_backward, check_attention_backward, check_encoder_backward, check_residual_backward):
-    _f.__doc__ += _SIGNATURE_DOC
+check_linear_backward = _checker(_LINEAR, "fn(dout (N,OC), inp (N,C), weight (C,OC), dinp (N,C), dweight (C,OC), "
+                                          "dbias (OC,))")
+check_softmax_backward = _checker(_SOFTMAX, "fn(dout (N,n), out (N,n), dinp (N,n)); out is softmax's output (rows "
+                                            "sum to 1)")
+check_layernorm_backward = _checker(_LAYERNORM, "fn(dout (N,C), inp (N,C), weight (C,), mean (N,), rstd (N,), "
+                                                "dinp (N,C), dweight (C,), dbias (C,))")
+check_gelu_backward = _checker(_GELU, "fn(dout (n,), inp (n,), dinp (n,)) for the tanh-form GELU")
+check_crossentropy_backward = _checker(_CROSSENTROPY, "fn(logits (N,V), targets (N,) int32, dlogits (N,V)) with "
+                                                      "dloss = 1 and the loss a mean over N rows")
+check_attention_backward = _checker(_ATTENTION, "fn(dout (B,T,C), qkv (B,T,3C), att (B,nh,T,T), dqkv (B,T,3C), "
+                                                "n_head) (causal attention)")
+check_encoder_backward = _checker(_ENCODER, "fn(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C)): zero "
+                                            "both, then scatter-add")
+check_residual_backward = _checker(_RESIDUAL, "fn(dout (n,), da (n,), db (n,))")
 
 # name -> checker, e.g. CHECKERS["linear_backward"]
 CHECKERS = {name: globals()[f"check_{name}"] for name in _OPS}
+
+# TEMPORARY aliases (removed once every checker module imports opcheck)
+from .opcheck import (Case as _Case, Mistake as _Mistake, Op as _Op, random_rows as _rows,  # noqa: E402,F401
+                      validate as _validate, guarded_outputs as _guarded_outputs, guards_on as _guards_on,
+                      is_poison as _is_poison, diagnose as _diagnose, if_square as _if_square, changed_inputs_note)

@@ -2,7 +2,7 @@
 
 Each checker calls your destination-passing launcher on several cases, drawn deterministically (values are random,
 shapes are not), and compares what it wrote with a float64 NumPy answer, like ``gpullm_lessons.checks`` (whose
-``_Op`` / ``_Mistake`` machinery runs them: NaN-poisoned outputs, the same tolerances, a table of named mistakes):
+``Op`` / ``Mistake`` machinery runs them: NaN-poisoned outputs, the same tolerances, a table of named mistakes):
 
 check_bias_add(fn)              fn(inp (N, C), bias (C,), out (N, C))         00.1 (Numba, 1-D), 00.2 (HIP, 2-D grid)
 check_dweight_tiled(fn)         fn(inp (N, C), dout (N, OC), dweight (C, OC))  02.2 (Numba), dweight = inp^T dout
@@ -37,7 +37,7 @@ import numpy as np
 from . import device as _device
 from . import reference as ref
 from . import verdict
-from .checks import _Case, _Mistake, _Op, _if_square, _run, source_text
+from .opcheck import Case, Mistake, Op, if_square, run, source_text
 from .verdict import CheckResult, is_learner_code
 
 __all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_row_max",
@@ -80,9 +80,9 @@ def _auto_size(arrays: str, size) -> str:
 # ------------------------------------------------------------------------------------------------------------
 # Pattern mistakes: a test on your output that names where it is wrong (the hint is built from what it found)
 # ------------------------------------------------------------------------------------------------------------
-def _pattern(describe) -> _Mistake:
-    """A _Mistake whose hint is written by `describe(case, name, ours, expected, bad)` (None: does not apply)."""
-    m = _Mistake(hint="")
+def _pattern(describe) -> Mistake:
+    """A Mistake whose hint is written by `describe(case, name, ours, expected, bad)` (None: does not apply)."""
+    m = Mistake(hint="")
 
     def test(case, name, ours, expected, bad):
         text = describe(case, name, ours, expected, bad)
@@ -153,9 +153,9 @@ def _stripes(case, name, ours, expected, bad):
             f"whole grid (gridDim.x * blockDim.x), so together they cover every index once")
 
 
-def _grid_2d_unwritten(case, name, ours, expected, bad):
-    """A 2-D grid without a grid-stride loop in x or y: the rows from R on, or the columns from P on, never written
-    (R, P: the threads the grid has in y and x), everything else right."""
+def _unwritten_lines(ours, bad):
+    """(rows, cols) masks when the never-written elements of the 2-D output are exactly whole rows and/or whole
+    columns and everything else is right; else None."""
     if ours.ndim != 2:
         return None
     nan = np.isnan(ours)
@@ -164,6 +164,16 @@ def _grid_2d_unwritten(case, name, ours, expected, bad):
     rows, cols = nan.all(axis=1), nan.all(axis=0)
     if not (nan == (rows[:, None] | cols[None, :])).all():
         return None
+    return rows, cols
+
+
+def _grid_2d_unwritten(case, name, ours, expected, bad):
+    """A 2-D grid without a grid-stride loop in x or y: the rows from R on, or the columns from P on, never written
+    (R, P: the threads the grid has in y and x), everything else right."""
+    lines = _unwritten_lines(ours, bad)
+    if lines is None:
+        return None
+    rows, cols = lines
     N, C = ours.shape
     parts = []
     if rows.any():
@@ -210,14 +220,10 @@ def _rows_past_grid(unit):
 
 def _edge_unwritten(case, name, ours, expected, bad):
     """Whole rows or columns of out never written (and everything else right): the store's guard or the grid."""
-    if ours.ndim != 2:
+    lines = _unwritten_lines(ours, bad)
+    if lines is None:
         return None
-    nan = np.isnan(ours)
-    if not nan.any() or nan.all() or (bad & ~nan).any():
-        return None
-    rows, cols = nan.all(axis=1), nan.all(axis=0)
-    if not (nan == (rows[:, None] | cols[None, :])).all():
-        return None
+    rows, cols = lines
     parts = []
     if rows.any():
         parts.append(f"rows {_runs_text(_runs(rows))}")
@@ -344,14 +350,14 @@ def _with_kernel_errors(fn, box, advice="", numeric=""):
     return call
 
 
-def _check(op: _Op, fn, *, arrays, dtype, size, seed, task, quiet, source=None, entries=None, advice="",
+def _check(op: Op, fn, *, arrays, dtype, size, seed, task, quiet, source=None, entries=None, advice="",
            numeric=""):
-    """Run `op` through checks._run at the right size; rewrite the hint of an error raised inside a kernel."""
+    """Run `op` through opcheck.run at the right size; rewrite the hint of an error raised inside a kernel."""
     size = _auto_size(arrays, size)
     box = {}
-    is_kernel = type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel")   # checks._run says what to pass instead
+    is_kernel = type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel")   # opcheck.run says what to pass instead
     wrapped = _with_kernel_errors(fn, box, advice, numeric) if callable(fn) and not is_kernel else fn
-    result = _run(op, wrapped, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=True,
+    result = run(op, wrapped, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=True,
                   source=source, entries=entries)
     if result.status == "error" and "hint" in box:
         head = result.message.splitlines()[0]
@@ -386,7 +392,7 @@ def _source_rules(name, source, rules, task, quiet):
 # ------------------------------------------------------------------------------------------------------------
 def _make_bias_add(rng, dt, size, k):
     N, C = CASES["bias_add"][size][k]
-    c = _Case(dt, {"N": N, "C": C})
+    c = Case(dt, {"N": N, "C": C})
     c.add_float("inp", ("N", "C"), rng.standard_normal((N, C)))
     c.add_float("bias", ("C",), rng.standard_normal(C) + 0.5)
     c.add_output("out", ("N", "C"))
@@ -407,7 +413,7 @@ def _bias_flat(c):
     return {"out": c.x["inp"] + c.x["bias"][np.arange(N * C) % N].reshape(N, C)}
 
 
-_BIAS_ADD = _Op(
+_BIAS_ADD = Op(
     "bias_add", _make_bias_add,
     lambda c: {"out": c.x["inp"] + c.x["bias"][None, :]},
     n_cases=4,
@@ -415,15 +421,15 @@ _BIAS_ADD = _Op(
     shape_hint="inp and out are (N, C), bias is (C,): element i (flat) is row i // C, column i % C, and adds "
                "bias[i % C]",
     mistakes=[
-        _Mistake("the bias is indexed by the row: bias has one value per column (channel), so element (n, c) "
+        Mistake("the bias is indexed by the row: bias has one value per column (channel), so element (n, c) "
                  "adds bias[c], the column index (i % C for flat index i)", _bias_by_row),
-        _Mistake("the bias is indexed by i % N: the column of flat element i is i % C (C = the row length)",
+        Mistake("the bias is indexed by i % N: the column of flat element i is i % C (C = the row length)",
                  _bias_flat),
-        _Mistake("the bias was not added: out = inp + bias, bias[c] added to every row",
+        Mistake("the bias was not added: out = inp + bias, bias[c] added to every row",
                  lambda c: {"out": c.x["inp"].copy()}),
-        _Mistake("inp is missing: out = inp + bias, not bias alone",
+        Mistake("inp is missing: out = inp + bias, not bias alone",
                  lambda c: {"out": np.broadcast_to(c.x["bias"], c.outputs["out"]).copy()}),
-        _Mistake("the bias is added twice", lambda c: {"out": c.x["inp"] + 2 * c.x["bias"][None, :]}),
+        Mistake("the bias is added twice", lambda c: {"out": c.x["inp"] + 2 * c.x["bias"][None, :]}),
         _pattern(_grid_2d_unwritten),
         _pattern(_past_the_grid),
         _pattern(_last_element),
@@ -456,7 +462,7 @@ _TILES = (8, 16, 32)
 
 def _make_dweight(rng, dt, size, k):
     N, C, OC = CASES["linear_dweight"][size][k]
-    c = _Case(dt, {"N": N, "C": C, "OC": OC})
+    c = Case(dt, {"N": N, "C": C, "OC": OC})
     c.add_float("inp", ("N", "C"), rng.standard_normal((N, C)))
     c.add_float("dout", ("N", "OC"), rng.standard_normal((N, OC)))
     c.add_output("dweight", ("C", "OC"))
@@ -465,7 +471,7 @@ def _make_dweight(rng, dt, size, k):
 
 def _make_dinp(rng, dt, size, k):
     N, C, OC = CASES["linear_dinp"][size][k]
-    c = _Case(dt, {"N": N, "C": C, "OC": OC})
+    c = Case(dt, {"N": N, "C": C, "OC": OC})
     c.add_float("dout", ("N", "OC"), rng.standard_normal((N, OC)))
     c.add_float("weight", ("C", "OC"), rng.standard_normal((C, OC)))
     c.add_output("dinp", ("N", "C"))
@@ -485,89 +491,90 @@ def _k_rows(c, which, rows):
     return A[:, rows] @ B[rows, :]
 
 
-def _first_tile_any(which, name):
-    """The first K tile only, for each tile width (tried in turn by the pattern test below)."""
-    def describe(case, out_name, ours, expected, bad):
-        if out_name != name:
+def _per_tile(test):
+    """A pattern test on the K loop of the tiled GEMM `which` (output `name`), for each tile width of _TILES in turn:
+    test(case, which, name, K, t, ours, expected) -> the hint, or None when that width does not explain ours."""
+    def make(which, name):
+        def describe(case, out_name, ours, expected, bad):
+            if out_name != name:
+                return None
+            K = _gemm_parts(case, which)[0].shape[1]
+            for t in _TILES:
+                hint = test(case, which, name, K, t, ours, expected)
+                if hint:
+                    return hint
             return None
-        A, _ = _gemm_parts(case, which)
-        K = A.shape[1]
-        for t in _TILES:
-            if K <= t:
-                continue
-            wrong = _k_rows(case, which, range(t))
-            if _close_to(ours, wrong) and not _close_to(expected, wrong):
-                if K < 2 * t:   # the first tile is also the only full one: the partial tile is what is missing
-                    return (f"{name} holds only the sum over k = 0..{t - 1}, the first and only full tile along K "
-                            f"(K = {K}, TILE = {t}): the last, partial tile (k = {t}..{K - 1}) is left out. The loop "
-                            f"over K must visit every tile, the partial one included (while k0 < K), with the "
-                            f"slots past K filled with 0")
-                return (f"{name} holds only the first tile along K (the sum over k = 0..{t - 1}; K = {K}): the loop "
-                        f"over K must visit every tile, k0 = 0, TILE, 2*TILE, ... while k0 < K, loading, syncing and "
-                        f"adding each one")
+        return describe
+    make.__doc__ = test.__doc__
+    return make
+
+
+@_per_tile
+def _first_tile_any(case, which, name, K, t, ours, expected):
+    """The first K tile only."""
+    if K <= t:
         return None
-    return describe
-
-
-def _skip_partial(which, name):
-    def describe(case, out_name, ours, expected, bad):
-        if out_name != name:
-            return None
-        A, _ = _gemm_parts(case, which)
-        K = A.shape[1]
-        for t in _TILES:
-            full = (K // t) * t
-            if full in (0, K):
-                continue
-            wrong = _k_rows(case, which, range(full))
-            if _close_to(ours, wrong) and not _close_to(expected, wrong):
-                return (f"{name} leaves out the last, partial tile along K (k = {full}..{K - 1}, K = {K} is not a "
-                        f"multiple of TILE = {t}): the loop over tiles must include it (k0 < K), with the slots "
-                        f"past K filled with 0")
+    wrong = _k_rows(case, which, range(t))
+    if not (_close_to(ours, wrong) and not _close_to(expected, wrong)):
         return None
-    return describe
+    if K < 2 * t:   # the first tile is also the only full one: the partial tile is what is missing
+        return (f"{name} holds only the sum over k = 0..{t - 1}, the first and only full tile along K "
+                f"(K = {K}, TILE = {t}): the last, partial tile (k = {t}..{K - 1}) is left out. The loop "
+                f"over K must visit every tile, the partial one included (while k0 < K), with the "
+                f"slots past K filled with 0")
+    return (f"{name} holds only the first tile along K (the sum over k = 0..{t - 1}; K = {K}): the loop "
+            f"over K must visit every tile, k0 = 0, TILE, 2*TILE, ... while k0 < K, loading, syncing and "
+            f"adding each one")
 
 
-def _stale_tail(which, name):
+@_per_tile
+def _skip_partial(case, which, name, K, t, ours, expected):
+    """Every full K tile, the last partial one left out."""
+    full = (K // t) * t
+    if full in (0, K):
+        return None
+    wrong = _k_rows(case, which, range(full))
+    if not (_close_to(ours, wrong) and not _close_to(expected, wrong)):
+        return None
+    return (f"{name} leaves out the last, partial tile along K (k = {full}..{K - 1}, K = {K} is not a "
+            f"multiple of TILE = {t}): the loop over tiles must include it (k0 < K), with the slots "
+            f"past K filled with 0")
+
+
+@_per_tile
+def _stale_tail(case, which, name, K, t, ours, expected):
     """The last partial K tile with its empty slots still holding the previous tile's values (no zero fill)."""
-    def describe(case, out_name, ours, expected, bad):
-        if out_name != name:
-            return None
-        A, _ = _gemm_parts(case, which)
-        K = A.shape[1]
-        for t in _TILES:
-            r = K % t
-            k0 = K - r
-            if r == 0 or k0 < t:
-                continue
-            wrong = expected + _k_rows(case, which, range(k0 - t + r, k0))
-            if _close_to(ours, wrong):
-                return (f"{name} is off by exactly the products of rows {k0 - t + r}..{k0 - 1} of the previous tile: "
-                        f"in the last, partial tile along K (k = {k0}..{K - 1}), the slots past K still hold the "
-                        f"previous tile's values. Threads whose element lies past the matrix edge must write 0 into "
-                        f"their slot (of both tiles), not skip the load")
+    r = K % t
+    k0 = K - r
+    if r == 0 or k0 < t:
         return None
-    return describe
+    wrong = expected + _k_rows(case, which, range(k0 - t + r, k0))
+    if not _close_to(ours, wrong):
+        return None
+    return (f"{name} is off by exactly the products of rows {k0 - t + r}..{k0 - 1} of the previous tile: "
+            f"in the last, partial tile along K (k = {k0}..{K - 1}), the slots past K still hold the "
+            f"previous tile's values. Threads whose element lies past the matrix edge must write 0 into "
+            f"their slot (of both tiles), not skip the load")
 
 
 def _close_to(ours, wrong) -> bool:
-    from .checks import TOLERANCES
+    from .opcheck import TOLERANCES
     wrong = np.asarray(wrong, dtype=np.float64)
     return wrong.shape == ours.shape and verdict.close(ours, wrong, verdict.mistake_slack(TOLERANCES["float32"]))
 
 
-_DWEIGHT = _Op(
+_DWEIGHT = Op(
     "linear_dweight", _make_dweight,
     lambda c: {"dweight": c.x["inp"].T @ c.x["dout"]},
     n_cases=3,
     formula="dweight[c, o] = sum over the N rows of inp[n, c] * dout[n, o] (dweight = inp^T dout, K = N)",
     shape_hint="inp is (N, C), dout (N, OC), dweight (C, OC): the reduction runs over the N rows of both",
     mistakes=[
-        _Mistake("dweight is inp @ dout, without the transpose: op(A) = inp^T, so the A tile at (i, k) is "
-                 "inp[k, i] (row k of inp, column i)", _if_square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
-        _Mistake("dweight is transposed: dweight[c, o] belongs at row c (from inp's column c), column o (from "
+        Mistake("dweight is inp @ dout, without the transpose: op(A) = inp^T, so the A tile at (i, k) is "
+                 "inp[k, i] (row k of inp, column i)", if_square(lambda c: {"dweight": c.x["inp"] @ c.x["dout"]})),
+        Mistake("dweight is transposed: dweight[c, o] belongs at row c (from inp's column c), column o (from "
                  "dout's column o); it looks like dout^T inp",
-                 _if_square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
+                 if_square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
         _pattern(_first_tile_any("dweight", "dweight")),
         _pattern(_skip_partial("dweight", "dweight")),
         _pattern(_stale_tail("dweight", "dweight")),
@@ -575,17 +582,17 @@ _DWEIGHT = _Op(
         _pattern(_tile_catchall("linear_dweight")),
     ])
 
-_DINP = _Op(
+_DINP = Op(
     "linear_dinp", _make_dinp,
     lambda c: {"dinp": c.x["dout"] @ c.x["weight"].T},
     n_cases=3,
     formula="dinp[n, c] = sum over the OC outputs of dout[n, o] * weight[c, o] (dinp = dout weight^T, K = OC)",
     shape_hint="dout is (N, OC), weight (C, OC) stored (in, out), dinp (N, C): the reduction runs over OC",
     mistakes=[
-        _Mistake("dinp is dout @ weight, without the transpose: op(B) = weight^T, so the B tile at (k, j) is "
-                 "weight[j, k] (row j of weight, column k)", _if_square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
-        _Mistake("dinp is transposed: dinp[n, c] belongs at row n (from dout's row n), column c (from weight's "
-                 "row c)", _if_square(lambda c: {"dinp": (c.x["dout"] @ c.x["weight"].T).T})),
+        Mistake("dinp is dout @ weight, without the transpose: op(B) = weight^T, so the B tile at (k, j) is "
+                 "weight[j, k] (row j of weight, column k)", if_square(lambda c: {"dinp": c.x["dout"] @ c.x["weight"]})),
+        Mistake("dinp is transposed: dinp[n, c] belongs at row n (from dout's row n), column c (from weight's "
+                 "row c)", if_square(lambda c: {"dinp": (c.x["dout"] @ c.x["weight"].T).T})),
         _pattern(_first_tile_any("dinp", "dinp")),
         _pattern(_skip_partial("dinp", "dinp")),
         _pattern(_stale_tail("dinp", "dinp")),
@@ -620,7 +627,7 @@ def check_dinp_tiled(fn, *, arrays="cupy", dtype=np.float32, size=None, seed=Non
 # ------------------------------------------------------------------------------------------------------------
 def _make_row_max(rng, dt, size, k):
     N, n = CASES["row_max"][size][k]
-    c = _Case(dt, {"N": N, "n": n})
+    c = Case(dt, {"N": N, "n": n})
     x = rng.standard_normal((N, n)) * 3.0
     x[0] = -np.abs(x[0]) - 0.5          # row 0 all negative: a max tree that starts from 0 gets 0 there
     if N > 2:
@@ -706,19 +713,19 @@ def _tree_catchall(case, name, ours, expected, bad):
             f"slot one half further")
 
 
-_ROW_MAX = _Op(
+_ROW_MAX = Op(
     "row_max", _make_row_max,
     lambda c: {"m": c.x["x"].max(axis=1)},
     n_cases=4,
     formula="m[row] = max over j of x[row, j] (the softmax forward's first pass)",
     shape_hint="x is (N, n), m is (N,): one value per row",
     mistakes=[
-        _Mistake("rows whose values are all negative came out as 0: threads that have no element (or a tree "
+        Mistake("rows whose values are all negative came out as 0: threads that have no element (or a tree "
                  "that starts from 0) contributed 0. For a max the neutral start is -inf (a row of negative "
                  "numbers has a negative max)", lambda c: {"m": np.maximum(c.x["x"].max(axis=1), 0.0)}),
-        _Mistake("m is the row sum: the tree must take the larger of the two values at each step, not add them",
+        Mistake("m is the row sum: the tree must take the larger of the two values at each step, not add them",
                  lambda c: {"m": c.x["x"].sum(axis=1)}),
-        _Mistake("m is the max of |x|: compare the values themselves (a row of negative numbers has a negative max)",
+        Mistake("m is the max of |x|: compare the values themselves (a row of negative numbers has a negative max)",
                  lambda c: {"m": np.abs(c.x["x"]).max(axis=1)}),
         _pattern(_pow2_tree),
         _pattern(_row_max_first_cols),
@@ -749,7 +756,7 @@ _HIGH, _LOW = 1000.0, -1000.0    # the logits of rows 0 and 1: exp overflows or 
 
 def _make_softmax_logits(rng, dt, size, k):
     N, n = CASES["softmax_forward"][size][k]
-    c = _Case(dt, {"N": N, "n": n})
+    c = Case(dt, {"N": N, "n": n})
     x = rng.standard_normal((N, n)) * 10.0 ** rng.uniform(-1.0, 1.0, (N, 1))   # rows from flat to peaky
     x[0] += _HIGH                  # exp(x) is inf in float32 (and raises in the simulator's float64 math.exp)
     if N > 1:
@@ -864,42 +871,42 @@ def _lane_mistakes(W):
     start = "16, half the warp" if W == 32 else "warpSize / 2 = 32"
     wave = "" if W == 32 else " (64-lane wavefront)"
     return [
-        _Mistake(f"the row max and the sum reach only lane 0{wave}: a shfl_down tree leaves the total in lane 0 and "
+        Mistake(f"the row max and the sum reach only lane 0{wave}: a shfl_down tree leaves the total in lane 0 and "
                  f"partial values in the other lanes, which then scaled and divided their columns by those. Use the "
                  f"xor butterfly (after it every lane holds the total), or read lane 0's value after the tree "
                  f"(a shuffle from lane 0)", lambda c: _softmax_lanes(c, W, "down", "down")),
-        _Mistake(f"the row max and the sum reach only lane 0{wave}: after a shfl_down tree only lane 0 holds the "
+        Mistake(f"the row max and the sum reach only lane 0{wave}: after a shfl_down tree only lane 0 holds the "
                  f"total; every lane must read it from lane 0, or use the xor butterfly",
                  lambda c: _softmax_lanes(c, W, "down0", "down0")),
-        _Mistake(f"the row max reaches only lane 0{wave} (the sum is right): the other lanes subtracted a partial "
+        Mistake(f"the row max reaches only lane 0{wave} (the sum is right): the other lanes subtracted a partial "
                  f"max. Use the xor butterfly for the max too, or read lane 0's max after the tree",
                  lambda c: _softmax_lanes(c, W, "down", "all")),
-        _Mistake(f"the sum of exponentials reaches only lane 0{wave} (the max is right): the other lanes divided by "
+        Mistake(f"the sum of exponentials reaches only lane 0{wave} (the max is right): the other lanes divided by "
                  f"a partial sum. Use the xor butterfly for the sum too, or read lane 0's sum after the tree",
                  lambda c: _softmax_lanes(c, W, "all", "down")),
-        _Mistake(f"the shuffles combine only {half} lanes: the butterfly must start at an offset of {start}, and "
+        Mistake(f"the shuffles combine only {half} lanes: the butterfly must start at an offset of {start}, and "
                  f"halve down to 1", lambda c: _softmax_lanes(c, W, W // 4, W // 4)),
-        _Mistake(f"the max and the sum cover only columns 0..{W - 1}{wave}: a row longer than the warp needs each "
+        Mistake(f"the max and the sum cover only columns 0..{W - 1}{wave}: a row longer than the warp needs each "
                  f"lane to visit the columns lane, lane + warp size, ... before the shuffles",
                  lambda c: _softmax_lanes(c, W, cols="first") if c.dims["n"] > W else {}),
-        _Mistake(f"the max and the sum leave out the tail{wave}: when n is not a multiple of the warp size, the "
+        Mistake(f"the max and the sum leave out the tail{wave}: when n is not a multiple of the warp size, the "
                  f"last n % {W} columns count too (loop while the column < n)",
                  lambda c: _softmax_lanes(c, W, cols="full") if c.dims["n"] > W and c.dims["n"] % W else {}),
     ]
 
 
-_SOFTMAX_FWD_WARP = _Op(
+_SOFTMAX_FWD_WARP = Op(
     "softmax_forward", _make_softmax_logits, _expected_softmax_forward, n_cases=4,
     formula="out[row, j] = exp(inp[row, j] - m) / s with m = the row's max and s = the sum over the row of "
             "exp(inp[row, j] - m): every lane needs both totals",
     shape_hint="inp and out are (N, n): one softmax per row",
     mistakes=_lane_mistakes(32) + [
-        _Mistake("each lane subtracted the max of its own columns: the row max must be combined across the lanes "
+        Mistake("each lane subtracted the max of its own columns: the row max must be combined across the lanes "
                  "(shuffles) before any exp, or the lanes' exponentials are on different scales",
                  lambda c: _softmax_lanes(c, 32, "none", "all")),
-        _Mistake("each lane divided by the sum of its own columns: the sum of exponentials must be combined across "
+        Mistake("each lane divided by the sum of its own columns: the sum of exponentials must be combined across "
                  "the lanes (shuffles) before the division", lambda c: _softmax_lanes(c, 32, "all", "none")),
-        _Mistake("out = exp(inp - max) was not divided by the row's sum of exponentials (a softmax row sums to 1)",
+        Mistake("out = exp(inp - max) was not divided by the row's sum of exponentials (a softmax row sums to 1)",
                  lambda c: _softmax_lanes(c, 32, divide=False)),
     ] + _lane_mistakes(64) + [
         _pattern(_exp_range),

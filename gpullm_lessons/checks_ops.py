@@ -32,321 +32,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import secrets
-from typing import Callable, Optional
 
 import numpy as np
 
-from . import arrays as _arrays
 from . import checks as _checks
-from . import device as _device
+from . import opcheck
 from . import reference as ref
 from . import verdict
-from .verdict import close, fmt, fmt_index, mistake_slack
+from .opcheck import Case, Mistake, Op, Rules, matches, random_rows
+from .verdict import close, mistake_slack
 
 __all__ = ["check_layernorm_dparams", "check_crossentropy_online", "check_attention_softmax_backward",
            "check_encoder_backward_atomic", "check_encoder_backward_deterministic"]
 
-_Case, _Mistake, _Op = _checks._Case, _checks._Mistake, _checks._Op
-
 
 def _tol(c) -> float:
-    return _checks.TOLERANCES[c.dtype.name]
+    return opcheck.TOLERANCES[c.dtype.name]
 
 
-def _matches(ours, candidate, expected, tol) -> bool:
-    """ours equals a mistake's output (within the mistake slack) that is itself not the right answer."""
-    candidate = np.asarray(candidate, dtype=np.float64)
-    if candidate.shape != ours.shape:
-        return False
-    with np.errstate(all="ignore"):
-        return not close(candidate, expected, tol) and close(ours, candidate, mistake_slack(tol))
-
-
-@dataclasses.dataclass
-class _Rules:
-    """An op plus how the outputs must be made.
-
-    patterns: (case, name, ours, expected, bad) -> hint or None, tried before the op's mistake table (hints that
-        name a place: "rows 32..36 are missing").
-    repeat: call fn a second time on the last case's inputs: the outputs must be the same bits.
-    exact: case -> {output: array in the case's dtype}: after the values pass, these bits are required.
-    races: in the simulator, trace the first call; an element stored by several threads in one launch without
-        atomics is wrong. no_float_atomics: in the simulator, any atomic on a float array is wrong.
-    split: (input name, hint): in the simulator, a thread that loads elements from more than half of that input's
-        rows (one thread walking a whole column) is wrong: the task asks for the work split into chunks.
-    """
-    op: _Op
-    checker: str
-    patterns: tuple = ()
-    repeat: bool = False
-    exact: Optional[Callable] = None
-    exact_hint: str = ""
-    races: bool = False
-    no_float_atomics: bool = False
-    split: Optional[tuple] = None     # (input, hint): in the simulator, no thread may load over half of its rows
-
-
-def _simulating() -> bool:
-    from numba import config
-    return bool(config.ENABLE_CUDASIM)
-
-
+unfinished_kernel = opcheck.unfinished_kernel  # one detector for every checker
 STUB = 'raise NotImplementedError("exercise: write this part")'   # what the exercise generator leaves in
-
-
-unfinished_kernel = _checks.unfinished_kernel  # one detector for every checker
-
-
-def _who(w) -> str:
-    b, t = w
-    return f"(block {b}, thread {t})"
-
-
-def _trace_names(trace, dev_arrays, names):
-    """trace array name -> the checker's name, for the arrays the trace saw (matched by memory)."""
-    res = {}
-    for name, d in zip(names, dev_arrays):
-        a = getattr(d, "_ary", d)
-        if not isinstance(a, np.ndarray):
-            continue
-        lo = a.__array_interface__["data"][0]
-        for info in trace.arrays.values():
-            if info.space == "global" and info.ptr <= lo < info.ptr + max(info.nbytes, 1):
-                res[info.name] = name
-    return res
-
-
-def _trace_problem(rules, case, trace, dev_in, dev_out) -> Optional[tuple]:
-    """(what, hint) when the traced call broke a rule of `rules`, else None."""
-    from . import kernel_trace as kt
-    outs = _trace_names(trace, dev_out, list(case.outputs))
-    if rules.split is not None:
-        name, hint = rules.split
-        ins = _trace_names(trace, dev_in, list(case.inputs))
-        ids = [i for i, a in trace.arrays.items() if ins.get(a.name) == name]
-        rec = trace.records[(trace.records["kind"] == kt.READ) & np.isin(trace.records["array"], ids)]
-        if len(rec) and ids:
-            a = trace.arrays[ids[0]]
-            row = (rec["addr"] - a.vbase) // a.itemsize // max(1, int(np.prod(a.shape[1:])))
-            key = np.stack([rec["launch"], rec["block"], rec["thread"], row], 1).astype(np.int64)
-            who, per = np.unique(np.unique(key, axis=0)[:, :3], axis=0, return_counts=True)
-            n_rows = a.shape[0]
-            if n_rows >= 8 and per.max() > n_rows // 2:
-                L = trace.launches[int(who[per.argmax()][0])]
-                w = L.who(int(who[per.argmax()][1]), int(who[per.argmax()][2]))
-                return (f"one thread ({L.kernel} {_who(w)}) read {int(per.max())} of the {n_rows} rows of {name}",
-                        hint)
-    if rules.races:
-        for tname, rows in trace.multiple_writers.items():
-            name = outs.get(tname, tname)
-            index, who = rows[0]
-            idx = fmt_index(index if isinstance(index, tuple) else (index,))
-            threads = ", ".join(_who(w) for w in who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
-            what = (f"{name}{idx} was stored by {len(who)} threads in one launch without atomics ({threads}); "
-                    f"{len(rows)} element{'s' if len(rows) > 1 else ''} of {name} like it")
-            hint = (f"a race: on a GPU those threads read the same old value and each writes back its own sum, so all "
-                    f"but one contribution can be lost (here, in the simulator, threads happen to run one after "
-                    f"another, so the values came out right). Add into {name} with cuda.atomic.add({tname}, index, "
-                    f"value), or give every element of {name} one owner thread")
-            return what, hint
-    if rules.no_float_atomics and len(trace.records):
-        rec = trace.records[trace.records["kind"] == kt.ATOMIC]
-        floats = sorted({trace.arrays[int(a)].name for a in np.unique(rec["array"])
-                         if trace.arrays[int(a)].dtype.kind == "f"})
-        if floats:
-            shown = ", ".join(outs.get(n, n) for n in floats)
-            what = f"your kernels add into {shown} with float atomics (cuda.atomic.add)"
-            hint = ("float atomics are not deterministic: on a GPU they land in whatever order the threads get "
-                    "there, float addition is not associative, so the last bits change from run to run (in the "
-                    "simulator they happen to land in order). Give every output element one owner thread that adds "
-                    "its terms in a fixed order (or write partial sums, then add the partials in a fixed order)")
-            return what, hint
-    return None
-
-
-def _case_text(case, k, op) -> str:
-    sizes = ", ".join(f"{name}={v}" for name, v in case.dims.items() if name.isidentifier())
-    return f"case {k + 1} of {op.n_cases}: {sizes}"
-
-
-def _first_diff(a, b):
-    """Index of the first element whose bits differ (NaN payloads included), or None."""
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    if a.shape != b.shape:
-        return ()
-    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
-    diff = a.view(u) != b.view(u)
-    if not diff.any():
-        return None
-    return tuple(int(i) for i in np.argwhere(diff)[0])
-
-
-def _known_mistake(op, case, name, ours, expected, tol) -> Optional[str]:
-    """The hint of the first mistake of the op's table that changes output `name` and whose outputs all equal yours
-    (exact mistakes come before the pattern hints, which only say where)."""
-    for m in op.mistakes:
-        if m.outputs is None:
-            continue
-        try:
-            outs = m.outputs(case)
-        except Exception:  # a mistake that does not apply to these shapes
-            continue
-        if name in outs and all(_matches(ours[n], o, expected[n], tol) for n, o in outs.items() if n in ours):
-            return m.hint
-    return None
-
-
-def _run(rules: _Rules, fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None, quiet=False):
-    op = rules.op
-    if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        return verdict.skipped(op.name, task, quiet=quiet)
-    dt, size = _checks._validate(op.name, fn, arrays, dtype, size, seed)   # size None: "large" on a GPU
-    stub = unfinished_kernel(fn)
-    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
-    rng = np.random.default_rng(seed)
-    tol = _checks.TOLERANCES[dt.name]
-    base = dict(name=op.name, task=task, tol=tol, seed=seed, dtype=dt.name, arrays=arrays)
-    traced = (rules.races or rules.no_float_atomics or rules.split is not None) and arrays == "numba" \
-        and _simulating()
-    max_rel_all, max_abs_all = 0.0, 0.0
-    result, case, last = None, None, None
-
-    def call(case, info, trace_it):
-        """Run fn on fresh poisoned outputs: (ours_raw, returned, trace, dev_in, dev_out) or a CheckResult."""
-        try:
-            dev_in = [_arrays.to_backend(a, arrays) for a in case.inputs.values()]
-            dev_out, guard_bufs = _checks._guarded_outputs(case.outputs.values(), dt, arrays,
-                                                           _checks._guards_on(arrays) and not trace_it)
-        except _arrays.BackendUnavailableError:
-            raise
-        except Exception as exc:
-            raise _arrays.BackendUnavailableError(f"could not put {dt.name} arrays on arrays={arrays!r} "
-                                                  f"({type(exc).__name__}: {exc}); use another dtype or "
-                                                  f"backend") from exc
-        args = [*dev_in, *dev_out, *case.scalars.values()]
-        returned, trace = None, None
-        try:
-            if trace_it:
-                from . import kernel_trace
-                trace = kernel_trace.trace(fn, *args, raise_errors=True)
-            else:
-                returned = fn(*args)
-            ours_raw = {name: np.asarray(_arrays.to_numpy(d)) for name, d in zip(case.outputs, dev_out)}
-            stray = _checks.guard_verdict(op, case, k, guard_bufs, dt, seed, info)
-            if stray is not None:
-                return stray
-        except NotImplementedError:
-            return verdict.not_attempted(**info)
-        except Exception as exc:  # the learner's error is reported, never raised
-            return _checks.op_error(op, case, exc, seed, info)
-        return ours_raw, returned, trace, dev_in, dev_out
-
-    def wrong(info, what, hint, **kw):
-        msg = f"{op.name}: wrong - {what} ({_case_text(case, k, op)}; seed {seed})"
-        return verdict.build_result("wrong", msg, hint, **kw, **info)
-
-    history = []   # expected outputs of the earlier cases: checks' hints recognize a stale answer
-    for k in range(op.n_cases):
-        case = op.make(rng, dt, size, k)
-        case.arrays = arrays
-        expected = {name: np.asarray(v, dtype=np.float64) for name, v in op.expected(case).items()}
-        shapes = {name: np.shape(v) for name, v in expected.items()}
-        case.previous = next((prev for prev_shapes, prev in reversed(history) if prev_shapes == shapes), None)
-        history.append((shapes, expected))
-        info = dict(base, dims=dict(case.dims), inputs={k2: v.copy() for k2, v in case.inputs.items()})
-        if stub is not None:
-            result = verdict.unfinished(kernel=stub, **info)
-            break
-        got = call(case, info, traced and k == 0)
-        if isinstance(got, verdict.CheckResult):
-            result = got
-            break
-        ours_raw, returned, trace, dev_in, dev_out = got
-
-        ours, bads, stats, atols, bad_names, (case_abs, case_rel) = _checks.compare_outputs(op, case, ours_raw,
-                                                                                           expected, tol)
-        max_abs_all, max_rel_all = max(max_abs_all, case_abs), max(max_rel_all, case_rel)
-        info["atol"] = atols
-
-        if bad_names:
-            name = bad_names[0]
-            index = tuple(int(i) for i in np.argwhere(bads[name])[0])
-            mine, exp = float(ours[name][index]), float(expected[name][index])
-            max_abs, max_rel = stats[name]
-            hint = _known_mistake(op, case, name, ours, expected, tol)
-            if hint is None and not _checks._is_poison(ours_raw[name]).all():
-                for pattern in rules.patterns:
-                    try:
-                        hint = pattern(case, name, ours[name], expected[name], bads[name])
-                    except Exception:  # a pattern that does not apply to these shapes
-                        hint = None
-                    if hint:
-                        break
-            if hint is None:
-                hint = _checks._diagnose(op, case, ours_raw, ours, expected, bads, bad_names, tol, returned)
-            hint += _checks.changed_inputs_note(case, dev_in)
-            msg = (f"{op.name}: wrong - {name} at {fmt_index(index)} ({_case_text(case, k, op)}): yours "
-                   f"{fmt(mine, exp)}, expected {fmt(exp, mine)} (max abs err {max_abs:.2g}, "
-                   f"max rel {max_rel:.2g}, tol {tol:g}; seed {seed})")
-            result = verdict.build_result("wrong", msg, hint, output=name, max_abs=max_abs, max_rel=max_rel,
-                                          first_bad=index, ours=mine, expected=exp, **info)
-            break
-
-        if trace is not None:
-            problem = _trace_problem(rules, case, trace, dev_in, dev_out)
-            if problem is not None:
-                result = wrong(info, *problem)
-                break
-
-        if rules.exact is not None:
-            for name, want in rules.exact(case).items():
-                i = _first_diff(ours_raw[name], np.asarray(want, dtype=dt))
-                if i is not None:
-                    result = wrong(info, f"{name}{fmt_index(i)} is {fmt(float(ours_raw[name][i]))}, "
-                                         f"correct to rounding, but the contract's order gives "
-                                         f"{fmt(float(want[i]))} (other bits)", rules.exact_hint,
-                                   output=name, first_bad=i, ours=float(ours_raw[name][i]), expected=float(want[i]))
-                    break
-            if result is not None:
-                break
-        last = (case, ours_raw, info)
-
-    if result is None and rules.repeat and last is not None:
-        case, first_raw, info = last
-        got = call(case, info, False)
-        if isinstance(got, verdict.CheckResult):
-            result = got
-        else:
-            for name in case.outputs:
-                i = _first_diff(first_raw[name], got[0][name])
-                if i is not None:
-                    result = wrong(info, f"two calls on the same inputs gave different bits: {name}"
-                                         f"{fmt_index(i)} was {fmt(float(first_raw[name][i]))}, then "
-                                         f"{fmt(float(got[0][name][i]))}",
-                                   "your result depends on the order in which threads or blocks run: float atomics, "
-                                   "or a sum whose order is decided by scheduling. Give each output element one owner "
-                                   "that adds its terms in a fixed order (partial sums in order, then the partials "
-                                   "in order)", output=name, first_bad=i)
-                    break
-
-    if result is None:
-        n_out = len(case.outputs)
-        extra = []
-        if rules.repeat:
-            extra.append("same bits twice")
-        if rules.exact is not None:
-            extra.append("bits of the fixed order")
-        if traced and rules.races:
-            extra.append("no races (traced)")
-        if traced and rules.no_float_atomics:
-            extra.append("no float atomics (traced)")
-        if traced and rules.split is not None:
-            extra.append(f"work split over the rows of {rules.split[0]} (traced)")
-        msg = (f"{op.name}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {verdict.DTYPE_SHORT[dt.name]}, "
-               f"{n_out} output{'s' if n_out > 1 else ''}{'; ' + ', '.join(extra) if extra else ''})")
-        result = verdict.build_result("correct", msg, max_abs=max_abs_all, max_rel=max_rel_all, **info)
-    return verdict.record(result, quiet=quiet, check=rules.checker)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -359,9 +64,9 @@ _LN_DIMS = {"small": ((37, 37), (3, 5), (61, 19)), "large": ((769, 769), (5, 771
 
 def _make_ln_dparams(rng, dt, size, k):
     N, C = _LN_DIMS[size][k]
-    c = _Case(dt, {"N": N, "C": C})
-    c.add_float("dout", ("N", "C"), _checks._rows(rng, (N, C)))
-    inp = c.add_float("inp", ("N", "C"), _checks._rows(rng, (N, C)) + rng.standard_normal((N, 1)))
+    c = Case(dt, {"N": N, "C": C})
+    c.add_float("dout", ("N", "C"), random_rows(rng, (N, C)))
+    inp = c.add_float("inp", ("N", "C"), random_rows(rng, (N, C)) + rng.standard_normal((N, 1)))
     mean, rstd = ref.layernorm_stats(inp)
     c.add_float("mean", ("N",), mean)
     c.add_float("rstd", ("N",), rstd)
@@ -391,7 +96,7 @@ def _ln_rows_hint(c, name, ours, expected, bad):
     tol = _tol(c)
     cums = np.cumsum(terms, axis=0)
     for K in range(1, N):
-        if _matches(ours, cums[K - 1], expected, tol):
+        if matches(ours, cums[K - 1], expected, tol):
             if 2 * K > N:
                 missing = f"row {K} is" if K == N - 1 else f"rows {K}..{N - 1} are"
                 return (f"{name} sums only rows 0..{K - 1} of {N}: {missing} missing, the last, partial chunk. With N "
@@ -400,7 +105,7 @@ def _ln_rows_hint(c, name, ours, expected, bad):
             return (f"{name} sums only rows 0..{K - 1} of {N} (the first {K} rows): if {K} is your chunk size, "
                     f"stage 2 adds only the first chunk's partials; it must add all ceil(N / rows_per_chunk) of them")
     for K in range(1, N):
-        if _matches(ours, cums[-1] - cums[K - 1], expected, tol):
+        if matches(ours, cums[-1] - cums[K - 1], expected, tol):
             return (f"{name} holds only rows {K}..{N - 1} of {N} (the last chunk): stage 2 overwrites its "
                     f"running sum with each chunk's partial instead of adding it (or keeps only the last one)")
     for R in range(2, min(N, 129)):
@@ -408,7 +113,7 @@ def _ln_rows_hint(c, name, ours, expected, bad):
         for label, sel, sign in (("first", (rows % R == 0) & (rows > 0), 1.0), ("last", rows % R == R - 1, -1.0)):
             if not sel.any():
                 continue
-            if _matches(ours, expected + sign * terms[sel].sum(axis=0), expected, tol):
+            if matches(ours, expected + sign * terms[sel].sum(axis=0), expected, tol):
                 if sign > 0:
                     return (f"{name} counts rows {R}, {2 * R}, ... twice: with {R} rows per chunk, each chunk's "
                             f"loop also takes the first row of the next chunk (chunk k owns rows k*{R} .. "
@@ -418,40 +123,41 @@ def _ln_rows_hint(c, name, ours, expected, bad):
     return None
 
 
-_LN_DPARAMS = _Op(
+_LN_DPARAMS = Op(
     "layernorm_dparams", _make_ln_dparams, _expected_ln_dparams, n_cases=3, terms=_ln_terms,
     formula="xhat = (inp - mean) * rstd per row; dweight[c] = sum over the N rows of dout * xhat; "
             "dbias[c] = sum over the N rows of dout",
     shape_hint="dout, inp (N, C); mean, rstd (N,); dweight, dbias (C,): one sum per column, over the N rows",
     mistakes=[
-        _Mistake("dweight and dbias are swapped: dweight sums dout * xhat, dbias sums dout",
+        Mistake("dweight and dbias are swapped: dweight sums dout * xhat, dbias sums dout",
                  lambda c: {"dweight": c.x["dout"].sum(axis=0), "dbias": c.x["dweight_terms"].sum(axis=0)}),
-        _Mistake("dweight sums dout * inp; it is dout * xhat, xhat = (inp - mean[row]) * rstd[row]",
+        Mistake("dweight sums dout * inp; it is dout * xhat, xhat = (inp - mean[row]) * rstd[row]",
                  lambda c: {"dweight": (c.x["dout"] * c.x["inp"]).sum(axis=0)}),
-        _Mistake("dweight is missing the factor xhat: dweight sums dout * xhat over the rows (dbias sums dout)",
+        Mistake("dweight is missing the factor xhat: dweight sums dout * xhat over the rows (dbias sums dout)",
                  lambda c: {"dweight": c.x["dout"].sum(axis=0)}),
-        _Mistake("xhat uses the row's mean but not its rstd: xhat = (inp - mean[row]) * rstd[row]",
+        Mistake("xhat uses the row's mean but not its rstd: xhat = (inp - mean[row]) * rstd[row]",
                  lambda c: {"dweight": (c.x["dout"] * (c.x["inp"] - c.x["mean"][:, None])).sum(axis=0)}),
-        _Mistake("dweight and dbias are summed along a row (over C) instead of down a column (over the N rows)",
-                 _checks._if_square(lambda c: {"dweight": c.x["dweight_terms"].sum(axis=1),
+        Mistake("dweight and dbias are summed along a row (over C) instead of down a column (over the N rows)",
+                 opcheck.if_square(lambda c: {"dweight": c.x["dweight_terms"].sum(axis=1),
                                                "dbias": c.x["dbias_terms"].sum(axis=1)})),
-        _Mistake("dbias is all 0: dbias[c] sums dout[row, c] over the N rows",
+        Mistake("dbias is all 0: dbias[c] sums dout[row, c] over the N rows",
                  lambda c: {"dbias": np.zeros(c.dims["C"])}),
     ])
 
 _LN_SPLIT_HINT = ("the task is the two-stage reduction: a thread walking all N rows of a column is v1 (correct, "
                   "deterministic, and slow: only C threads). Stage 1 gives each block a chunk of ROWS_PER_CHUNK rows "
                   "(blockIdx.y) and writes partial sums (n_chunks, C); stage 2 adds the partials of each column")
-_LN_DPARAMS_RULES = _Rules(_LN_DPARAMS, "check_layernorm_dparams", patterns=(_ln_rows_hint,), repeat=True,
+_LN_DPARAMS_RULES = Rules("check_layernorm_dparams", patterns=(_ln_rows_hint,), repeat=True,
                            no_float_atomics=True, split=("dout", _LN_SPLIT_HINT))
 
 
 def check_layernorm_dparams(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                            quiet=False) -> _checks.CheckResult:
+                            quiet=False) -> verdict.CheckResult:
     """Check fn(dout (N,C), inp (N,C), mean (N,), rstd (N,), dweight (C,), dbias (C,)): LayerNorm's parameter
     gradients, deterministically. Cases: N = 37, 3, 61 rows (C = 37, 5, 19) in the simulator, N up to 4099 on a GPU;
     the last case is run twice and must give the same bits; in the simulator float atomics are traced and fail."""
-    return _run(_LN_DPARAMS_RULES, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return opcheck.run(_LN_DPARAMS, fn, rules=_LN_DPARAMS_RULES, arrays=arrays, dtype=dtype, size=size, seed=seed,
+                       task=task, quiet=quiet)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -465,8 +171,8 @@ _EMPTY = -3.0e38   # a finite "no element yet" max, as in kernels/numba/crossent
 
 def _make_ce(rng, dt, size, k):
     N, V = _CE_DIMS[size][k]
-    c = _Case(dt, {"N": N, "V": V})
-    logits = _checks._rows(rng, (N, V), -1.0, 0.7)
+    c = Case(dt, {"N": N, "V": V})
+    logits = random_rows(rng, (N, V), -1.0, 0.7)
     logits[0] += 100.0                     # exp(100) overflows float32: the max must be subtracted
     logits[-1] -= 100.0                    # exp(-100) underflows to 0 in float32 without it
     c.add_float("logits", ("N", "V"), logits)
@@ -578,7 +284,7 @@ def _ce_variant_outputs(c):
 def _ce_merge_hint(c, name, ours, expected, bad):
     tol = _tol(c)
     for variant, P, _, _, d in _ce_variant_outputs(c):
-        if _matches(ours, d, expected, tol):
+        if matches(ours, d, expected, tol):
             rows = np.flatnonzero(bad.any(axis=1))
             return (f"{_CE_VARIANTS[variant]} (your output matches that mistake with {P} threads per row; wrong "
                     f"rows: {', '.join(map(str, rows[:6]))}{' ...' if len(rows) > 6 else ''})")
@@ -603,13 +309,14 @@ def _ce_op():
 
 
 def check_crossentropy_online(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                              quiet=False) -> _checks.CheckResult:
+                              quiet=False) -> verdict.CheckResult:
     """Check fn(logits (N,V), targets (N,) int32, dlogits (N,V)) = (softmax(logits) - onehot(targets)) / N, the
     statistics of a row taken in one pass (a running (max, sum) per thread, pairs merged in a tree). Cases:
     V = 101, 7, 67 in the simulator (V over several blocks, V below a block, a partial block), V = 50257 on a GPU;
     row 0 overflows float32 and the last row underflows without the max subtracted; targets at 0 and V - 1."""
-    rules = _Rules(_ce_op(), "check_crossentropy_online", patterns=(_ce_row_hint, _ce_merge_hint))
-    return _run(rules, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    op, rules = _ce_op(), Rules("check_crossentropy_online", patterns=(_ce_row_hint, _ce_merge_hint))
+    return opcheck.run(op, fn, rules=rules, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task,
+                       quiet=quiet)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -623,13 +330,13 @@ _ATT_DIMS = {"small": ((2, 3, 1, 4), (2, 2, 7, 5), (1, 1, 33, 16)),
 
 def _make_att_softmax(rng, dt, size, k):
     B, nh, T, hs = _ATT_DIMS[size][k]
-    c = _Case(dt, {"B": B, "nh": nh, "T": T, "hs": hs})
-    scores = _checks._rows(rng, (B, nh, T, T), -0.5, 0.7)
+    c = Case(dt, {"B": B, "nh": nh, "T": T, "hs": hs})
+    scores = random_rows(rng, (B, nh, T, T), -0.5, 0.7)
     causal = np.tril(np.ones((T, T), dtype=bool))
     att, _ = ref.softmax_forward(np.where(causal, scores, -np.inf))
     garbage = rng.uniform(0.05, 1.0, (B, nh, T, T))               # above the diagonal: whatever memory held
     c.add_float("att", ("B", "nh", "T", "T"), np.where(causal, att, garbage))
-    c.add_float("datt", ("B", "nh", "T", "T"), _checks._rows(rng, (B, nh, T, T)))
+    c.add_float("datt", ("B", "nh", "T", "T"), random_rows(rng, (B, nh, T, T)))
     c.add_output("dpreatt", ("B", "nh", "T", "T"))
     c.scalars["hs"] = hs
     c.x["causal"] = causal
@@ -732,47 +439,48 @@ def _att_rows_hint(c, name, ours, expected, bad):
     return None
 
 
-_ATT_SOFTMAX = _Op(
+_ATT_SOFTMAX = Op(
     "attention_softmax_backward", _make_att_softmax, _expected_att_softmax, n_cases=3, terms=_att_terms,
     formula="per row (b, h, t): dot = sum over s <= t of att * datt; dpreatt[s] = scale * att[s] * (datt[s] - dot) "
             "for s <= t, 0 for s > t; scale = 1 / sqrt(hs)",
     shape_hint="att, datt, dpreatt are (B, nh, T, T): one row per (b, h, t), T entries, of which s <= t count",
     mistakes=[
-        _Mistake("the mask is off by one: a row t has t + 1 entries, s = 0 .. t (s <= t), the diagonal included; "
+        Mistake("the mask is off by one: a row t has t + 1 entries, s = 0 .. t (s <= t), the diagonal included; "
                  "yours stops at s < t", lambda c: _att_dpre(c, mask_shift=-1)),
-        _Mistake("the mask is off by one: a row t has t + 1 entries, s = 0 .. t; yours also takes s = t + 1, where att "
+        Mistake("the mask is off by one: a row t has t + 1 entries, s = 0 .. t; yours also takes s = t + 1, where att "
                  "holds no probability (garbage above the diagonal)", lambda c: _att_dpre(c, mask_shift=1)),
-        _Mistake("the row sum runs over the whole row, masked entries included: att above the diagonal is not part of "
+        Mistake("the row sum runs over the whole row, masked entries included: att above the diagonal is not part of "
                  "the input (it holds garbage here); sum att * datt over s <= t only",
                  lambda c: _att_dpre(c, dot_mask=True)),
-        _Mistake("the entries above the diagonal (s > t) must be 0: you wrote the formula there too (att holds "
+        Mistake("the entries above the diagonal (s > t) must be 0: you wrote the formula there too (att holds "
                  "garbage there)", lambda c: _att_dpre(c, fill_above=True)),
-        _Mistake("the 1/sqrt(hs) scale is missing: the scores were scale * q k^T, so dpreatt carries the factor "
+        Mistake("the 1/sqrt(hs) scale is missing: the scores were scale * q k^T, so dpreatt carries the factor "
                  "scale = 1 / sqrt(hs)", lambda c: _att_dpre(c, scale=1.0)),
-        _Mistake("the scale is 1/hs: 1/sqrt(hs) applied twice, or the sqrt forgotten; dpreatt = scale * att * "
+        Mistake("the scale is 1/hs: 1/sqrt(hs) applied twice, or the sqrt forgotten; dpreatt = scale * att * "
                  "(datt - dot) with scale = 1/sqrt(hs), once", lambda c: _att_dpre(c, scale=1.0 / c.scalars["hs"])),
-        _Mistake("the scale is sqrt(hs); it is 1/sqrt(hs)", lambda c: _att_dpre(c, scale=math.sqrt(c.scalars["hs"]))),
-        _Mistake("the softmax backward is missing its row-sum term: dpreatt = scale * att * (datt - dot), "
+        Mistake("the scale is sqrt(hs); it is 1/sqrt(hs)", lambda c: _att_dpre(c, scale=math.sqrt(c.scalars["hs"]))),
+        Mistake("the softmax backward is missing its row-sum term: dpreatt = scale * att * (datt - dot), "
                  "dot = sum over s <= t of att * datt", lambda c: _att_dpre(c, rowsum=False)),
-        _Mistake("the row sum is sum(datt); it is weighted by att: dot = sum over s <= t of att * datt",
+        Mistake("the row sum is sum(datt); it is weighted by att: dot = sum over s <= t of att * datt",
                  lambda c: _att_dpre(c, dot_att=False)),
-        _Mistake("the query position t of a row comes from the wrong layout: rows are (b, h, t) with t fastest, "
+        Mistake("the query position t of a row comes from the wrong layout: rows are (b, h, t) with t fastest, "
                  "row = (b * nh + h) * T + t, so t = row % T (yours takes rows as (b, t, h), heads fastest)",
                  lambda c: _att_dpre(c, t_of=_t_btn)),
-        _Mistake("the query position t of a row comes from the wrong layout: rows are (b, h, t) with t fastest, "
+        Mistake("the query position t of a row comes from the wrong layout: rows are (b, h, t) with t fastest, "
                  "row = (b * nh + h) * T + t, so t = row % T (yours takes t as the slowest index)",
                  lambda c: _att_dpre(c, t_of=_t_tmajor)),
     ])
 
 
 def check_attention_softmax_backward(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                                     quiet=False) -> _checks.CheckResult:
+                                     quiet=False) -> verdict.CheckResult:
     """Check fn(att (B,nh,T,T), datt (B,nh,T,T), dpreatt (B,nh,T,T), hs): the causal softmax backward inside
     attention, dpreatt = scale * att * (datt - sum_{s<=t} att * datt) for s <= t and 0 above the diagonal,
     scale = 1/sqrt(hs). att above the diagonal holds garbage. Cases: T = 1 (B = 2, nh = 3), T = 7 (B = 2, nh = 2),
     T = 33 in the simulator (1031 on a GPU)."""
-    rules = _Rules(_ATT_SOFTMAX, "check_attention_softmax_backward", patterns=(_att_rows_hint,))
-    return _run(rules, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    op, rules = _ATT_SOFTMAX, Rules("check_attention_softmax_backward", patterns=(_att_rows_hint,))
+    return opcheck.run(op, fn, rules=rules, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task,
+                       quiet=quiet)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -788,8 +496,8 @@ _ENC_DET_DIMS = {"small": _ENC_DIMS["small"], "large": ((4, 256, 768, 2053, 256)
 
 def _make_encoder(rng, dt, size, k, dims=_ENC_DIMS):
     B, T, C, V, maxT = dims[size][k]
-    c = _Case(dt, {"B": B, "T": T, "C": C, "V": V, "maxT": maxT})
-    c.add_float("dout", ("B", "T", "C"), _checks._rows(rng, (B, T, C)))
+    c = Case(dt, {"B": B, "T": T, "C": C, "V": V, "maxT": maxT})
+    c.add_float("dout", ("B", "T", "C"), random_rows(rng, (B, T, C)))
     hot = np.array([0, V // 2, V - 1])
     idx = hot[(np.arange(B * T) * 7 + rng.integers(0, 3)) % 3].reshape(B, T)   # each hot token ~B*T/3 times
     cold = int(rng.integers(1, V // 2)) if V > 4 else 1
@@ -807,13 +515,14 @@ def _enc_op(dims=_ENC_DIMS):
 
 
 def check_encoder_backward_atomic(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                                  quiet=False) -> _checks.CheckResult:
+                                  quiet=False) -> verdict.CheckResult:
     """Check fn(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C)): dwte and dwpe zeroed, then every
     dout[b, t] added into dwte[idx[b, t]] and dwpe[t]. Three tokens fill most positions (each many times). In the
     simulator the first call is traced: an element stored by several threads in one launch without atomics fails
     (on a GPU those updates race and get lost, which the values show)."""
-    rules = _Rules(_enc_op(), "check_encoder_backward_atomic", races=True)
-    return _run(rules, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    op, rules = _enc_op(), Rules("check_encoder_backward_atomic", races=True)
+    return opcheck.run(op, fn, rules=rules, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task,
+                       quiet=quiet)
 
 
 def encoder_fixed_order(dout, idx, V, maxT, dtype=np.float32):
@@ -843,10 +552,11 @@ _ENC_EXACT_HINT = ("the contract fixes the order of the additions, so the result
 
 
 def check_encoder_backward_deterministic(fn, *, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                                         quiet=False) -> _checks.CheckResult:
+                                         quiet=False) -> verdict.CheckResult:
     """Check fn(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C)) deterministically: the values, then the exact
     bits of the contract's order (``encoder_fixed_order``), then the same bits again on a second call; in the
     simulator any float atomic (traced) fails."""
-    rules = _Rules(_enc_op(_ENC_DET_DIMS), "check_encoder_backward_deterministic", repeat=True, exact=_enc_exact,
+    op, rules = _enc_op(_ENC_DET_DIMS), Rules("check_encoder_backward_deterministic", repeat=True, exact=_enc_exact,
                    exact_hint=_ENC_EXACT_HINT, no_float_atomics=True, races=True)
-    return _run(rules, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return opcheck.run(op, fn, rules=rules, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task,
+                       quiet=quiet)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gpullm_lessons  # noqa: F401  (first: switches the CUDA simulator on before numba loads)
-from gpullm_lessons import arrays, checks, device
+from gpullm_lessons import arrays, checks, device, opcheck
 from numba import cuda  # noqa: E402  (after gpullm_lessons)
 from numba import float32 as numba_float32  # noqa: E402
 
@@ -419,7 +419,7 @@ def test_rectangular_case_turns_transposes_into_shape_errors():
     rect = dataclasses.replace(checks._LINEAR, n_cases=1,
                                make=lambda rng, dt, size, k: checks._make_linear(rng, dt, size, 2))
     for fn in (lin_no_transpose, lin_dbias_axis):
-        r = checks._run(rect, fn, seed=4, quiet=True)
+        r = opcheck.run(rect, fn, seed=4, quiet=True)
         assert r.status == "error" and "ValueError" in r.message, r.message
         assert "shape or index problem" in r.hint and "dbias (OC,) = (" in r.hint and "dout @ weight.T" in r.hint
 
@@ -735,7 +735,7 @@ def test_size_none_means_large_on_a_gpu(monkeypatch):
     assert checks.default_size("numba") == "small"
     monkeypatch.setattr(device, "numba_on_gpu", lambda: True)
     assert checks.default_size("numba") == "large" and checks.default_size("numba", "small") == "small"
-    assert checks._validate("residual_backward", residual_backward, "numba", np.float32, None, None)[1] == "large"
+    assert opcheck.validate("residual_backward", residual_backward, "numba", np.float32, None, None)[1] == "large"
 
 
 def _caching(fn):
@@ -838,7 +838,7 @@ def test_k_tile_mistakes_mimicked_in_numpy():
     # past the first cases (K > 16): a loop over whole tiles only
     big = dataclasses.replace(checks._LINEAR, n_cases=1,
                               make=lambda rng, dt, size, k: checks._make_linear(rng, dt, size, 2))
-    r = checks._run(big, lin_whole_k_tiles_only, seed=1, quiet=True)
+    r = opcheck.run(big, lin_whole_k_tiles_only, seed=1, quiet=True)
     assert r.status == "wrong" and r.output == "dinp", r.message     # K = OC = 18: 16 products either way
     assert r.hint.startswith("only the first tile along K is summed (16 wide), or the partial last"), r.message
     assert "Also: " in r.hint and "your dweight equals the sum over the first 32 of its K = N = 37" in r.hint
@@ -1023,7 +1023,7 @@ def _gelu_before_the_start(dout, inp, dinp):
 
 @pytest.fixture
 def guards(monkeypatch):
-    monkeypatch.setattr(checks, "GUARDS", True)
+    monkeypatch.setattr(opcheck, "GUARDS", True)
 
 
 def test_guard_zones_leave_a_right_answer_right(guards):
@@ -1045,15 +1045,15 @@ def test_a_write_before_the_start_is_named(guards):
 def test_guard_zones_by_default_only_where_nothing_traps_a_stray_write(monkeypatch):
     """The simulator and NumPy raise IndexError on a write out of bounds (the checker names the thread); a GPU's
     arrays (CuPy, Numba on a GPU) do not: there the zones are on."""
-    monkeypatch.setattr(checks, "GUARDS", None)
-    assert checks._guards_on("numpy") is False and checks._guards_on("cupy") is True
-    assert checks._guards_on("numba") is device.numba_on_gpu()
+    monkeypatch.setattr(opcheck, "GUARDS", None)
+    assert opcheck.guards_on("numpy") is False and opcheck.guards_on("cupy") is True
+    assert opcheck.guards_on("numba") is device.numba_on_gpu()
 
 
 def test_guard_zones_keep_vector_alignment():
-    outs, bufs = checks._guarded_outputs([(3, 5)], np.dtype(np.float16), "numpy", True)
+    outs, bufs = opcheck.guarded_outputs([(3, 5)], np.dtype(np.float16), "numpy", True)
     g = (bufs[0].size - 15) // 2
-    assert g * 2 == checks.GUARD_BYTES and outs[0].shape == (3, 5) and checks._is_poison(bufs[0]).all()
+    assert g * 2 == opcheck.GUARD_BYTES and outs[0].shape == (3, 5) and opcheck.is_poison(bufs[0]).all()
 
 
 def test_the_ops_checkers_use_the_guard_zones_too(guards):
