@@ -589,7 +589,7 @@ CASE_DIMS["encoder_backward"] = {
 
 def _make_encoder(rng, dt, size, k):
     c = _case("encoder_backward", dt, size, k)
-    B, T, C, V, maxT = c.dims["B"], c.dims["T"], c.dims["C"], c.dims["V"], c.dims["maxT"]
+    B, T, C, V = c.dims["B"], c.dims["T"], c.dims["C"], c.dims["V"]
     c.add_float("dout", ("B", "T", "C"), random_rows(rng, (B, T, C)))
     used = rng.choice(V, size=max(2, min(V - 1, (B * T) // 2, V // 2)), replace=False)  # some tokens never appear
     idx = rng.choice(used, size=(B, T))
@@ -745,8 +745,3 @@ check_residual_backward = _checker(_RESIDUAL, "fn(dout (n,), da (n,), db (n,))")
 
 # name -> checker, e.g. CHECKERS["linear_backward"]
 CHECKERS = {name: globals()[f"check_{name}"] for name in _OPS}
-
-# TEMPORARY aliases (removed once every checker module imports opcheck)
-from .opcheck import (Case as _Case, Mistake as _Mistake, Op as _Op, random_rows as _rows,  # noqa: E402,F401
-                      validate as _validate, guarded_outputs as _guarded_outputs, guards_on as _guards_on,
-                      is_poison as _is_poison, diagnose as _diagnose, if_square as _if_square, changed_inputs_note)

@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 from . import capstone as _cap
-from . import checks as _checks
+from . import opcheck
 from . import device as _device
 from . import verdict
 from .params import GPTConfig, num_params
@@ -194,6 +194,7 @@ def block_model_backward(P, l, t, dout, B, T, n_head, bad=()):
     return dx, g
 
 
+_QKV_COLUMNS = "qkv's columns are [q | k | v], C each (split_heads' col0)"   # in the hints of qk_swap, qv_swap
 _FORWARD_MISTAKES = (
     (("no_res_attn",), "the attention half's residual is missing: x1 is the block input x PLUS what attproj "
      "returns (bias_add adds a residual: its res= argument)"),
@@ -217,8 +218,8 @@ _FORWARD_MISTAKES = (
      "attention half"),
     (("ln_swap",), "the two LayerNorms' parameters are swapped: ln1w / ln1b belong to the LayerNorm before "
      "attention, ln2w / ln2b to the one before the MLP"),
-    (("qk_swap",), "q and k are swapped: qkv's columns are [q | k | v], C each (split_heads' col0)"),
-    (("qv_swap",), "q and v are swapped: qkv's columns are [q | k | v], C each (split_heads' col0)"),
+    (("qk_swap",), "q and k are swapped: " + _QKV_COLUMNS),
+    (("qv_swap",), "q and v are swapped: " + _QKV_COLUMNS),
 )
 
 _BACKWARD_MISTAKES = (
@@ -356,6 +357,16 @@ def _engine(cfg, flat, seed, **fns):
     return eng
 
 
+def _setup(seed):
+    """(cfg, B, N, rng, eng, P), the start of the checks 09.2 - 09.4: this machine's sizes (_sizes; N = B*T rows),
+    the generator of the seed, an engine with random parameters drawn from it first, and those parameters in float64
+    (P: name -> array, see _views)."""
+    cfg, B = _sizes()
+    rng = np.random.default_rng(seed)
+    flat = _random_params(cfg, rng)
+    return cfg, B, B * cfg.block_size, rng, _engine(cfg, flat, seed), _views(cfg, flat.astype(np.float64))
+
+
 def _error_lead(exc):
     """What the engine's own errors mean (None: "the error is in your code"), for the hint."""
     low = " ".join(str(exc).split()).lower()
@@ -417,7 +428,7 @@ def _run(name, task, seed, quiet, body):
 
 
 def _seed(name, fn, seed):
-    return _checks.learner_fn_and_seed(name, fn, seed)
+    return opcheck.learner_fn_and_seed(name, fn, seed)
 
 
 def _backend_words(eng):
@@ -463,12 +474,7 @@ def check_engine_linear_backward(fn, *, seed=None, task=None, quiet=False):
     seed = _seed(name, fn, seed)
 
     def body():
-        cfg, B = _sizes()
-        rng = np.random.default_rng(seed)
-        flat = _random_params(cfg, rng)
-        eng = _engine(cfg, flat, seed)
-        P = _views(cfg, flat.astype(np.float64))
-        N = B * cfg.block_size
+        cfg, _, N, rng, eng, P = _setup(seed)
         calls = 0
         for wname, bname in _LINEARS:
             for l in range(cfg.n_layer):
@@ -545,7 +551,7 @@ def _linear_hint(key, wname, got, want, d, moved, l, cfg, P, d64, i64, rep, N):
                 "of writing (gradients not zeroed between steps)")
     ratio = _constant_ratio(g, want[key])
     if ratio is not None:
-        return f"off by a constant factor {ratio:.4g} (a sign, a scale, a mean instead of a sum?)"
+        return f"off by a constant factor {verdict.fmt(ratio)} (a sign, a scale, a mean instead of a sum?)"
     return None
 
 
@@ -630,13 +636,8 @@ def check_block_forward(fn, *, seed=None, task=None, quiet=False):
     seed = _seed(name, fn, seed)
 
     def body():
-        cfg, B = _sizes()
+        cfg, B, N, rng, eng, P = _setup(seed)
         T, C, nh, L = cfg.block_size, cfg.d_model, cfg.n_head, cfg.n_layer
-        N = B * T
-        rng = np.random.default_rng(seed)
-        flat = _random_params(cfg, rng)
-        eng = _engine(cfg, flat, seed)
-        P = _views(cfg, flat.astype(np.float64))
         shapes = _cache_shapes(cfg, B, T)
         kept = []
         for rep in range(2):
@@ -735,13 +736,8 @@ def check_block_backward(fn, *, seed=None, task=None, quiet=False):
     seed = _seed(name, fn, seed)
 
     def body():
-        cfg, B = _sizes()
+        cfg, B, N, rng, eng, P = _setup(seed)
         T, C, nh, L = cfg.block_size, cfg.d_model, cfg.n_head, cfg.n_layer
-        N = B * T
-        rng = np.random.default_rng(seed)
-        flat = _random_params(cfg, rng)
-        eng = _engine(cfg, flat, seed)
-        P = _views(cfg, flat.astype(np.float64))
         _poison(eng)
         for rep in range(2):
             for l in reversed(range(L)):
@@ -945,8 +941,8 @@ def check_optimizer_step(fn, *, seed=None, task=None, quiet=False):
                      _host(eng.v).astype(np.float64), eng.t)
             eng.grads.flat[...] = eng.xp.asarray((S * g).astype(np.float32))
             binding = "off" if clip == 0 else "binding" if clip < norm else "not binding"
-            what = (f"loss_scale {S:g}, grad_clip {clip:.4g} ({binding}), lr {lr:g}, weight_decay {wd:g}, eng.t "
-                    f"{eng.t} before the call")
+            what = (f"loss_scale {S:g}, grad_clip {verdict.fmt(clip)} ({binding}), lr {lr:g}, weight_decay {wd:g}, "
+                    f"eng.t {eng.t} before the call")
             ret = _call(name, fn, (eng, lr, wd, clip, S), f"called with {what}", seed)
             try:
                 got_norm = float(ret)
@@ -972,7 +968,8 @@ def check_optimizer_step(fn, *, seed=None, task=None, quiet=False):
                 elif hint is None:
                     read = (got[1].astype(np.float64) - b1 * state[1]) / (1 - b1)     # what AdamW read, from m
                     ratio = _constant_ratio(read, g * _coef(norm, clip))
-                    hint = (f"the gradient AdamW read is {ratio:.4g} x the clipped, unscaled gradient" if ratio else
+                    hint = (f"the gradient AdamW read is {verdict.fmt(ratio)} x the clipped, unscaled gradient"
+                            if ratio else
                             "compare with the contract: the norm of the true gradient (the buffer holds loss_scale "
                             "x it), the clip factor of torch's clip_grad_norm_ when grad_clip > 0, one adamw_step "
                             "over the flat buffers at step eng.t + 1 with that factor and 1/loss_scale in "

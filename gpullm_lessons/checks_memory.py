@@ -46,9 +46,9 @@ import math
 
 import numpy as np
 
-from . import checks as _checks
+from . import opcheck
 from . import verdict
-from .verdict import DTYPE_SHORT, fmt, fmt_index
+from .verdict import CheckResult, DTYPE_SHORT, fmt, fmt_index
 
 __all__ = ["check_block_recompute", "check_layernorm_rebuild", "check_selective_rebuild", "LAYER_GRADS"]
 
@@ -62,7 +62,7 @@ def _result(name, task, status, msg, hint=None, seed=None, dtype=None, dims=None
 
 
 def _dtype(name, dtype):
-    dt = _checks.normalize_dtype(dtype)
+    dt = opcheck.normalize_dtype(dtype)
     if dt.name not in ("float32", "float64"):
         raise ValueError(f"check_{name}: dtype={dt.name} is not supported: the reference GPT runs in float32 "
                          f"(or float64); use np.float32")
@@ -70,7 +70,7 @@ def _dtype(name, dtype):
 
 
 def _validate(name, fn, seed):
-    return _checks.learner_fn_and_seed(name, fn, seed, "inputs")
+    return opcheck.learner_fn_and_seed(name, fn, seed, "inputs")
 
 
 def _not_attempted(name, task, seed, dt, dims, quiet):
@@ -99,6 +99,31 @@ def _first_diff(ours, expected) -> str:
 def _same(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _rebuilt_problem(got, want, *, shape, dtype, at, mistakes, rtol, atol, equal_nan=False, close, other):
+    """(message, hint) of the first way a rebuilt tensor `got` (an array) differs from the forward's `want`, or None
+    when they are bitwise equal. In this order: another shape, another dtype (shape, dtype: the (message, hint) to
+    give); a known mistake, one of `mistakes` ((array, hint) pairs) that got equals bitwise, or within rtol / atol
+    where that array is not within them of want; close (max rel err < 1e-4) but not bitwise equal (close: (message,
+    hint), the message a template of {at} and {rel}, the max rel err); else `other` (a hint). at: the tensor's name in
+    the messages of the last three, followed by its first difference ("[0, 2, 1]: yours ..., expected ...")."""
+    if got.shape != want.shape:
+        return shape
+    if got.dtype != want.dtype:
+        return dtype
+    if np.array_equal(got, want):
+        return None
+    at = f"{at}{_first_diff(got, want)}"
+    for mistake, hint in mistakes:
+        if _same(got, mistake) or (got.shape == np.shape(mistake)
+                                   and np.allclose(got, mistake, rtol=rtol, atol=atol, equal_nan=equal_nan)
+                                   and not np.allclose(mistake, want, rtol=rtol, atol=atol)):
+            return at, hint
+    if np.all(np.isfinite(got)) and _max_rel(got, want) < 1e-4:
+        message, hint = close
+        return message.format(at=at, rel=_max_rel(got, want)), hint
+    return at, other
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,7 +239,7 @@ def _layer_pattern(calls, outs, i, k):
     return None
 
 
-def check_block_recompute(fn, dtype=np.float32, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_block_recompute(fn, dtype=np.float32, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check dx_in = fn(x_in, params, l, n_head, dx_out, grads) (see the module docstring): d(x_in) and layer l's
     gradients bitwise equal to block_forward + block_backward, nothing else in grads changed, for every layer of
     two small models, six calls. dtype: np.float32 (default) or np.float64. seed: None for fresh inputs, or the seed
@@ -392,7 +417,7 @@ def _ln_case(rng, dt, B, T, C):
     return {"args": (inp, cache["mean"], cache["rstd"], weight, bias), "expected": expected, "dims": (B, T, C)}
 
 
-def check_layernorm_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_layernorm_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check out = fn(inp, mean, rstd, weight, bias) (see the module docstring): bitwise equal to the output of
     reference layernorm_forward(inp, weight, bias), from the statistics that forward saved, on four inputs (two of
     one shape, T = 1, C = 1)."""
@@ -431,26 +456,21 @@ def check_layernorm_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=Fa
                 return fail(f"your output is call {j + 1}'s again",
                             "stale: your function returns something kept from an earlier call; rebuild the output "
                             "from the arguments of this call")
-        if ours.shape != expected.shape:
-            return fail(f"the output has shape {ours.shape}, expected {expected.shape}",
-                        "mean and rstd are (B, T): broadcast them over the channels with mean[..., None]")
-        if ours.dtype != expected.dtype:
-            return fail(f"the output is {ours.dtype}, expected {expected.dtype}",
-                        "compute in the inputs' dtype: no casts")
-        if np.array_equal(ours, expected):
-            continue
-        at = f"out{_first_diff(ours, expected)}"
-        for hint, out in _layernorm_variants(*case["args"]):
-            if _same(ours, out) or (np.allclose(ours, out, rtol=1e-4, atol=1e-5, equal_nan=True) and not np.allclose(
-                    out, expected, rtol=1e-4, atol=1e-5)):
-                return fail(at, hint)
-        if np.all(np.isfinite(ours)) and _max_rel(ours, expected) < 1e-4:
-            return fail(f"close (max rel err {_max_rel(ours, expected):.1g}) but not bitwise equal; {at}",
-                        "use the forward's own operations in the forward's order (see layernorm_forward in "
-                        "gpullm_lessons.reference.layernorm): a different order rounds differently, and only the "
-                        "same order is bitwise equal")
-        return fail(at, "normalize each row with the saved mean and rstd, then scale by weight and add bias, as "
-                    "layernorm_forward does")
+        problem = _rebuilt_problem(
+            ours, expected,
+            shape=(f"the output has shape {ours.shape}, expected {expected.shape}",
+                   "mean and rstd are (B, T): broadcast them over the channels with mean[..., None]"),
+            dtype=(f"the output is {ours.dtype}, expected {expected.dtype}", "compute in the inputs' dtype: no casts"),
+            at="out", mistakes=[(out, hint) for hint, out in _layernorm_variants(*case["args"])],
+            rtol=1e-4, atol=1e-5, equal_nan=True,
+            close=("close (max rel err {rel:.1g}) but not bitwise equal; {at}",
+                   "use the forward's own operations in the forward's order (see layernorm_forward in "
+                   "gpullm_lessons.reference.layernorm): a different order rounds differently, and only the same "
+                   "order is bitwise equal"),
+            other="normalize each row with the saved mean and rstd, then scale by weight and add bias, as "
+                  "layernorm_forward does")
+        if problem:
+            return fail(*problem)
     return _result(name, task, "correct", f"{name}: correct (bitwise equal to layernorm_forward's output on "
                    f"{len(cases)} inputs, including T = 1 and C = 1; {DTYPE_SHORT[dt.name]}, seed {seed})",
                    seed=seed, dtype=dt.name, dims={"calls": len(cases)}, quiet=quiet)
@@ -541,7 +561,7 @@ def _rebuild_candidates(call):
     }
 
 
-def check_selective_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_selective_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check cache = fn(kept) (see the module docstring): the block cache rebuilt from what policy "selective"
     keeps, its three rebuilt tensors and block_backward's results bitwise equal to the forward's, kept unchanged;
     four calls (every layer of a 3-layer model, and T = 1)."""
@@ -601,26 +621,19 @@ def check_selective_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=Fa
         cands = _rebuild_candidates(call)
         for key, what in _REBUILT:
             got, want = np.asarray(ours[key]["inp"]), call["want"][key]
-            if got.shape != want.shape:
-                return fail(f"cache[{key!r}]['inp'] ({what}) has shape {got.shape}, expected {want.shape}",
-                            "rebuild it with the shapes of the forward: LayerNorm outputs (B, T, C), the GELU output "
-                            "(B, T, 4C)")
-            if got.dtype != want.dtype:
-                return fail(f"cache[{key!r}]['inp'] is {got.dtype}, expected {want.dtype}",
-                            "compute in the cache's dtype: no casts")
-            if np.array_equal(got, want):
-                continue
-            at = f"cache[{key!r}]['inp'] ({what}){_first_diff(got, want)}"
-            for cand, hint in cands[key]:
-                if _same(got, cand) or (got.shape == cand.shape and np.allclose(got, cand, rtol=1e-5, atol=1e-6)
-                                        and not np.allclose(cand, want, rtol=1e-5, atol=1e-6)):
-                    return fail(at, hint)
-            if np.all(np.isfinite(got)) and _max_rel(got, want) < 1e-4:
-                return fail(f"{at}: close but not bitwise equal",
-                            "rebuild with the forward's own operations in its order (the LayerNorm output from the "
-                            "saved statistics as layernorm_forward computes it, the GELU with gelu_forward): only "
-                            "the same operations give the same bits")
-            return fail(at, f"rebuild it ({what}) from what kept holds, with the forward's own operations")
+            tensor = f"cache[{key!r}]['inp']"
+            problem = _rebuilt_problem(
+                got, want,
+                shape=(f"{tensor} ({what}) has shape {got.shape}, expected {want.shape}", "rebuild it with the shapes "
+                       "of the forward: LayerNorm outputs (B, T, C), the GELU output (B, T, 4C)"),
+                dtype=(f"{tensor} is {got.dtype}, expected {want.dtype}", "compute in the cache's dtype: no casts"),
+                at=f"{tensor} ({what})", mistakes=cands[key], rtol=1e-5, atol=1e-6,
+                close=("{at}: close but not bitwise equal", "rebuild with the forward's own operations in its order "
+                       "(the LayerNorm output from the saved statistics as layernorm_forward computes it, the GELU "
+                       "with gelu_forward): only the same operations give the same bits"),
+                other=f"rebuild it ({what}) from what kept holds, with the forward's own operations")
+            if problem:
+                return fail(*problem)
         # the rest of the cache: block_backward on your cache must give the reference's results
         g_ref, g_ours = m["params"].zeros_like(), m["params"].zeros_like()
         dx_ref = block_backward(call["dx_out"].copy(), call["c"], g_ref, l)

@@ -28,10 +28,10 @@ import secrets
 import numpy as np
 
 from . import arrays as _arrays
-from . import checks as _checks
+from . import opcheck
 from . import device as _device
 from . import verdict
-from .verdict import DTYPE_SHORT, close, compare, fmt, mistake_slack
+from .verdict import CheckResult, DTYPE_SHORT, close, compare, fmt, mistake_slack
 
 __all__ = ["check_adamw_step", "adamw_expected", "check_adamw_mixed"]
 
@@ -155,7 +155,7 @@ def _diagnose(c, ours, expected, bads, wrong, tol):
 
 
 def check_adamw_step(fn, arrays="numpy", dtype=np.float32, size=None, seed=None, task=None,
-                     quiet=False) -> "_checks.CheckResult":
+                     quiet=False) -> "CheckResult":
     """Check fn(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds) (see the module
     docstring): params, m, v updated in place as optim.AdamW, grads zeroed. dtype: np.float32 (default) or
     np.float64. size: "small" (default; simulator-friendly) or "large" (~3M parameters, for a GPU). seed: None for
@@ -163,13 +163,13 @@ def check_adamw_step(fn, arrays="numpy", dtype=np.float32, size=None, seed=None,
     Returns a checks.CheckResult (truthy when correct); errors raised by fn are reported, never raised."""
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
         return verdict.skipped(NAME, task, quiet=quiet)
-    dt, size = _checks._validate(NAME, fn, arrays, dtype, size, seed)
+    dt, size = opcheck.validate(NAME, fn, arrays, dtype, size, seed)
     if dt.name not in ("float32", "float64"):
         raise ValueError(f"check_adamw_step: dtype={dt.name} is not supported: the optimizer state is float32 "
                          f"(or float64); use np.float32")
     seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
     rng = np.random.default_rng(seed)
-    tol = _checks.TOLERANCES[dt.name]
+    tol = opcheck.TOLERANCES[dt.name]
     c = _make_case(rng, dt, size)
     expected = adamw_expected(c["params"], c["grads"], c["m"], c["v"], c["lr"], c["beta1"], c["beta2"], c["eps"],
                               c["weight_decay"], c["step"], c["mask"])
@@ -413,7 +413,7 @@ def _mixed_half_hint(c, ours_p32, half, want):
             f"0x{int(bits[i]):08X}) rounds to bf16 0x{int(want[i]):04X} (nearest, ties to even)")
 
 
-def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check one mixed-precision optimizer step, fused:
 
         fn(params, grads, m, v, half_out, lr, beta1, beta2, eps, weight_decay, step, loss_scale, decay_bounds)
@@ -433,7 +433,7 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
     name = NAME_MIXED
     if arrays == "cupy" and callable(fn) and not _device.has_gpu():
         return verdict.skipped(name, task, quiet=quiet, arrays=arrays)
-    seed = _checks.learner_fn_and_seed(name, fn, seed)
+    seed = opcheck.learner_fn_and_seed(name, fn, seed)
     kind = type(fn).__name__
     if kind in ("CUDADispatcher", "FakeCUDAKernel"):
         raise TypeError(f"check_{name}(fn): fn is a Numba kernel; pass the launcher that calls it (adamw_step_mixed)")
@@ -447,7 +447,7 @@ def check_adamw_mixed(fn, arrays="numba", size=None, seed=None, task=None, quiet
     big = (size == "large") or (size is None and (arrays == "cupy" or (arrays == "numba" and
                                                                        _device.numba_on_gpu())))
     rng = np.random.default_rng(seed)
-    tol = _checks.TOLERANCES["float32"]
+    tol = opcheck.TOLERANCES["float32"]
     t2 = int(rng.integers(2, 7))
     plan = [("one", 1, int(rng.integers(8, 13))), ("gpt", 1, int(rng.integers(14, 17))),
             ("tiny", t2, int(rng.integers(5, 11)))]

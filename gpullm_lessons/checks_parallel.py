@@ -52,8 +52,9 @@ import time
 
 import numpy as np
 
-from . import checks as _checks
+from . import opcheck
 from . import verdict
+from .verdict import CheckResult
 from .comm import Communicator
 
 __all__ = ["check_ring_allreduce_sim", "check_shard_bounds", "check_shard_decay_table", "check_zero_reduce_scatter",
@@ -68,7 +69,7 @@ def _result(name, task, status, msg, hint=None, seed=None, dims=None, quiet=Fals
 
 
 def _seed(name, fn, seed):
-    return _checks.learner_fn_and_seed(name, fn, seed, "inputs")
+    return opcheck.learner_fn_and_seed(name, fn, seed, "inputs")
 
 
 def _not_attempted(name, task, seed, dims, quiet):
@@ -269,7 +270,7 @@ _RING_MISTAKES = (   # numeric mistakes a valid log cannot show: (_replay keywor
 _RING_CASES = ((3, 11), (2, 7), (5, 13), (5, 3), (1, 4), (4, 9))
 
 
-def check_ring_allreduce_sim(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_ring_allreduce_sim(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check out, log = fn(buffers) (module docstring): the ring all-reduce of N simulated ranks, for N = 3, 2, 5, 5,
     1, 4 ranks and buffers of 11, 7, 13, 3, 4, 9 elements. seed: None for fresh values, or the seed a check printed.
     task: label for grading. quiet: do not print. Returns a CheckResult (truthy when correct)."""
@@ -435,7 +436,7 @@ def _as_bounds(v):
     return int(lo), int(hi)
 
 
-def check_shard_bounds(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_shard_bounds(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check lo, hi = fn(n, world, rank) (module docstring) for every rank of (n, world) pairs: n a multiple of
     world and not, n < world, ranks whose piece lies past n, n = 0, world = 1. Returns a CheckResult."""
     name = "shard_bounds"
@@ -590,7 +591,7 @@ def _table_problem(b, f, lo, hi, mask):
     return None
 
 
-def check_shard_decay_table(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_shard_decay_table(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check b, f = fn(bounds, flags, lo, hi) (module docstring) on the decay tables of two small GPTs and shards
     at 0, at n, inside one tensor, on tensor boundaries, empty, and every rank's shard. Returns a CheckResult."""
     name = "shard_decay_table"
@@ -815,7 +816,7 @@ def _rs_mistakes(grads, S):
 _RS_CASES = ((3, 5), (2, 3), (5, 3), (1, 4), (4, 1))
 
 
-def check_zero_reduce_scatter(fn, seed=None, task=None, quiet=False, timeout=1.0) -> "_checks.CheckResult":
+def check_zero_reduce_scatter(fn, seed=None, task=None, quiet=False, timeout=1.0) -> "CheckResult":
     """Check fn(comm, grad, out) (module docstring) run on N ranks at once (one thread each), for N = 3, 2, 5, 1, 4
     ranks and shards of 5, 3, 3, 4, 1 elements: every rank's out must be the sum over the ranks of its own shard.
     timeout: seconds a rank waits for a message before the checker calls it stuck. Returns a CheckResult."""

@@ -30,9 +30,10 @@ import secrets
 import numpy as np
 
 from . import arrays as _arrays
-from . import checks as _checks
+from . import opcheck
 from . import device as _device
 from . import verdict
+from .verdict import CheckResult
 
 __all__ = ["check_bf16_rne", "check_loss_scaler_update", "check_bf16_kernel", "check_bf16_hip", "check_unscale_hip",
            "bf16_special_cases", "bf16_mistakes", "SCALER_HINTS"]
@@ -52,7 +53,7 @@ def _error(name, task, quiet, exc, context, seed):
 
 def stub_kernel(fn):
     """See checks.unfinished_kernel (kept under this name for the precision and optimizer checkers)."""
-    return _checks.unfinished_kernel(fn)
+    return opcheck.unfinished_kernel(fn)
 
 
 def _check_fn(checker, fn):
@@ -170,7 +171,7 @@ def _call_bf16(fn, x):
     return out, None
 
 
-def check_bf16_rne(fn, seed=None, n=200_000, task=None, quiet=False) -> "_checks.CheckResult":
+def check_bf16_rne(fn, seed=None, n=200_000, task=None, quiet=False) -> "CheckResult":
     """Check fn(x float32 array) -> uint16 bfloat16 bits, round to nearest even, bit for bit against ml_dtypes
     (see the module docstring). seed: None for fresh inputs, or the seed a failed check printed. n: how many
     random floats. task: label for grading. quiet: do not print. Errors raised by fn are reported, never raised."""
@@ -195,7 +196,7 @@ def check_bf16_rne(fn, seed=None, n=200_000, task=None, quiet=False) -> "_checks
             return _error(NAME_BF16, task, quiet, exc, f"x was float32 {x.shape} ({label}; seed {seed})", seed)
         if problem:
             msg = f"{NAME_BF16}: wrong - {problem}"
-            return _record(_checks.CheckResult(status="wrong", passed=False, message=msg, hint=problem, **base),
+            return _record(CheckResult(status="wrong", passed=False, message=msg, hint=problem, **base),
                            quiet)
         want = _expected_bf16(x)
         bad = ours != want
@@ -214,7 +215,7 @@ def check_bf16_rne(fn, seed=None, n=200_000, task=None, quiet=False) -> "_checks
                                             expected=float(e), dims={"n": int(bad.size)}, **base), quiet)
     msg = (f"{NAME_BF16}: correct (bit-exact with ml_dtypes.bfloat16 on {sbits.size} special cases and {n:,} "
            f"random floats)")
-    return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0,
+    return _record(CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0,
                                        message=msg, dims={"n": int(n + sbits.size)}, **base), quiet)
 
 
@@ -320,7 +321,7 @@ def _reference_run(scale, interval, seq):
     return out
 
 
-def check_loss_scaler_update(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_loss_scaler_update(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check fn(scale, found_inf, clean_steps, growth_interval) -> (new_scale, new_clean_steps, skip) against
     DynamicLossScaler.update (growth_factor 2, backoff_factor 0.5, min_scale 1) on scripted and random sequences
     (see the module docstring). Errors raised by fn are reported, never raised."""
@@ -357,7 +358,7 @@ def check_loss_scaler_update(fn, seed=None, task=None, quiet=False) -> "_checks.
             scale, clean = float(new_scale), int(new_clean)
     steps = sum(len(s[2]) for s in scripts)
     msg = f"{NAME_SCALER}: correct ({len(scripts)} sequences, {steps} steps, same as DynamicLossScaler)"
-    return _record(_checks.CheckResult(status="correct", passed=True, message=msg, **base), quiet)
+    return _record(CheckResult(status="correct", passed=True, message=msg, **base), quiet)
 
 
 
@@ -403,7 +404,7 @@ def _bf16_out_hint(bits, ours, want, grid_note=""):
     return _bf16_hint(bits, ours, want)
 
 
-def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check a launcher fn(x, out): x float32 (n,) and out uint16 (n,) on the backend `arrays` ("numba": Numba device
     arrays, the default; "numpy"; "cupy"); fn must write out[i] = the bfloat16 bits of x[i], round to nearest even,
     NaN -> the quiet NaN 0x7FC0 with its sign, bit for bit as ml_dtypes (check_bf16_rne's rule).
@@ -414,7 +415,7 @@ def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet
     case has over a million elements; size="small" leaves it out, "large" forces it). out starts as 0x7FD5 in every
     element, so an element never written shows. Errors raised by fn are reported, never raised."""
     name = NAME_BF16_KERNEL
-    seed = _checks.learner_fn_and_seed(name, fn, seed)
+    seed = opcheck.learner_fn_and_seed(name, fn, seed)
     if type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel"):
         raise TypeError(f"check_{name}(fn): fn is a Numba kernel; pass the launcher that calls it, fn(x, out)")
     if arrays == "cupy" and not _device.has_gpu():
@@ -466,7 +467,7 @@ def check_bf16_kernel(fn, arrays="numba", size=None, seed=None, task=None, quiet
                                                 **base), quiet)
     ns = ", ".join(f"{bits.size:,}" for _, bits in cases)
     msg = f"{name}: correct (bit-exact with ml_dtypes.bfloat16 in {len(cases)} calls, n = {ns})"
-    return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
+    return _record(CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
                                        **base), quiet)
 
 
@@ -477,14 +478,14 @@ def _hip_source(name, source, task, quiet, banned=(), required=()):
     if not (isinstance(source, str) or callable(source)):
         raise TypeError(f"check_{name}(source): pass your kernel source as a str, or the function that returns it "
                         f"(without calling it); got {type(source).__name__}")
-    text, failed = _checks.source_text(source)
+    text, failed = opcheck.source_text(source)
     base = dict(name=name, task=task, arrays="cupy")
     if failed is not None:
         status, why = failed
         if status == "not attempted":
             return None, _not_attempted(name, task, quiet)
         msg = f"{name}: error - {why}"
-        return None, _record(_checks.CheckResult(status="error", passed=False, message=msg, hint=why, **base), quiet)
+        return None, _record(CheckResult(status="error", passed=False, message=msg, hint=why, **base), quiet)
     import re
     from .hip import _blank_comments
     code = _blank_comments(text)
@@ -493,13 +494,13 @@ def _hip_source(name, source, task, quiet, banned=(), required=()):
         if m:
             line = code.count("\n", 0, m.start()) + 1
             msg = f"{name}: wrong - line {line}: {m.group(0).strip()}\n  hint: {hint}"
-            return None, _record(_checks.CheckResult(status="wrong", passed=False, hint=hint, message=msg, **base),
+            return None, _record(CheckResult(status="wrong", passed=False, hint=hint, message=msg, **base),
                                  quiet)
     for pattern, hint in required:
         if not re.search(pattern, code):
             what = pattern.replace("\\b", "")
             msg = f"{name}: wrong - your source has no {what}\n  hint: {hint}"
-            return None, _record(_checks.CheckResult(status="wrong", passed=False, hint=hint, message=msg, **base),
+            return None, _record(CheckResult(status="wrong", passed=False, hint=hint, message=msg, **base),
                                  quiet)
     return text, None
 
@@ -514,8 +515,24 @@ def _hip_kernel(name, text, entry, task, quiet):
             " ".join(str(exc).split())[:400]
         hint = f"your source does not compile here: {first}"
         msg = f"{name}: wrong - compile error\n  hint: {hint}"
-        return None, _record(_checks.CheckResult(name=name, task=task, status="wrong", passed=False, hint=hint,
+        return None, _record(CheckResult(name=name, task=task, status="wrong", passed=False, hint=hint,
                                                  message=msg, arrays="cupy"), quiet)
+
+
+def _hip_start(name, source, entry, seed, task, quiet, banned=(), required=()):
+    """The start of a HIP checker: (kernel, seed, None) with the source compiled on this GPU and the seed drawn when
+    None, or (None, None, the recorded verdict) when it ends there: the source refused (_hip_source, banned and
+    required as there), compiled and linted only (no GPU), or a compile error (_hip_kernel)."""
+    text, refused = _hip_source(name, source, task, quiet, banned=banned, required=required)
+    if refused is not None:
+        return None, None, refused
+    if not _device.has_gpu():
+        return None, None, opcheck.hip_compile_only(name, text, [entry], task=task, quiet=quiet)
+    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
+    kernel, refused = _hip_kernel(name, text, entry, task, quiet)
+    if refused is not None:
+        return None, None, refused
+    return kernel, seed, None
 
 
 def _hip_blocks(n, per_thread=1):
@@ -528,7 +545,7 @@ _FLOAT4 = (r"\bfloat4\b", "the task is float4 loads: read src 16 bytes (a float4
            "aligned, with scalar code for the elements before that and for the last n % 4")
 
 
-def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check a portable HIP/CUDA C++ kernel (a str, or a zero-argument function returning it) defining
 
         extern "C" __global__ void f32_to_bf16_vec4(const float* src, unsigned short* dst, long long n)
@@ -541,15 +558,10 @@ def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckR
     Without a GPU it is compiled for NVIDIA and AMD and linted (status "compiled"). The source must include only
     "portable.h" and use float4."""
     name = NAME_BF16_HIP
-    text, refused = _hip_source(name, source, task, quiet, banned=(_HALF_H,), required=(_FLOAT4,))
-    if refused is not None:
-        return refused
-    if not _device.has_gpu():
-        return _checks.hip_compile_only(name, text, [BF16_HIP_ENTRY], task=task, quiet=quiet)
-    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
-    kernel, refused = _hip_kernel(name, text, BF16_HIP_ENTRY, task, quiet)
-    if refused is not None:
-        return refused
+    kernel, seed, done = _hip_start(name, source, BF16_HIP_ENTRY, seed, task, quiet, banned=(_HALF_H,),
+                                    required=(_FLOAT4,))
+    if done is not None:
+        return done
     import cupy as cp
     rng = np.random.default_rng(seed)
     past = HIP_MAX_BLOCKS * HIP_THREADS * 4
@@ -614,7 +626,7 @@ def check_bf16_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckR
                                                 **base), quiet)
     msg = (f"{name}: correct (bit-exact with ml_dtypes.bfloat16 in {len(cases)} launches: n = 1..7, past the grid, "
            f"src + 1 and src + 3 not 16-byte aligned; nothing written outside dst)")
-    return _record(_checks.CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
+    return _record(CheckResult(status="correct", passed=True, max_abs=0.0, max_rel=0.0, tol=0.0, message=msg,
                                        **base), quiet)
 
 
@@ -681,7 +693,7 @@ def _count_hint(g, got, want, blocks, threads=HIP_THREADS):
     return f"count is {got}, expected {want}: every inf or NaN element must be counted exactly once"
 
 
-def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check a portable HIP/CUDA C++ kernel (a str, or a zero-argument function returning it) defining
 
         extern "C" __global__ void unscale_nonfinite(float* grads, long long n, float inv_scale, int* count)
@@ -693,17 +705,11 @@ def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.Che
     the grid; grads must equal float32 g * inv_scale bit for bit (NaN stays NaN) and count must be exact. Without a
     GPU it is compiled for NVIDIA and AMD and linted (status "compiled")."""
     name = NAME_UNSCALE
-    text, refused = _hip_source(name, source, task, quiet,
-                                required=((r"\batomicAdd\b", "add each block's total to count[0] with atomicAdd "
-                                           "(blocks run in any order)"),))
-    if refused is not None:
-        return refused
-    if not _device.has_gpu():
-        return _checks.hip_compile_only(name, text, [UNSCALE_ENTRY], task=task, quiet=quiet)
-    seed = secrets.randbelow(1_000_000) if seed is None else int(seed)
-    kernel, refused = _hip_kernel(name, text, UNSCALE_ENTRY, task, quiet)
-    if refused is not None:
-        return refused
+    kernel, seed, done = _hip_start(name, source, UNSCALE_ENTRY, seed, task, quiet,
+                                    required=((r"\batomicAdd\b", "add each block's total to count[0] with atomicAdd "
+                                               "(blocks run in any order)"),))
+    if done is not None:
+        return done
     import cupy as cp
     rng = np.random.default_rng(seed)
     past = HIP_MAX_BLOCKS * HIP_THREADS
@@ -755,4 +761,4 @@ def check_unscale_hip(source, seed=None, task=None, quiet=False) -> "_checks.Che
                                                 expected=float(want_count), **base), quiet)
     msg = (f"{name}: correct ({len(plan)} launches, n = 0 .. {plan[-1]:,}; grads unscaled bit for bit, every inf/NaN "
            f"counted once)")
-    return _record(_checks.CheckResult(status="correct", passed=True, message=msg, **base), quiet)
+    return _record(CheckResult(status="correct", passed=True, message=msg, **base), quiet)

@@ -31,8 +31,9 @@ import math
 
 import numpy as np
 
-from . import checks as _checks
+from . import opcheck
 from . import verdict
+from .verdict import CheckResult
 
 __all__ = ["check_lr_schedule", "check_clip_coef", "clip_coef_expected", "RTOL", "CLIP_EPS"]
 
@@ -51,7 +52,7 @@ def _result(name, task, status, msg, hint=None, seed=None, dims=None, quiet=Fals
 
 
 def _validate(name, fn, seed):
-    return _checks.learner_fn_and_seed(name, fn, seed, "settings")
+    return opcheck.learner_fn_and_seed(name, fn, seed, "settings")
 
 
 def _zero_division_lead(name, args):
@@ -130,6 +131,10 @@ def _lr_variant_raw(step, max_lr, warmup, total, min_lr, *, warm="ref", span="re
     return low + coeff * (max_lr - low)
 
 
+# optim.lr_schedule's decay phase, as the hints write it
+_COSINE = "min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr)"
+_DECAY_RATIO = "r = (step - warmup) / (total - 1 - warmup)"
+
 _LR_MISTAKES = (
     (dict(warm="zero"), "the warmup is off by one: it starts at 0 (max_lr * step / warmup), so step 0 trains with "
      "lr 0 and max_lr is reached one step late; this course (optim.lr_schedule) uses max_lr * (step + 1) / warmup"),
@@ -137,26 +142,25 @@ _LR_MISTAKES = (
      "at the last warmup step (step = warmup - 1)"),
     (dict(warm="le"), "the warmup runs one step too long (step <= warmup): at step = warmup the cosine starts, "
      "at max_lr; the warmup is steps 0 .. warmup-1 (step < warmup)"),
-    (dict(floor=False), "no floor at min_lr: your cosine decays to 0; it must go from max_lr down to min_lr: "
-     "min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr)"),
+    (dict(floor=False), "no floor at min_lr: your cosine decays to 0; "
+     f"it must go from max_lr down to min_lr: {_COSINE}"),
     (dict(hold=False), "after the run (step >= total) the cosine climbs back up: hold the decay ratio at 1 "
      "(r = min(1, ...)) so that the learning rate stays at min_lr"),
     (dict(span="total"), "the cosine runs over the wrong span: total steps instead of the decay phase's "
-     "total - 1 - warmup; r = (step - warmup) / (total - 1 - warmup) goes from 0 at the end of the warmup to 1 at "
-     "the last step (total - 1)"),
+     f"total - 1 - warmup; {_DECAY_RATIO} goes from 0 at the end of the warmup to 1 at the last step (total - 1)"),
     (dict(span="total-1"), "the cosine runs over the wrong span: total - 1 steps instead of the decay phase's "
-     "total - 1 - warmup; r = (step - warmup) / (total - 1 - warmup)"),
+     f"total - 1 - warmup; {_DECAY_RATIO}"),
     (dict(span="from0"), "the cosine runs over the wrong span: over the whole run from step 0 (r = step / total) "
-     "instead of the decay phase; r = (step - warmup) / (total - 1 - warmup) is 0 at the end of the warmup"),
+     f"instead of the decay phase; {_DECAY_RATIO} is 0 at the end of the warmup"),
     (dict(span="from0-1"), "the cosine runs over the wrong span: from step 0 (r = step / (total - 1)) instead of "
-     "the decay phase; r = (step - warmup) / (total - 1 - warmup) is 0 at the end of the warmup"),
+     f"the decay phase; {_DECAY_RATIO} is 0 at the end of the warmup"),
     (dict(span="total-warmup"), "the cosine ends one step late: it reaches min_lr at step total, one past the last "
      "step (total - 1); divide by total - 1 - warmup, not total - warmup"),
     (dict(span="short-min"), "a decay phase of a single step (total = warmup + 1) went straight to min_lr: the "
      "course's schedule keeps the ratio's denominator at least 1, so the decay starts at max_lr at step = warmup "
      "as in every other run (and reaches min_lr only after the run)"),
-    (dict(shape="linear"), "linear decay instead of cosine: the decay phase is "
-     "min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr), slow at both ends, not a straight line"),
+    (dict(shape="linear"), f"linear decay instead of cosine: the decay phase is {_COSINE}, slow at both ends, not a "
+     "straight line"),
 )
 
 
@@ -195,7 +199,7 @@ def _phase(step, warmup, total):
     return "warmup" if step < warmup else ("decay" if step < total else "after the run")
 
 
-def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check fn(step, max_lr, warmup, total, min_lr) -> the learning rate at 0-based `step` (see the module
     docstring) against optim.lr_schedule on five runs (a typical one, no warmup, a decay phase of a single step, a
     short one, a long warmup: every step, and four past the end). seed: None for
@@ -240,8 +244,8 @@ def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "_checks.CheckRe
             if hint is None:
                 phase = _phase(s, warmup, total)
                 hint = {"warmup": "the warmup is wrong: steps 0 .. warmup-1 get max_lr * (step + 1) / warmup",
-                        "decay": "the decay phase is wrong: min_lr + 0.5 * (1 + cos(pi * r)) * (max_lr - min_lr) "
-                                 "with r = (step - warmup) / max(1, total - 1 - warmup)",
+                        "decay": f"the decay phase is wrong: {_COSINE} with "
+                                 "r = (step - warmup) / max(1, total - 1 - warmup)",
                         "after the run": "after the last step (step >= total) the learning rate must stay at "
                                          "min_lr"}[phase]
             msg = (f"{name}: wrong - at step {s} ({_phase(s, warmup, total)}) of run {run + 1} of {len(runs)}, "
@@ -324,7 +328,7 @@ def _clip_cases(rng):
     return cases
 
 
-def check_clip_coef(fn, seed=None, task=None, quiet=False) -> "_checks.CheckResult":
+def check_clip_coef(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     """Check fn(grad_norm, max_norm) -> the clipping factor (see the module docstring) against
     min(1, max_norm / (grad_norm + 1e-6)) on random norms above, at, below max_norm, tiny ones and zero.
     seed: None for fresh settings, or the seed a failed check printed. task: label for grading. quiet: do not

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ._validate import _float_array
+from ._validate import _dout_shaped, _float_array
 
 GELU_SCALE = math.sqrt(2.0 / math.pi)  # a python float: multiplying keeps float32 arrays float32
 GELU_CUBE = 0.044715
@@ -30,9 +30,7 @@ def gelu_forward(inp):
 def gelu_backward(dout, cache):
     """dout (same shape as inp) -> dinp."""
     x = cache["inp"]
-    dout = np.asarray(dout)
-    if dout.shape != x.shape:
-        raise ValueError(f"gelu_backward: dout is {dout.shape} but inp was {x.shape}")
+    dout = _dout_shaped("gelu_backward", dout, "inp", x.shape)
     u = GELU_SCALE * (x + GELU_CUBE * x ** 3)
     tanh_u = np.tanh(u)
     dudx = GELU_SCALE * (1.0 + 3.0 * GELU_CUBE * x ** 2)

@@ -11,7 +11,7 @@ Backward: the Jacobian is d out_i / d x_j = out_i (delta_ij - out_j), so
 """
 import numpy as np
 
-from ._validate import _float_array
+from ._validate import _dout_shaped, _float_array
 
 
 def softmax_forward(inp):
@@ -27,8 +27,5 @@ def softmax_forward(inp):
 def softmax_backward(dout, cache):
     """dout (..., n) -> dinp (..., n)."""
     out = cache["out"]
-    dout = np.asarray(dout)
-    if dout.shape != out.shape:
-        raise ValueError(f"softmax_backward: dout is {dout.shape} but out was {out.shape}")
-    dout = dout.astype(out.dtype, copy=False)
+    dout = _dout_shaped("softmax_backward", dout, "out", out.shape).astype(out.dtype, copy=False)
     return out * (dout - (out * dout).sum(axis=-1, keepdims=True))   # (..., n)

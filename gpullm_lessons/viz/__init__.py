@@ -2,7 +2,8 @@
 `notebooks/NN_<name>.ipynb` introduces (the same NN and name), so lesson 04's are in `viz/l04_layernorm_backward.py`.
 A figure a later lesson reuses stays with the lesson that first draws it: plot_grid_mapping (lessons 00, 05, 06) in
 l00, plot_roofline (02-05) in l02, plot_version_fractions (03, 05, 06) in l03, plot_loss (09, 10, train.py) in l09.
-Lesson 01 draws nothing. `viz/common.py` holds what the modules share (pyplot(): matplotlib's pyplot, headless-safe).
+Lesson 01 draws nothing. `viz/common.py` holds what the modules share (pyplot(): matplotlib's pyplot, headless-safe;
+figure_and_axes(): the caller's axes or a new figure's).
 
 Import from here, not from a lesson module: `from gpullm_lessons import viz; viz.plot_loss(...)` or
 `from gpullm_lessons.viz import plot_loss`. Every figure module imports only matplotlib and numpy at module level;
@@ -10,7 +11,7 @@ the course's own modules (profiling, parallel, optim, precision, checks, kernel_
 function that needs them, so importing viz pulls in no engine, job or device.
 """
 
-from .common import pyplot  # noqa: F401  (kernel_trace's pictures draw with it)
+from .common import figure_and_axes, pyplot  # noqa: F401  (kernel_trace's pictures draw with pyplot)
 from .l00_gpu_orientation import plot_ceilings, plot_grid_mapping, show_kernel  # noqa: F401
 from .l02_linear_backward import plot_dbias_columns, plot_linear_rates, plot_roofline, plot_tiled_gemm  # noqa: F401
 from .l03_softmax_backward import plot_block_reduction, plot_softmax_mapping, plot_version_fractions  # noqa: F401

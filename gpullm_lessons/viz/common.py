@@ -1,4 +1,5 @@
-"""What every figure module shares: pyplot(), matplotlib's pyplot (kernel_trace's pictures use it too).
+"""What every figure module shares: pyplot(), matplotlib's pyplot (kernel_trace's pictures use it too), and
+figure_and_axes(ax, figsize), the axes a figure function draws on (the caller's, or a new figure's).
 
 Without a display (a server, CI) matplotlib is switched to its file-only Agg backend, unless pyplot is already
 loaded or MPLBACKEND is set (Jupyter sets its inline backend itself).
@@ -19,3 +20,12 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def figure_and_axes(ax, figsize):
+    """(fig, ax) for a figure function's ax=None argument: the caller's ax and the figure it is on, or, when ax is
+    None, a new figure of figsize inches with one axes."""
+    plt = pyplot()
+    if ax is None:
+        return plt.subplots(figsize=figsize)
+    return ax.figure, ax

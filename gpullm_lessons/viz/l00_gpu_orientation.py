@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import pyplot
+from .common import figure_and_axes, pyplot
 
 
 def plot_grid_mapping(n: int, threads_per_block: int, ax=None):
@@ -14,10 +14,7 @@ def plot_grid_mapping(n: int, threads_per_block: int, ax=None):
     plt = pyplot()
     blocks = (n + threads_per_block - 1) // threads_per_block
     total = blocks * threads_per_block
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(min(0.45 * total + 1, 16), 1.9))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(min(0.45 * total + 1, 16), 1.9))
     colors = plt.get_cmap("tab10")
     for i in range(total):
         b, t = divmod(i, threads_per_block)
@@ -45,11 +42,7 @@ def plot_grid_mapping(n: int, threads_per_block: int, ax=None):
 
 def plot_ceilings(ceilings: dict, ax=None):
     """Bar chart of the measured ceilings (copy GB/s on the left axis, matmul TFLOP/s on the right)."""
-    plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(7, 3.2))
     ax.bar([0], [ceilings["copy"]["GB/s"]], color="tab:blue")
     ax.set_ylabel("copy GB/s", color="tab:blue")
     ax2 = ax.twinx()

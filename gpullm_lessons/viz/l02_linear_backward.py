@@ -3,7 +3,7 @@ roofline of a kernel benchmark (reused by lessons 03-05 and `python -m gpullm_le
 
 from __future__ import annotations
 
-from .common import pyplot
+from .common import figure_and_axes, pyplot
 
 
 def plot_roofline(result: dict, path=None, ax=None):
@@ -12,10 +12,7 @@ def plot_roofline(result: dict, path=None, ax=None):
     import numpy as np
 
     plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(8, 5))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(8, 5))
     bw = result["ceilings"]["copy"]["GB/s"] * 1e9
     peak = result["ceilings"]["matmul_fp32"]["TFLOP/s"] * 1e12
     rows = [r for r in result["rows"] if "error" not in r]
@@ -70,32 +67,29 @@ def plot_tiled_gemm(
     bx, by = block
     tx, ty = thread
     steps = (K + tile - 1) // tile
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(11, 8.2))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(11, 8.2))
     gap = 1.5
     i0, j0, k0 = by * tile, bx * tile, step * tile
 
     def cell(x, y, **kw):
         ax.add_patch(plt.Rectangle((x, y), 1, 1, lw=0.4, ec="0.7", **kw))
 
+    def operand_cell(x, y, k, in_strip, dark, pale):
+        """A cell of op(A) or op(B) at depth k: in the block's strip it is dark while step `step` copies it, pale
+        otherwise, hatched once an earlier step has copied it."""
+        now = in_strip and k0 <= k < k0 + tile
+        done = in_strip and k < k0
+        color = dark if now else (pale if in_strip else "white")
+        cell(x, y, fc=color, alpha=0.85 if now else 1.0, hatch="///" if done else None)
+
     # op(A): columns k at x = k - K - gap, rows i at y = i
     for i in range(M):
         for k in range(K):
-            in_strip = i0 <= i < i0 + tile
-            now = in_strip and k0 <= k < k0 + tile
-            done = in_strip and k < k0
-            color = "tab:blue" if now else ("#cfe0f3" if in_strip else "white")
-            cell(k - K - gap, i, fc=color, alpha=0.85 if now else 1.0, hatch="///" if done else None)
+            operand_cell(k - K - gap, i, k, i0 <= i < i0 + tile, "tab:blue", "#cfe0f3")
     # op(B): columns j at x = j, rows k at y = k - K - gap
     for k in range(K):
         for j in range(P):
-            in_strip = j0 <= j < j0 + tile
-            now = in_strip and k0 <= k < k0 + tile
-            done = in_strip and k < k0
-            color = "tab:green" if now else ("#d5ecd5" if in_strip else "white")
-            cell(j, k - K - gap, fc=color, alpha=0.85 if now else 1.0, hatch="///" if done else None)
+            operand_cell(j, k - K - gap, k, j0 <= j < j0 + tile, "tab:green", "#d5ecd5")
     # out: one tile per block (tile grid drawn thicker)
     for i in range(M):
         for j in range(P):
@@ -190,10 +184,7 @@ def plot_dbias_columns(N: int = 6, OC: int = 12, threads: int = 4, warp: int = 4
     down column o adding the N rows. Colour: block; label: threadIdx.x. In loop step n the threads of a warp read
     row n's neighbouring columns together (outlined: one load instruction, coalesced)."""
     plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(min(0.75 * OC + 3, 15), 0.55 * N + 2.6))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(min(0.75 * OC + 3, 15), 0.55 * N + 2.6))
     colors = plt.get_cmap("tab10")
     for n in range(N):
         for o in range(OC):
@@ -240,12 +231,8 @@ def plot_dbias_columns(N: int = 6, OC: int = 12, threads: int = 4, warp: int = 4
 def plot_linear_rates(result: dict, ax=None):
     """Bars of achieved TFLOP/s for each linear_backward row of a kernel benchmark (bench.kernel_results), with the
     fp32 matmul ceiling measured in the same run as a dashed line; labels give ms and % of that ceiling."""
-    plt = pyplot()
     rows = [r for r in result["rows"] if r["op"] == "linear" and "error" not in r]
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(8.5, 0.42 * len(rows) + 1.8))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(8.5, 0.42 * len(rows) + 1.8))
     peak = result["ceilings"]["matmul_fp32"]["TFLOP/s"]
     colors = {"numba": "tab:blue", "hip": "tab:orange", "torch": "tab:red"}
     ax.barh(range(len(rows)), [r["TFLOP/s"] for r in rows], color=[colors.get(r["backend"], "gray") for r in rows])

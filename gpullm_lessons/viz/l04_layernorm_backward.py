@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import pyplot
+from .common import figure_and_axes, pyplot
 
 
 def plot_layernorm_dinp_mapping(N: int = 4, C: int = 12, threads: int = 4, ax=None):
@@ -88,10 +88,7 @@ def plot_column_reduction(N: int = 12, C: int = 8, threads: int = 4, rows_per_ch
     then one thread per column adds the n_chunks partials, always in the same order (deterministic)."""
     plt = pyplot()
     n_chunks = (N + rows_per_chunk - 1) // rows_per_chunk
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(min(1.6 * C + 6, 17), 0.42 * N + 2.2))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(min(1.6 * C + 6, 17), 0.42 * N + 2.2))
     colors = plt.get_cmap("tab10")
     # the (N, C) inputs dout and xhat, coloured by chunk
     for row in range(N):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import pyplot
+from .common import figure_and_axes, pyplot
 
 
 def plot_activation_timeline(timelines: dict, title: str = "", ax=None):
@@ -11,11 +11,7 @@ def plot_activation_timeline(timelines: dict, title: str = "", ax=None):
     timelines: {policy: [(label, bytes), ...]} as checkpointing.activation_timeline returns (the same points for
     every policy). The forward grows the memory block by block, the backward frees it block by block (the
     sawtooth); "full" keeps only each block's input plus, briefly, one block's recomputed cache."""
-    plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(11, 3.8))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(11, 3.8))
     colors = {"none": "tab:red", "selective": "tab:orange", "full": "tab:green"}
     labels = None
     for policy, points in timelines.items():
@@ -53,10 +49,7 @@ def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
     claim: (memory_rel, (time_lo, time_hi)) drawn as a shaded box, the claim being tested (about half the memory
     for 30-40% more compute); None for no box."""
     plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(7, 4.2))
     markers = {"none": "o", "selective": "s", "full": "^"}
     cmap = plt.get_cmap("tab10")
     if claim is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import pyplot
+from .common import figure_and_axes, pyplot
 
 
 def _cells(ax, x0, y0, cells, size=0.9):
@@ -90,10 +90,7 @@ def plot_ring_steps(N: int, log, ax=None):
 
     plt = pyplot()
     states = ring_contributions(N, log)
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(1.2 + 1.15 * N * (N + 1) * 0.5, 0.6 + 0.55 * len(states)))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(1.2 + 1.15 * N * (N + 1) * 0.5, 0.6 + 0.55 * len(states)))
     cmap = plt.get_cmap("Blues")
     for k, state in enumerate(states):
         y = -k
@@ -141,11 +138,7 @@ def plot_ring_steps(N: int, log, ax=None):
 
 def plot_allreduce_bandwidth(result: dict, ax=None):
     """Bus bandwidth (nccl-tests' busbw) against message size for each algorithm of a parallel.bench_result."""
-    plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(7, 4))
     algos = list(dict.fromkeys(r["algo"] for r in result["rows"]))
     for i, algo in enumerate(algos):
         rows = [r for r in result["rows"] if r["algo"] == algo]
@@ -186,11 +179,7 @@ def plot_allreduce_bandwidth(result: dict, ax=None):
 
 def plot_zero_memory(rows, ax=None, unit=2**30):
     """Per-rank model-state memory, data parallel vs ZeRO-1, per world size (rows from parallel.zero_memory_table)."""
-    plt = pyplot()
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, figsize=(7, 3.6))
     parts = (("params", "tab:blue"), ("grads", "tab:orange"), ("optimizer", "tab:green"))
     for i, row in enumerate(rows):
         for j, kind in enumerate(("dp", "zero1")):
