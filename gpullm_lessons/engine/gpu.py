@@ -12,6 +12,18 @@ from .core import Engine, EngineError
 from .graph import StepGraph
 from .profiler import OpProfiler, TimedLaunchers
 
+# the numba backend's kernel versions on a GPU; GPUEngine.DEFAULT_VERSIONS derives hip's and the simulator's from it
+_NUMBA_VERSIONS = {
+    "layernorm_forward": "v2",
+    "layernorm_backward": "v2",
+    "gelu": "v1",
+    "crossentropy": "v2",
+    "encoder": "v2",
+    "adamw": "v2",
+    "convert": "v1",
+    "scores": "half",
+}
+
 
 class GPUEngine(Engine):
     """The course's kernels (backend "hip" or "numba") composed into the GPT; see the module docstring."""
@@ -21,38 +33,11 @@ class GPUEngine(Engine):
     # half-precision run: "half" (cuBLAS rounds them to the run's half format: half the bytes of the largest
     # activation; GPT-2 bf16 on the H200: 64.2 -> 60.6 ms per step) or "f32" (fp32 products, as before 2026-11-30)
     DEFAULT_VERSIONS = {
-        "hip": {
-            "layernorm_forward": "v2",
-            "layernorm_backward": "v5",
-            "gelu": "v1",
-            "crossentropy": "v2",
-            "encoder": "v3",
-            "adamw": "v3",
-            "convert": "v1",
-            "scores": "half",
-        },
-        "numba": {
-            "layernorm_forward": "v2",
-            "layernorm_backward": "v2",
-            "gelu": "v1",
-            "crossentropy": "v2",
-            "encoder": "v2",
-            "adamw": "v2",
-            "convert": "v1",
-            "scores": "half",
-        },
+        "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3"},  # + HIP-only versions
+        "numba": _NUMBA_VERSIONS,
         # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
         # one-thread-per-row versions are ~50x faster there than the block-per-row ones
-        "numba-sim": {
-            "layernorm_forward": "v1",
-            "layernorm_backward": "v1",
-            "gelu": "v1",
-            "crossentropy": "v2",
-            "encoder": "v2",
-            "adamw": "v2",
-            "convert": "v1",
-            "scores": "half",
-        },
+        "numba-sim": {**_NUMBA_VERSIONS, "layernorm_forward": "v1", "layernorm_backward": "v1"},
     }
 
     def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off"):
@@ -211,13 +196,17 @@ class GPUEngine(Engine):
             self.K.layernorm_forward_half(x, w, b, out, mean, rstd, half=self._half)
         return out, mean, rstd
 
-    def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l):
+    def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l, residual=None):
+        """dout (N, C) -> dx (N, C); writes the layernorm's weight and bias gradients. residual: the gradient that
+        reaches x past the sublayer (the residual connection), added into dx in place."""
         xp = self.xp
         w = self.params[name_w] if l is None else self.params[name_w][l]
         dw = self.grads[name_w] if l is None else self.grads[name_w][l]
         db = self.grads[name_b] if l is None else self.grads[name_b][l]
         dx = xp.empty_like(x)
         self.K.layernorm_backward(dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"])
+        if residual is not None:
+            dx += residual
         return dx
 
     def _gelu_mm(self, fc):
@@ -319,9 +308,8 @@ class GPUEngine(Engine):
         del dgelu
         dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
         del dfc
-        dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l)
+        dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)
         del dln2
-        dx1 += dx
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
         datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
         dy = self._mm_empty((B * nh, T, hs))
@@ -356,9 +344,8 @@ class GPUEngine(Engine):
         del dpre_mm
         dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
         del dqkv
-        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l)
+        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l, residual=dx1)
         del dln1
-        dx0 += dx1
         return dx0
 
     # ---- the model ----------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ SUMSQ_BLOCKS = 1024  # stage 1's grid: enough blocks to fill an H200 / MI300 sev
 MAX_BLOCKS = 4096  # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
 _DEFAULT_TABLES = {}  # (device id, n) -> the "decay everything" table ([0, n], [1]) on that GPU
 
+BUFFER_NAMES = ("params", "grads", "m", "v")  # the four buffers, as the checks name them
+
 
 def _check_cupy(fn, name, a, shape, dtype):
     check_array(fn, name, a, shape, dtype, cupy=True)
@@ -38,6 +40,50 @@ def _check_cupy(fn, name, a, shape, dtype):
 
 def _is_host(a) -> bool:
     return isinstance(a, np.ndarray)
+
+
+def _kernel(name):
+    from gpullm_lessons import hip
+
+    return hip.kernel("adamw", name)
+
+
+def _check_threads_and_buffers(fn, threads, buffers):
+    """(threads, n): the block size and the length of params, grads, m, v (checked, in that order, named after fn)."""
+    return check_threads(fn, threads), check_buffers(fn, BUFFER_NAMES, buffers, _check_cupy)
+
+
+def _float4_ok(n, buffers) -> bool:
+    """Whether the float4 kernels (v3, v4) can run: n % 4 == 0 and every buffer 16-byte aligned."""
+    return n % 4 == 0 and not any(a.data.ptr % 16 for a in buffers)
+
+
+def _float4_grid(n, threads):
+    """The grid of a float4 kernel: a thread per group of 4 elements, capped at MAX_BLOCKS (grid-stride loop)."""
+    return (min((n // 4 + threads - 1) // threads, MAX_BLOCKS),)
+
+
+def _fused_scalars(s):
+    """host_scalars' float32 values in the order adamw_step_v2 and v3 take them (after n)."""
+    keys = (
+        "lr",
+        "lr_wd",
+        "beta1",
+        "one_minus_beta1",
+        "beta2",
+        "one_minus_beta2",
+        "bias1",
+        "bias2",
+        "eps",
+        "grad_scale",
+    )
+    return tuple(s[k] for k in keys)
+
+
+def _launch_fused(name, grid, threads, buffers, table, n, scalars):
+    """One launch of a one-pass kernel (v2, v3, v4): params, grads, m, v, then _table_and_half's (bounds, flags,
+    half bits, half_mode), n, then that kernel's scalars."""
+    _kernel(name)(grid, (threads,), (*buffers, *table, np.int64(n), *scalars))
 
 
 def _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype):
@@ -97,84 +143,32 @@ def adamw_step(
     grad_scale multiplies the gradient first. half_out (n,) CuPy float16 (half_dtype="float16") or uint16
     (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights.
     """
-    from gpullm_lessons import hip
-
     fn = "adamw_step"
+    buffers = (params, grads, m, v)
     check_version(fn, version, VERSIONS)
-    threads = check_threads(fn, threads)
-    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), _check_cupy)
+    threads, n = _check_threads_and_buffers(fn, threads, buffers)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    bounds, flags, half_bits, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
+    table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min((n + threads - 1) // threads, MAX_BLOCKS)
     grid, block, nn = (blocks,), (threads,), np.int64(n)
-    if version == "v3" and (n % 4 != 0 or any(a.data.ptr % 16 for a in (params, grads, m, v))):
+    if version == "v3" and not _float4_ok(n, buffers):
         version = "v2"  # float4 needs whole, aligned groups of 4: the scalar kernel does the same work
-    if version == "v3":
-        blocks4 = min((n // 4 + threads - 1) // threads, MAX_BLOCKS)
-        hip.kernel("adamw", "adamw_step_v3")(
-            (blocks4,),
-            block,
-            (
-                params,
-                grads,
-                m,
-                v,
-                bounds,
-                flags,
-                half_bits,
-                mode,
-                nn,
-                s["lr"],
-                s["lr_wd"],
-                s["beta1"],
-                s["one_minus_beta1"],
-                s["beta2"],
-                s["one_minus_beta2"],
-                s["bias1"],
-                s["bias2"],
-                s["eps"],
-                s["grad_scale"],
-            ),
-        )
+    if version == "v3":  # float4 loads and stores: a thread per group of 4 elements
+        _launch_fused("adamw_step_v3", _float4_grid(n, threads), threads, buffers, table, n, _fused_scalars(s))
     elif version == "v2":
-        hip.kernel("adamw", "adamw_step_v2")(
-            grid,
-            block,
-            (
-                params,
-                grads,
-                m,
-                v,
-                bounds,
-                flags,
-                half_bits,
-                mode,
-                nn,
-                s["lr"],
-                s["lr_wd"],
-                s["beta1"],
-                s["one_minus_beta1"],
-                s["beta2"],
-                s["one_minus_beta2"],
-                s["bias1"],
-                s["bias2"],
-                s["eps"],
-                s["grad_scale"],
-            ),
-        )
+        _launch_fused("adamw_step_v2", grid, threads, buffers, table, n, _fused_scalars(s))
     else:  # v1: five launches, each a full pass over its buffers
-        hip.kernel("adamw", "adamw_step_v1_decay")(
-            grid, block, (params, grads, bounds, flags, nn, s["lr_wd"], s["grad_scale"])
-        )
-        hip.kernel("adamw", "adamw_step_v1_m")(grid, block, (grads, m, nn, s["beta1"], s["one_minus_beta1"]))
-        hip.kernel("adamw", "adamw_step_v1_v")(grid, block, (grads, v, nn, s["beta2"], s["one_minus_beta2"]))
-        hip.kernel("adamw", "adamw_step_v1_update")(
+        bounds, flags, half_bits, mode = table
+        _kernel("adamw_step_v1_decay")(grid, block, (params, grads, bounds, flags, nn, s["lr_wd"], s["grad_scale"]))
+        _kernel("adamw_step_v1_m")(grid, block, (grads, m, nn, s["beta1"], s["one_minus_beta1"]))
+        _kernel("adamw_step_v1_v")(grid, block, (grads, v, nn, s["beta2"], s["one_minus_beta2"]))
+        _kernel("adamw_step_v1_update")(
             grid, block, (params, m, v, half_bits, mode, nn, s["lr"], s["bias1"], s["bias2"], s["eps"])
         )
-        hip.kernel("adamw", "adamw_step_v1_zero")(grid, block, (grads, nn))
+        _kernel("adamw_step_v1_zero")(grid, block, (grads, nn))
 
 
 def adamw_step_device(
@@ -184,44 +178,21 @@ def adamw_step_device(
     scale and the clip threshold read from `hyper` (contracts.adamw.adamw_hyper(), copied to the GPU) and the
     squared gradient norm from `sumsq` (grad_sumsq): nothing in the launch changes from step to step, so a CUDA graph
     can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise)."""
-    from gpullm_lessons import hip
-
     fn = "adamw_step_device"
-    threads = check_threads(fn, threads)
-    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), _check_cupy)
+    buffers = (params, grads, m, v)
+    threads, n = _check_threads_and_buffers(fn, threads, buffers)
     check_device_args(fn, n, hyper, sumsq, _check_cupy)
     check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
-    if n % 4 or any(a.data.ptr % 16 for a in (params, grads, m, v)):
+    if not _float4_ok(n, buffers):
         raise ValueError(
             f"{fn}: the float4 kernel needs n % 4 == 0 (n = {n}) and 16-byte aligned buffers; use adamw_step"
         )
-    bounds, flags, half_bits, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
+    table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     f = np.float32
-    blocks4 = min((n // 4 + threads - 1) // threads, MAX_BLOCKS)
-    hip.kernel("adamw", "adamw_step_v4")(
-        (blocks4,),
-        (threads,),
-        (
-            params,
-            grads,
-            m,
-            v,
-            bounds,
-            flags,
-            half_bits,
-            mode,
-            np.int64(n),
-            hyper,
-            sumsq,
-            f(beta1),
-            f(1.0 - beta1),
-            f(beta2),
-            f(1.0 - beta2),
-            f(eps),
-        ),
-    )
+    scalars = (hyper, sumsq, f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
+    _launch_fused("adamw_step_v4", _float4_grid(n, threads), threads, buffers, table, n, scalars)
 
 
 def grad_sumsq(flat, out, blocks=SUMSQ_BLOCKS):

@@ -33,15 +33,15 @@ from gpullm_lessons.contracts.fused import (
     check_split,
 )
 
-__all__ = [
+LAUNCHERS = (
     "bias_add",
     "bias_gelu_forward",
     "split_heads",
     "merge_heads",
     "colsum_convert",
     "layernorm_forward_half",
-    "VERSIONS",
-]
+)  # gathered by backends/_collect.py
+__all__ = [*LAUNCHERS, "VERSIONS"]
 VERSIONS = ("v1",)
 MAX_BLOCKS = 4096  # grid cap for the grid-stride kernels: enough to fill any GPU
 MAX_ROW_BLOCKS = 8192  # grid cap for the row kernels (split/merge, layernorm)
@@ -75,16 +75,6 @@ def _row_block(C, threads):
     """2-D block for the row kernels: x covers the columns (a multiple of 32, at most threads), y the rows."""
     tx = min(threads, max(32, -(-C // 32) * 32))
     return tx, max(1, threads // tx)
-
-
-LAUNCHERS = (
-    "bias_add",
-    "bias_gelu_forward",
-    "split_heads",
-    "merge_heads",
-    "colsum_convert",
-    "layernorm_forward_half",
-)  # gathered by backends/_collect.py
 
 
 def bias_add(inp, bias, out, res=None, version="v1", threads=256):

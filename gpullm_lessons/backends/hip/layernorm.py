@@ -62,6 +62,24 @@ def _check_on_gpu(fn, named):
             )
 
 
+def _shape(name, N, C):
+    """The shape the wrappers' array `name` must have: (N, C) for the row arrays, (N,) for the per-row statistics
+    (mean, rstd), (C,) for the per-column ones (weight, bias, dweight, dbias)."""
+    if name in ("inp", "out", "dout", "dinp"):
+        return (N, C)
+    if name in ("mean", "rstd"):
+        return (N,)
+    return (C,)
+
+
+def _check_arrays(fn, N, C, **arrays):
+    """check_array (cupy=True) on each array, in the order given, with its shape by name (_shape); returns the
+    (name, array) pairs for _check_on_gpu."""
+    for name, x in arrays.items():
+        check_array(fn, name, x, _shape(name, N, C), cupy=True)
+    return list(arrays.items())
+
+
 def _check_launch(fn, version, threads):
     check_version(fn, version, VERSIONS)
     threads = check_block(fn, version, threads)
@@ -137,19 +155,10 @@ def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2"
     """inp (N, C), weight (C,), bias (C,) -> writes out (N, C), mean (N,), rstd (N,)."""
     fn = "layernorm_forward"
     N, C = check_rows(fn, inp, cupy=True)
-    named = (
-        ("inp", inp, (N, C)),
-        ("weight", weight, (C,)),
-        ("bias", bias, (C,)),
-        ("out", out, (N, C)),
-        ("mean", mean, (N,)),
-        ("rstd", rstd, (N,)),
-    )
-    for name, x, shape in named:
-        check_array(fn, name, x, shape, cupy=True)
+    named = _check_arrays(fn, N, C, inp=inp, weight=weight, bias=bias, out=out, mean=mean, rstd=rstd)
     check_version(fn, version, FORWARD_VERSIONS)
     threads = _check_launch(fn, version, threads)
-    _check_on_gpu(fn, [(name, x) for name, x, _ in named])
+    _check_on_gpu(fn, named)
     blocks = (N + threads - 1) // threads if version == "v1" else N  # v1: a thread per row; v2, v3: a block
     k = hip.kernel("layernorm", f"layernorm_forward_{version}")
     k((blocks,), (threads,), (inp, weight, bias, out, mean, rstd, np.int32(N), np.int32(C), np.float32(eps)))
@@ -180,25 +189,16 @@ def layernorm_backward(
     for a given GPU and launch configuration; a different grid sums in a different order (last bits differ)."""
     fn = "layernorm_backward"
     N, C = check_rows(fn, inp, cupy=True)
-    named = (
-        ("dout", dout, (N, C)),
-        ("inp", inp, (N, C)),
-        ("weight", weight, (C,)),
-        ("mean", mean, (N,)),
-        ("rstd", rstd, (N,)),
-        ("dinp", dinp, (N, C)),
-        ("dweight", dweight, (C,)),
-        ("dbias", dbias, (C,)),
+    named = _check_arrays(
+        fn, N, C, dout=dout, inp=inp, weight=weight, mean=mean, rstd=rstd, dinp=dinp, dweight=dweight, dbias=dbias
     )
-    for name, x, shape in named:
-        check_array(fn, name, x, shape, cupy=True)
     if threads is None:
         threads = {"v4": V4_THREADS, "v5": V5_THREADS}.get(version, 128)
     threads = _check_launch(fn, version, threads)
     _check_v5_tunables(fn, version, blocks_per_sm, grid)
     if not isinstance(rows_per_chunk, (int, np.integer)) or rows_per_chunk < 1:
         raise ValueError(f"{fn}: rows_per_chunk={rows_per_chunk!r}, expected a positive int")
-    _check_on_gpu(fn, [(name, x) for name, x, _ in named])
+    _check_on_gpu(fn, named)
     n, c = np.int32(N), np.int32(C)
     col_blocks = (C + threads - 1) // threads
     if version == "v1":
