@@ -94,6 +94,7 @@ class Case:
     torch: Optional[Callable] = None  # (args as torch tensors) -> runs PyTorch's kernel for the same op
     bound: str = "memory"  # which ceiling judges it: "memory" (copy GB/s) or "compute" (fp32 matmul TFLOP/s)
     launcher: str = ""  # the backends' launcher name; "" means f"{op}_backward" (adamw: "adamw_step")
+    family: str = ""  # the op whose versions the backends list (backends.<b>.versions); "" means op
 
     def launcher_name(self) -> str:
         return self.launcher or f"{self.op}_backward"
@@ -160,6 +161,8 @@ def _cases(small: bool) -> list:
     cases.append(Case("attention", f"B{Ba} T{Ta} nh{nh} C{C}", attention_inputs,
                       (7 * Ba * Ta * C + 2 * Ba * nh * Ta * Ta) * 4, 8 * Ba * nh * Ta * Ta * hs, bound="compute"))
 
+    cases += _flash_cases(small, randn)
+
     # AdamW step over one flat fp32 buffer (GPT-2 124M: ~124M parameters). Bytes per parameter that the fused kernel
     # moves: reads p, g, m, v (16) + writes p, m, v (12) + writes the zeroed g (4) = 32. PyTorch's fused AdamW
     # does not zero the gradient (28 bytes; zero_grad is a separate pass), so its GB/s here counts 4 bytes it skips.
@@ -169,6 +172,63 @@ def _cases(small: bool) -> list:
                                                    cp.abs(randn(r, Np)) * 1e-4, 6e-4, 0.9, 0.95, 1e-8, 0.1, 1000),
                       32 * Np, 16 * Np, torch=_torch_adamw(), launcher="adamw_step"))
     return cases
+
+
+def _flash_cases(small: bool, randn) -> list:
+    """Flash attention forward and backward (lesson 11) at GPT-2's head shape, float32, causal. Bytes: the minimum,
+    every input read once and every output written once (the (T, T) scores never stored); FLOPs: the causal half of
+    the products, 2 of them (T x T x hs, 2 FLOPs per multiply-add) in the forward, 5 in the backward (S recomputed,
+    dP, dV, dQ, dK)."""
+    import cupy as cp
+
+    B, nh, T, hs = (1, 12, 256, 64) if small else (4, 12, 1024, 64)
+    heads, f32 = B * nh, cp.float32
+    shape = (B, nh, T, hs)
+
+    def fwd_args(r):
+        return (*(randn(r, *shape) for _ in range(3)), cp.empty(shape, f32), cp.empty((B, nh, T), f32))
+
+    def bwd_args(r):
+        q, k, v, out, lse = fwd_args(r)
+        s = cp.matmul(q, k.transpose(0, 1, 3, 2)) / np.float32(np.sqrt(hs))
+        s = cp.where(cp.tri(T, dtype=bool), s, cp.float32(-cp.inf))
+        m = s.max(axis=-1, keepdims=True)
+        e = cp.exp(s - m)
+        out[...] = cp.matmul(e / e.sum(axis=-1, keepdims=True), v)
+        lse[...] = (m + cp.log(e.sum(axis=-1, keepdims=True)))[..., 0]
+        del s, e
+        return q, k, v, out, randn(r, *shape), lse, cp.empty(shape, f32), cp.empty(shape, f32), cp.empty(shape, f32)
+
+    label = f"B{B} nh{nh} T{T} hs{hs}"
+    causal = heads * T * T * hs  # multiply-adds of one causal-half T x T x hs product, x2 FLOPs
+    return [
+        Case("flash_fwd", label, fwd_args, (4 * T * hs + T) * heads * 4, 2 * causal * 2, bound="compute",
+             torch=_torch_sdpa_forward, launcher="flash_attention_forward", family="flash_attention"),
+        Case("flash_bwd", label, bwd_args, (8 * T * hs + T) * heads * 4, 5 * causal * 2, bound="compute",
+             torch=_torch_sdpa_backward(), launcher="flash_attention_backward", family="flash_attention"),
+    ]
+
+
+def _torch_sdpa_forward(t):
+    """PyTorch's fused attention (scaled_dot_product_attention, causal) on the same float32 q, k, v."""
+    import torch
+    return torch.nn.functional.scaled_dot_product_attention(t[0], t[1], t[2], is_causal=True)
+
+
+def _torch_sdpa_backward():
+    """PyTorch's fused attention backward for float32 (the memory-efficient kernel; flash needs 16-bit inputs): its
+    own forward runs once, outside the timed calls, for the log-sum-exp it saves."""
+    state = {}
+
+    def run(t):
+        import torch
+        q, k, v, dout = t[0], t[1], t[2], t[4]
+        if "fwd" not in state:
+            state["fwd"] = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+        out, lse, seed, offset = state["fwd"]
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True)
+    return run
 
 
 def _torch_adamw():
@@ -216,7 +276,7 @@ def case_runs(case, args) -> list:
     runs = []
     for bname, mod in _backends():
         fn = getattr(mod, case.launcher_name(), None)
-        for version in (mod.versions(case.op) if fn is not None else []):
+        for version in (mod.versions(case.family or case.op) if fn is not None else []):
             runs.append((bname, version, lambda fn=fn, version=version: fn(*args, version=version)))
     try:
         import torch
@@ -289,16 +349,18 @@ def _graph_time(run, backend, iters):
         return None
 
 
-def stored_kernels() -> dict:
-    """The kernel benchmark measured on the course's reference GPU (card and date inside)."""
+def stored_kernels(name: str = "kernels_h200") -> dict:
+    """The kernel benchmark measured on the course's reference GPU (card and date inside): kernels_h200 (lessons
+    02-06), flash_h200 (lesson 11)."""
     from . import stored
-    return stored.require("kernels_h200")
+    return stored.require(name)
 
 
-def kernel_results(ops, live=None) -> dict:
-    """Benchmark rows for `ops`: measured now on a GPU (live=None means: if there is one), else the stored run."""
+def kernel_results(ops, live=None, stored: str = "kernels_h200") -> dict:
+    """Benchmark rows for `ops`: measured now on a GPU (live=None means: if there is one), else the stored run
+    `stored` (a results/ name, see stored_kernels)."""
     live = device.has_gpu() if live is None else live
-    result = bench_kernels(ops=ops) if live else stored_kernels()
+    result = bench_kernels(ops=ops) if live else stored_kernels(stored)
     return dict(result, rows=[r for r in result["rows"] if r["op"] in ops], live=bool(live))
 
 

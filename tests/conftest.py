@@ -43,13 +43,26 @@ def solution_cells(nb):
             if c.cell_type == "code" and i not in skip and "show_kernel(" not in c.source]
 
 
-def solution_namespace(name: str) -> dict:
-    """The namespace of solutions/<name>.ipynb after running solution_cells (cache it in the caller)."""
+def solution_namespace(name: str, edits=()) -> dict:
+    """The namespace of solutions/<name>.ipynb after running solution_cells (cache it in the caller). edits: (cell id,
+    old text, new text), each old text found exactly once in that cell, so that a changed solution fails loudly
+    instead of testing nothing: a plausible wrong answer is the solution with one edit."""
+    import linecache
+
     import nbformat
     nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    todo = list(edits)
     ns: dict = {"__name__": f"solution_{name}"}
     for i, src in solution_cells(nb):
-        exec(compile(src, f"<solution {name} cell {i}>", "exec"), ns)
+        cid = nb.cells[i].get("id")
+        for e in [e for e in todo if e[0] == cid]:
+            assert src.count(e[1]) == 1, f"edit not found once in cell {cid}: {e[1]!r}"
+            src = src.replace(e[1], e[2])
+            todo.remove(e)
+        filename = f"<solution {name} cell {i}>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)   # as IPython does for a cell
+        exec(compile(src, filename, "exec"), ns)
+    assert not todo, f"cells not found for edits: {todo}"
     return ns
 
 

@@ -15,6 +15,7 @@ OP_MODULES = (
     "adamw",
     "convert",
     "fused",
+    "flash",
 )
 _VERSION = re.compile(r"^v\d+$")
 

@@ -42,5 +42,12 @@ from .l10_multi_gpu import (
     plot_ring_steps,  # noqa: F401
     plot_zero_memory,
 )
+from .l11_flash_attention import (  # noqa: F401
+    attention_traffic,
+    causal_tiles,
+    format_attention_traffic,
+    merge_halves,
+    plot_causal_tiles,
+)
 
 _pyplot = pyplot  # its name before viz was a package

@@ -1,0 +1,306 @@
+"""Checkers for lesson 11: flash attention's forward and backward (causal, scale 1/sqrt(hs)).
+
+    check_flash_attention_forward(fn)    fn(q, k, v, out, lse): q, k, v, out (B, nh, T, hs), lse (B, nh, T)
+        out = softmax(q k^T / sqrt(hs), causal) v and lse = the log-sum-exp of each row of the scaled, masked scores.
+    check_flash_attention_backward(fn)   fn(q, k, v, out, dout, lse, dq, dk, dv): the gradients of q, k, v, given the
+        forward's out and lse; the same inputs twice must give the same bits, and in the simulator no float atomics.
+
+The oracle is lesson 01's reference attention (``reference.attention_forward`` / ``attention_backward`` on q, k, v
+merged into (B, T, 3C)), in float64; lse comes from the same masked scores. The cases (``CASES``) put T past one tile
+of keys and past one block of query rows in the simulator (T = 37 with tiles of 8, 16 or 32 rows), repeat the first
+shapes with new values (a kernel that keeps state fails there), and have T = 1; on a GPU T reaches 1000 with hs = 64.
+The named mistakes are computed from the same inputs, most of them by replaying the tiled algorithm in NumPy with
+one step wrong, for every tile width in ``TILES`` (a running output that is not rescaled when the max grows, a
+running sum that is not, a key-tile loop that stops at the block's first query row, a mask off by one, no
+1/sqrt(hs), an unnormalised output, a wrong log-sum-exp), so the hint names the step and the tile width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import opcheck
+from . import reference as ref
+from .opcheck import Case, Mistake, Op, Rules
+from .verdict import CheckResult, close, mistake_slack
+
+__all__ = ["check_flash_attention_forward", "check_flash_attention_backward", "CASES", "TILES"]
+
+# (B, nh, T, hs) per case: one that fits in a tile, the same shapes again, T past one tile and one block of rows
+# (not a multiple of any tile), T = 1.
+CASES = {
+    "small": ((1, 2, 7, 8), (1, 2, 7, 8), (2, 1, 37, 16), (1, 1, 1, 4)),
+    "large": ((2, 3, 67, 64), (2, 3, 67, 64), (1, 2, 1000, 64), (1, 1, 1, 64)),
+}
+TILES = (8, 16, 32, 64, 128)  # the key-tile widths (and query-block heights) the tile mistakes are replayed for
+
+
+def _merge(x):
+    """(B, nh, T, hs) -> (B, T, nh * hs), the reference's layout."""
+    B, nh, T, hs = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+
+
+def _split(x, nh):
+    B, T, C = x.shape
+    return x.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+
+
+def _scores(c, scale=True, shift=0):
+    """The masked scores S (B, nh, T, T) in float64: scale q k^T, -inf where s > t + shift."""
+    q, k = c.x["q"], c.x["k"]
+    hs, T = q.shape[-1], q.shape[-2]
+    S = q @ k.swapaxes(-1, -2)
+    if scale is True:
+        S = S / math.sqrt(hs)
+    elif scale:
+        S = S * scale
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    return np.where(s <= t + shift, S, -np.inf)
+
+
+def _softmax_rows(S):
+    """(P, lse) of the rows of S (rows with no finite entry: P = NaN, lse = -inf)."""
+    with np.errstate(all="ignore"):
+        m = S.max(axis=-1, keepdims=True)
+        e = np.exp(S - m)
+        l = e.sum(axis=-1, keepdims=True)
+        return e / l, (m + np.log(l))[..., 0]
+
+
+def _make(rng, dt, size, k, backward):
+    B, nh, T, hs = CASES[size][k]
+    c = Case(dt, {"B": B, "nh": nh, "T": T, "hs": hs})
+    for name in ("q", "k", "v"):
+        c.add_float(name, ("B", "nh", "T", "hs"), rng.standard_normal((B, nh, T, hs)) * rng.uniform(0.5, 1.5))
+    if not backward:
+        c.add_output("out", ("B", "nh", "T", "hs"))
+        c.add_output("lse", ("B", "nh", "T"))
+        return c
+    out, lse = _forward(c)
+    c.add_float("out", ("B", "nh", "T", "hs"), out)
+    c.add_float("dout", ("B", "nh", "T", "hs"), rng.standard_normal((B, nh, T, hs)))
+    c.add_float("lse", ("B", "nh", "T"), lse)
+    for name in ("dq", "dk", "dv"):
+        c.add_output(name, ("B", "nh", "T", "hs"))
+    return c
+
+
+def _forward(c):
+    """(out, lse) in float64: out from the reference attention (lesson 01), lse from the masked scores."""
+    nh = c.dims["nh"]
+    qkv = np.concatenate([_merge(c.x[n]) for n in ("q", "k", "v")], axis=-1)
+    out, _ = ref.attention_forward(qkv, nh)
+    return _split(out, nh), _softmax_rows(_scores(c))[1]
+
+
+def _expected_forward(c):
+    out, lse = _forward(c)
+    return {"out": out, "lse": lse}
+
+
+def _expected_backward(c):
+    nh = c.dims["nh"]
+    qkv = np.concatenate([_merge(c.x[n]) for n in ("q", "k", "v")], axis=-1)
+    _, cache = ref.attention_forward(qkv, nh)
+    dqkv = ref.attention_backward(_merge(c.x["dout"]), cache)
+    dq, dk, dv = (_split(d, nh) for d in np.split(dqkv, 3, axis=-1))
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+# ---- the forward, replayed tile by tile with one step changed ------------------------------------------------------
+def _tiled(c, BC, BR=None, rescale_acc=True, rescale_l=True, accumulate=True):
+    """The tiled forward in float64 over key tiles of BC rows: (out, lse). BR: the query rows of a block whose key
+    loop stops at the block's FIRST row (the mistake); None: the right loop. rescale_acc / rescale_l: multiply the
+    running output / sum by alpha = exp(m - m') when the max grows. accumulate: True (right), "seen" (acc = the last
+    tile's p v among those the row sees), "always" (acc = the last tile's p v, 0 where the row sees none of it)."""
+    S = _scores(c)
+    v = c.x["v"]
+    T = S.shape[-1]
+    if BR is not None:
+        t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+        S = np.where((s // BC) * BC <= (t // BR) * BR, S, -np.inf)
+    m = np.full(S.shape[:-1], -np.inf)
+    l = np.zeros(S.shape[:-1])
+    acc = np.zeros(v.shape)
+    with np.errstate(all="ignore"):
+        for s0 in range(0, T, BC):
+            St = S[..., s0:s0 + BC]
+            mt = St.max(axis=-1)
+            has = mt > -np.inf
+            m_new = np.where(has, np.maximum(m, mt), m)
+            alpha = np.where(has & (m > -np.inf), np.exp(m - m_new), np.where(has, 0.0, 1.0))
+            p = np.where(St > -np.inf, np.exp(St - m_new[..., None]), 0.0)
+            pv = p @ v[..., s0:s0 + BC, :]
+            l = (alpha if rescale_l else np.where(m > -np.inf, 1.0, 0.0)) * l + p.sum(axis=-1)
+            if accumulate is True:
+                acc = (alpha if rescale_acc else np.where(m > -np.inf, 1.0, 0.0))[..., None] * acc + pv
+            elif accumulate == "seen":      # replaced by the tiles the row sees (a kernel merging under a guard)
+                acc = np.where(has[..., None], pv, acc)
+            else:                           # replaced by every tile, 0 where the row sees none of its keys
+                acc = pv
+            m = m_new
+        return acc / l[..., None], m + np.log(l)
+
+
+def _tile_test(hint, **wrong):
+    """A pattern test: ours equals the tiled forward with `wrong` for some tile width; the hint names the width."""
+    def test(c, name, ours, expected, bad):
+        tol = opcheck.TOLERANCES[c.dtype.name]
+        for BC in TILES:
+            if BC >= c.dims["T"] and "BR" not in wrong:
+                break
+            for BR in (TILES if "BR" in wrong else (None,)):
+                kw = dict(wrong, BR=BR) if "BR" in wrong else wrong
+                got = _tiled(c, BC, **kw)[0 if name == "out" else 1]
+                if _matches(ours, got, expected, tol):
+                    return hint.format(BC=BC, BR=BR)
+        return None
+    return test
+
+
+def _matches(ours, candidate, expected, tol) -> bool:
+    if candidate.shape != ours.shape or not np.isfinite(candidate).all():
+        return False
+    return not close(candidate, expected, tol) and close(ours, candidate, mistake_slack(tol))
+
+
+def _diagonal_excluded(c, name, ours, expected, bad):
+    """Mask s < t: row 0 sees no key (0/0: NaN), every other row misses its own key."""
+    S = _scores(c, shift=-1)
+    P, lse = _softmax_rows(S)
+    got = (np.nan_to_num(P) @ c.x["v"]) if name == "out" else lse
+    tol = opcheck.TOLERANCES[c.dtype.name]
+    if c.dims["T"] < 2 or np.isfinite(ours[..., 0, :] if name == "out" else ours[..., 0]).all():
+        return None
+    rest = (slice(None), slice(None), slice(1, None))
+    if _matches(ours[rest], got[rest], expected[rest], tol):
+        return ("the causal mask is off by one: query t sees the keys s <= t, its own position included; yours "
+                "takes s < t, so row 0 has no key at all (0 / 0: NaN) and every other row misses its diagonal")
+    return None
+
+
+def _attention_with(c, **score_kw):
+    """{out, lse} of attention over _scores(c, **score_kw) (a different scale or mask)."""
+    P, lse = _softmax_rows(_scores(c, **score_kw))
+    return {"out": P @ c.x["v"], "lse": lse}
+
+
+def _no_divide(c):
+    S = _scores(c)
+    with np.errstate(all="ignore"):
+        e = np.exp(S - S.max(axis=-1, keepdims=True))
+    return {"out": e @ c.x["v"]}
+
+
+_RESCALE = ("when a tile raises a row's max from m to m', everything accumulated so far was exponentiated against "
+            "the old max: multiply BOTH the running sum l and the running output acc by alpha = exp(m - m') before "
+            "adding the tile (acc = alpha * acc + sum_s exp(S - m') v[s]). ")
+_FORWARD = Op(
+    "flash_attention_forward", lambda rng, dt, size, k: _make(rng, dt, size, k, False), _expected_forward,
+    n_cases=4,
+    formula="out[t] = sum_{s <= t} softmax_s(q[t] . k[s] / sqrt(hs)) v[s]; lse[t] = log sum_{s <= t} "
+            "exp(q[t] . k[s] / sqrt(hs)): per key tile m' = max(m, tile max), alpha = exp(m - m'), "
+            "l = alpha l + sum exp(S - m'), acc = alpha acc + sum exp(S - m') v; then out = acc / l, lse = m + log l",
+    shape_hint="q, k, v, out are (B, nh, T, hs); lse is (B, nh, T): one value per query row",
+    mistakes=[
+        Mistake("", test=_tile_test(
+            "your running output is not rescaled: " + _RESCALE + "Yours multiplies l only (it matches tiles of {BC} "
+            "keys: rows whose max grows in a later tile come out wrong)", rescale_acc=False)),
+        Mistake("", test=_tile_test(
+            "your running sum l is not rescaled: " + _RESCALE + "Yours multiplies acc only (tiles of {BC} keys)",
+            rescale_l=False)),
+        Mistake("", test=_tile_test(
+            "neither the running sum nor the running output is rescaled when the max grows: " + _RESCALE
+            + "(tiles of {BC} keys)", rescale_acc=False, rescale_l=False)),
+        *[Mistake("", test=_tile_test(
+            "the output keeps only the last key tile's p v: acc must ADD each tile (acc = alpha * acc + p v), not be "
+            "replaced by it (tiles of {BC} keys)", accumulate=how)) for how in ("seen", "always")],
+        Mistake("", test=_tile_test(
+            "causal tile skipping stops too early: a block of query rows t0 .. t1 needs every key tile that starts "
+            "at s0 <= t1, its LAST row; yours stops at tiles starting at s0 <= t0, its first row, so the block's "
+            "later rows lose the keys of the tile that straddles the diagonal (blocks of {BR} rows, tiles of {BC} "
+            "keys). Loop while s0 <= min(T, t0 + blockDim.x) - 1", BR=True)),
+        Mistake("", test=_diagonal_excluded),
+        Mistake("the causal mask is off by one: query t sees the keys s <= t; yours also takes s = t + 1",
+                lambda c: _attention_with(c, shift=1)),
+        Mistake("the 1/sqrt(hs) scale is missing: the scores are q[t] . k[s] / sqrt(hs) (scale q once as you load "
+                "it, or each dot product)", lambda c: _attention_with(c, scale=False)),
+        Mistake("the scale is 1/hs (1/sqrt(hs) applied twice?); it is 1/sqrt(hs), once",
+                lambda c: _attention_with(c, scale=1.0 / c.dims["hs"])),
+        Mistake("out is not normalised: at the end out = acc / l (acc holds sum exp(S - m) v, not the average)",
+                _no_divide),
+        Mistake("lse is the row max m only: it is m + log(l), the log of the whole sum sum_s exp(S[t, s])",
+                lambda c: {"lse": _scores(c).max(axis=-1)}),
+        Mistake("lse is log(l) without the max: l was summed relative to m, so lse = m + log(l)",
+                lambda c: {"lse": _softmax_rows(_scores(c))[1] - _scores(c).max(axis=-1)}),
+        Mistake("lse is m + l: it is m + log(l)",
+                lambda c: {"lse": _scores(c).max(axis=-1)
+                           + np.exp(_softmax_rows(_scores(c))[1] - _scores(c).max(axis=-1))}),
+    ])
+
+
+# ---- the backward ---------------------------------------------------------------------------------------------------
+def _backward_with(c, scale_s=True, delta=True, delta_of="out", scale_dq=True, scale_dk=True, shift=0):
+    """dq, dk, dv from P = exp(S - lse) with one step changed (float64)."""
+    q, k, v, do = c.x["q"], c.x["k"], c.x["v"], c.x["dout"]
+    hs = c.dims["hs"]
+    scale = 1.0 / math.sqrt(hs)
+    S = _scores(c, scale=scale_s, shift=shift)
+    with np.errstate(all="ignore"):
+        P = np.where(S > -np.inf, np.exp(S - c.x["lse"][..., None]), 0.0)
+    dP = do @ v.swapaxes(-1, -2)
+    D = (do * c.x["out"]).sum(axis=-1) if delta_of == "out" else do.sum(axis=-1)
+    dS = P * (dP - D[..., None]) if delta else P * dP
+    return {"dq": (scale if scale_dq else 1.0) * dS @ k, "dk": (scale if scale_dk else 1.0) * dS.swapaxes(-1, -2) @ q,
+            "dv": P.swapaxes(-1, -2) @ do}
+
+
+def _only(names, **wrong):
+    return lambda c: {n: a for n, a in _backward_with(c, **wrong).items() if n in names}
+
+
+_BACKWARD = Op(
+    "flash_attention_backward", lambda rng, dt, size, k: _make(rng, dt, size, k, True), _expected_backward,
+    n_cases=4,
+    formula="P[t, s] = exp(q[t] . k[s] / sqrt(hs) - lse[t]) for s <= t; delta[t] = dout[t] . out[t]; dv[s] = sum_t "
+            "P[t, s] dout[t]; dS = P (dout[t] . v[s] - delta[t]); dq[t] = sum_s dS k[s] / sqrt(hs); dk[s] = sum_t "
+            "dS q[t] / sqrt(hs)",
+    shape_hint="q, k, v, out, dout, dq, dk, dv are (B, nh, T, hs); lse is (B, nh, T)",
+    mistakes=[
+        Mistake("P is recomputed without the 1/sqrt(hs) scale: P = exp(q . k / sqrt(hs) - lse), the same scores "
+                "the forward exponentiated", lambda c: _backward_with(c, scale_s=False)),
+        Mistake("dS is missing softmax backward's row term: dS = P (dP - delta), delta[t] = dout[t] . out[t]",
+                _only(("dq", "dk"), delta=False)),
+        Mistake("delta is the row sum of dout; it is dout[t] . out[t] = sum_j dout[t, j] out[t, j]",
+                _only(("dq", "dk"), delta_of="dout")),
+        Mistake("dq is missing the 1/sqrt(hs) scale: dq = dS k / sqrt(hs)", _only(("dq",), scale_dq=False)),
+        Mistake("dk is missing the 1/sqrt(hs) scale: dk = dS^T q / sqrt(hs)", _only(("dk",), scale_dk=False)),
+        Mistake("the causal mask is off by one: s <= t; yours also takes s = t + 1",
+                lambda c: _backward_with(c, shift=1)),
+        Mistake("the causal mask is missing: P[t, s] = 0 for s > t (skip those keys, or those query tiles)",
+                lambda c: _backward_with(c, shift=c.dims["T"])),
+        Mistake("dk and dv are swapped: dv = P^T dout, dk = dS^T q / sqrt(hs)",
+                lambda c: {"dk": _backward_with(c)["dv"], "dv": _backward_with(c)["dk"]}),
+    ])
+
+_BACKWARD_RULES = Rules("check_flash_attention_backward", repeat=True, no_float_atomics=True)
+
+
+def check_flash_attention_forward(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
+                                  quiet=False) -> CheckResult:
+    """Check fn(q, k, v, out, lse) (q, k, v, out (B, nh, T, hs), lse (B, nh, T)): causal attention with scale
+    1/sqrt(hs) and each row's log-sum-exp, against lesson 01's reference. arrays: "numba" (simulator or GPU),
+    "cupy" or "numpy"; size None: small in the simulator, large on a GPU (CASES)."""
+    return opcheck.run(_FORWARD, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+
+
+def check_flash_attention_backward(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
+                                   quiet=False) -> CheckResult:
+    """Check fn(q, k, v, out, dout, lse, dq, dk, dv): the gradients of causal attention from the saved out and lse,
+    against lesson 01's reference; the last case runs twice and must give the same bits; in the simulator the
+    first call is traced and a float atomic fails (the result must not depend on the order threads run in)."""
+    return opcheck.run(_BACKWARD, fn, rules=_BACKWARD_RULES, arrays=arrays, dtype=dtype, size=size, seed=seed,
+                       task=task, quiet=quiet)

@@ -1,0 +1,100 @@
+"""The flash attention checkers (gpullm_lessons/checks_flash.py): every named mistake, played as a NumPy answer, fails
+with its own hint; the right answer passes on fresh seeds; tile mistakes are named for the tile width they used."""
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import checks_flash as F
+from gpullm_lessons import opcheck
+
+from conftest import wrong
+
+
+def as_case(arrays, backward):
+    """A checker Case around the arrays the checker passed (float64 copies in x), for replaying a mistake."""
+    q = arrays[0]
+    B, nh, T, hs = q.shape
+    c = opcheck.Case(np.dtype(np.float32), {"B": B, "nh": nh, "T": T, "hs": hs})
+    names = ("q", "k", "v", "out", "dout", "lse") if backward else ("q", "k", "v")
+    c.x = {n: np.asarray(a, dtype=np.float64) for n, a in zip(names, arrays)}
+    return c
+
+
+def answer(op, mistake_outputs, backward):
+    """A NumPy answer that writes the mistake's outputs and the right values for the rest."""
+    n_in = 6 if backward else 3
+
+    def fn(*args):
+        c = as_case(args[:n_in], backward)
+        right = op.expected(c)
+        wrong_out = mistake_outputs(c)
+        for name, dst in zip(right, args[n_in:]):
+            dst[...] = wrong_out.get(name, right[name])
+    return fn
+
+
+def outputs_mistakes(op):
+    return [m for m in op.mistakes if m.outputs is not None]
+
+
+@pytest.mark.parametrize("i", range(len(outputs_mistakes(F._FORWARD))))
+def test_each_forward_mistake_is_named(i):
+    m = outputs_mistakes(F._FORWARD)[i]
+    r = F.check_flash_attention_forward(answer(F._FORWARD, m.outputs, False), arrays="numpy", seed=7, quiet=True)
+    assert r.status == "wrong" and r.hint.startswith(m.hint[:60]), (m.hint, r.message)
+
+
+@pytest.mark.parametrize("i", range(len(outputs_mistakes(F._BACKWARD))))
+def test_each_backward_mistake_is_named(i):
+    m = outputs_mistakes(F._BACKWARD)[i]
+    r = F.check_flash_attention_backward(answer(F._BACKWARD, m.outputs, True), arrays="numpy", seed=7, quiet=True)
+    assert r.status == "wrong" and r.hint.startswith(m.hint[:60]), (m.hint, r.message)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(rescale_acc=False), ["running output is not rescaled"]),
+    (dict(rescale_l=False), ["running sum l is not rescaled"]),
+    (dict(rescale_acc=False, rescale_l=False), ["neither the running sum nor the running output"]),
+    (dict(accumulate="seen"), ["last key tile"]),
+    (dict(accumulate="always"), ["last key tile"]),
+    (dict(BR=32), ["tile skipping stops too early", "blocks of 32 rows"]),
+])
+@pytest.mark.parametrize("BC", [8, 16])
+def test_tile_mistakes_name_the_step_and_the_tile_width(kw, words, BC):
+    def fn(q, k, v, out, lse):
+        out[...], lse[...] = F._tiled(as_case((q, k, v), False), BC, **kw)
+
+    r = F.check_flash_attention_forward(fn, arrays="numpy", seed=11, quiet=True)
+    # "always" keeps the last tile only: at T = 37 the last tile of 8 keys and of 16 both start at key 32 (the same
+    # output), so either width is a right name for it
+    wrong(r, *words, "tiles of" if kw.get("accumulate") == "always" else f"tiles of {BC} keys")
+
+
+def test_the_right_tiled_replay_passes_for_every_tile_width():
+    for BC in F.TILES:
+        def fn(q, k, v, out, lse, BC=BC):
+            out[...], lse[...] = F._tiled(as_case((q, k, v), False), BC)
+
+        r = F.check_flash_attention_forward(fn, arrays="numpy", seed=BC, quiet=True)
+        assert r.status == "correct", (BC, r.message)
+
+
+def test_right_backward_passes_and_an_unwritten_output_is_named():
+    def right(q, k, v, out, dout, lse, dq, dk, dv):
+        g = F._expected_backward(as_case((q, k, v, out, dout, lse), True))
+        dq[...], dk[...], dv[...] = g["dq"], g["dk"], g["dv"]
+
+    assert F.check_flash_attention_backward(right, arrays="numpy", seed=3, quiet=True).status == "correct"
+
+    def no_dv(q, k, v, out, dout, lse, dq, dk, dv):
+        g = F._expected_backward(as_case((q, k, v, out, dout, lse), True))
+        dq[...], dk[...] = g["dq"], g["dk"]
+
+    wrong(F.check_flash_attention_backward(no_dv, arrays="numpy", seed=3, quiet=True), "dv", "never written")
+
+
+def test_bad_checker_arguments_are_refused():
+    with pytest.raises(TypeError, match="pass the function itself"):
+        F.check_flash_attention_forward(42, arrays="numpy")
+    with pytest.raises(ValueError, match="dtype"):
+        F.check_flash_attention_forward(lambda *a: None, arrays="numpy", dtype="int8")
