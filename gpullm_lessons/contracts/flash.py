@@ -28,8 +28,10 @@ def check_flash_args(fn, heads, rows, cupy=False, dtypes=("float32",), outs=()):
     float32). Raises naming the argument. Returns (B, nh, T, hs)."""
     B, nh, T, hs = _check_4d(fn, heads[0][0], heads[0][1])
     if hs < 1 or hs > HS_MAX:
-        raise ValueError(f"{fn}: head size hs = {hs} is not supported: the kernels hold a row of hs floats per "
-                         f"thread, 1 <= hs <= {HS_MAX}")
+        raise ValueError(
+            f"{fn}: head size hs = {hs} is not supported: the kernels hold a row of hs floats per "
+            f"thread, 1 <= hs <= {HS_MAX}"
+        )
     dtype = str(heads[0][1].dtype)
     if dtype not in dtypes:
         raise TypeError(f"{fn}: {heads[0][0]} must be {' or '.join(dtypes)}, got {dtype}")
