@@ -3,10 +3,6 @@ grid of the causal flash kernels (which key tiles a block of query rows loads, w
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from .common import figure_and_axes
 
 
@@ -15,6 +11,8 @@ def causal_tiles(T: int, rows: int, tile: int) -> dict:
     a block with query rows t0 .. t1 loads the tiles starting at s0 <= t1. Returns {"blocks", "tiles" (one block's
     full row of tiles), "loaded", "all" (blocks x tiles), "straddling" (loaded tiles that hold keys above the
     diagonal for some row of the block), "key_rows_loaded"}."""
+    import math
+
     if T < 1 or rows < 1 or tile < 1:
         raise ValueError(f"causal_tiles: T, rows and tile must be positive, got T={T}, rows={rows}, tile={tile}")
     blocks, tiles = math.ceil(T / rows), math.ceil(T / tile)
@@ -66,6 +64,10 @@ def format_attention_traffic(B: int, nh: int, hs: int, Ts=(256, 1024, 4096), row
         f"{'T':>6}{'elem':>6}{'S for all heads':>17}{'scores path':>14}{'flash':>11}{'ratio':>7}"
         f"{'flash, k v once':>17}{'ratio':>7}",
     ]
+
+    def _mb(n: int) -> str:
+        return f"{n / 1e6:,.0f} MB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+
     for T in Ts:
         for elem in (4, 2):
             a = attention_traffic(B, nh, T, hs, rows, tile, elem)
@@ -77,13 +79,13 @@ def format_attention_traffic(B: int, nh: int, hs: int, Ts=(256, 1024, 4096), row
     return "\n".join(lines)
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
-
-
 def plot_causal_tiles(T: int, rows: int, tile: int, ax=None):
     """The T x T score matrix as a grid of (block of query rows) x (key tile) cells: loaded and entirely below the
     diagonal, loaded and straddling it (masked per element), skipped (above the diagonal for every row)."""
+    import math
+
+    from matplotlib.patches import Patch, Rectangle
+
     fig, ax = figure_and_axes(ax, (4.6, 4.2))
     blocks, tiles = math.ceil(T / rows), math.ceil(T / tile)
     colors = {"full": "#4c72b0", "straddle": "#9ecae1", "skip": "#f0f0f0"}
@@ -92,7 +94,9 @@ def plot_causal_tiles(T: int, rows: int, tile: int, ax=None):
         for j in range(tiles):
             s0, s1 = j * tile, min(T, (j + 1) * tile) - 1
             kind = "skip" if s0 > t1 else ("straddle" if s1 > t0 else "full")
-            ax.add_patch(_rect(s0, t0, s1 - s0 + 1, t1 - t0 + 1, colors[kind]))
+            ax.add_patch(
+                Rectangle((s0, t0), s1 - s0 + 1, t1 - t0 + 1, facecolor=colors[kind], edgecolor="white", lw=0.8)
+            )
     ax.plot([0, T], [0, T], color="#c44e52", lw=1.2)
     ax.set_xlim(0, T)
     ax.set_ylim(T, 0)
@@ -102,8 +106,6 @@ def plot_causal_tiles(T: int, rows: int, tile: int, ax=None):
     ax.set_title(
         f"T = {T}: {ct['loaded']} of {ct['all']} tiles loaded, {ct['straddling']} straddle the diagonal", fontsize=9
     )
-    from matplotlib.patches import Patch
-
     ax.legend(
         handles=[
             Patch(color=colors["full"], label="loaded, below the diagonal"),
@@ -117,16 +119,12 @@ def plot_causal_tiles(T: int, rows: int, tile: int, ax=None):
     return fig
 
 
-def _rect(x, y, w, h, color):
-    from matplotlib.patches import Rectangle
-
-    return Rectangle((x, y), w, h, facecolor=color, edgecolor="white", lw=0.8)
-
-
-def merge_halves(x: np.ndarray, v: np.ndarray, split: int) -> dict:
+def merge_halves(x, v, split: int) -> dict:
     """Softmax-weighted average of the rows of v by the scores x, computed whole and from two halves merged:
     each half's (max m, sum l, normalised output o), then m = max(m1, m2), l = l1 e^(m1 - m) + l2 e^(m2 - m),
     o = (l1 e^(m1 - m) o1 + l2 e^(m2 - m) o2) / l. Returns both, with the log-sum-exp m + log l."""
+    import numpy as np
+
     x, v = np.asarray(x, dtype=np.float64), np.asarray(v, dtype=np.float64)
 
     def part(xs, vs):

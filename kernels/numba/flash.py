@@ -24,6 +24,7 @@ rows s0 .. s1 needs the query tiles that end at t >= s0 only. About half the til
 v1: one thread per row (a query row in the forward and dQ, a key row in dK, dV); the block's threads load each tile
 of BC rows into shared memory together, then each thread works on its own row in registers (hs <= HS_MAX floats).
 Every sum is fp32, in a fixed order. Runs in the simulator; the HIP version is kernels/hip/flash.cu.
+The kernels: v1 the forward; v1_delta, v1_dkdv, v1_dq the backward's three launches, in that order.
 """
 
 import math
@@ -207,6 +208,14 @@ def flash_attention_backward_v1_dq(q, k, v, dout, lse, delta, dq, scale):
 
 KERNELS = {"v1": flash_attention_forward_v1, "v1_delta": flash_attention_backward_v1_delta,
            "v1_dkdv": flash_attention_backward_v1_dkdv, "v1_dq": flash_attention_backward_v1_dq}
+_H4 = "float32[:, :, :, ::1]"  # (B, nh, T, hs) C-contiguous
+_R3 = "float32[:, :, ::1]"     # (B, nh, T)
+SIGNATURES = {
+    "v1": f"void({_H4}, {_H4}, {_H4}, {_H4}, {_R3}, float32)",  # q, k, v, out, lse, scale
+    "v1_delta": f"void({_H4}, {_H4}, {_R3})",  # out, dout, delta
+    "v1_dkdv": f"void({_H4}, {_H4}, {_H4}, {_H4}, {_R3}, {_R3}, {_H4}, {_H4}, float32)",
+    "v1_dq": f"void({_H4}, {_H4}, {_H4}, {_H4}, {_R3}, {_R3}, {_H4}, float32)",
+}
 GPU_ONLY = set()
 VERSIONS = ("v1",)
 MAX_BLOCKS = 4096   # the delta kernel's grid cap (grid-stride)
