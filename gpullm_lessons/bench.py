@@ -92,9 +92,11 @@ class Case:
     bytes: int  # minimum bytes a kernel must read + write
     flops: int
     torch: Optional[Callable] = None  # (args as torch tensors) -> runs PyTorch's kernel for the same op
-    bound: str = "memory"  # which ceiling judges it: "memory" (copy GB/s) or "compute" (fp32 matmul TFLOP/s)
+    bound: str = "memory"  # which ceiling judges it: "memory" (copy GB/s), "compute" (fp32 matmul TFLOP/s) or
+    # "compute_bf16" (bf16 matmul TFLOP/s: kernels on the matrix units)
     launcher: str = ""  # the backends' launcher name; "" means f"{op}_backward" (adamw: "adamw_step")
     family: str = ""  # the op whose versions the backends list (backends.<b>.versions); "" means op
+    backends: tuple = ("numba", "hip")  # the kernel backends whose launcher takes these arguments
 
     def launcher_name(self) -> str:
         return self.launcher or f"{self.op}_backward"
@@ -199,13 +201,37 @@ def _flash_cases(small: bool, randn) -> list:
         del s, e
         return q, k, v, out, randn(r, *shape), lse, cp.empty(shape, f32), cp.empty(shape, f32), cp.empty(shape, f32)
 
+    def bf16(x):  # float32 -> bfloat16 bits (uint16), round to nearest even
+        from gpullm_lessons.precision import f32_to_bf16_bits
+
+        return cp.asarray(f32_to_bf16_bits(cp.asnumpy(x)))
+
+    def fwd_bf16(r):
+        q, k, v, out, lse = fwd_args(r)
+        return bf16(q), bf16(k), bf16(v), out, lse
+
+    def bwd_bf16(r):
+        q, k, v, out, dout, lse, dq, dk, dv = bwd_args(r)
+        return bf16(q), bf16(k), bf16(v), out, bf16(dout), lse, dq, dk, dv
+
     label = f"B{B} nh{nh} T{T} hs{hs}"
     causal = heads * T * T * hs  # multiply-adds of one causal-half T x T x hs product, x2 FLOPs
+    hbytes = (3 * 2 * T * hs + 4 * T * hs + 4 * T) * heads  # q, k, v bf16 read; out fp32, lse written
+    hbytes_bwd = (4 * 2 * T * hs + 4 * T * hs + 4 * T + 3 * 4 * T * hs) * heads  # + dout, out, lse; dq, dk, dv
     return [
         Case("flash_fwd", label, fwd_args, (4 * T * hs + T) * heads * 4, 2 * causal * 2, bound="compute",
-             torch=_torch_sdpa_forward, launcher="flash_attention_forward", family="flash_attention"),
+             torch=_torch_sdpa_forward, launcher="flash_attention_forward", family="flash_attention",
+             backends=("numba",)),
         Case("flash_bwd", label, bwd_args, (8 * T * hs + T) * heads * 4, 5 * causal * 2, bound="compute",
-             torch=_torch_sdpa_backward(), launcher="flash_attention_backward", family="flash_attention"),
+             torch=_torch_sdpa_backward(), launcher="flash_attention_backward", family="flash_attention",
+             backends=("numba",)),
+        # bf16 inputs: HIP's v2 on the matrix units beside PyTorch's flash kernel (SDPA on bf16 tensors)
+        Case("flash_fwd_bf16", label, fwd_bf16, hbytes, 2 * causal * 2, bound="compute_bf16",
+             torch=_torch_sdpa_forward_bf16, launcher="flash_attention_forward", family="flash_attention",
+             backends=("hip",)),
+        Case("flash_bwd_bf16", label, bwd_bf16, hbytes_bwd, 5 * causal * 2, bound="compute_bf16",
+             torch=_torch_sdpa_backward_bf16(), launcher="flash_attention_backward", family="flash_attention",
+             backends=("hip",)),
     ]
 
 
@@ -213,6 +239,30 @@ def _torch_sdpa_forward(t):
     """PyTorch's fused attention (scaled_dot_product_attention, causal) on the same float32 q, k, v."""
     import torch
     return torch.nn.functional.scaled_dot_product_attention(t[0], t[1], t[2], is_causal=True)
+
+
+def _torch_sdpa_forward_bf16(t):
+    """PyTorch's flash attention forward (SDPA, causal) on the same bf16 q, k, v (the uint16 bits viewed as bf16)."""
+    import torch
+    q, k, v = (x.view(torch.bfloat16) for x in t[:3])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _torch_sdpa_backward_bf16():
+    """PyTorch's flash attention backward on the same bf16 q, k, v, dout: its own forward runs once, outside the timed
+    calls, for the output and log-sum-exp it saves."""
+    state = {}
+
+    def run(t):
+        import torch
+        q, k, v, dout = (x.view(torch.bfloat16) for x in (t[0], t[1], t[2], t[4]))
+        T = q.shape[2]
+        if "fwd" not in state:
+            state["fwd"] = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+        out, lse, cq, ck, mq, mk, seed, offset, _ = state["fwd"]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, T, T, 0.0, True, seed, offset)
+    return run
 
 
 def _torch_sdpa_backward():
@@ -275,6 +325,8 @@ def case_runs(case, args) -> list:
     import cupy as cp
     runs = []
     for bname, mod in _backends():
+        if bname not in case.backends:
+            continue
         fn = getattr(mod, case.launcher_name(), None)
         for version in (mod.versions(case.family or case.op) if fn is not None else []):
             runs.append((bname, version, lambda fn=fn, version=version: fn(*args, version=version)))
@@ -318,7 +370,7 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
             if t is None:                              # not capturable (e.g. a host sync inside): the queued time
                 t, timing = t_queued, "queued"
             gbs, tflops = case.bytes / t / 1e9, case.flops / t / 1e12
-            frac = gbs / ceil["copy"]["GB/s"] if case.bound == "memory" else tflops / ceil["matmul_fp32"]["TFLOP/s"]
+            frac = gbs / ceil["copy"]["GB/s"] if case.bound == "memory" else tflops / ceil[_CEILING[case.bound]]["TFLOP/s"]
             rows.append(dict(row, ms=t * 1e3, host_ms=t_host * 1e3, ms_queued=t_queued * 1e3, timing=timing,
                              bytes=case.bytes, flops=case.flops, **{"GB/s": gbs, "TFLOP/s": tflops},
                              bound=case.bound, fraction_of_ceiling=frac))
@@ -329,6 +381,9 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
             "timing": f"ms: GPU time per call, a CUDA graph of {iters} calls replayed; host_ms: Python's time to "
                       f"issue one call; ms_queued: the same calls queued from Python between events",
             "rows": rows}
+
+
+_CEILING = {"compute": "matmul_fp32", "compute_bf16": "matmul_bf16"}
 
 
 def _recover():
@@ -376,22 +431,26 @@ def result_source(result: dict) -> str:
 def format_kernels(result: dict) -> str:
     """The kernel table: GPU time per call (a CUDA graph replayed: 'g'), Python's time to issue it, rates."""
     c = result["ceilings"]
+    w = max([13] + [len(r["op"]) + 1 for r in result["rows"]])  # the op column fits the longest op
+    bf16 = any(r.get("bound") == "compute_bf16" for r in result["rows"]) and "TFLOP/s" in c.get("matmul_bf16", {})
     lines = [f"{result['card']} ({result['date']}): copy {c['copy']['GB/s']:.0f} GB/s, "
-             f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s",
+             f"fp32 matmul {c['matmul_fp32']['TFLOP/s']:.1f} TFLOP/s"
+             + (f", bf16 matmul {c['matmul_bf16']['TFLOP/s']:.1f} TFLOP/s" if bf16 else ""),
              "ms: GPU time per call ('g': a CUDA graph of the calls, replayed; 'q': queued launches)",
              "host us: Python's time to issue one call (launch overhead; an eager loop pays the larger of the two)",
-             f"{'op':<13}{'backend':<8}{'version':<10}{'ms':>8}{'host us':>9}{'GB/s':>7}{'TFLOP/s':>8}"
+             f"{'op':<{w}}{'backend':<8}{'version':<10}{'ms':>8}{'host us':>9}{'GB/s':>7}{'TFLOP/s':>8}"
              f"{'of ceiling':>11}"]
+    label = {"memory": "copy", "compute": "mm", "compute_bf16": "bf16 mm"}
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:9]:<10}  error: {r['error'][:60]}")
+            lines.append(f"{r['op']:<{w}}{r['backend']:<8}{str(r['version'])[:9]:<10}  error: {r['error'][:60]}")
             continue
         mark = {"graph": "g", "queued": "q"}.get(r.get("timing"), " ")
         host = f"{1e3 * r['host_ms']:9.0f}" if "host_ms" in r else f"{'-':>9}"
-        lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:9]:<10}{r['ms']:7.3f}{mark}"
+        lines.append(f"{r['op']:<{w}}{r['backend']:<8}{str(r['version'])[:9]:<10}{r['ms']:7.3f}{mark}"
                      f"{host}{r['GB/s']:7.0f}"
                      f"{r['TFLOP/s']:8.2f}{100 * r['fraction_of_ceiling']:6.0f}% "
-                     f"{'copy' if r['bound'] == 'memory' else 'mm'}")
+                     f"{label.get(r['bound'], r['bound'])}")
     return "\n".join(lines)
 
 
@@ -445,6 +504,10 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
     ap.add_argument("--scores", choices=("f32", "half"), default=None,
                     help="`train` / `gputime`: the engine's attention-score format in half precision (default half)")
+    ap.add_argument("--attention", choices=("flash", "cublas"), default=None,
+                    help="`train` / `gputime`: the engine's attention path in half precision (default flash where it "
+                         "runs)")
+    ap.add_argument("--compile", action="store_true", help="`train`: also PyTorch through torch.compile")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
     ap.add_argument("--labels", help=argparse.SUPPRESS)                  # ncu-target: where the call labels go
@@ -459,16 +522,18 @@ def main(argv=None) -> int:
         elif args.what in ("train", "checkpointing", "profile", "gputime"):
             from . import bench_train as bt
             presets = tuple(args.presets.split(","))
+            versions = {**({"scores": args.scores} if args.scores else {}),
+                        **({"attention": args.attention} if args.attention else {})}
             if args.what == "gputime":
-                versions = {"scores": args.scores} if args.scores else None
-                result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0], versions=versions)
+                result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0],
+                                             versions=versions or None)
                 print(bt.format_gpu_time(result))
             elif args.what == "profile":
                 result = bt.profile_step(presets[0], (args.precisions or "bf16").split(",")[0])
                 print(bt.format_profile(result))
             elif args.what == "train":
                 precs = tuple((args.precisions or "fp32,bf16").split(","))
-                result = bt.bench_train(presets, precs, versions={"scores": args.scores} if args.scores else None)
+                result = bt.bench_train(presets, precs, versions=versions or None, with_compile=args.compile)
                 print(bt.format_train(result))
             else:
                 precs = tuple((args.precisions or "fp32").split(","))

@@ -109,8 +109,10 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
             "model_bytes": int(model_bytes), "cuda_graph": graphed}
 
 
-def measure_torch(cfg, B, T, precision="fp32", steps=10) -> dict:
-    """The same GPT in PyTorch eager: SDPA causal attention, fused AdamW, bf16 autocast for bf16."""
+def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
+    """The same GPT in PyTorch eager: SDPA causal attention, fused AdamW, bf16 autocast for bf16. compile=True: the
+    model through torch.compile (the default inductor backend; the optimizer step stays eager and fused), its
+    compilation done in the warm-up steps, outside the timed ones."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -149,6 +151,8 @@ def measure_torch(cfg, B, T, precision="fp32", steps=10) -> dict:
     torch.manual_seed(0)
     model = GPT().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    if compile:
+        model = torch.compile(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     def step(x, y):
@@ -184,7 +188,9 @@ def _card():
 
 
 def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=10, backend="hip",
-                with_torch=True, versions=None) -> dict:
+                with_torch=True, versions=None, with_compile=False) -> dict:
+    """Step time, tokens/s, MFU and peak memory of our engine (launched from Python, and replayed as a CUDA graph)
+    beside the same model in PyTorch eager and, with_compile, through torch.compile: every ratio from one run."""
     device.require_gpu("benchmarking the training step")
     from .timing import matmul_rate
 
@@ -207,22 +213,26 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
             if with_torch:
                 r = measure_torch(cfg, B, T, prec, steps=steps)
                 runs.append(("pytorch", r.pop("version"), r))
+                if with_compile:
+                    r = measure_torch(cfg, B, T, prec, steps=steps, compile=True)
+                    runs.append(("torch.compile", r.pop("version"), r))
             for who, version, r in runs:
                 tflops = flops / (r["step_ms"] / 1e3) / 1e12
                 rows.append({"preset": preset, "B": B, "T": T, "precision": prec, "who": who, "version": version,
                              **r, "tokens_per_s": B * T / (r["step_ms"] / 1e3), "TFLOP/s": tflops,
                              "MFU": tflops / rates[prec]["TFLOP/s"]})
-    return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows}
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows,
+            "versions": dict(versions or {})}  # the engine's versions asked for beyond its defaults
 
 
 def format_train(result) -> str:
     lines = [f"training step on {result['card']} ({result['date']})",
              "MFU against the measured matmul rate: "
              + ", ".join(f"{p} {r['TFLOP/s']:.0f} TFLOP/s" for p, r in result["matmul_rates"].items()),
-             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<12}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<14}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
              f"{'MFU':>7}{'peak GiB':>10}"]
     for r in result["rows"]:
-        lines.append(f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<12}{r['step_ms']:9.2f}"
+        lines.append(f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<14}{r['step_ms']:9.2f}"
                      f"{r['tokens_per_s']:11,.0f}{r['TFLOP/s']:9.1f}{100 * r['MFU']:6.1f}%"
                      f"{r['peak_bytes'] / 2**30:10.2f}")
     return "\n".join(lines)

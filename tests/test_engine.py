@@ -298,6 +298,61 @@ def test_gpu_policies_bitwise_equal(backend, precision, gpu_batches):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpu_flash_attention_agrees_with_the_cublas_path(precision, gpu_batches, gpu_reference):
+    """The flash attention path (kernels/hip/flash.cu) in the engine: its gradients match the cuBLAS path's (the
+    default) within the format's rounding, and 10 steps track the fp32 reference like the cuBLAS path does."""
+    flash = engine.build(SMALL, "hip", precision=precision, versions={"attention": "flash"})
+    cublas = engine.build(SMALL, "hip", precision=precision)
+    assert flash.ver["attention"] == "flash" and cublas.ver["attention"] == "cublas"
+    x, y = gpu_batches[0]
+    _, g_flash = grads_of(flash, x, y)
+    _, g_cublas = grads_of(cublas, x, y)
+    err = max_rel(g_flash, g_cublas)
+    assert 0 < err < (3e-2 if precision == "bf16" else 5e-3), err  # 0 would mean the same path ran twice
+    eng = engine.build(SMALL, "hip", precision=precision, versions={"attention": "flash"})
+    assert not eng.graphs  # graphs="auto": flash steps are launched from Python
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    with pytest.raises(engine.EngineError, match="graphs='on'.*flash attention step"):
+        engine.build(SMALL, "hip", precision=precision, graphs="on", versions={"attention": "flash"})
+
+
+def test_flash_attention_is_refused_by_name_where_it_cannot_run():
+    from gpullm_lessons.engine.gpu import flash_unsupported
+
+    assert "HIP kernels" in flash_unsupported(SMALL, "numba", "bf16")
+    assert "precision 'fp32'" in flash_unsupported(SMALL, "hip", "fp32")
+    odd = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, d_model=48)  # hs = 24
+    assert "head size 24 has no kernel" in flash_unsupported(odd, "hip", "bf16")
+    assert flash_unsupported(SMALL, "hip", "bf16") is None
+    with pytest.raises(engine.EngineError, match="attention='flash' cannot run here: the flash kernels"):
+        engine.build(TOY, "numba", precision="bf16", versions={"attention": "flash"})
+    with pytest.raises(engine.EngineError, match="attention must be 'flash' or 'cublas'"):
+        engine.build(TOY, "numba", versions={"attention": "sdpa"})
+    assert engine.build(TOY, "numba", precision="bf16").ver["attention"] == "cublas"  # the default
+
+
+def test_engine_memory_of_flash_attention_is_linear_in_T():
+    """flash keeps y (fp32) and the log-sum-exp instead of the (B, nh, T, T) probabilities: the activations per block
+    double when T doubles, and the difference to the cuBLAS path is exactly the probabilities minus y and lse."""
+    cfg = GPTConfig(vocab_size=256, block_size=2048, n_layer=2, n_head=4, d_model=256)  # hs = 64
+    B, T, C, nh = 4, 1024, 256, 4
+    fl = engine.engine_memory(cfg, B, T, "bf16", "none", attention="flash")
+    cb = engine.engine_memory(cfg, B, T, "bf16", "none", attention="cublas")
+    assert engine.engine_memory(cfg, B, T, "bf16", "none") == cb  # the engine's default
+    assert cb["activations_per_block"] - fl["activations_per_block"] == B * nh * T * T * 2 - (B * T * C * 4 + B * nh * T * 4)
+    fl2 = engine.engine_memory(cfg, B, 2 * T, "bf16", "none", attention="flash")
+    cb2 = engine.engine_memory(cfg, B, 2 * T, "bf16", "none", attention="cublas")
+    assert fl2["activations_per_block"] == 2 * fl["activations_per_block"]
+    assert cb2["activations_per_block"] > 2.5 * cb["activations_per_block"]
+    assert fl2["working_set"] < cb2["working_set"] / 3
+    with pytest.raises(ValueError, match="attention must be"):
+        engine.engine_memory(cfg, B, T, "bf16", attention="sdpa")
+
+
+@pytest.mark.gpu
 def test_gpu_fp16_overflow_skips_on_hip():
     x, y = batch(SMALL, 8, 64)
     eng = engine.build(SMALL, "hip", precision="fp16")
@@ -327,6 +382,16 @@ def test_gpu_engine_memory_within_10_percent_of_the_pool_peak(precision, policy)
     cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
     r = measure_engine(cfg, 32, 256, precision, policy, steps=2)
     predicted = engine.engine_memory(cfg, 32, 256, precision, policy)["total"]
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_gpu_engine_memory_of_flash_attention_within_10_percent_of_the_pool_peak(policy):
+    from gpullm_lessons.bench_train import measure_engine
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
+    r = measure_engine(cfg, 32, 256, "bf16", policy, steps=2, versions={"attention": "flash"})
+    predicted = engine.engine_memory(cfg, 32, 256, "bf16", policy, attention="flash")["total"]
     assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
 
 

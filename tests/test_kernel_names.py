@@ -85,7 +85,7 @@ SINGLE_BACKEND = {
     "attention_dpre_half_in_v1": "one kernel, format as an argument; HIP: attention_dpre_<fmt>_<fmt>_<fmt>",
     "nonfinite_zero_v1": "zeroes Numba's counter; the HIP launcher zeroes it with CuPy (out.fill(0))",
     "vector_add_v2": "lesson 00's grid-stride step; HIP's one vector_add is grid-stride already",
-    "flash_attention_*_v1*": "lesson 11's flash attention v1; its HIP twin (kernels/hip/flash.cu) is not written yet",
+    "flash_attention_*_v1*": "lesson 11's readable v1 (fp32, one thread per row); HIP's flash.cu starts at v2",
     # HIP only
     "adamw_step_v3": "float4 loads and stores (HIP only, lesson 06's tuning)",
     "adamw_step_v4": "v3 with hyper-parameters on the device (CUDA-graph replay)",
@@ -103,6 +103,7 @@ SINGLE_BACKEND = {
     "attention_dpre_[bf]*": "per-format entries; the Numba twin is attention_dpre_half(_in)_v1",
     "attention_softmax_fwd_[wv]*": "warp-per-row (w{K}) and vectorised (v{C}) families, HIP only",
     "attention_dpre_[wv]*": "warp-per-row (w{K}) and vectorised (v{C}) families, HIP only",
+    "flash_attention_*_v2_*": "lesson 11's v2 on the matrix units (wmma / MFMA, half inputs), one entry per hs x format",
 }
 
 

@@ -22,7 +22,23 @@ _NUMBA_VERSIONS = {
     "adamw": "v2",
     "convert": "v1",
     "scores": "half",
+    "attention": "cublas",
 }
+
+
+def flash_unsupported(cfg, backend, precision):
+    """Why the flash attention kernels cannot run this model (None when they can): the HIP backend, half precision,
+    a head size flash.cu is compiled for."""
+    from ..backends.hip.flash import HEAD_SIZES, supports
+
+    hs = cfg.d_model // cfg.n_head
+    if backend != "hip":
+        return f"the flash kernels on the matrix units are HIP kernels (backend {backend!r})"
+    if precision == "fp32":
+        return "they read q, k, v in half precision (precision 'fp32')"
+    if not supports(hs, precision):
+        return f"head size {hs} has no kernel (compiled for {HEAD_SIZES})"
+    return None
 
 
 class GPUEngine(Engine):
@@ -32,8 +48,13 @@ class GPUEngine(Engine):
     # "scores": the format of the attention scores and their gradient between cuBLAS and the softmax kernels in a
     # half-precision run: "half" (cuBLAS rounds them to the run's half format: half the bytes of the largest
     # activation; GPT-2 bf16 on the H200: 64.2 -> 60.6 ms per step) or "f32" (fp32 products, as before 2026-11-30)
+    # "attention": "cublas" (four batched products around the causal-softmax kernels, lesson 05's path; the default)
+    # or "flash" (kernels/hip/flash.cu, lesson 11: the (T, T) scores never in memory, activations linear in T; HIP
+    # backend, half precision, the head sizes it is compiled for; steps launched from Python, not replayed as a
+    # graph). Not the default: on the H200 (2026-12-03, results/train_flash_h200.json) its GPT-2 bf16 step took
+    # 60.6 ms against PyTorch eager's 48.2, and a graph replay of it did not reproduce the eager step's bits.
     DEFAULT_VERSIONS = {
-        "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3"},  # + HIP-only versions
+        "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3"},
         "numba": _NUMBA_VERSIONS,
         # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
         # one-thread-per-row versions are ~50x faster there than the block-per-row ones
@@ -64,6 +85,12 @@ class GPUEngine(Engine):
             self.ver.update(versions)
         if self.ver["scores"] not in ("f32", "half"):
             raise EngineError(f"versions: scores must be 'f32' or 'half', got {self.ver['scores']!r}")
+        if self.ver["attention"] not in ("flash", "cublas"):
+            raise EngineError(f"versions: attention must be 'flash' or 'cublas', got {self.ver['attention']!r}")
+        if self.ver["attention"] == "flash":
+            why_not = flash_unsupported(cfg, backend, precision)
+            if why_not:
+                raise EngineError(f"versions: attention='flash' cannot run here: {why_not}")
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
             self.ver["adamw"] = "v2"  # v3 reads float4: the buffer length must be a multiple of 4
         host = init_params(cfg, seed=seed, dtype=np.float32)
@@ -99,6 +126,8 @@ class GPUEngine(Engine):
             if n % 4
             else "embedding backward v2 sorts tokens on the host"
             if self.ver["encoder"] == "v2"
+            else "a replay of the flash attention step does not reproduce the eager step (measured on the H200)"
+            if self.ver["attention"] == "flash"
             else None
         )
         if graphs == "on" and why_not:
@@ -244,19 +273,15 @@ class GPUEngine(Engine):
         for i, dst in enumerate((q, k, v)):
             self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C : (i + 1) * C], half=half)
         del qkv
-        half_scores = half is not None and self.ver["scores"] == "half"
-        att = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
-        self._gemm(q, k, att, trans_b=True)  # raw scores q @ k.T
-        scale = 1.0 / math.sqrt(hs)
-        if half is None:
-            self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), scale)
-            att_mm = att
-        else:
-            att_mm = self._mm_empty((B * nh, T, T))
-            self.K.attention_softmax_forward(att.reshape(-1, T), None, scale, att_half=att_mm.reshape(-1, T), half=half)
-            del att
         y = xp.empty((B * nh, T, hs), xp.float32)
-        self._gemm(att_mm, v, y)  # att @ v
+        if self.ver["attention"] == "flash":  # y and each row's log-sum-exp; the (T, T) scores never exist
+            att = {"y": y, "lse": xp.empty((B * nh, T), xp.float32)}
+            heads = (B, nh, T, hs)
+            qh, kh, vh, yh = (a.reshape(heads) for a in (q, k, v, y))
+            self.K.flash_attention_forward(qh, kh, vh, yh, att["lse"].reshape(B, nh, T), half=half)
+        else:
+            att = {"att_mm": self._attention_probabilities(q, k, B, T, hs)}
+            self._gemm(att["att_mm"], v, y)  # att @ v
         atty_mm = self._mm_empty((B * T, C))
         self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
         del y
@@ -270,11 +295,11 @@ class GPUEngine(Engine):
         self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)  # x2 = x1 + gelu @ W + b
         if keep == "none":
             c.update(
+                att,
                 ln1_mm=ln1_mm,
                 q=q,
                 k=k,
                 v=v,
-                att_mm=att_mm,
                 atty_mm=atty_mm,
                 x1=x1,
                 ln2_mm=ln2_mm,
@@ -282,9 +307,24 @@ class GPUEngine(Engine):
                 gelu_mm=gelu_mm,
             )
         elif keep == "selective":  # LayerNorm and GELU outputs are rebuilt in backward
-            c.update(q=q, k=k, v=v, att_mm=att_mm, atty_mm=atty_mm, x1=x1, fc=fc)
+            c.update(att, q=q, k=k, v=v, atty_mm=atty_mm, x1=x1, fc=fc)
         # "full": only x (the caller keeps it; the rest is recomputed)
         return x2, c
+
+    def _attention_probabilities(self, q, k, B, T, hs):
+        """The cuBLAS path: the causal softmax of the scores q k^T / sqrt(hs), (B*nh, T, T) in the matmul format."""
+        xp, half = self.xp, self._half
+        nh = q.shape[0] // B
+        half_scores = half is not None and self.ver["scores"] == "half"
+        att = self._mm_empty((B * nh, T, T)) if half_scores else xp.empty((B * nh, T, T), xp.float32)
+        self._gemm(q, k, att, trans_b=True)  # raw scores q @ k.T
+        scale = 1.0 / math.sqrt(hs)
+        if half is None:
+            self.K.attention_softmax_forward(att.reshape(-1, T), att.reshape(-1, T), scale)
+            return att
+        att_mm = self._mm_empty((B * nh, T, T))
+        self.K.attention_softmax_forward(att.reshape(-1, T), None, scale, att_half=att_mm.reshape(-1, T), half=half)
+        return att_mm
 
     def _rebuild(self, c, l):
         """Selective recompute: the LayerNorm outputs from x / x1 and the GELU output from fc."""
@@ -296,7 +336,8 @@ class GPUEngine(Engine):
         """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
 
         Temporaries are dropped (del) as soon as they are used up, so that the backward's working set stays one
-        or two (B, T, 4C) tensors plus one (B, nh, T, T): engine_memory() counts the same live sets."""
+        or two (B, T, 4C) tensors plus, on the cuBLAS attention path, one (B, nh, T, T): engine_memory() counts the
+        same live sets."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
@@ -315,6 +356,34 @@ class GPUEngine(Engine):
         dy = self._mm_empty((B * nh, T, hs))
         self.K.split_heads(datty, 0, dy, B, T, nh, half=half)  # (B*nh, T, hs)
         del datty
+        if "lse" in c:  # flash: dq, dk, dv from the saved y and lse, the probabilities recomputed tile by tile
+            heads = (B, nh, T, hs)
+            grads = [xp.empty(heads, xp.float32) for _ in range(3)]
+            qh, kh, vh, yh, dyh = (a.reshape(heads) for a in (c["q"], c["k"], c["v"], c["y"], dy))
+            self.K.flash_attention_backward(qh, kh, vh, yh, dyh, c["lse"].reshape(B, nh, T), *grads, half=half)
+            del dyh
+            del dy
+            dqkv = xp.empty((B * T, 3 * C), xp.float32)
+            for i in range(3):  # dq, dk, dv into their thirds of dqkv
+                self.K.merge_heads(grads[i].reshape(B * nh, T, hs), dqkv, i * C, B, T, nh)
+                grads[i] = None
+        else:
+            box = [dy]  # the helper drops dy as soon as it is used up (no reference left here)
+            del dy
+            dqkv = self._attention_backward_cublas(box, c, B, T, hs)
+        dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
+        del dqkv
+        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l, residual=dx1)
+        del dln1
+        return dx0
+
+    def _attention_backward_cublas(self, box, c, B, T, hs):
+        """dqkv (B*T, 3C) fp32 from dy (B*nh, T, hs; box = [dy], emptied here) and the saved probabilities att_mm:
+        four batched products around the causal softmax backward (lesson 05)."""
+        xp, half = self.xp, self._half
+        dy = box.pop()
+        nh = c["q"].shape[0] // B
+        C = nh * hs
         dv = xp.empty((B * nh, T, hs), xp.float32)
         self._gemm(c["att_mm"], dy, dv, trans_a=True)  # dv = att.T @ dy
         half_scores = half is not None and self.ver["scores"] == "half"
@@ -341,12 +410,7 @@ class GPUEngine(Engine):
             self._gemm(dpre_mm, b, part, trans_a=ta)  # dq = dpre @ k, dk = dpre.T @ q
             self.K.merge_heads(part, dqkv, i * C, B, T, nh)
             del part
-        del dpre_mm
-        dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
-        del dqkv
-        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l, residual=dx1)
-        del dln1
-        return dx0
+        return dqkv
 
     # ---- the model ----------------------------------------------------------------------------------------------
     def _embed(self, x):

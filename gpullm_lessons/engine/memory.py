@@ -6,7 +6,9 @@ from ..params import GPTConfig, num_params
 from .core import POLICIES, PRECISIONS
 
 
-def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none", half_scores=True) -> dict:
+def engine_memory(
+    cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none", half_scores=True, attention="cublas"
+) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
     checkpointing.memory_model describes the NumPy reference's cache (every tensor in one precision); this function
@@ -18,13 +20,17 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
     recompute under "full" / "selective"), the embedding backward (v3's 64-bit accumulator). half_scores: the
     engine's versions["scores"] == "half" (the default: the attention scores and their gradient in half; only in half
-    precision). Returns the terms and "total" = model + activations +
-    peak working set.
+    precision). attention: the engine's versions["attention"], "cublas" (the default: the probabilities (B, nh, T,
+    T) kept) or "flash" (y fp32 and the log-sum-exp kept instead: linear in T).
+    Returns the terms and "total" = model + activations + peak working set.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"engine_memory: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if policy not in POLICIES:
         raise ValueError(f"engine_memory: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if attention not in ("flash", "cublas"):
+        raise ValueError(f"engine_memory: attention must be 'flash' or 'cublas', got {attention!r}")
+    flash = attention == "flash"
     f, e = 4, (4 if precision == "fp32" else 2)
     half = e == 2
     h = e if half else 0  # bytes of a half copy that exists only in half precision
@@ -34,7 +40,8 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": 2 * P * f}
     # what one block keeps, per policy (GPUEngine._block_forward)
     base = NC * f + 4 * N * f  # x, mean1, rstd1, mean2, rstd2
-    sel = 3 * NC * e + TT * e + NC * e + NC * f + 4 * NC * f  # q, k, v, att_mm, atty_mm, x1, fc
+    att = NC * f + B * nh * T * f if flash else TT * e  # flash: y and lse; cublas: the probabilities att_mm
+    sel = 3 * NC * e + att + NC * e + NC * f + 4 * NC * f  # q, k, v, the attention's, atty_mm, x1, fc
     rebuilt = NC * e + NC * e + 4 * NC * e  # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
     kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f}[policy]
@@ -46,7 +53,7 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
     # selective the matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on
     # return)
     ts = e if (half and half_scores) else f  # bytes of a score / its gradient
-    fwd_block = max(3 * NC * f, TT * ts * half, NC * f)
+    fwd_block = max(3 * NC * f, 0 if flash else TT * ts * half, NC * f)
     if policy == "selective":
         fwd_block += rebuilt
     elif policy == "full":
@@ -60,9 +67,19 @@ def engine_memory(cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none
         2 * NC * f,  # dln2, dx1
         2 * NC * f + NC * h,  # attproj: dx1, dx1_mm, datty
         2 * NC * f + NC * e,  # dx1, datty, dy
-        2 * NC * f + NC * e + TT * ts,  # dx1, dy, dv, datt
-        2 * NC * f + TT * ts + TT * h,  # dx1, dv, datt, dpre (half)
-        5 * NC * f + TT * e,  # dx1, dqkv, dv / part, dpre
+    ]
+    if flash:
+        stages += [
+            4 * NC * f + NC * e + B * nh * T * f,  # dx1, dy, dq, dk, dv, delta
+            7 * NC * f,  # dx1, dq, dk, dv, dqkv
+        ]
+    else:
+        stages += [
+            2 * NC * f + NC * e + TT * ts,  # dx1, dy, dv, datt
+            2 * NC * f + TT * ts + TT * h,  # dx1, dv, datt, dpre (half)
+            5 * NC * f + TT * e,  # dx1, dqkv, dv / part, dpre
+        ]
+    stages += [
         5 * NC * f + 3 * NC * h,  # qkv: dx1, dqkv, dqkv_mm, dln1
         3 * NC * f,
     ]  # dx1, dln1, dx0

@@ -25,6 +25,7 @@
     #include <cuda_runtime.h>
   #endif
   #include <cuda_fp16.h>
+  #include <cuda_bf16.h>
   typedef unsigned int lanemask_t;         // a warp has 32 lanes
   #define FULL_MASK (0xffffffffu)
   __device__ __forceinline__ float shfl_xor(float v, int lane_mask, int width) { return __shfl_xor_sync(FULL_MASK, v, lane_mask, width); }
@@ -46,3 +47,90 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int offset = warpSize / 2; offset > 0; offset /= 2) v = fmaxf(v, shfl_xor(v, offset, warpSize));
     return v;
 }
+
+// Make one warp's (wavefront's) shared-memory writes visible to its other lanes before they read them.
+#if GPULLM_HIP
+__device__ __forceinline__ void warp_sync() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+#else
+__device__ __forceinline__ void warp_sync() { __syncwarp(); }
+#endif
+
+// ---- Matrix tiles on the matrix units (tensor cores on NVIDIA, MFMA on AMD CDNA: gfx90a, gfx942) ----------------
+// Only for sources that #define GPULLM_MATRIX_UNITS before including this header (NVIDIA's <mma.h> needs the CUDA
+// headers' crt/ folder: pip's nvidia-cuda-crt, or a CUDA toolkit).
+#ifdef GPULLM_MATRIX_UNITS
+// One warp (wavefront) multiplies 16x16 tiles: acc (16x16 fp32) += A (16x16) * B (16x16), A and B 16-bit floats of
+// format H (1: bfloat16, 2: float16, half.h's numbering) read from shared memory as their raw bits (unsigned short).
+// Every lane of the warp calls each function together (no lane may be inside an if the others skip).
+//   mma_load_a<H, L>(a, p, ld):  L = MMA_ROW: A[i][k] = p[i * ld + k];  MMA_COL: A[i][k] = p[k * ld + i]
+//   mma_load_b<H, L>(b, p, ld):  L = MMA_ROW: B[k][j] = p[k * ld + j];  MMA_COL: B[k][j] = p[j * ld + k]
+//   mma_zero(acc); mma_run(acc, a, b): acc += A B;  mma_store(p, acc, ld): p[i * ld + j] = acc[i][j] (fp32)
+// ld: NVIDIA's loads need ld a multiple of 8 (16-bit) or 4 (fp32) elements and p 32-byte aligned.
+// What a lane holds is the vendor's business (NVIDIA does not document it); code outside this header only loads,
+// runs and stores. AMD: v_mfma_f32_16x16x16{bf16_1k,f16} on a 64-lane wavefront, each lane 4 elements of A, B and
+// the result: A[lane % 16][4 (lane / 16) + e], B[4 (lane / 16) + e][lane % 16], acc[4 (lane / 16) + e][lane % 16].
+#define MMA_ROW 0
+#define MMA_COL 1
+// MMA_WARP: the lanes of the warp that runs them, as a compile-time constant (loops over a lane's share of a tile
+// unroll and keep it in registers): 32 on NVIDIA, 64 on AMD CDNA.
+#if GPULLM_HIP
+#define MMA_WARP 64
+typedef short mma_s4 __attribute__((ext_vector_type(4)));
+typedef _Float16 mma_h4 __attribute__((ext_vector_type(4)));
+typedef float mma_f4 __attribute__((ext_vector_type(4)));
+struct mma_acc { mma_f4 x; };
+template <int H, int L> struct mma_a { mma_s4 x; };
+template <int H, int L> struct mma_b { mma_s4 x; };
+__device__ __forceinline__ void mma_zero(mma_acc& c) { c.x = mma_f4{0.0f, 0.0f, 0.0f, 0.0f}; }
+template <int H, int L> __device__ __forceinline__ void mma_load_a(mma_a<H, L>& a, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, i = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) a.x[e] = (short)(L == MMA_ROW ? p[i * ld + k0 + e] : p[(k0 + e) * ld + i]);
+}
+template <int H, int L> __device__ __forceinline__ void mma_load_b(mma_b<H, L>& b, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, j = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) b.x[e] = (short)(L == MMA_ROW ? p[(k0 + e) * ld + j] : p[j * ld + k0 + e]);
+}
+template <int H, int LA, int LB>
+__device__ __forceinline__ void mma_run(mma_acc& c, const mma_a<H, LA>& a, const mma_b<H, LB>& b) {
+    if (H == 1) c.x = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a.x, b.x, c.x, 0, 0, 0);
+    else c.x = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(mma_h4, a.x), __builtin_bit_cast(mma_h4, b.x),
+                                                     c.x, 0, 0, 0);
+}
+__device__ __forceinline__ void mma_store(float* p, const mma_acc& c, int ld) {
+    int lane = threadIdx.x % warpSize, j = lane % 16, i0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) p[(i0 + e) * ld + j] = c.x[e];
+}
+#else
+#include <mma.h>
+#define MMA_WARP 32
+template <int H> struct mma_elem { typedef __nv_bfloat16 t; };
+template <> struct mma_elem<2> { typedef __half t; };
+template <int L> struct mma_layout { typedef nvcuda::wmma::row_major t; };
+template <> struct mma_layout<MMA_COL> { typedef nvcuda::wmma::col_major t; };
+struct mma_acc { nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> f; };
+template <int H, int L> struct mma_a {
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, typename mma_elem<H>::t, typename mma_layout<L>::t> f;
+};
+template <int H, int L> struct mma_b {
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, typename mma_elem<H>::t, typename mma_layout<L>::t> f;
+};
+__device__ __forceinline__ void mma_zero(mma_acc& c) { nvcuda::wmma::fill_fragment(c.f, 0.0f); }
+template <int H, int L> __device__ __forceinline__ void mma_load_a(mma_a<H, L>& a, const unsigned short* p, int ld) {
+    nvcuda::wmma::load_matrix_sync(a.f, reinterpret_cast<const typename mma_elem<H>::t*>(p), ld);
+}
+template <int H, int L> __device__ __forceinline__ void mma_load_b(mma_b<H, L>& b, const unsigned short* p, int ld) {
+    nvcuda::wmma::load_matrix_sync(b.f, reinterpret_cast<const typename mma_elem<H>::t*>(p), ld);
+}
+template <int H, int LA, int LB>
+__device__ __forceinline__ void mma_run(mma_acc& c, const mma_a<H, LA>& a, const mma_b<H, LB>& b) {
+    nvcuda::wmma::mma_sync(c.f, a.f, b.f, c.f);
+}
+__device__ __forceinline__ void mma_store(float* p, const mma_acc& c, int ld) {
+    nvcuda::wmma::store_matrix_sync(p, c.f, ld, nvcuda::wmma::mem_row_major);
+}
+#endif
+#endif  // GPULLM_MATRIX_UNITS

@@ -1,0 +1,114 @@
+"""Flash attention (causal) forward and backward through kernels/hip/flash.cu, launched with CuPy (NVIDIA or AMD CDNA).
+
+The same names as kernels/numba/flash.py; the inputs are half precision. v2 (the one HIP version): q, k, v and dout
+are bfloat16 or float16 bits (uint16, ``half="bf16"`` or ``"fp16"``), out, lse, dq, dk, dv float32; every product of
+two tiles runs on the matrix units (tensor cores, MFMA) with fp32 accumulation. The head size must be one the source
+is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gpullm_lessons.contracts import check_version
+from gpullm_lessons.contracts.flash import check_flash_args, scale_of
+
+VERSIONS = ("v2",)
+HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
+HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
+_SUFFIX = {"bf16": "bf16", "fp16": "f16"}
+WARPS = 4  # warps per block (flash.cu's FLASH_WARPS)
+ROWS = 64  # rows a block owns (FLASH_ROWS)
+MAX_GRID_Y = 65535
+DELTA_BLOCKS = 4096  # the delta kernel's grid cap (grid-stride over rows)
+
+
+def supports(hs: int, half) -> bool:
+    """Whether flash.cu has kernels for this head size and half format (the engine's choice of attention path)."""
+    return hs in HEAD_SIZES and half in HALF_FORMATS
+
+
+def _check(fn, version, half, heads, rows, outs):
+    check_version(fn, version, VERSIONS)
+    if half not in HALF_FORMATS:
+        raise ValueError(
+            f"{fn}: half={half!r} is not one of {', '.join(HALF_FORMATS)} (the HIP flash kernels read q, k, v as "
+            "16-bit floats; fp32 attention runs on kernels/numba/flash.py or the cuBLAS path)"
+        )
+    B, nh, T, hs = check_flash_args(fn, heads, rows, cupy=True, dtypes=("uint16",), outs=outs)
+    if hs not in HEAD_SIZES:
+        raise ValueError(
+            f"{fn}: head size hs = {hs} has no kernel: flash.cu is compiled for hs in {HEAD_SIZES} (multiples of 16, "
+            "the matrix units' tile)"
+        )
+    blocks = math.ceil(T / ROWS)
+    if blocks > MAX_GRID_Y:
+        raise ValueError(f"{fn}: T = {T} needs {blocks} row blocks, more than the grid's {MAX_GRID_Y}")
+    if B * nh > 2**31 - 1:
+        raise ValueError(f"{fn}: B * nh = {B * nh} heads exceed the grid's x dimension")
+    return B, nh, T, hs
+
+
+def _kernel(name):
+    """flash.cu's entry point `name`; a CUDA install without the crt/ headers that <mma.h> includes is named."""
+    from gpullm_lessons import hip
+
+    try:
+        return hip.kernel("flash", name)
+    except Exception as e:  # noqa: BLE001 - CuPy's CompileException; anything else is raised as it is
+        if "crt/mma.h" in str(e):
+            raise RuntimeError(
+                f"{name}: NVRTC cannot find crt/mma.h (NVIDIA's tensor-core header <mma.h> includes it): install the "
+                "CUDA headers' crt folder, `pip install nvidia-cuda-crt` (part of the course's cuda13 extra: make "
+                "setup GPU=cuda13), or point CUDA_PATH to a CUDA toolkit"
+            ) from None
+        raise
+
+
+def _threads():
+    from gpullm_lessons import hip
+
+    return WARPS * hip.warp_size()
+
+
+def flash_attention_forward(q, k, v, out, lse, version="v2", half="bf16"):
+    """out = causal softmax(q k^T / sqrt(hs)) v (float32) and lse = each row's log-sum-exp (float32), from q, k, v
+    in half precision (bits), without the (T, T) scores. q, k, v uint16 (B, nh, T, hs); out float32 (B, nh, T, hs);
+    lse float32 (B, nh, T)."""
+    fn = "flash_attention_forward"
+    B, nh, T, hs = _check(fn, version, half, [("q", q), ("k", k), ("v", v)], [("lse", lse)], [("out", out)])
+    if B * nh * T == 0:
+        return
+    kern = _kernel(f"flash_attention_forward_{version}_hs{hs}_{_SUFFIX[half]}")
+    kern((B * nh, math.ceil(T / ROWS)), (_threads(),), (q, k, v, out, lse, np.int32(T), scale_of(hs)))
+
+
+def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version="v2", half="bf16"):
+    """dq, dk, dv (float32) of the causal attention out = flash_attention_forward(q, k, v), from the saved out and
+    lse; q, k, v, dout uint16 half bits (B, nh, T, hs). The probabilities are recomputed from lse; each element of
+    dq, dk, dv is summed in a fixed order (no atomics): the same bits on every run."""
+    import cupy as cp
+
+    from gpullm_lessons import hip
+
+    fn = "flash_attention_backward"
+    heads = [("q", q), ("k", k), ("v", v), ("dout", dout)]
+    outs = [("out", out), ("dq", dq), ("dk", dk), ("dv", dv)]
+    B, nh, T, hs = _check(fn, version, half, heads, [("lse", lse)], outs)
+    if B * nh * T == 0:
+        return
+    rows = B * nh * T
+    delta = cp.empty((B, nh, T), cp.float32)
+    warps = 256 // hip.warp_size()
+    _kernel(f"flash_attention_backward_{version}_delta_{_SUFFIX[half]}")(
+        (min(math.ceil(rows / warps), DELTA_BLOCKS),), (256,), (out, dout, delta, np.int64(rows), np.int32(hs))
+    )
+    grid, block, scale = (B * nh, math.ceil(T / ROWS)), (_threads(),), scale_of(hs)
+    _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
+        grid, block, (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
+    )
+    _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}")(
+        grid, block, (q, k, v, dout, lse, delta, dq, np.int32(T), scale)
+    )

@@ -1,0 +1,423 @@
+// flash.cu: causal flash attention, forward and backward, on the matrix units (lesson 11; the math and the readable
+// one-thread-per-row version are kernels/numba/flash.py).
+//
+// v2: q, k, v, dout are 16-bit floats (format H: 1 bfloat16, 2 float16, as bits), (B*nh, T, HS) rows contiguous;
+// out, dq, dk, dv, lse, delta are float32. Every product of two tiles runs on the matrix units through portable.h's
+// mma_* functions (tensor cores on NVIDIA, MFMA on AMD CDNA) with fp32 accumulation; the softmax, its running max and
+// sum, and the rescale of the output stay fp32 in registers. The probabilities P (and dS in the backward) are rounded
+// to format H in shared memory as the next product's input, the same rounding a cuBLAS path in H applies to them.
+//
+// A block is 4 warps (wavefronts: 128 threads on NVIDIA, 256 on AMD); each warp owns 16 rows of the block's tile and
+// multiplies 16x16 tiles. HS (the head size) is a template argument: 16, 32, 48 or 64.
+//   forward   flash_attention_forward_v2_hs{HS}_{bf16|f16}: a block owns 64 query rows and walks the key tiles of 64
+//             rows up to its last query row (causal tile skipping). Per tile: S = Q K^T (mma), per row the online
+//             merge of lesson 05 (m' = max(m, rowmax), alpha = 2^(m - m'), l' = alpha l + sum p, p = 2^(S' - m'),
+//             scores in base 2: S' = S scale log2(e)), P to shared memory in format H, then O = alpha O + P V (mma into
+//             a scratch tile, added into the registers that hold O). At the end out = O / l, lse = (m + log2 l) ln 2.
+//   backward  flash_attention_backward_v2_delta_{fmt}: delta[row] = sum_j dout * out (one warp per row);
+//             flash_attention_backward_v2_dkdv_hs{HS}_{fmt}: a block owns 64 key rows, walks the query tiles of 32 rows
+//             from its first key on: S^T = K Q^T, dP^T = V dO^T, P^T = 2^(S^T scale log2 e - lse log2 e),
+//             dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in the warps' fragments;
+//             flash_attention_backward_v2_dq_hs{HS}_{fmt}: a block owns 64 query rows, walks the key tiles of 32 rows up
+//             to its last row: the same P and dS, dQ += dS K.
+//             Each element of dq, dk, dv is summed by one warp in a fixed order: no atomics, the same bits every run.
+// Rows past T are loaded as zeros and never written; keys past T and above the diagonal get p = 0.
+#define GPULLM_MATRIX_UNITS 1  // portable.h's mma_* functions
+#include "portable.h"
+#include "half.h"
+
+#define FLASH_WARPS 4         // warps (wavefronts) per block: blockDim.x = FLASH_WARPS * warpSize
+#define FLASH_ROWS 64         // rows a block owns (16 per warp)
+#define FLASH_KTILE 64        // forward: key rows per tile
+#define FLASH_BTILE 32        // backward: rows of the tile walked (query rows for dK dV, key rows for dQ)
+#define FLASH_PAD 8           // 16-bit elements added to each shared row (keeps 32-byte alignment, spreads banks)
+#define FLASH_LOG2E 1.4426950408889634f
+#define FLASH_LN2 0.6931471805599453f
+#define FLASH_NEG_INF (-__int_as_float(0x7f800000))
+
+// A 16-bit value of format H (its bits) as float32, exactly.
+template <int H> __device__ __forceinline__ float half_to_f32(unsigned short b) {
+    return H == 1 ? __uint_as_float(((unsigned int)b) << 16) : __half2float(__ushort_as_half(b));
+}
+
+// rows [r0, r0 + nrows) of a (T, HS) head into shared memory dst[nrows][HS + FLASH_PAD], 16 bytes per load; rows past
+// T become zeros. Every thread of the block calls it.
+template <int HS>
+__device__ __forceinline__ void load_rows(unsigned short (*dst)[HS + FLASH_PAD], const unsigned short* __restrict__ src,
+                                          int r0, int nrows, int T) {
+    const int chunks = HS / 8;  // 8 halves = 16 bytes
+    for (int i = threadIdx.x; i < nrows * chunks; i += blockDim.x) {
+        int r = i / chunks, c = (i % chunks) * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (r0 + r < T) val = *reinterpret_cast<const uint4*>(src + (long long)(r0 + r) * HS + c);
+        *reinterpret_cast<uint4*>(&dst[r][c]) = val;
+    }
+}
+
+// The reduction of a row's value over the `lpr` lanes that share the row (consecutive lanes, lpr a power of two).
+__device__ __forceinline__ float row_max(float v, int lpr) {
+    for (int o = 1; o < lpr; o *= 2) v = fmaxf(v, shfl_xor(v, o, warpSize));
+    return v;
+}
+__device__ __forceinline__ float row_sum(float v, int lpr) {
+    for (int o = 1; o < lpr; o *= 2) v += shfl_xor(v, o, warpSize);
+    return v;
+}
+
+// ---- forward ----------------------------------------------------------------------------------------------------
+template <int H, int HS>
+__device__ void flash_forward(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                              const unsigned short* __restrict__ v, float* __restrict__ out, float* __restrict__ lse,
+                              int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, PLD = FLASH_KTILE + FLASH_PAD, LPR = MMA_WARP / 16;
+    constexpr int SLD = (FLASH_KTILE > HS ? FLASH_KTILE : HS) + 4;
+    __shared__ __align__(32) unsigned short ks[FLASH_KTILE][LD];
+    __shared__ __align__(32) unsigned short vs[FLASH_KTILE][LD];
+    __shared__ __align__(32) float scr[FLASH_WARPS][16][SLD];
+    __shared__ __align__(32) unsigned short ps[FLASH_WARPS][16][PLD];
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    const int warp = threadIdx.x / warpSize, lane = threadIdx.x % warpSize;
+    const int r = lane / LPR, sub = lane % LPR;  // this lane's row of the warp's 16, and its part of the row
+    // the last query blocks walk the most key tiles: they start first (blockIdx.y = 0), the short ones fill the tail
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH_ROWS, tw = t0 + 16 * warp, t = tw + r;
+    const float sl2 = scale * FLASH_LOG2E;
+
+    // the warp's 16 query rows as A fragments, kept in registers for every key tile (staged through ks)
+    mma_a<H, MMA_ROW> qa[HS / 16];
+    load_rows<HS>(ks, q, t0, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_load_a<H, MMA_ROW>(qa[kk], &ks[16 * warp][16 * kk], LD);
+
+    float o[HS / LPR];  // this lane's columns sub, sub + LPR, ... of its row of O
+#pragma unroll
+    for (int i = 0; i < HS / LPR; i++) o[i] = 0.0f;
+    float m = FLASH_NEG_INF, l = 0.0f;
+    const int t_last = min(T, t0 + FLASH_ROWS) - 1;
+    for (int s0 = 0; s0 <= t_last; s0 += FLASH_KTILE) {
+        __syncthreads();  // every warp is done with the last tile (and with qa's staging)
+        load_rows<HS>(ks, k, s0, FLASH_KTILE, T);
+        load_rows<HS>(vs, v, s0, FLASH_KTILE, T);
+        __syncthreads();
+        if (s0 > tw + 15) continue;  // the whole tile is above the diagonal for this warp's rows
+        // S = Q K^T for the warp's 16 rows x 64 keys
+#pragma unroll
+        for (int n = 0; n < FLASH_KTILE / 16; n++) {
+            mma_acc acc;
+            mma_zero(acc);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_b<H, MMA_COL> b;
+                mma_load_b<H, MMA_COL>(b, &ks[16 * n][16 * kk], LD);
+                mma_run(acc, qa[kk], b);
+            }
+            mma_store(&scr[warp][0][16 * n], acc, SLD);
+        }
+        warp_sync();
+        // the online merge, row r, columns sub + LPR i
+        float mt = FLASH_NEG_INF;
+#pragma unroll
+        for (int i = 0; i < FLASH_KTILE / LPR; i++) {
+            int c = sub + LPR * i;
+            if (s0 + c <= t) mt = fmaxf(mt, scr[warp][r][c] * sl2);
+        }
+        mt = row_max(mt, LPR);
+        const float m_new = fmaxf(m, mt);
+        const float alpha = m == FLASH_NEG_INF ? 0.0f : exp2f(m - m_new);
+        float ls = 0.0f;
+#pragma unroll
+        for (int i = 0; i < FLASH_KTILE / LPR; i++) {
+            int c = sub + LPR * i;
+            float p = s0 + c <= t && m_new != FLASH_NEG_INF ? exp2f(scr[warp][r][c] * sl2 - m_new) : 0.0f;
+            ls += p;
+            ps[warp][r][c] = f32_to_half_bits<H>(p);
+        }
+        l = alpha * l + row_sum(ls, LPR);
+        m = m_new;
+        warp_sync();
+        // scr = P V (16 x HS), then O = alpha O + scr
+#pragma unroll
+        for (int j = 0; j < HS / 16; j++) {
+            mma_acc acc;
+            mma_zero(acc);
+#pragma unroll
+            for (int kk = 0; kk < FLASH_KTILE / 16; kk++) {
+                mma_a<H, MMA_ROW> a;
+                mma_b<H, MMA_ROW> b;
+                mma_load_a<H, MMA_ROW>(a, &ps[warp][0][16 * kk], PLD);
+                mma_load_b<H, MMA_ROW>(b, &vs[16 * kk][16 * j], LD);
+                mma_run(acc, a, b);
+            }
+            mma_store(&scr[warp][0][16 * j], acc, SLD);
+        }
+        warp_sync();
+#pragma unroll
+        for (int i = 0; i < HS / LPR; i++) o[i] = alpha * o[i] + scr[warp][r][sub + LPR * i];
+        warp_sync();  // scr is read before the next tile's S overwrites it
+    }
+    if (t < T) {
+        float inv = 1.0f / l;
+        float* orow = out + (head * T + t) * HS;
+#pragma unroll
+        for (int i = 0; i < HS / LPR; i++) orow[sub + LPR * i] = o[i] * inv;
+        if (sub == 0) lse[head * T + t] = (m + log2f(l)) * FLASH_LN2;
+    }
+}
+
+// ---- backward: delta ------------------------------------------------------------------------------------------
+template <int H>
+__device__ void flash_delta(const float* __restrict__ out, const unsigned short* __restrict__ dout,
+                            float* __restrict__ delta, long long rows, int hs) {
+    const int lane = threadIdx.x % warpSize, warps = blockDim.x / warpSize;
+    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / warpSize; row < rows;
+         row += (long long)gridDim.x * warps) {
+        float acc = 0.0f;
+        for (int j = lane; j < hs; j += warpSize) acc += half_to_f32<H>(dout[row * hs + j]) * out[row * hs + j];
+        acc = warp_sum(acc);
+        if (lane == 0) delta[row] = acc;
+    }
+}
+
+// Write a warp's 16 x HS accumulator tiles, times `mul`, to rows [row0, row0 + 16) of a (T, HS) float32 head, rows
+// past T left alone (through the warp's scratch: 16 x 16 at a time).
+template <int HS, int SLD>
+__device__ __forceinline__ void store_rows(float* __restrict__ dst, mma_acc (&acc)[HS / 16], float (*scr)[SLD],
+                                           int row0, int T, float mul) {
+    const int lane = threadIdx.x % warpSize;
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) {
+        mma_store(&scr[0][0], acc[j], SLD);
+        warp_sync();
+        for (int e = lane; e < 256; e += warpSize) {
+            int rr = e / 16, cc = e % 16;
+            if (row0 + rr < T) dst[(long long)(row0 + rr) * HS + 16 * j + cc] = scr[rr][cc] * mul;
+        }
+        warp_sync();
+    }
+}
+
+// ---- backward: dK, dV -------------------------------------------------------------------------------------------
+template <int H, int HS>
+__device__ void flash_dkdv(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                           const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
+                           float* __restrict__ dv, int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, BT = FLASH_BTILE, SLD = (BT > 16 ? BT : 16) + 4, PLD = BT + FLASH_PAD;
+    constexpr int LPR = MMA_WARP / 16;
+    __shared__ __align__(32) unsigned short qd[2 * BT > FLASH_ROWS ? 2 * BT : FLASH_ROWS][LD];  // Q rows, then dO
+    __shared__ float lse_s[BT], del_s[BT];
+    __shared__ __align__(32) float sS[FLASH_WARPS][16][SLD];
+    __shared__ __align__(32) float sP[FLASH_WARPS][16][SLD];
+    __shared__ __align__(32) unsigned short pt[FLASH_WARPS][16][PLD];
+    __shared__ __align__(32) unsigned short dst[FLASH_WARPS][16][PLD];
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    dout += head * T * HS;
+    lse += head * T;
+    delta += head * T;
+    const int warp = threadIdx.x / warpSize, lane = threadIdx.x % warpSize;
+    const int r = lane / LPR, sub = lane % LPR;
+    // the first key blocks walk the most query tiles: blockIdx.y = 0 is key block 0
+    const int s_first = blockIdx.y * FLASH_ROWS, sw = s_first + 16 * warp, s = sw + r;  // this lane's key row
+    const float sl2 = scale * FLASH_LOG2E;
+
+    // the warp's 16 key rows of K and of V as A fragments (K Q^T and V dO^T), staged through qd
+    mma_a<H, MMA_ROW> ka[HS / 16], va[HS / 16];
+    load_rows<HS>(qd, k, s_first, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_load_a<H, MMA_ROW>(ka[kk], &qd[16 * warp][16 * kk], LD);
+    __syncthreads();
+    load_rows<HS>(qd, v, s_first, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_load_a<H, MMA_ROW>(va[kk], &qd[16 * warp][16 * kk], LD);
+
+    mma_acc dka[HS / 16], dva[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) {
+        mma_zero(dka[j]);
+        mma_zero(dva[j]);
+    }
+    for (int t0 = (s_first / BT) * BT; t0 < T; t0 += BT) {
+        __syncthreads();
+        load_rows<HS>(qd, q, t0, BT, T);
+        load_rows<HS>(qd + BT, dout, t0, BT, T);
+        for (int i = threadIdx.x; i < BT; i += blockDim.x) {
+            lse_s[i] = t0 + i < T ? lse[t0 + i] * FLASH_LOG2E : 0.0f;
+            del_s[i] = t0 + i < T ? delta[t0 + i] : 0.0f;
+        }
+        __syncthreads();
+        if (t0 + BT - 1 < sw) continue;  // every query of the tile is before this warp's keys
+        // S^T = K Q^T and dP^T = V dO^T: 16 keys x BT queries each
+#pragma unroll
+        for (int n = 0; n < BT / 16; n++) {
+            mma_acc a1, a2;
+            mma_zero(a1);
+            mma_zero(a2);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_b<H, MMA_COL> b;
+                mma_load_b<H, MMA_COL>(b, &qd[16 * n][16 * kk], LD);
+                mma_run(a1, ka[kk], b);
+                mma_load_b<H, MMA_COL>(b, &qd[BT + 16 * n][16 * kk], LD);
+                mma_run(a2, va[kk], b);
+            }
+            mma_store(&sS[warp][0][16 * n], a1, SLD);
+            mma_store(&sP[warp][0][16 * n], a2, SLD);
+        }
+        warp_sync();
+#pragma unroll
+        for (int i = 0; i < BT / LPR; i++) {
+            int c = sub + LPR * i, tq = t0 + c;
+            float p = tq >= s && tq < T ? exp2f(sS[warp][r][c] * sl2 - lse_s[c]) : 0.0f;
+            pt[warp][r][c] = f32_to_half_bits<H>(p);
+            dst[warp][r][c] = f32_to_half_bits<H>(p * (sP[warp][r][c] - del_s[c]));
+        }
+        warp_sync();
+        // dV += P^T dO, dK += dS^T Q (16 keys x HS)
+#pragma unroll
+        for (int kk = 0; kk < BT / 16; kk++) {
+            mma_a<H, MMA_ROW> ap, ad;
+            mma_load_a<H, MMA_ROW>(ap, &pt[warp][0][16 * kk], PLD);
+            mma_load_a<H, MMA_ROW>(ad, &dst[warp][0][16 * kk], PLD);
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) {
+                mma_b<H, MMA_ROW> b;
+                mma_load_b<H, MMA_ROW>(b, &qd[BT + 16 * kk][16 * j], LD);
+                mma_run(dva[j], ap, b);
+                mma_load_b<H, MMA_ROW>(b, &qd[16 * kk][16 * j], LD);
+                mma_run(dka[j], ad, b);
+            }
+        }
+    }
+    store_rows<HS, SLD>(dk + head * T * HS, dka, sS[warp], sw, T, scale);
+    store_rows<HS, SLD>(dv + head * T * HS, dva, sS[warp], sw, T, 1.0f);
+}
+
+// ---- backward: dQ -----------------------------------------------------------------------------------------------
+template <int H, int HS>
+__device__ void flash_dq(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                         const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                         const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq, int T,
+                         float scale) {
+    constexpr int LD = HS + FLASH_PAD, BT = FLASH_BTILE, SLD = (BT > 16 ? BT : 16) + 4, PLD = BT + FLASH_PAD;
+    constexpr int LPR = MMA_WARP / 16;
+    __shared__ __align__(32) unsigned short kv[2 * BT > FLASH_ROWS ? 2 * BT : FLASH_ROWS][LD];  // K rows, then V
+    __shared__ __align__(32) float sS[FLASH_WARPS][16][SLD];
+    __shared__ __align__(32) float sP[FLASH_WARPS][16][SLD];
+    __shared__ __align__(32) unsigned short dst[FLASH_WARPS][16][PLD];
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    dout += head * T * HS;
+    const int warp = threadIdx.x / warpSize, lane = threadIdx.x % warpSize;
+    const int r = lane / LPR, sub = lane % LPR;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH_ROWS, tw = t0 + 16 * warp, t = tw + r;  // this lane's query row
+    const float sl2 = scale * FLASH_LOG2E;
+    const float lse_t = t < T ? lse[head * T + t] * FLASH_LOG2E : 0.0f;
+    const float del_t = t < T ? delta[head * T + t] : 0.0f;
+
+    mma_a<H, MMA_ROW> qa[HS / 16], da[HS / 16];
+    load_rows<HS>(kv, q, t0, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_load_a<H, MMA_ROW>(qa[kk], &kv[16 * warp][16 * kk], LD);
+    __syncthreads();
+    load_rows<HS>(kv, dout, t0, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_load_a<H, MMA_ROW>(da[kk], &kv[16 * warp][16 * kk], LD);
+
+    mma_acc dqa[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) mma_zero(dqa[j]);
+    const int t_last = min(T, t0 + FLASH_ROWS) - 1;
+    for (int s0 = 0; s0 <= t_last; s0 += BT) {
+        __syncthreads();
+        load_rows<HS>(kv, k, s0, BT, T);
+        load_rows<HS>(kv + BT, v, s0, BT, T);
+        __syncthreads();
+        if (s0 > tw + 15) continue;
+        // S = Q K^T, dP = dO V^T: 16 queries x BT keys
+#pragma unroll
+        for (int n = 0; n < BT / 16; n++) {
+            mma_acc a1, a2;
+            mma_zero(a1);
+            mma_zero(a2);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_b<H, MMA_COL> b;
+                mma_load_b<H, MMA_COL>(b, &kv[16 * n][16 * kk], LD);
+                mma_run(a1, qa[kk], b);
+                mma_load_b<H, MMA_COL>(b, &kv[BT + 16 * n][16 * kk], LD);
+                mma_run(a2, da[kk], b);
+            }
+            mma_store(&sS[warp][0][16 * n], a1, SLD);
+            mma_store(&sP[warp][0][16 * n], a2, SLD);
+        }
+        warp_sync();
+#pragma unroll
+        for (int i = 0; i < BT / LPR; i++) {
+            int c = sub + LPR * i;
+            float p = s0 + c <= t && t < T ? exp2f(sS[warp][r][c] * sl2 - lse_t) : 0.0f;
+            dst[warp][r][c] = f32_to_half_bits<H>(p * (sP[warp][r][c] - del_t));
+        }
+        warp_sync();
+        // dQ += dS K (16 queries x HS)
+#pragma unroll
+        for (int kk = 0; kk < BT / 16; kk++) {
+            mma_a<H, MMA_ROW> a;
+            mma_load_a<H, MMA_ROW>(a, &dst[warp][0][16 * kk], PLD);
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) {
+                mma_b<H, MMA_ROW> b;
+                mma_load_b<H, MMA_ROW>(b, &kv[16 * kk][16 * j], LD);
+                mma_run(dqa[j], a, b);
+            }
+        }
+    }
+    store_rows<HS, SLD>(dq + head * T * HS, dqa, sS[warp], tw, T, scale);
+}
+
+// ---- entry points: one per format and head size -------------------------------------------------------------------
+#define FLASH_ENTRIES(HS, FMT, H)                                                                                     \
+    extern "C" __global__ void flash_attention_forward_v2_hs##HS##_##FMT(                                            \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward<H, HS>(q, k, v, out, lse, T, scale);                                                            \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v2_dkdv_hs##HS##_##FMT(                                      \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dk, float* dv, int T, float scale) {                             \
+        flash_dkdv<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                               \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v2_dq_hs##HS##_##FMT(                                        \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
+        flash_dq<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                     \
+    }
+
+FLASH_ENTRIES(16, bf16, 1)
+FLASH_ENTRIES(32, bf16, 1)
+FLASH_ENTRIES(48, bf16, 1)
+FLASH_ENTRIES(64, bf16, 1)
+FLASH_ENTRIES(16, f16, 2)
+FLASH_ENTRIES(32, f16, 2)
+FLASH_ENTRIES(48, f16, 2)
+FLASH_ENTRIES(64, f16, 2)
+
+extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
+                                                                  float* delta, long long rows, int hs) {
+    flash_delta<1>(out, dout, delta, rows, hs);
+}
+extern "C" __global__ void flash_attention_backward_v2_delta_f16(const float* out, const unsigned short* dout,
+                                                                 float* delta, long long rows, int hs) {
+    flash_delta<2>(out, dout, delta, rows, hs);
+}
