@@ -64,11 +64,13 @@ from .optim import lr_schedule  # noqa: E402
 BACKENDS = ("auto",) + engine.BACKENDS  # the names --backend accepts; auto: hip on a GPU, numpy without one
 PRECISIONS = engine.PRECISIONS  # fp32 | bf16 | fp16 (half precision needs a kernel backend)
 POLICIES = engine.POLICIES  # activation checkpointing: none | selective | full
+OPTIMIZER_STATES = engine.OPTIMIZER_STATES  # AdamW's moments: fp32 | int8
 SLOW_PARAMS = 2_000_000  # warn above this many parameters on the CPU
 SIM_SLOW_TOKENS = 64  # warn above this many tokens per step (B * T) for numba in the CUDA simulator
 CKPT_NAME = "ckpt.npz"  # the checkpoint in --out
 # what a checkpoint must share with the run that resumes it (any other difference is printed as a note)
-RESUME_MUST_MATCH = ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "batch_size", "seq_len", "precision")
+RESUME_MUST_MATCH = ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "batch_size", "seq_len", "precision",
+                     "grad_accum")
 
 
 class ConfigError(ValueError):
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per training window T (default: the block size; at most the block size)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step B (default: the preset's)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="gradient accumulation: K batches of B sequences per optimizer step, one after the other "
+                        "(the loss of each scaled 1/K; data parallel: one all-reduce per step)"),
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default: lr / 10)")
     p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: steps // 10)")
@@ -107,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay each training step as a CUDA graph (hip backend, fp32/bf16; auto: where it applies)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also write <out>/ckpt.npz every N steps (0: only at the end)")
+    p.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default="fp32",
+                   help="AdamW's moments in fp32 or block-wise 8-bit (int8: 2 bytes per parameter instead of 8; "
+                        "the NumPy backend; lesson 12)")
     p.add_argument("--zero", action="store_true",
                    help="ZeRO-1: shard AdamW's state over the ranks (reduce-scatter, shard update, all-gather)")
     p.add_argument("--check-every", type=int, default=10,
@@ -205,9 +213,14 @@ def _flat(run_config: dict) -> dict:
     return {**run_config.get("model", {}), **{k: v for k, v in run_config.items() if k != "model"}}
 
 
+# settings a checkpoint written before they existed was trained with
+CONFIG_DEFAULTS = {"grad_accum": 1}
+
+
 def config_differences(saved: dict, current: dict, keys) -> list:
-    """'name saved != current' for each of `keys` where two run configs differ."""
-    a, b = _flat(saved), _flat(current)
+    """'name saved != current' for each of `keys` where two run configs differ (a setting the saved config lacks
+    counts as its CONFIG_DEFAULTS value)."""
+    a, b = {**CONFIG_DEFAULTS, **_flat(saved)}, _flat(current)
     return [f"{k} {a.get(k)} != {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
 
 
@@ -263,7 +276,7 @@ def settings(args: argparse.Namespace) -> tuple:
     T = preset["block_size"] if args.seq_len is None else args.seq_len  # tokens per training window
     for flag, value in (("--n-layer", preset["n_layer"]), ("--n-head", preset["n_head"]),
                         ("--d-model", preset["d_model"]), ("--block-size", preset["block_size"]),
-                        ("--seq-len", T), ("--batch-size", B), ("--steps", args.steps),
+                        ("--seq-len", T), ("--batch-size", B), ("--steps", args.steps), ("--grad-accum", args.grad_accum),
                         ("--eval-batches", args.eval_batches)):
         if value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
@@ -318,6 +331,11 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                           f"B / N rows; use a multiple of {W}")
     if comm.name == "nccl" and backend == "numpy":
         raise ConfigError("NCCL ranks need a GPU backend (--backend hip); the NumPy engine runs on MPI ranks")
+    if args.grad_accum > 1 and args.graphs == "on":
+        raise ConfigError(f"--graphs on with --grad-accum {args.grad_accum}: the captured step holds one forward and "
+                          f"backward; accumulation runs its micro-batches from Python (use --graphs auto or off)")
+    if args.zero and args.optimizer_state != "fp32":
+        raise ConfigError(f"--zero with --optimizer-state {args.optimizer_state}: ZeRO shards fp32 moments")
     if args.zero and args.graphs == "on":
         raise ConfigError("--graphs on with --zero: ZeRO-1 updates one shard between a reduce-scatter and an "
                           "all-gather, which the captured step does not hold; use --graphs auto or off")
@@ -330,7 +348,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     run_config = {"model": dataclasses.asdict(cfg), "batch_size": B, "seq_len": T, "steps": steps, "lr": lr,
                   "warmup": warmup, "min_lr": min_lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
                   "backend": backend, "precision": args.precision, "policy": args.checkpointing, "seed": args.seed,
-                  "world_size": W, "zero": bool(args.zero)}
+                  "world_size": W, "zero": bool(args.zero), "grad_accum": args.grad_accum,
+                  "optimizer_state": args.optimizer_state}
     # --resume: the checkpoint must exist, hold the same model, batch shape and precision, and have steps left
     # (every rank reads it; a checkpoint of one rank count resumes on another: the global batch is the same)
     resume = None
@@ -366,7 +385,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     # 3. model: the engine holds the GPT's flat fp32 buffers (params, grads, AdamW's m and v) on its backend; on
     #    several ranks DataParallel combines the ranks' gradients (one rank: the engine's own step)
     try:
-        eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed, graphs=args.graphs)
+        eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed, graphs=args.graphs,
+                           optimizer_state=args.optimizer_state)
     except engine.EngineError as e:  # e.g. bf16 / fp16 with the NumPy reference
         raise ConfigError(str(e)) from e
     start = 1
@@ -382,7 +402,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     say(f"model: {args.preset} L={cfg.n_layer} nh={cfg.n_head} C={cfg.d_model} block={cfg.block_size} "
         f"V={cfg.vocab_size}, {n_params:,} parameters | B={B}" + (f" = {W} ranks x {B // W}" if W > 1 else "") +
         f", T={T}, {steps} steps, lr {lr:g} (warmup {warmup}, min {min_lr:g}), weight decay {args.weight_decay:g}, "
-        f"grad clip {args.grad_clip:g}")
+        f"grad clip {args.grad_clip:g}" + (f" | {args.grad_accum} micro-batches per step (gradient accumulation: "
+                                           f"{args.grad_accum * B} sequences per update)" if args.grad_accum > 1 else ""))
     say(f"backend: {describe_backend(eng)}" + (" [--backend auto]" if args.backend == "auto" else "") +
         f" | precision {args.precision} | activation checkpointing {args.checkpointing}")
     if W > 1 or args.zero:
@@ -455,13 +476,17 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                 t0 = time.perf_counter()
                 c0 = dp.comm_seconds
                 # 5a. a batch of B windows of T bytes, and the next byte after each position as the target
-                x, y = next(train_batches)  # (B, T) int32 each: the global batch, of which this rank takes its rows
+                # (B, T) int32 each: the global batch, of which this rank takes its rows; with --grad-accum K, K of
+                # them, this rank's rows of each stacked as the K micro-batches of one update
+                micro = [next(train_batches) for _ in range(args.grad_accum)]
+                x = np.concatenate([xb[rows] for xb, _ in micro])
+                y = np.concatenate([yb[rows] for _, yb in micro])
                 # 5b. one step: forward (the mean cross-entropy, nats per byte), backward, the gradients averaged over
                 #     the ranks, clip the global gradient norm, AdamW at the scheduled learning rate (fp16: skipped on
                 #     inf/NaN gradients)
                 step_lr = lr_schedule(step - 1, lr, warmup, steps, min_lr)
-                res = dp.train_step(x[rows], y[rows], lr=step_lr, weight_decay=args.weight_decay,
-                                    grad_clip=args.grad_clip)
+                res = dp.train_step(x, y, lr=step_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                                    micro_batches=args.grad_accum)
                 loss = float(res["loss"])
                 if not math.isfinite(loss):
                     raise RuntimeError(f"loss is {loss} at step {step}: training diverged; try a lower --lr")
@@ -472,7 +497,7 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                 grad_norm = float(res["grad_norm"])
                 record = {"step": step, "loss": loss, "lr": step_lr,
                           "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-                          "skipped": bool(res.get("skipped", False)), "tokens_per_s": B * T / dt}
+                          "skipped": bool(res.get("skipped", False)), "tokens_per_s": args.grad_accum * B * T / dt}
                 if "scale" in res:
                     record["scale"] = float(res["scale"])
                 if W > 1:

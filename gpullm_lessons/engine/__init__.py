@@ -54,6 +54,7 @@ from .core import (
     BETAS,
     EPS,
     GRAPH_PRECISIONS,
+    OPTIMIZER_STATES,
     POLICIES,
     PRECISIONS,
     Engine,
@@ -78,12 +79,22 @@ def build(
     eps=EPS,
     versions=None,
     graphs="auto",
+    optimizer_state="fp32",
 ):
     """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed).
 
     graphs: "auto" (CUDA graphs for train_step where they apply: backend hip on a GPU, fp32 or bf16), "off", or "on"
-    (EngineError where they cannot apply). See GPUEngine.train_step."""
+    (EngineError where they cannot apply). See GPUEngine.train_step.
+    optimizer_state: AdamW's moments m and v in "fp32" or "int8" (block-wise 8-bit, gpullm_lessons.quant: lesson 12;
+    the NumPy engine only)."""
     backend = check_backend(backend)
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise EngineError(f"unknown optimizer_state {optimizer_state!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
+    if optimizer_state != "fp32" and backend != "numpy":
+        raise EngineError(
+            f"optimizer_state={optimizer_state!r} runs on the NumPy engine (--backend numpy) only: the kernel "
+            f"backends' fused AdamW reads and writes fp32 moments (backend {backend!r})"
+        )
     if precision not in PRECISIONS:
         raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if policy not in POLICIES:
@@ -103,7 +114,7 @@ def build(
                 f"precision {precision!r} needs a kernel backend (--backend hip or numba); the NumPy "
                 f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)"
             )
-        return NumpyEngine(cfg, policy, seed, betas, eps)
+        return NumpyEngine(cfg, policy, seed, betas, eps, optimizer_state=optimizer_state)
     return GPUEngine(
         cfg,
         backend,

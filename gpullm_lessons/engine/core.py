@@ -14,6 +14,7 @@ from ..params import GPTConfig, num_params
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 POLICIES = ("none", "selective", "full")
+OPTIMIZER_STATES = ("fp32", "int8")  # AdamW's moments: fp32, or block-wise 8-bit (gpullm_lessons.quant)
 GRAPH_PRECISIONS = ("fp32", "bf16")  # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -100,6 +101,37 @@ class Engine:
                 raise ValueError(f"{fn}: targets must be in [0, {self.cfg.vocab_size}), got {y.min()}..{y.max()}")
             y = y.astype(np.int32)
         return x.astype(np.int32), y
+
+    # ---- gradient accumulation ------------------------------------------------------------------------------------
+    def forward_backward(self, x, y, micro_batches=1, loss_scale=1.0) -> float:
+        """Forward and backward over the batch (x, y) as `micro_batches` equal blocks of rows, one after the other:
+        the gradient of the batch's mean loss (times loss_scale) is left in self.grads and the mean loss returned.
+
+        Each micro-batch's backward runs with loss_scale / K (K = micro_batches), so its gradient is its share of
+        the mean over the whole batch; the shares are summed in an fp32 accumulator (the backward kernels write
+        their gradient, they do not add to it) and copied into self.grads at the end. Only one micro-batch's
+        activations are alive at a time: the peak memory is that of a batch of B / K rows, plus the accumulator."""
+        K = int(micro_batches)
+        B = np.shape(x)[0] if np.ndim(x) == 2 else 0
+        if K < 1 or B % K:
+            raise ValueError(
+                f"forward_backward: micro_batches={micro_batches} must be a positive divisor of the batch's "
+                f"{B} rows (each micro-batch takes B / K of them)"
+            )
+        if K == 1:
+            loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
+            self.backward(loss_scale=loss_scale)
+            return loss
+        b, acc, losses = B // K, None, []
+        for i in range(K):
+            losses.append(self.forward(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])[1])
+            self.backward(loss_scale=loss_scale / K)
+            if acc is None:
+                acc = self.grads.flat.copy()
+            else:
+                acc += self.grads.flat
+        self.grads.flat[...] = acc
+        return float(np.mean(losses))
 
     # ---- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

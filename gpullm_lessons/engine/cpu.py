@@ -13,7 +13,7 @@ class NumpyEngine(Engine):
 
     backend = "numpy"
 
-    def __init__(self, cfg, policy, seed, betas, eps):
+    def __init__(self, cfg, policy, seed, betas, eps, optimizer_state="fp32"):
         from ..optim import decay_mask_for
 
         super().__init__(cfg, "fp32", policy, seed, betas, eps)
@@ -22,6 +22,40 @@ class NumpyEngine(Engine):
         n = num_params(cfg)
         self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)  # AdamW's moments (optim.AdamW's)
         self.decay = decay_mask_for(cfg)  # True where weight decay applies
+        # optimizer_state "int8": m and v live only block-wise quantised (quant.quantize_moments: 2 bytes per
+        # parameter instead of 8); each step reads them back to fp32, updates, and quantises them again
+        self.moments_q = None
+        if optimizer_state == "int8":
+            self._quantize_moments()
+
+    def _quantize_moments(self):
+        from ..quant import quantize_moments
+
+        self.moments_q = quantize_moments(self.m, self.v)
+        self.m = self.v = np.zeros(0, np.float32)
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of AdamW's moments as this engine stores them (fp32: 8 per parameter; int8: 2, plus the scales)."""
+        if self.moments_q is not None:
+            return int(sum(a.nbytes for a in self.moments_q.values()))
+        return int(self.m.nbytes + self.v.nbytes)
+
+    def state_dict(self) -> dict:
+        """As Engine.state_dict; int8 moments are read back to fp32 (the checkpoint format is the same)."""
+        if self.moments_q is None:
+            return super().state_dict()
+        from ..quant import dequantize_moments
+
+        m, v = dequantize_moments(self.moments_q)
+        return {**super().state_dict(), "m": m, "v": v, "optimizer_state": "int8"}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.moments_q is None:
+            return super().load_state_dict(state)
+        n = num_params(self.cfg)
+        self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+        super().load_state_dict(state)
+        self._quantize_moments()
 
     def forward(self, x, y=None):
         from ..checkpointing import gpt_forward_ckpt
@@ -34,14 +68,14 @@ class NumpyEngine(Engine):
         from ..checkpointing import gpt_backward_ckpt
 
         gpt_backward_ckpt(self._cache, self.grads.views)
-        if loss_scale != 1.0:
-            self.grads.flat *= np.float32(loss_scale)
+        if loss_scale != 1.0:  # in the buffer's precision (float32; float64 in the accumulation test)
+            self.grads.flat *= self.grads.flat.dtype.type(loss_scale)
         self._cache = None
 
-    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
-        """Forward, backward, reduce_grads(grads_flat) if given (data parallel: the mean over ranks), clip, AdamW."""
-        loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
-        self.backward()
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None, micro_batches=1) -> dict:
+        """Forward, backward (over `micro_batches` blocks of rows, gradients accumulated: forward_backward),
+        reduce_grads(grads_flat) if given (data parallel: the mean over ranks), clip, AdamW."""
+        loss = self.forward_backward(x, y, micro_batches)
         if reduce_grads is not None:
             reduce_grads(self.grads.flat)
         return {"loss": loss, **self.optimizer_step(lr, weight_decay, grad_clip)}
@@ -65,6 +99,13 @@ class NumpyEngine(Engine):
 
         if grad_scale != 1.0:  # the clip factor, applied to the gradient (as the kernels do)
             st.grads *= np.float32(grad_scale)
+        if self.moments_q is not None:  # int8 moments: read back, update, quantise again
+            from ..quant import dequantize_moments, quantize_moments
+
+            m, v = dequantize_moments(self.moments_q)
+            adamw_update(st.params, st.grads, m, v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
+            self.moments_q = quantize_moments(m, v)
+            return
         adamw_update(st.params, st.grads, st.m, st.v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
 
     def eval_loss(self, x, y) -> float:

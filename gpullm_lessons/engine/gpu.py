@@ -561,7 +561,7 @@ class GPUEngine(Engine):
             half_dtype="bfloat16" if self.precision == "bf16" else None,
         )
 
-    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None) -> dict:
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None, micro_batches=1) -> dict:
         """Forward, backward, clip, AdamW. fp16: a step with an inf/NaN gradient is skipped and the scale backs off.
 
         reduce_grads(grads_flat): called between backward and the update (data parallel: the all-reduce and the 1/N
@@ -570,8 +570,15 @@ class GPUEngine(Engine):
         CUDA graph (StepGraph) and every step replays it: one launch instead of a few hundred from Python (with
         reduce_grads: two graphs, backward's and the update's, with reduce_grads run between them). Results equal
         the eager step's (the same kernels; lr, the step count and the clip threshold are read by AdamW from GPU
-        memory, adamw_step_device). Profiling turns graphs off (every launch is timed from Python)."""
-        if self.graphs and self.profiler is None:
+        memory, adamw_step_device). Profiling turns graphs off (every launch is timed from Python).
+        micro_batches=K: gradient accumulation over K blocks of rows (forward_backward), launched from Python (the
+        captured step holds one forward and backward)."""
+        if micro_batches != 1 and self._graphs_required:
+            raise EngineError(
+                "train_step: micro_batches > 1 (gradient accumulation) runs step by step from Python; "
+                "this engine was built with graphs='on'"
+            )
+        if self.graphs and self.profiler is None and micro_batches == 1:
             x, y = self._check_batch("train_step", x, y)
             key = (*x.shape, reduce_grads is not None)
             graph = self._graphs.get(key)
@@ -594,10 +601,8 @@ class GPUEngine(Engine):
             if graph is not None:
                 return graph.step(x, y, lr, weight_decay, grad_clip, reduce_grads)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        with nvtx_range("forward"):
-            loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
-        with nvtx_range("backward"):
-            self.backward(loss_scale=scale)
+        with nvtx_range("forward and backward"):
+            loss = self.forward_backward(x, y, micro_batches, loss_scale=scale)
         if reduce_grads is not None:
             reduce_grads(self.grads.flat)
         with nvtx_range("optimizer"):

@@ -93,6 +93,10 @@ class DataParallel:
                 "DataParallel: an NCCL communicator needs a GPU engine (backend hip or numba on a GPU); "
                 "the NumPy engine runs on MPI ranks"
             )
+        if self.zero and getattr(engine, "moments_q", None) is not None:
+            raise ValueError(
+                "DataParallel: ZeRO shards fp32 moments; this engine keeps them in 8 bits (optimizer_state='int8')"
+            )
         comm.broadcast(engine.params.flat, root=0)
         engine.params_changed()
         if self.zero:
@@ -116,6 +120,8 @@ class DataParallel:
         """Bytes of AdamW state (m + v) this rank holds."""
         if self.zero:
             return int(self.shard.m.nbytes + self.shard.v.nbytes)
+        if hasattr(self.eng, "optimizer_bytes"):  # the NumPy engine: fp32 or 8-bit moments
+            return self.eng.optimizer_bytes()
         return int(self.eng.m.nbytes + self.eng.v.nbytes)
 
     def memory(self) -> dict:
@@ -169,23 +175,27 @@ class DataParallel:
         self._timed(self._all_reduce, g)
         g *= np.float32(1.0 / self.W)
 
-    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, micro_batches=1) -> dict:
         """Forward and backward on this rank's rows, gradients combined over ranks, the same update everywhere.
 
         Plain data parallel is the engine's own train_step with the gradient all-reduce between backward and the
         update (mean_gradient; on a GPU engine with graphs, between the two replayed graphs); ZeRO-1 runs the
-        engine's update on this rank's shard (_zero_step)."""
+        engine's update on this rank's shard (_zero_step). micro_batches=K: this rank's rows are K micro-batches whose
+        gradients accumulate before the one all-reduce (or reduce-scatter) of the step."""
         eng = self.eng
         if not self.zero:
             if self.W == 1:  # nothing to combine: the engine's own step
-                out = eng.train_step(x, y, lr, weight_decay, grad_clip)
+                out = eng.train_step(x, y, lr, weight_decay, grad_clip, micro_batches=micro_batches)
             else:
-                out = dict(eng.train_step(x, y, lr, weight_decay, grad_clip, reduce_grads=self.mean_gradient))
+                out = dict(
+                    eng.train_step(
+                        x, y, lr, weight_decay, grad_clip, reduce_grads=self.mean_gradient, micro_batches=micro_batches
+                    )
+                )
                 out["loss"] = float(self.comm.all_reduce_scalars([out["loss"]])[0]) / self.W
         else:
             scale = eng.scaler.scale if eng.scaler is not None else 1.0
-            _, loss = eng.forward(x, y)
-            eng.backward(loss_scale=scale)
+            loss = eng.forward_backward(x, y, micro_batches, loss_scale=scale)
             out = self._zero_step(loss, lr, weight_decay, grad_clip)
         self.steps += 1
         if self.W > 1 and self.check_every > 0 and self.steps % self.check_every == 0:

@@ -50,4 +50,6 @@ from .l11_flash_attention import (  # noqa: F401
     plot_causal_tiles,
 )
 
+from .l12_memory import format_memory_terms, plot_loss_curves  # noqa: F401
+
 _pyplot = pyplot  # its name before viz was a package
