@@ -601,8 +601,14 @@ class GPUEngine(Engine):
             if graph is not None:
                 return graph.step(x, y, lr, weight_decay, grad_clip, reduce_grads)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        with nvtx_range("forward and backward"):
-            loss = self.forward_backward(x, y, micro_batches, loss_scale=scale)
+        if micro_batches == 1:  # the phases as their own NVTX ranges (the step timeline shows them)
+            with nvtx_range("forward"):
+                loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
+            with nvtx_range("backward"):
+                self.backward(loss_scale=scale)
+        else:
+            with nvtx_range("micro-batches"):
+                loss = self.forward_backward(x, y, micro_batches, loss_scale=scale)
         if reduce_grads is not None:
             reduce_grads(self.grads.flat)
         with nvtx_range("optimizer"):
