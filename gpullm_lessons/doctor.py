@@ -132,6 +132,12 @@ def check_compilers() -> list[Check]:
         ok, log = hip.compile_nvrtc("vector_add")
         out.append(Check("OK" if ok else "FAIL", "nvrtc", "compiles kernels/hip for sm_90" if ok else log[:300],
                          "pip install -e '.[dev]' (brings NVRTC and the CUDA headers)"))
+        if ok:  # lesson 11's v2 on the tensor cores: <mma.h>, which needs the headers' crt/ folder
+            ok, log = hip.compile_nvrtc("flash")
+            out.append(Check("OK" if ok else "FAIL", "tensor-cores",
+                             "kernels/hip/flash.cu (wmma tiles) compiles for sm_90" if ok else log[:300],
+                             "pip install nvidia-cuda-crt (the crt/ headers that <mma.h> includes; part of the cuda13 "
+                             "and dev extras), or point CUDA_HOME to a CUDA toolkit"))
     except ImportError:
         out.append(Check("SKIP", "nvrtc", "cuda-python NVRTC bindings not installed",
                          "pip install -e '.[dev]' to compile-check kernels for NVIDIA without a GPU"))

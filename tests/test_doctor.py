@@ -18,7 +18,7 @@ def test_doctor_runs_and_every_line_is_a_verdict():
     verdicts = [ln for ln in lines[1:-1] if not ln.startswith("       fix:")]
     assert all(re.match(r"^\[(OK|FAIL|SKIP)\] \w[\w-]*: ", ln) for ln in verdicts), verdicts
     names = {re.match(r"^\[\w+\] ([\w-]+):", ln).group(1) for ln in verdicts}
-    assert {"python", "numpy", "numba", "simulator", "gpu", "cupy", "nvrtc", "nvcc", "hipcc"} <= names
+    assert {"python", "numpy", "numba", "simulator", "gpu", "cupy", "nvrtc", "tensor-cores", "nvcc", "hipcc"} <= names
     failed = [ln for ln in verdicts if ln.startswith("[FAIL]")]
     assert p.returncode == (1 if failed else 0)
     assert re.match(r"^\d+ ok/skipped, \d+ failed$", lines[-1])
@@ -45,3 +45,12 @@ def test_cupy_missing_with_a_gpu_is_a_failure(monkeypatch):
     monkeypatch.setattr(doctor, "_version", lambda dist: None)
     c = doctor.check_cupy()
     assert c.status == "FAIL" and "[cuda13]" in c.fix
+
+
+def test_missing_tensor_core_headers_fail_with_the_fix(monkeypatch):
+    from gpullm_lessons import hip
+    log = 'mma.h(55): catastrophic error: cannot open source file "crt/mma.h"'
+    monkeypatch.setattr(hip, "compile_nvrtc", lambda name, arch="sm_90": (name != "flash", log if name == "flash" else ""))
+    (nvrtc, cores) = [c for c in doctor.check_compilers() if c.name in ("nvrtc", "tensor-cores")]
+    assert nvrtc.status == "OK"
+    assert cores.status == "FAIL" and "crt/mma.h" in cores.detail and "nvidia-cuda-crt" in cores.line()
