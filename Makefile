@@ -15,6 +15,10 @@ PYTEST := OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} $(PY) -m pytest -p no
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=900
 # The lessons go to nbval only where the browser test cannot run them (no Chromium, or no playwright in PY's env).
 BROWSER_OR_NBVAL := $$(test -x "$${GPULLM_CHROMIUM:-/usr/bin/chromium}" && $(PY) -c "import playwright" 2>/dev/null || echo notebooks)
+# make test: 2 pytest-xdist workers (CI has 2 cores). Each test file and each notebook is one unit of work, run in
+# order by one worker; the MPI tests, the browser test and the lessons under nbval share one unit, run first
+# (tests/conftest.py: ONE_AT_A_TIME). `make test XDIST=` runs the suite in one process.
+XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: help setup train test lint unit notebooks browser-test gpu-test bench lab doctor exercises grade grade-solutions clean clean-notebooks
 
@@ -40,7 +44,7 @@ train: $(SETUP)
 # cell too and also checks what a learner sees (figures, widgets, stderr); running them twice would cost CI minutes.
 # Without Chromium the browser test skips and the lessons run under nbval (CI sets GPULLM_REQUIRE_BROWSER=1: fails).
 test: lint
-	$(PYTEST) -q $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
+	$(PYTEST) -q $(XDIST) $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
 
 ## lint        ruff: the linter over the package, kernels and tests; the formatter's check over RUFF_FORMATTED
 # (the modules formatted with `ruff format` so far; a module joins the list when it is next reworked, so that a

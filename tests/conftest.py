@@ -13,8 +13,41 @@ import gpullm_lessons  # noqa: E402,F401  (must precede any numba import)
 from gpullm_lessons import device  # noqa: E402
 
 
+# `make test` runs on 2 pytest-xdist workers with --dist loadfile: each test file, and each notebook (nbval runs a
+# notebook's cells in order in one kernel), is one unit of work that one worker runs all of, in order, as a serial
+# run does. The MPI tests (mpirun -n 2 on 2 cores), the browser test (JupyterLab + Chromium; lesson 10 starts
+# mpirun) and the lessons of notebooks/ when nbval runs them instead (lesson 10 again) count as one file here: one
+# at a time, never side by side, and first (the longest unit: the other worker runs the rest meanwhile). A new test
+# file that starts mpirun or a server belongs in ONE_AT_A_TIME.
+ONE_AT_A_TIME = ("tests/test_browser.py", "tests/test_comm.py", "tests/test_parallel.py", "tests/test_train_ranks.py",
+                 "notebooks/")
+
+
+def _one_at_a_time(nodeid: str) -> bool:
+    return nodeid.startswith(ONE_AT_A_TIME)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)   # an xdist hook: before xdist's own; no xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of ONE_AT_A_TIME as one unit (the unit is a test's node id up to the first
+    '::', its file; pytest-xdist's loadgroup would need the node ids rewritten, which pytest 9.2 no longer allows)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileOneAtATime(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "one-at-a-time" if _one_at_a_time(nodeid) else super()._split_scope(nodeid)
+
+    return LoadFileOneAtATime(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` skip, with the reason, without a GPU (`make gpu-test` refuses to start without one)."""
+    """On an xdist worker, the one-at-a-time unit first (make test passes --no-loadscope-reorder: the units go out in
+    collection order). Tests marked `gpu` skip, with the reason, without a GPU (`make gpu-test` refuses to start
+    without one)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not _one_at_a_time(item.nodeid))   # stable: each file's order kept
     if device.has_gpu():
         return
     skip = pytest.mark.skip(reason=f"needs a real GPU; this machine runs as '{device.kind()}' ({device.info().reason})")
