@@ -68,3 +68,14 @@ def test_readme_lists_every_task():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     missing = [t.key.split()[0] for t in course_tasks() if t.key.split()[0] not in readme]
     assert not missing, f"README's exercise table does not list {missing}"
+
+
+def test_every_test_file_that_starts_mpirun_runs_one_at_a_time():
+    """make test runs 2 xdist workers; two mpirun -n 2 jobs side by side would oversubscribe the 2 cores of CI."""
+    from conftest import ONE_AT_A_TIME
+
+    tests = ROOT / "tests"
+    starts = sorted(f"tests/{p.name}" for p in tests.glob("test_*.py")
+                    if p.name != "test_repo_notebooks.py" and ("job(2" in p.read_text() or "mpirun_command(" in p.read_text()))
+    assert starts, "no test starts mpirun"
+    assert [s for s in starts if not s.startswith(ONE_AT_A_TIME)] == []
