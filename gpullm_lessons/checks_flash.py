@@ -26,7 +26,7 @@ from . import reference as ref
 from .opcheck import Case, Mistake, Op, Rules
 from .verdict import CheckResult, close, mistake_slack
 
-__all__ = ["check_flash_attention_forward", "check_flash_attention_backward", "CASES", "TILES"]
+__all__ = ["check_flash_attention_forward", "check_flash_attention_backward", "reference", "CASES", "TILES"]
 
 # (B, nh, T, hs) per case: one that fits in a tile, the same shapes again, T past one tile and one block of rows
 # (not a multiple of any tile), T = 1.
@@ -46,6 +46,21 @@ def _merge(x):
 def _split(x, nh):
     B, T, C = x.shape
     return x.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+
+
+def reference(q, k, v, dout=None):
+    """float64 (out, lse) of causal attention with scale 1/sqrt(hs) on (B, nh, T, hs) arrays, from lesson 01's
+    reference attention (lse from the masked scores); with dout, (out, lse, dq, dk, dv). The checkers' oracle, for
+    tests of kernels that take other formats (the HIP v2's half inputs)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    nh, T, hs = q.shape[1:]
+    out, cache = ref.attention_forward(np.concatenate([_merge(q), _merge(k), _merge(v)], axis=-1), nh)
+    S = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], q @ k.swapaxes(-1, -2) / math.sqrt(hs), -np.inf)
+    result = (_split(out, nh), _softmax_rows(S)[1])
+    if dout is None:
+        return result
+    dqkv = ref.attention_backward(_merge(np.asarray(dout, np.float64)), cache)
+    return result + tuple(_split(d, nh) for d in np.split(dqkv, 3, axis=-1))
 
 
 def _scores(c, scale=True, shift=0):

@@ -16,19 +16,10 @@ import pytest
 from gpullm_lessons import device, engine, train
 from gpullm_lessons.params import GPTConfig, ParamBuffer, init_params
 
+from test_engine import batch, host
 from test_train_ranks import TINY, job, losses
 
 TOY = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
-
-
-def batch(cfg, B, T, seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
-            rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
-
-
-def host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def grads_and_loss(eng, x, y, K):
