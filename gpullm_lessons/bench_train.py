@@ -30,13 +30,9 @@ SHAPES = {"course": 64, "gpt2": 16}        # batch size per preset (T = the pres
 
 
 def _cfg(preset):
-    from .params import GPTConfig
-    from .params import PRESETS
+    from .params import preset_config
 
-    p = dict(PRESETS[preset])
-    B = p.pop("batch_size")
-    p.pop("lr")
-    return GPTConfig(**p), B
+    return preset_config(preset)
 
 
 def step_flops(cfg, B, T) -> float:

@@ -66,6 +66,16 @@ PRESETS = {
 }
 
 
+def preset_config(name: str) -> tuple:
+    """(GPTConfig, batch size) of a preset: the model fields of PRESETS[name] as a config, and its batch size."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    p = dict(PRESETS[name])
+    B = p.pop("batch_size")
+    p.pop("lr")
+    return GPTConfig(**p), B
+
+
 def param_shapes(cfg: GPTConfig) -> dict:
     """name -> shape, in buffer order."""
     if not isinstance(cfg, GPTConfig):

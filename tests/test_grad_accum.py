@@ -98,9 +98,9 @@ def test_gpu_micro_batches_equal_one_batch(precision):
 
 
 def test_the_job_draws_k_batches_per_step(tmp_path):
-    """--grad-accum 2 with --batch-size 4 trains on the same 8 sequences per step as --batch-size 8: the sampler
-    draws rows independently, so both runs see the same windows in another grouping only when asked for them; what
-    must hold is the count: twice the tokens per update, the sampler two batches further per step, the same model."""
+    """--grad-accum 2 draws two batches of --batch-size per update: after 3 steps the sampler stands where 6 plain
+    steps leave it (and not where 3 plain steps do); the run logs every step and records grad_accum in its
+    checkpoint."""
     out = tmp_path / "acc"
     flags = [str(a) for a in TINY] + ["--steps", "3", "--batch-size", "4", "--grad-accum", "2", "--out", str(out)]
     train.main(flags + ["--checkpoint-every", "3"])

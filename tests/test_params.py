@@ -107,3 +107,12 @@ def test_init_params_deterministic_and_gpt2_style():
     assert a["wpe"].std() == pytest.approx(0.01, rel=0.1)
     assert a["fcprojw"].std() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.1)
     assert a["attprojw"].std() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.1)
+
+
+def test_preset_config_is_the_preset_model_and_its_batch():
+    from gpullm_lessons.params import PRESETS, preset_config
+
+    cfg, B = preset_config("gpt2")
+    assert B == PRESETS["gpt2"]["batch_size"] and cfg.d_model == 768 and cfg.vocab_size == 50304
+    with pytest.raises(ValueError, match="unknown preset 'gpt3'"):
+        preset_config("gpt3")
