@@ -20,7 +20,7 @@ BROWSER_OR_NBVAL := $$(test -x "$${GPULLM_CHROMIUM:-/usr/bin/chromium}" && $(PY)
 # (tests/conftest.py: ONE_AT_A_TIME). `make test XDIST=` runs the suite in one process.
 XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 
-.PHONY: help setup train test lint unit notebooks browser-test gpu-test bench lab doctor exercises grade grade-solutions clean clean-notebooks
+.PHONY: help setup train test lint unit notebooks browser-test gpu-test sanitize bench lab doctor exercises grade grade-solutions clean clean-notebooks
 
 help:
 	@sed -n 's/^## //p' $(MAKEFILE_LIST)
@@ -51,7 +51,7 @@ test: lint
 # formatting-only diff never hides a change of the code the lessons print)
 RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/viz gpullm_lessons/contracts \
 	gpullm_lessons/backends gpullm_lessons/verdict.py gpullm_lessons/timing.py tests/test_train_ranks.py \
-	tests/test_import_graph.py tests/test_kernel_names.py tests/test_viz.py tests/test_checks_verdict.py
+	tests/test_import_graph.py tests/test_kernel_names.py gpullm_lessons/sanitize.py tests/test_sanitize.py tests/test_viz.py tests/test_checks_verdict.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)
@@ -74,6 +74,12 @@ gpu-test: $(SETUP)
 	$(PY) -m gpullm_lessons doctor
 	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make gpu-test')"
 	$(PYTEST) -q -rs -m "not browser" $(NBVAL) tests notebooks solutions
+
+## sanitize    NVIDIA GPU: the kernel tests under compute-sanitizer (memcheck, racecheck), one test file per part
+##              (ARGS="--tools initcheck --files tests/test_hip_flash.py" to choose; logs in runs/sanitize/)
+sanitize: $(SETUP)
+	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make sanitize')"
+	$(PY) -m gpullm_lessons.sanitize $(ARGS)
 
 ## bench       GPU: every kernel version beside PyTorch -> runs/bench_kernels.json and runs/roofline.png
 bench: $(SETUP)

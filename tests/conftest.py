@@ -12,6 +12,13 @@ if str(ROOT) not in sys.path:
 import gpullm_lessons  # noqa: E402,F401  (must precede any numba import)
 from gpullm_lessons import device  # noqa: E402
 
+if os.environ.get("GPULLM_CUPY_POOL") == "off" and device.has_gpu():
+    # make sanitize (gpullm_lessons/sanitize.py): one cudaMalloc per CuPy array instead of the memory pool, so that
+    # compute-sanitizer's memcheck sees a read past an array's end
+    import cupy as _cp
+
+    _cp.cuda.set_allocator(None)
+
 
 # `make test` runs on 2 pytest-xdist workers with --dist loadfile: each test file, and each notebook (nbval runs a
 # notebook's cells in order in one kernel), is one unit of work that one worker runs all of, in order, as a serial
