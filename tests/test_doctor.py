@@ -54,3 +54,23 @@ def test_missing_tensor_core_headers_fail_with_the_fix(monkeypatch):
     (nvrtc, cores) = [c for c in doctor.check_compilers() if c.name in ("nvrtc", "tensor-cores")]
     assert nvrtc.status == "OK"
     assert cores.status == "FAIL" and "crt/mma.h" in cores.detail and "nvidia-cuda-crt" in cores.line()
+
+
+def test_nvrtc_missing_is_a_skip_on_an_amd_gpu_only(monkeypatch):
+    """The rocm extra brings cuda-bindings (numba-cuda's dependency) but no NVRTC library: on an AMD GPU the lessons
+    never compile for NVIDIA, so the doctor (the ROCm container's health check) must not fail there; elsewhere the
+    lessons compile the HIP kernels with NVRTC, and it fails."""
+    from gpullm_lessons import device, hip
+
+    def no_library(name, arch="sm_90"):
+        raise RuntimeError('Failure finding "libnvrtc.so.13"')
+
+    monkeypatch.setattr(hip, "compile_nvrtc", no_library)
+    amd = device.DeviceInfo("rocm", device.GPU("amd", "MI300X", 1, 1), True, "test")
+    monkeypatch.setattr(device, "info", lambda: amd)
+    (nvrtc,) = [c for c in doctor.check_compilers() if c.name == "nvrtc"]
+    assert nvrtc.status == "SKIP" and "hiprtc" in nvrtc.detail
+    laptop = device.DeviceInfo("sim", None, True, "test")
+    monkeypatch.setattr(device, "info", lambda: laptop)
+    (nvrtc,) = [c for c in doctor.check_compilers() if c.name == "nvrtc"]
+    assert nvrtc.status == "FAIL" and "libnvrtc" in nvrtc.detail
