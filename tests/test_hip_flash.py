@@ -1,4 +1,4 @@
-"""Flash attention v2, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
+"""Flash attention v2 and v3, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
 
 On a GPU: forward (out, lse) and backward (dq, dk, dv) against lesson 01's reference attention in float64 on the same
 half-rounded q, k, v, dout, at T = 1, 7 (one partial tile), 65 (past one block of 64 rows), 1000 (not a multiple of
@@ -67,7 +67,7 @@ def _guards_intact(buf):
     return np.isnan(g[:GUARD]).all() and np.isnan(g[-GUARD:]).all()
 
 
-def run(shape, half, seed):
+def run(shape, half, seed, version=hflash.DEFAULT):
     import cupy as cp
 
     rng = np.random.default_rng(seed)
@@ -76,12 +76,12 @@ def run(shape, half, seed):
     dq_, dk_, dv_, ddo = (cp.asarray(x) for x in (qb, kb, vb, dob))
     bufs, views = zip(*(_guarded(cp, s) for s in (shape, (B, nh, T), shape, shape, shape)))
     out, lse, dq, dk, dv = views
-    hflash.flash_attention_forward(dq_, dk_, dv_, out, lse, half=half)
-    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half)
+    hflash.flash_attention_forward(dq_, dk_, dv_, out, lse, half=half, version=version)
+    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half, version=version)
     first = [x.get() for x in (dq, dk, dv)]
     for x in (dq, dk, dv):
         x.fill(np.nan)
-    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half)
+    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half, version=version)
     again = [x.get() for x in (dq, dk, dv)]
     got = [out.get(), lse.get(), *first]
     return got, again, [_guards_intact(b) for b in bufs], (q, k, v, do)
@@ -103,11 +103,12 @@ SHAPES = [
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", hflash.VERSIONS)
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_flash_v2_matches_the_reference(shape, half):
+def test_flash_matches_the_reference(shape, half, version):
     seed = int(np.random.default_rng().integers(1 << 30))
-    got, again, guards, inputs = run(shape, half, seed)
+    got, again, guards, inputs = run(shape, half, seed, version)
     want = oracle(*inputs)
     names = ("out", "lse", "dq", "dk", "dv")
     assert all(guards), f"an output's guard zone changed (a write outside it): {dict(zip(names, guards))}"
@@ -127,14 +128,14 @@ def test_flash_v2_matches_the_reference(shape, half):
         assert rel_err(want[4], want[3]) > 3 * TOL[half]  # dk and dv swapped would fail
 
 
-def test_flash_v2_refuses_what_it_has_no_kernel_for():
+def test_flash_refuses_what_it_has_no_kernel_for():
     """Argument errors name the problem before anything touches a GPU (NumPy arrays are refused as not CuPy)."""
     q = np.zeros((1, 1, 4, 64), np.uint16)
     lse = np.zeros((1, 1, 4), np.float32)
     out = np.zeros((1, 1, 4, 64), np.float32)
     with pytest.raises(ValueError, match="half='fp8' is not one of bf16, fp16"):
         hflash.flash_attention_forward(q, q, q, out, lse, half="fp8")
-    with pytest.raises(ValueError, match="version='v1' is not one of v2"):
+    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3"):
         hflash.flash_attention_forward(q, q, q, out, lse, version="v1")
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         hflash.flash_attention_forward(q, q, q, out, lse)
@@ -144,7 +145,7 @@ def test_flash_v2_refuses_what_it_has_no_kernel_for():
 
 @needs_gpu
 @pytest.mark.gpu
-def test_flash_v2_names_a_head_size_without_a_kernel():
+def test_flash_names_a_head_size_without_a_kernel():
     import cupy as cp
 
     q = cp.zeros((1, 1, 4, 128), cp.uint16)

@@ -386,6 +386,288 @@ __device__ void flash_dq(const unsigned short* __restrict__ q, const unsigned sh
     store_rows<HS, SLD>(dq + head * T * HS, dqa, sS[warp], tw, T, scale);
 }
 
+// ---- v3: the softmax in registers ----------------------------------------------------------------------------
+// The same algorithm as v2, on portable.h's register tiles: S (and dP) stay in the accumulators the matrix units
+// wrote, the online merge (or P and dS) runs on them in place, and the rounded P (dS) goes straight into the operand
+// registers of the next product. No scratch tile goes through shared memory; shared memory holds only the tiles
+// of K and V (Q and dO in the backward) that every warp of the block reads.
+template <int H> struct RoundTo {
+    __device__ __forceinline__ unsigned short operator()(float x) const { return f32_to_half_bits<H>(x); }
+};
+
+// rows [row0, row0 + 16) of a (T, HS) float32 head from a warp's HS / 16 register tiles, times mul (rows past T
+// left alone)
+template <int HS>
+__device__ __forceinline__ void store_tiles(float* __restrict__ dst, const mma_tile (&t)[HS / 16], int row0, int T,
+                                            float mul) {
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+        for (int e = 0; e < MMA_SE; e++) {
+            int row = row0 + mma_tile_row(e);
+            if (row < T) dst[(long long)row * HS + 16 * j + mma_tile_col(e)] = t[j].x[e] * mul;
+        }
+}
+
+__device__ __forceinline__ void zero_tile(mma_tile& t) {
+#pragma unroll
+    for (int e = 0; e < MMA_SE; e++) t.x[e] = 0.0f;
+}
+
+template <int H, int HS>
+__device__ void flash_forward_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                                 const unsigned short* __restrict__ v, float* __restrict__ out,
+                                 float* __restrict__ lse, int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE;
+    __shared__ __align__(16) unsigned short ks[KT][LD];
+    __shared__ __align__(16) unsigned short vs[KT][LD];
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    const int warp = threadIdx.x / warpSize;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH_ROWS, tw = t0 + 16 * warp;  // heavy blocks first
+    const float sl2 = scale * FLASH_LOG2E;
+
+    mma_rows<H> qf[HS / 16];  // the warp's 16 query rows, staged through ks
+    load_rows<HS>(ks, q, t0, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_rows_load<H>(qf[kk], &ks[16 * warp][16 * kk], LD);
+    mma_tile o[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) zero_tile(o[j]);
+    float m[MMA_QPL], l[MMA_QPL];
+#pragma unroll
+    for (int qi = 0; qi < MMA_QPL; qi++) m[qi] = FLASH_NEG_INF, l[qi] = 0.0f;
+    const int t_last = min(T, t0 + FLASH_ROWS) - 1;
+    for (int s0 = 0; s0 <= t_last; s0 += KT) {
+        __syncthreads();
+        load_rows<HS>(ks, k, s0, KT, T);
+        load_rows<HS>(vs, v, s0, KT, T);
+        __syncthreads();
+        if (s0 > tw + 15) continue;  // the whole tile is above the diagonal for this warp's rows
+        mma_tile s[KT / 16];  // S = Q K^T: 16 rows x 64 keys
+#pragma unroll
+        for (int n = 0; n < KT / 16; n++) {
+            zero_tile(s[n]);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) mma_rows_run<H>(s[n], qf[kk], &ks[16 * n][16 * kk], LD);
+        }
+        float mt[MMA_QPL];
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++) mt[qi] = FLASH_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) {
+                bool keep = s0 + 16 * n + mma_tile_col(e) <= tw + mma_tile_row(e);
+                s[n].x[e] = keep ? s[n].x[e] * sl2 : FLASH_NEG_INF;
+                mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[n].x[e]);
+            }
+        float alpha[MMA_QPL], ls[MMA_QPL];
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++) {
+            float m_new = fmaxf(m[qi], mma_row_max(mt[qi]));
+            alpha[qi] = m[qi] == FLASH_NEG_INF ? 0.0f : exp2f(m[qi] - m_new);
+            m[qi] = m_new;
+            ls[qi] = 0.0f;
+        }
+#pragma unroll
+        for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) {
+                float x = s[n].x[e], p = x == FLASH_NEG_INF ? 0.0f : exp2f(x - m[mma_tile_q(e)]);
+                s[n].x[e] = p;
+                ls[mma_tile_q(e)] += p;
+            }
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++) l[qi] = alpha[qi] * l[qi] + mma_row_sum(ls[qi]);
+#pragma unroll
+        for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) o[j].x[e] *= alpha[mma_tile_q(e)];
+        // O += P V, P rounded to format H straight from the registers that held S
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++) {
+            mma_packed<H> pk;
+            mma_pack<H>(pk, s[kk], RoundTo<H>());
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) mma_packed_run<H>(o[j], pk, &vs[16 * kk][16 * j], LD);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+        for (int e = 0; e < MMA_SE; e++) o[j].x[e] /= l[mma_tile_q(e)];
+    store_tiles<HS>(out + head * T * HS, o, tw, T, 1.0f);
+    if (mma_row_leader())
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++) {
+            int t = tw + mma_lane_row(qi);
+            if (t < T) lse[head * T + t] = (m[qi] + log2f(l[qi])) * FLASH_LN2;
+        }
+}
+
+// dQ: a block owns 64 query rows (16 per warp) and walks the key tiles up to its last row: S = Q K^T and
+// dP = dO V^T in registers, P = 2^(S scale log2 e - lse log2 e), dS = P (dP - delta), dQ += dS K.
+template <int H, int HS>
+__device__ void flash_dq_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                            const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                            const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
+                            int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE;
+    __shared__ __align__(16) unsigned short ks[KT][LD];
+    __shared__ __align__(16) unsigned short vs[KT][LD];
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    dout += head * T * HS;
+    const int warp = threadIdx.x / warpSize;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH_ROWS, tw = t0 + 16 * warp;
+    const float sl2 = scale * FLASH_LOG2E;
+    float lse_r[MMA_QPL], del_r[MMA_QPL];
+#pragma unroll
+    for (int qi = 0; qi < MMA_QPL; qi++) {
+        int t = tw + mma_lane_row(qi);
+        lse_r[qi] = t < T ? lse[head * T + t] * FLASH_LOG2E : 0.0f;
+        del_r[qi] = t < T ? delta[head * T + t] : 0.0f;
+    }
+    mma_rows<H> qf[HS / 16], df[HS / 16];  // the warp's rows of Q and of dO, staged through ks and vs
+    load_rows<HS>(ks, q, t0, FLASH_ROWS, T);
+    load_rows<HS>(vs, dout, t0, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) {
+        mma_rows_load<H>(qf[kk], &ks[16 * warp][16 * kk], LD);
+        mma_rows_load<H>(df[kk], &vs[16 * warp][16 * kk], LD);
+    }
+    mma_tile dqt[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) zero_tile(dqt[j]);
+    const int t_last = min(T, t0 + FLASH_ROWS) - 1;
+    for (int s0 = 0; s0 <= t_last; s0 += KT) {
+        __syncthreads();
+        load_rows<HS>(ks, k, s0, KT, T);
+        load_rows<HS>(vs, v, s0, KT, T);
+        __syncthreads();
+        if (s0 > tw + 15) continue;
+        mma_tile s[KT / 16], dp[KT / 16];
+#pragma unroll
+        for (int n = 0; n < KT / 16; n++) {
+            zero_tile(s[n]);
+            zero_tile(dp[n]);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_rows_run<H>(s[n], qf[kk], &ks[16 * n][16 * kk], LD);
+                mma_rows_run<H>(dp[n], df[kk], &vs[16 * n][16 * kk], LD);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) {
+                int t = tw + mma_tile_row(e), qi = mma_tile_q(e);
+                bool keep = s0 + 16 * n + mma_tile_col(e) <= t && t < T;
+                float p = keep ? exp2f(s[n].x[e] * sl2 - lse_r[qi]) : 0.0f;
+                s[n].x[e] = p * (dp[n].x[e] - del_r[qi]);  // dS
+            }
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++) {
+            mma_packed<H> pk;
+            mma_pack<H>(pk, s[kk], RoundTo<H>());
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) mma_packed_run<H>(dqt[j], pk, &ks[16 * kk][16 * j], LD);
+        }
+    }
+    store_tiles<HS>(dq + head * T * HS, dqt, tw, T, scale);
+}
+
+// dK, dV: a block owns 64 key rows (16 per warp) and walks the query tiles from its first key on, the tiles
+// transposed (rows are keys): S^T = K Q^T and dP^T = V dO^T in registers, P^T, dS^T = P^T (dP^T - delta);
+// dV += P^T dO and dK += dS^T Q accumulate in registers.
+template <int H, int HS>
+__device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                              const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                              const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
+                              float* __restrict__ dv, int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE;
+    __shared__ __align__(16) unsigned short qs[QT][LD];
+    __shared__ __align__(16) unsigned short ds[QT][LD];
+    __shared__ float lse_s[QT], del_s[QT];
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    dout += head * T * HS;
+    lse += head * T;
+    delta += head * T;
+    const int warp = threadIdx.x / warpSize;
+    const int s_first = blockIdx.y * FLASH_ROWS, sw = s_first + 16 * warp;  // key block 0 (the longest walk) first
+    const float sl2 = scale * FLASH_LOG2E;
+    mma_rows<H> kf[HS / 16], vf[HS / 16];  // the warp's rows of K and of V, staged through qs and ds
+    load_rows<HS>(qs, k, s_first, FLASH_ROWS, T);
+    load_rows<HS>(ds, v, s_first, FLASH_ROWS, T);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) {
+        mma_rows_load<H>(kf[kk], &qs[16 * warp][16 * kk], LD);
+        mma_rows_load<H>(vf[kk], &ds[16 * warp][16 * kk], LD);
+    }
+    mma_tile dkt[HS / 16], dvt[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) {
+        zero_tile(dkt[j]);
+        zero_tile(dvt[j]);
+    }
+    for (int t0 = s_first; t0 < T; t0 += QT) {  // s_first is a multiple of the tile: no earlier query can see it
+        __syncthreads();
+        load_rows<HS>(qs, q, t0, QT, T);
+        load_rows<HS>(ds, dout, t0, QT, T);
+        for (int i = threadIdx.x; i < QT; i += blockDim.x) {
+            lse_s[i] = t0 + i < T ? lse[t0 + i] * FLASH_LOG2E : 0.0f;
+            del_s[i] = t0 + i < T ? delta[t0 + i] : 0.0f;
+        }
+        __syncthreads();
+        if (t0 + QT - 1 < sw) continue;  // every query of the tile is before this warp's keys
+        mma_tile st[QT / 16], dpt[QT / 16];
+#pragma unroll
+        for (int n = 0; n < QT / 16; n++) {
+            zero_tile(st[n]);
+            zero_tile(dpt[n]);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_rows_run<H>(st[n], kf[kk], &qs[16 * n][16 * kk], LD);
+                mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < QT / 16; n++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) {
+                int c = 16 * n + mma_tile_col(e), tq = t0 + c;
+                bool keep = tq >= sw + mma_tile_row(e) && tq < T;
+                float p = keep ? exp2f(st[n].x[e] * sl2 - lse_s[c]) : 0.0f;
+                st[n].x[e] = p;
+                dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
+            }
+#pragma unroll
+        for (int kk = 0; kk < QT / 16; kk++) {
+            mma_packed<H> pp, pd;
+            mma_pack<H>(pp, st[kk], RoundTo<H>());
+            mma_pack<H>(pd, dpt[kk], RoundTo<H>());
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) {
+                mma_packed_run<H>(dvt[j], pp, &ds[16 * kk][16 * j], LD);
+                mma_packed_run<H>(dkt[j], pd, &qs[16 * kk][16 * j], LD);
+            }
+        }
+    }
+    store_tiles<HS>(dk + head * T * HS, dkt, sw, T, scale);
+    store_tiles<HS>(dv + head * T * HS, dvt, sw, T, 1.0f);
+}
+
 // ---- entry points: one per format and head size -------------------------------------------------------------------
 #define FLASH_ENTRIES(HS, FMT, H)                                                                                     \
     extern "C" __global__ void flash_attention_forward_v2_hs##HS##_##FMT(                                            \
@@ -402,6 +684,21 @@ __device__ void flash_dq(const unsigned short* __restrict__ q, const unsigned sh
         const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
         const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
         flash_dq<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                     \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_forward_v3_hs##HS##_##FMT(                                            \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward_v3<H, HS>(q, k, v, out, lse, T, scale);                                                         \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v3_dkdv_hs##HS##_##FMT(                                      \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dk, float* dv, int T, float scale) {                             \
+        flash_dkdv_v3<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                            \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v3_dq_hs##HS##_##FMT(                                        \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
+        flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
     }
 
 FLASH_ENTRIES(16, bf16, 1)

@@ -104,6 +104,59 @@ __device__ __forceinline__ void mma_store(float* p, const mma_acc& c, int ld) {
     int lane = threadIdx.x % warpSize, j = lane % 16, i0 = 4 * (lane / 16);
     for (int e = 0; e < 4; e++) p[(i0 + e) * ld + j] = c.x[e];
 }
+// Register tiles (below): a lane holds row lane % 16, columns 4 (lane / 16) + e, e < 4 (the transposed products:
+// each MFMA computes tile^T, so the row a lane owns is the MFMA result's column).
+#define MMA_SE 4
+#define MMA_QPL 1
+struct mma_tile { float x[4]; };
+template <int H> struct mma_rows { mma_s4 x; };
+template <int H> struct mma_packed { mma_s4 x; };
+__device__ __forceinline__ int mma_tile_row(int e) { return threadIdx.x % warpSize % 16; }
+__device__ __forceinline__ int mma_tile_col(int e) { return 4 * (threadIdx.x % warpSize / 16) + e; }
+__host__ __device__ constexpr int mma_tile_q(int e) { return 0; }
+__device__ __forceinline__ int mma_lane_row(int qi) { return threadIdx.x % warpSize % 16; }
+__device__ __forceinline__ bool mma_row_leader() { return threadIdx.x % warpSize < 16; }
+__device__ __forceinline__ float mma_row_max(float v) {
+    v = fmaxf(v, shfl_xor(v, 16, warpSize));
+    return fmaxf(v, shfl_xor(v, 32, warpSize));
+}
+__device__ __forceinline__ float mma_row_sum(float v) {
+    v += shfl_xor(v, 16, warpSize);
+    return v + shfl_xor(v, 32, warpSize);
+}
+template <int H> __device__ __forceinline__ void mma_rows_load(mma_rows<H>& f, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, i = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) f.x[e] = (short)p[i * ld + k0 + e];
+}
+template <int H> __device__ __forceinline__ void mma_mfma(mma_f4& c, const mma_s4& a, const mma_s4& b) {
+    if (H == 1) c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
+    else c = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(mma_h4, a), __builtin_bit_cast(mma_h4, b), c,
+                                                    0, 0, 0);
+}
+// t += F B^T with B's 16 rows at p (tile^T = B F^T: B as the MFMA's A, F as its B operand)
+template <int H>
+__device__ __forceinline__ void mma_rows_run(mma_tile& t, const mma_rows<H>& f, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, i = lane % 16, k0 = 4 * (lane / 16);
+    mma_s4 a;
+    for (int e = 0; e < 4; e++) a[e] = (short)p[i * ld + k0 + e];
+    mma_f4 c = {t.x[0], t.x[1], t.x[2], t.x[3]};
+    mma_mfma<H>(c, a, f.x);
+    for (int e = 0; e < 4; e++) t.x[e] = c[e];
+}
+template <int H, typename Round>
+__device__ __forceinline__ void mma_pack(mma_packed<H>& pk, const mma_tile& t, Round round) {
+    for (int e = 0; e < 4; e++) pk.x[e] = (short)round(t.x[e]);
+}
+// t += P V with V's 16 rows at p (tile^T = V^T P^T: V^T as the MFMA's A, P^T, which the lane already holds, as B)
+template <int H>
+__device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>& pk, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, j = lane % 16, k0 = 4 * (lane / 16);
+    mma_s4 a;
+    for (int e = 0; e < 4; e++) a[e] = (short)p[(k0 + e) * ld + j];
+    mma_f4 c = {t.x[0], t.x[1], t.x[2], t.x[3]};
+    mma_mfma<H>(c, a, pk.x);
+    for (int e = 0; e < 4; e++) t.x[e] = c[e];
+}
 #else
 #include <mma.h>
 #define MMA_WARP 32
@@ -132,5 +185,88 @@ __device__ __forceinline__ void mma_run(mma_acc& c, const mma_a<H, LA>& a, const
 __device__ __forceinline__ void mma_store(float* p, const mma_acc& c, int ld) {
     nvcuda::wmma::store_matrix_sync(p, c.f, ld, nvcuda::wmma::mem_row_major);
 }
+// Register tiles (below), on mma.sync.m16n8k16 whose register layouts the PTX ISA documents: with g = lane / 4 and
+// c = lane % 4, element e < 8 of a lane is at row g + 8 ((e % 4) / 2), column 8 (e / 4) + 2 c + e % 2 (two m16n8
+// results side by side), so a lane holds two rows (g and g + 8). That is also the layout of the A operand of the
+// next product, so P goes from the accumulators to the operand registers with no shuffle.
+#define MMA_SE 8
+#define MMA_QPL 2
+struct mma_tile { float x[8]; };
+template <int H> struct mma_rows { unsigned int r[4]; };
+template <int H> struct mma_packed { unsigned int r[4]; };
+__device__ __forceinline__ int mma_tile_row(int e) { return threadIdx.x % 32 / 4 + 8 * ((e % 4) / 2); }
+__device__ __forceinline__ int mma_tile_col(int e) { return 8 * (e / 4) + 2 * (threadIdx.x % 4) + e % 2; }
+__host__ __device__ constexpr int mma_tile_q(int e) { return (e % 4) / 2; }
+__device__ __forceinline__ int mma_lane_row(int qi) { return threadIdx.x % 32 / 4 + 8 * qi; }
+__device__ __forceinline__ bool mma_row_leader() { return threadIdx.x % 4 == 0; }
+__device__ __forceinline__ float mma_row_max(float v) {
+    v = fmaxf(v, shfl_xor(v, 1, 32));
+    return fmaxf(v, shfl_xor(v, 2, 32));
+}
+__device__ __forceinline__ float mma_row_sum(float v) {
+    v += shfl_xor(v, 1, 32);
+    return v + shfl_xor(v, 2, 32);
+}
+__device__ __forceinline__ unsigned int mma_smem(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mma_ldmatrix(unsigned int (&r)[4], const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mma_smem(p)));
+}
+__device__ __forceinline__ void mma_ldmatrix_trans(unsigned int (&r)[4], const unsigned short* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mma_smem(p)));
+}
+// c (16x8 fp32: c[0..3]) += A (16x16, a) B (16x8, b0 b1)
+template <int H>
+__device__ __forceinline__ void mma_m16n8k16(float* c, const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+    if (H == 1)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <int H> __device__ __forceinline__ void mma_rows_load(mma_rows<H>& f, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % 32;
+    mma_ldmatrix(f.r, p + (lane % 16) * ld + 8 * (lane / 16));
+}
+// t += F B^T with B's 16 rows at p: B^T is the col-major B operand, which ldmatrix reads from B's rows
+template <int H>
+__device__ __forceinline__ void mma_rows_run(mma_tile& t, const mma_rows<H>& f, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % 32;
+    unsigned int b[4];
+    mma_ldmatrix(b, p + (lane % 8 + 8 * (lane / 16)) * ld + 8 * (lane / 8 % 2));
+    mma_m16n8k16<H>(&t.x[0], f.r, b[0], b[1]);
+    mma_m16n8k16<H>(&t.x[4], f.r, b[2], b[3]);
+}
+template <int H, typename Round>
+__device__ __forceinline__ void mma_pack(mma_packed<H>& pk, const mma_tile& t, Round round) {
+    for (int i = 0; i < 4; i++)
+        pk.r[i] = (unsigned int)round(t.x[2 * i]) | ((unsigned int)round(t.x[2 * i + 1]) << 16);
+}
+// t += P V with V's 16 rows at p (row-major): ldmatrix .trans gives the col-major B operand
+template <int H>
+__device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>& pk, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % 32;
+    unsigned int b[4];
+    mma_ldmatrix_trans(b, p + (lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * (lane / 16));
+    mma_m16n8k16<H>(&t.x[0], pk.r, b[0], b[1]);
+    mma_m16n8k16<H>(&t.x[4], pk.r, b[2], b[3]);
+}
 #endif
+// Register tiles, for code whose row-wise work (a softmax) runs between two products without a trip through shared
+// memory. mma_tile is a 16x16 fp32 tile spread over the warp: element e < MMA_SE of a lane is at row
+// mma_tile_row(e), column mma_tile_col(e); a lane holds MMA_QPL whole rows' worth of elements (its rows are
+// mma_lane_row(qi), qi < MMA_QPL; element e belongs to its row mma_tile_q(e)); mma_row_max / mma_row_sum combine a
+// value over the lanes that share a row, and mma_row_leader() is true on one lane per row.
+//   mma_rows<H> f; mma_rows_load(f, p, ld): a 16x16 operand F[i][k] = p[i * ld + k] kept in registers (Q's rows);
+//   mma_rows_run(t, f, p, ld):   t += F B^T, B[j][k] = p[j * ld + k] in shared memory (S = Q K^T: K's rows);
+//   mma_pack<H>(pk, t, round):  the tile as the left operand of the next product, each element rounded to format H
+//                                by round(float) -> bits (P, in the registers that held S);
+//   mma_packed_run(t, pk, p, ld): t += P V, V[k][j] = p[k * ld + j] in shared memory (V's rows).
+// Pointers into shared memory; rows 16-byte aligned (ld a multiple of 8).
 #endif  // GPULLM_MATRIX_UNITS

@@ -1,8 +1,10 @@
 """Flash attention (causal) forward and backward through kernels/hip/flash.cu, launched with CuPy (NVIDIA or AMD CDNA).
 
-The same names as kernels/numba/flash.py; the inputs are half precision. v2 (the one HIP version): q, k, v and dout
-are bfloat16 or float16 bits (uint16, ``half="bf16"`` or ``"fp16"``), out, lse, dq, dk, dv float32; every product of
-two tiles runs on the matrix units (tensor cores, MFMA) with fp32 accumulation. The head size must be one the source
+The same names as kernels/numba/flash.py; the inputs are half precision: q, k, v and dout are bfloat16 or float16
+bits (uint16, ``half="bf16"`` or ``"fp16"``), out, lse, dq, dk, dv float32; every product of two tiles runs on the
+matrix units (tensor cores, MFMA) with fp32 accumulation. Versions: v2 passes each product's result through shared
+memory (portable.h's load / run / store tiles) for the softmax; v3 (the default) keeps S, P, dP and dS in the
+registers the matrix units wrote (portable.h's register tiles). The head size must be one the source
 is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
 """
 
@@ -15,7 +17,8 @@ import numpy as np
 from gpullm_lessons.contracts import check_version
 from gpullm_lessons.contracts.flash import check_flash_args, scale_of
 
-VERSIONS = ("v2",)
+VERSIONS = ("v2", "v3")
+DEFAULT = "v3"
 HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
 HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
 _SUFFIX = {"bf16": "bf16", "fp16": "f16"}
@@ -73,7 +76,7 @@ def _threads():
     return WARPS * hip.warp_size()
 
 
-def flash_attention_forward(q, k, v, out, lse, version="v2", half="bf16"):
+def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
     """out = causal softmax(q k^T / sqrt(hs)) v (float32) and lse = each row's log-sum-exp (float32), from q, k, v
     in half precision (bits), without the (T, T) scores. q, k, v uint16 (B, nh, T, hs); out float32 (B, nh, T, hs);
     lse float32 (B, nh, T)."""
@@ -85,7 +88,7 @@ def flash_attention_forward(q, k, v, out, lse, version="v2", half="bf16"):
     kern((B * nh, math.ceil(T / ROWS)), (_threads(),), (q, k, v, out, lse, np.int32(T), scale_of(hs)))
 
 
-def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version="v2", half="bf16"):
+def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16"):
     """dq, dk, dv (float32) of the causal attention out = flash_attention_forward(q, k, v), from the saved out and
     lse; q, k, v, dout uint16 half bits (B, nh, T, hs). The probabilities are recomputed from lse; each element of
     dq, dk, dv is summed in a fixed order (no atomics): the same bits on every run."""
@@ -102,7 +105,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version="v2", 
     rows = B * nh * T
     delta = cp.empty((B, nh, T), cp.float32)
     warps = 256 // hip.warp_size()
-    _kernel(f"flash_attention_backward_{version}_delta_{_SUFFIX[half]}")(
+    _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(  # both versions: one warp per row
         (min(math.ceil(rows / warps), DELTA_BLOCKS),), (256,), (out, dout, delta, np.int64(rows), np.int32(hs))
     )
     grid, block, scale = (B * nh, math.ceil(T / ROWS)), (_threads(),), scale_of(hs)
