@@ -494,12 +494,14 @@ def ncu_target(ops, small: bool, labels_path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "checkpointing", "profile", "gputime",
+    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "long", "checkpointing", "profile", "gputime",
                                      "ncu-target"],
                     help="what to measure (ncu-target: what `ncu` profiles for `ncu`, not for you to run)")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
     ap.add_argument("--precisions", default=None,
                     help="`train`: fp32,bf16 (default); `checkpointing`: fp32 (default)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="`long`: the context length T")
+    ap.add_argument("--batch-size", type=int, default=32, help="`long`: sequences per step B")
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
     ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
     ap.add_argument("--scores", choices=("f32", "half"), default=None,
@@ -519,6 +521,11 @@ def main(argv=None) -> int:
         if args.what == "ceilings":
             result = ceilings(small=args.small)
             print(format_ceilings(result))
+        elif args.what == "long":
+            from . import bench_train as bt
+            result = bt.bench_long(args.presets.split(",")[0] if args.presets != "course,gpt2" else "gpt2",
+                                   T=args.seq_len, B=args.batch_size, precision=(args.precisions or "bf16"))
+            print(bt.format_long(result))
         elif args.what in ("train", "checkpointing", "profile", "gputime"):
             from . import bench_train as bt
             presets = tuple(args.presets.split(","))

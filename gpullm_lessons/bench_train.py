@@ -2,12 +2,16 @@
 
     python -m gpullm_lessons.bench train [--presets course,gpt2] [--precisions fp32,bf16] [--json PATH]
     python -m gpullm_lessons.bench checkpointing [--presets course,gpt2] [--json PATH] [--plot PATH]
+    python -m gpullm_lessons.bench long [--presets gpt2] [--seq-len 4096] [--batch-size 32] [--json PATH]
 
 `train`: for each preset and precision, the median time of a full training step (forward, backward, global-norm
 clip, AdamW) after warm-up, tokens/s, model FLOPs per step (every matrix product, x3 for forward + backward,
 attention counted without the causal half), achieved TFLOP/s and MFU against the matmul rate measured in the same
 run in that precision, and the peak memory of CuPy's memory pool. With torch installed the same architecture in
 PyTorch (eager, scaled_dot_product_attention, fused AdamW, bf16 autocast for bf16) is timed on the same shapes.
+
+`long`: one long-context batch on each attention path (bench_long): the scores path beside flash attention, the
+prediction of engine_memory beside the measured peak, or the out-of-memory error where the step does not fit.
 
 `checkpointing`: per preset and policy (none / selective / full), the step time and the measured peak memory
 beside the predictions of engine.engine_memory (the engine's tensors) and checkpointing.memory_model (the
@@ -236,6 +240,59 @@ def format_train(result) -> str:
         lines.append(f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<14}{r['step_ms']:9.2f}"
                      f"{r['tokens_per_s']:11,.0f}{r['TFLOP/s']:9.1f}{100 * r['MFU']:6.1f}%"
                      f"{r['peak_bytes'] / 2**30:10.2f}")
+    return "\n".join(lines)
+
+
+def bench_long(preset="gpt2", T=4096, B=32, precision="bf16", steps=3, with_torch=True) -> dict:
+    """The memory side of flash attention: one long-context batch (B, T) of a preset's model (its block size raised
+    to T), on each attention path, predicted by engine_memory and then run. A path whose step does not fit the GPU is
+    tried all the same: its row records the out-of-memory error beside the prediction (the honest way to show that
+    the scores path cannot hold (B, nh, T, T) per layer). PyTorch (SDPA) on the same batch beside it."""
+    import dataclasses
+
+    device.require_gpu("benchmarking a long-context step")
+    import cupy as cp
+
+    from .engine import engine_memory
+
+    cfg = dataclasses.replace(_cfg(preset)[0], block_size=T)
+    free, total = cp.cuda.runtime.memGetInfo()
+    rows = []
+    for attention in ("cublas", "flash"):
+        pred = engine_memory(cfg, B, T, precision, attention=attention)["total"]
+        row = {"who": "ours", "attention": attention, "predicted_bytes": int(pred)}
+        try:
+            row.update(measure_engine(cfg, B, T, precision, steps=steps, versions={"attention": attention}))
+        except cp.cuda.memory.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e).splitlines()[0][:160]}"
+        finally:
+            gc.collect()
+            cp.get_default_memory_pool().free_all_blocks()
+        rows.append(row)
+    if with_torch:
+        try:
+            import torch  # noqa: F401
+
+            r = measure_torch(cfg, B, T, precision, steps=steps)
+            rows.append({"who": "pytorch", "attention": "sdpa", "version": r.pop("version"), **r})
+        except ImportError:
+            pass
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "preset": preset, "B": B, "T": T,
+            "precision": precision, "gpu_bytes": int(total), "free_bytes_at_start": int(free), "rows": rows}
+
+
+def format_long(result) -> str:
+    lines = [f"{result['preset']} B{result['B']} T{result['T']} {result['precision']} on {result['card']} "
+             f"({result['date']}), {result['gpu_bytes'] / 2**30:.1f} GiB",
+             f"{'who':<9}{'attention':<11}{'predicted GiB':>14}{'peak GiB':>10}{'ms/step':>9}{'tokens/s':>11}"]
+    for r in result["rows"]:
+        pred = f"{r['predicted_bytes'] / 2**30:14.1f}" if "predicted_bytes" in r else f"{'':>14}"
+        if "error" in r:
+            lines.append(f"{r['who']:<9}{r['attention']:<11}{pred}  {r['error']}")
+            continue
+        tps = result["B"] * result["T"] / (r["step_ms"] / 1e3)
+        lines.append(f"{r['who']:<9}{r['attention']:<11}{pred}{r['peak_bytes'] / 2**30:10.1f}{r['step_ms']:9.1f}"
+                     f"{tps:11.0f}")
     return "\n".join(lines)
 
 

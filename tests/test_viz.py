@@ -177,3 +177,17 @@ def test_a_figure_that_needs_no_data_draws_headless(name, args):
 def test_float_formats_html_is_a_table():
     html = viz.float_formats_html(0.1)
     assert "<table" in html and "bf16" in html
+
+
+@pytest.mark.parametrize("vendor, warp, per_lane", [("nvidia", 32, 8), ("amd", 64, 4)])
+def test_register_tile_layout_gives_every_element_one_lane_and_each_row_one_group(vendor, warp, per_lane):
+    lay = viz.register_tile_layout(vendor)
+    lanes = lay["lanes"]
+    assert lanes.min() == 0 and lanes.max() == warp - 1 and lay["warp"] == warp
+    assert all(int((lanes == lane).sum()) == per_lane for lane in range(warp))  # MMA_SE elements per lane
+    assert all(len(r) == 4 for r in lay["row_lanes"])  # a row's max / sum: over 4 lanes (2 shuffles)
+    # NVIDIA's accumulator pairs (c0, c1) are adjacent columns of one row: the layout of the next product's A operand
+    if vendor == "nvidia":
+        assert (lanes[:, 0::2] == lanes[:, 1::2]).all() and lanes[8, 0] == lanes[0, 0] == 0
+    with pytest.raises(ValueError, match="vendor must be"):
+        viz.register_tile_layout("intel")

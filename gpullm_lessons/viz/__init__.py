@@ -46,8 +46,10 @@ from .l11_flash_attention import (  # noqa: F401
     attention_traffic,
     causal_tiles,
     format_attention_traffic,
+    format_register_tile_layout,
     merge_halves,
     plot_causal_tiles,
+    register_tile_layout,
 )
 
 from .l12_memory import format_memory_terms, plot_loss_curves  # noqa: F401

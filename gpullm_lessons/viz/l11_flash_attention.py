@@ -143,3 +143,38 @@ def merge_halves(x, v, split: int) -> dict:
         "lse_merged": m + np.log(w1 + w2),
         "halves": ((m1, l1), (m2, l2)),
     }
+
+
+def register_tile_layout(vendor: str) -> dict:
+    """Which lane of a warp holds each element of a 16 x 16 fp32 result tile in v3's register tiles (portable.h),
+    as the vendors document it: NVIDIA's mma.sync.m16n8k16 (two 16 x 8 results side by side; lane = 4 g + c holds
+    rows g and g + 8, columns 2c, 2c + 1 and 8 + 2c, 8 + 2c + 1) and AMD's MFMA 16x16x16 as v3 uses it (the product
+    computed transposed, so lane l holds row l % 16, columns 4 (l // 16) .. + 3). Returns the (16, 16) lane map, the
+    lanes per warp, and the lanes that share each row (what a row's max and sum must be combined over)."""
+    import numpy as np
+
+    if vendor not in ("nvidia", "amd"):
+        raise ValueError(f"register_tile_layout: vendor must be 'nvidia' or 'amd', got {vendor!r}")
+    lanes = np.full((16, 16), -1, dtype=np.int64)
+    if vendor == "nvidia":
+        for lane in range(32):
+            g, c = lane // 4, lane % 4
+            for e in range(8):
+                lanes[g + 8 * ((e % 4) // 2), 8 * (e // 4) + 2 * c + e % 2] = lane
+        warp = 32
+    else:
+        for lane in range(64):
+            for e in range(4):
+                lanes[lane % 16, 4 * (lane // 16) + e] = lane
+        warp = 64
+    return {"lanes": lanes, "warp": warp, "row_lanes": [sorted(set(lanes[r].tolist())) for r in range(16)]}
+
+
+def format_register_tile_layout(vendor: str) -> str:
+    """The lane map of register_tile_layout as text: one row per tile row, the lane number of each element."""
+    lay = register_tile_layout(vendor)
+    head = "     " + "".join(f"{j:>4}" for j in range(16))
+    rows = [f"{i:>3}  " + "".join(f"{lane:>4}" for lane in lay["lanes"][i]) for i in range(16)]
+    return "\n".join(
+        [f"{vendor}: lane holding each element of a 16 x 16 result tile (rows down, columns across)", head, *rows]
+    )
