@@ -20,7 +20,7 @@ BROWSER_OR_NBVAL := $$(test -x "$${GPULLM_CHROMIUM:-/usr/bin/chromium}" && $(PY)
 # (tests/conftest.py: ONE_AT_A_TIME). `make test XDIST=` runs the suite in one process.
 XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 
-.PHONY: help setup train test lint unit notebooks browser-test gpu-test sanitize bench lab doctor exercises grade grade-solutions clean clean-notebooks
+.PHONY: help setup train test lint unit notebooks browser-test gpu-test sanitize bench lab doctor image exercises grade grade-solutions clean clean-notebooks
 
 help:
 	@sed -n 's/^## //p' $(MAKEFILE_LIST)
@@ -50,7 +50,7 @@ test: lint
 # (the modules formatted with `ruff format` so far; a module joins the list when it is next reworked, so that a
 # formatting-only diff never hides a change of the code the lessons print)
 RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/viz gpullm_lessons/contracts \
-	gpullm_lessons/backends gpullm_lessons/verdict.py gpullm_lessons/timing.py tests/test_train_ranks.py \
+	gpullm_lessons/backends gpullm_lessons/verdict.py gpullm_lessons/timing.py tests/test_train_ranks.py tests/test_containers.py \
 	tests/test_import_graph.py tests/test_kernel_names.py gpullm_lessons/sanitize.py tests/test_sanitize.py tests/test_viz.py tests/test_checks_verdict.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests
@@ -93,6 +93,16 @@ lab: $(SETUP)
 ## doctor      check this machine and say how to fix what is missing
 doctor: $(SETUP)
 	$(PY) -m gpullm_lessons doctor
+
+## image       lab servers: the course's Docker image (GPU=cuda13, the default, or GPU=rocm; lab/containers/README.md)
+IMAGE_GPU = $(or $(GPU),$(shell sed -n 's/^ARG GPU=//p' lab/containers/Dockerfile))
+image:
+	@case " $(shell sed -n 's/^FROM .* AS base-//p' lab/containers/Dockerfile) " in *" $(IMAGE_GPU) "*) ;; \
+	*) echo "make image: lab/containers/Dockerfile has no image for GPU=$(IMAGE_GPU) (it has:" \
+	   "$(shell sed -n 's/^FROM .* AS base-//p' lab/containers/Dockerfile))" >&2; exit 2;; esac
+	@cmd="docker build -f lab/containers/Dockerfile --build-arg GPU=$(IMAGE_GPU) -t gpullm-lessons:$(IMAGE_GPU) ."; \
+	if command -v docker >/dev/null 2>&1; then echo "$$cmd" && $$cmd; \
+	else echo "make image: docker not found; on a machine with Docker, from this folder: $$cmd" >&2; exit 1; fi
 
 ## exercises   regenerate exercises/ from solutions/ (never edit exercises/ by hand)
 exercises: $(SETUP)
