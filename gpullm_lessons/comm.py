@@ -21,10 +21,23 @@ the same order with the same sizes everywhere). Errors raised here name the prob
 reduce, a non-contiguous buffer, sizes that do not divide by the world size, a NumPy buffer given to NCCL.
 
 from_env(): the launcher (python -m gpullm_lessons.launch) sets RANK, WORLD_SIZE, LOCAL_RANK (and GPULLM_COMM,
-GPULLM_NCCL_ID for NCCL); mpirun sets OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK (PMI_RANK / PMI_SIZE for MPICH).
-World size 1 gives a SingleComm; otherwise NCCL when this process has a GPU and NCCL, MPI when not
-(GPULLM_COMM=mpi|nccl or backend= forces one). NCCL's unique id (128 bytes) is made once: by the launcher, passed in
-GPULLM_NCCL_ID as hex; under mpirun rank 0 makes it and broadcasts it with MPI.
+GPULLM_NCCL_ID for NCCL); mpirun sets OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK (PMI_RANK / PMI_SIZE for MPICH);
+SLURM's srun sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID in each task of a job step (read last, and only inside
+a step: an sbatch script itself also sees SLURM_NTASKS, but it is one process). World size 1 gives a SingleComm;
+otherwise NCCL when this process has a GPU and NCCL, MPI when not (GPULLM_COMM=mpi|nccl or backend= forces one).
+NCCL's unique id (128 bytes) is made once: by the launcher, passed in GPULLM_NCCL_ID as hex; under mpirun or srun
+rank 0 makes it and broadcasts it with MPI.
+
+Ranks started by srun (no mpirun) find each other through SLURM's PMI, the same rendezvous mpirun's ranks use:
+`srun --mpi=pmix` serves PMIx to every task, so MPI_Init (mpi4py's import) joins the step's tasks into one
+MPI.COMM_WORLD, on one node or several, and the NCCL id then travels over that MPI like under mpirun. Checked on
+Debian 12: its slurm-wlm (22.05) offers pmix (pmix_v4), pmi2, cray_shasta and none (`srun --mpi=list`); its Open MPI
+(4.1) is built against PMIx 4 and has no PMI-2 client, so with it only --mpi=pmix works (--mpi=pmi2 or none abort
+inside MPI_Init); an MPICH-based mpi4py uses --mpi=pmi2. A rendezvous without MPI (a TCP store, a file on a shared
+disk) was the other option: it would carry the NCCL id, but the CPU ranks would still need MPI for their
+collectives, and a second rendezvous is a second thing to debug; PMIx is in every SLURM that labs run and needs no
+port or shared folder of ours. A step of several tasks without a PMI (srun --mpi=none, the default where slurm.conf
+has no MpiDefault) is refused before MPI_Init with the fix (srun --mpi=pmix, or MpiDefault=pmix in slurm.conf).
 """
 from __future__ import annotations
 
@@ -46,19 +59,26 @@ class CommError(RuntimeError):
 # ---- the environment ---------------------------------------------------------------------------------------------
 
 def env_world() -> tuple:
-    """(rank, world_size, local_rank) from the launcher's or mpirun's variables; (0, 1, 0) when neither is set."""
+    """(rank, world_size, local_rank) from the launcher's, mpirun's or srun's variables; (0, 1, 0) when none is set."""
     e = os.environ
-    for rk, sz, lr in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                       ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                       ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
+    triples = [("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+               ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")]
+    if under_srun():
+        triples.append(("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+    for rk, sz, lr in triples:
         if sz in e:
             try:
                 size, rank = int(e[sz]), int(e.get(rk, "0"))
                 local = int(e.get(lr, e.get("LOCAL_RANK", rank)))
             except ValueError as exc:
-                raise CommError(f"{rk}={e.get(rk)!r} / {sz}={e.get(sz)!r}: expected integers") from exc
+                raise CommError(f"{rk}={e.get(rk)!r} / {sz}={e.get(sz)!r} / {lr}={e.get(lr)!r}: expected "
+                                f"integers") from exc
             if not (size >= 1 and 0 <= rank < size):
                 raise CommError(f"{rk}={rank} is not in 0..{sz}-1={size - 1}")
+            if not 0 <= local < size:
+                raise CommError(f"{lr}={local} is not in 0..{sz}-1={size - 1} (a local rank numbers the ranks of "
+                                f"one node)")
             return rank, size, local
     return 0, 1, 0
 
@@ -66,6 +86,50 @@ def env_world() -> tuple:
 def under_mpirun() -> bool:
     """True when this process was started by mpirun / mpiexec (Open MPI or an MPICH-like PMI)."""
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+
+
+SLURM_SPECIAL_STEPS = 0xFFFFFFF0   # step ids from here up are SLURM's batch, extern and interactive steps
+
+
+def under_srun() -> bool:
+    """True in a task of a SLURM job step (srun): SLURM_STEP_ID is set and names an ordinary step. An sbatch script
+    (the batch step) or an salloc shell sees SLURM_NTASKS too, but is one process, not a rank."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    if step is None or "SLURM_PROCID" not in os.environ:
+        return False
+    try:
+        return int(step) < SLURM_SPECIAL_STEPS
+    except ValueError:
+        return False
+
+
+def srun_pmi():
+    """The PMI srun gave this task: "pmix" (srun --mpi=pmix), "pmi2" (--mpi=pmi2), or None (--mpi=none)."""
+    if "PMIX_RANK" in os.environ or "PMIX_NAMESPACE" in os.environ:
+        return "pmix"
+    if "PMI_SIZE" in os.environ or "PMI_FD" in os.environ:
+        return "pmi2"
+    return None
+
+
+def mpi_rendezvous():
+    """How this process's MPI_Init finds the other ranks: "mpirun", "srun --mpi=pmix" / "srun --mpi=pmi2", or None.
+
+    A SLURM step of several tasks without a PMI raises CommError with the fix: there MPI_Init would abort in every
+    task (Open MPI) or give each task a world of its own."""
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return "mpirun"
+    if under_srun():
+        pmi, tasks = srun_pmi(), os.environ.get("SLURM_NTASKS", "1")
+        if pmi is None and tasks != "1":
+            raise CommError(f"srun started {tasks} tasks (SLURM_NTASKS={tasks}) without a PMI (srun --mpi=none, the "
+                            f"default of a slurm.conf without MpiDefault), so their MPI cannot find each other: "
+                            f"start them with srun --mpi=pmix (srun --mpi=list shows what this cluster offers; an "
+                            f"MPICH-based mpi4py takes --mpi=pmi2), or ask the admin for MpiDefault=pmix in slurm.conf")
+        return None if pmi is None else f"srun --mpi={pmi}"
+    if "PMI_SIZE" in os.environ:
+        return "mpirun"
+    return None
 
 
 def nccl_module():
@@ -293,7 +357,9 @@ class MPIComm(Communicator):
                             "'.[mpi]'), and an MPI library (apt-get install openmpi-bin libopenmpi-dev)") from exc
         self.MPI = MPI
         self.comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
-        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("LOCAL_RANK", self.comm.Get_rank())))
+        rank, world, local = env_world()                  # mpirun's or srun's local rank, when it describes this MPI
+        if (rank, world) != (self.comm.Get_rank(), self.comm.Get_size()):
+            local = self.comm.Get_rank()
         super().__init__(self.comm.Get_rank(), self.comm.Get_size(), local)
         self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -530,9 +596,10 @@ def from_env(backend=None) -> Communicator:
     if backend == "auto":
         backend = "nccl" if _has_gpu() and nccl_module() is not None else "mpi"
     if backend == "mpi":
-        if not under_mpirun():
+        if mpi_rendezvous() is None:
             raise CommError(f"WORLD_SIZE={world} but this process was not started by mpirun: MPI ranks are started "
-                            f"with mpirun -n {world} ... or python -m gpullm_lessons.launch --backend mpi")
+                            f"with mpirun -n {world} ..., srun --mpi=pmix -n {world} ... or python -m "
+                            f"gpullm_lessons.launch --backend mpi")
         _use_gpu(rank, local, required=False)             # CPU ranks may outnumber the GPUs
         comm = MPIComm()
         if comm.world_size != world:
@@ -540,10 +607,10 @@ def from_env(backend=None) -> Communicator:
         return comm
     # nccl
     uid = os.environ.get(NCCL_ID_ENV)
-    if uid is None and not under_mpirun():
+    if uid is None and mpi_rendezvous() is None:
         raise CommError(f"NCCL ranks need the NCCL unique id in ${NCCL_ID_ENV}: start them with python -m "
-                        f"gpullm_lessons.launch --nproc {world} (it makes the id), or with mpirun (rank 0 makes it "
-                        f"and broadcasts it over MPI)")
+                        f"gpullm_lessons.launch --nproc {world} (it makes the id), or with mpirun or srun --mpi=pmix "
+                        f"(rank 0 makes it and broadcasts it over MPI)")
     _use_gpu(rank, local)
     if uid is None:
         mpi = MPIComm()
@@ -561,8 +628,10 @@ def _use_gpu(rank, local, required=True):
     if local >= n_dev and not required:
         return
     if local >= n_dev:
+        slurm = (" (SLURM: --gpus-per-task / --gpu-bind show each task only its own GPU; ask for --gpus-per-node=N "
+                 "with --ntasks-per-node=N instead)" if under_srun() else "")
         raise CommError(f"rank {rank}: local rank {local} but this node has {n_dev} GPU(s): start at most {n_dev} "
-                        f"ranks per node (--nproc, or mpirun -n / a hostfile's slots)")
+                        f"ranks per node (--nproc, or mpirun -n / a hostfile's slots){slurm}")
     cp.cuda.Device(local).use()
     try:
         from . import device

@@ -13,10 +13,19 @@ nccl  N child processes `python -m MODULE ARGS`, each with RANK, WORLD_SIZE, LOC
 mpi   mpirun -n N python -m MODULE ARGS (the ranks read OMPI_COMM_WORLD_*). As root it sets OMPI_ALLOW_RUN_AS_ROOT
       (and _CONFIRM); with more ranks than cores it adds --oversubscribe; ranks are not bound to cores.
 
+srun  inside a SLURM allocation (an sbatch script, an salloc shell; --via auto picks it there, --via srun forces it):
+      srun --mpi=pmix --ntasks N --kill-on-bad-exit=1 python -m MODULE ARGS, with GPULLM_COMM=nccl|mpi. The tasks
+      go where the allocation has room, on one node or several; they find each other through SLURM's PMIx (MPI_Init;
+      under NCCL rank 0 makes the unique id and broadcasts it over that MPI: see comm.py), so mpi4py is needed for
+      both backends. A failing task makes srun stop the others (--kill-on-bad-exit) and exit non-zero. The PMI type
+      comes from SLURM_MPI_TYPE when set (e.g. pmi2 for an MPICH-based mpi4py), else pmix.
+
 mpirun directly works as well, on one node or several:
     mpirun -n 2 python -m gpullm_lessons.train --backend numpy ...
     mpirun -n 8 --hostfile hosts python -m gpullm_lessons.parallel train --backend hip --preset gpt2
 (a hostfile lists `node slots=GPUs` per line; on GPU nodes rank 0 makes the NCCL id and broadcasts it over MPI.)
+and so does srun in an sbatch script (lab/slurm/ has templates):
+    srun --mpi=pmix --kill-on-bad-exit=1 -n 2 python -m gpullm_lessons.parallel train --backend hip ...
 """
 from __future__ import annotations
 
@@ -64,6 +73,24 @@ def mpirun_command(nproc: int, argv, module=DEFAULT_MODULE, python=None) -> list
     return cmd
 
 
+def in_slurm_allocation() -> bool:
+    """True in a SLURM job outside any step's tasks (an sbatch script, an salloc shell): srun starts the ranks."""
+    from .comm import under_srun
+
+    return "SLURM_JOB_ID" in os.environ and not under_srun()
+
+
+def srun_command(nproc: int, argv, module=DEFAULT_MODULE, python=None) -> list:
+    """The srun command line that starts nproc ranks of `python -m module argv` in this SLURM allocation."""
+    srun = shutil.which("srun")
+    if srun is None:
+        raise LaunchError("srun not found: --via srun needs SLURM's client commands (Debian/Ubuntu: apt-get install "
+                          "slurm-client), and a SLURM allocation to run in (sbatch / salloc)")
+    mpi = os.environ.get("SLURM_MPI_TYPE") or "pmix"
+    return [srun, f"--mpi={mpi}", "--ntasks", str(nproc), "--kill-on-bad-exit=1",
+            python or sys.executable, "-m", module, *argv]
+
+
 def _has_mpi4py() -> bool:
     try:
         import mpi4py  # noqa: F401
@@ -85,8 +112,9 @@ def gpu_count() -> int:
         return 0
 
 
-def choose_backend(backend: str, nproc: int) -> str:
-    """auto -> nccl or mpi (module docstring); errors say what is missing."""
+def choose_backend(backend: str, nproc: int, via="local") -> str:
+    """auto -> nccl or mpi (module docstring); errors say what is missing. via="srun": the ranks may run on other
+    nodes (each checks its own GPU), and find each other over MPI whatever the backend, so mpi4py is needed."""
     from .comm import nccl_module
 
     if backend not in ("auto", "mpi", "nccl"):
@@ -98,15 +126,16 @@ def choose_backend(backend: str, nproc: int) -> str:
         if n_gpu == 0:
             raise LaunchError("--backend nccl needs GPUs and this machine has none (or CuPy is missing): use "
                               "--backend mpi for CPU ranks")
-        if nproc > n_gpu:
+        if nproc > n_gpu and via != "srun":
             raise LaunchError(f"--nproc {nproc} is larger than the {n_gpu} GPU(s) of this machine: one rank per GPU "
                               f"(for more ranks than GPUs use --backend mpi; several nodes: mpirun --hostfile)")
         if nccl_module() is None:
             raise LaunchError("--backend nccl: CuPy found no NCCL library (pip install nvidia-nccl-cu13, or cu12, "
                               "to match cupy-cuda13x / 12x), or use --backend mpi")
-    elif not _has_mpi4py():
-        raise LaunchError("--backend mpi: mpi4py is not installed: pip install mpi4py (or pip install -e "
-                          "'.[mpi]'), with an MPI library (apt-get install openmpi-bin libopenmpi-dev)")
+    if (backend == "mpi" or via == "srun") and not _has_mpi4py():
+        raise LaunchError(f"--backend {backend}{' under srun' if via == 'srun' else ''}: mpi4py is not installed: "
+                          f"pip install mpi4py (or pip install -e '.[mpi]'), with an MPI library (apt-get install "
+                          f"openmpi-bin libopenmpi-dev)")
     return backend
 
 
@@ -153,11 +182,22 @@ def run_ranks(commands, envs, poll_s=0.05, grace_s=10.0) -> int:
     return status
 
 
-def launch(nproc: int, argv, module=DEFAULT_MODULE, backend="auto") -> int:
-    """Start nproc ranks of `python -m module argv` (module docstring); returns the exit status."""
+def launch(nproc: int, argv, module=DEFAULT_MODULE, backend="auto", via="auto") -> int:
+    """Start nproc ranks of `python -m module argv` (module docstring); returns the exit status.
+    via: "local" (child processes or mpirun on this machine), "srun" (in a SLURM allocation) or "auto" (srun inside
+    an allocation, local elsewhere)."""
     if nproc < 1:
         raise LaunchError(f"--nproc must be >= 1, got {nproc}")
-    backend = choose_backend(backend, nproc)
+    if via not in ("auto", "local", "srun"):
+        raise LaunchError(f"--via must be auto, local or srun, got {via!r}")
+    if via == "auto":
+        via = "srun" if in_slurm_allocation() else "local"
+    backend = choose_backend(backend, nproc, via)
+    if via == "srun":
+        if "SLURM_JOB_ID" not in os.environ:
+            raise LaunchError("--via srun outside a SLURM job: submit with sbatch (lab/slurm/ has templates) or "
+                              "start an allocation with salloc first")
+        return subprocess.call(srun_command(nproc, argv, module), env=dict(mpi_env(), GPULLM_COMM=backend))
     if backend == "nccl":
         return launch_nccl(nproc, argv, module)
     cmd = mpirun_command(nproc, argv, module)
@@ -176,9 +216,12 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", choices=("auto", "mpi", "nccl"),
                    help="nccl: one process per GPU; mpi: mpirun (CPU ranks); auto: nccl with GPUs, else mpi")
     p.add_argument("--module", default=DEFAULT_MODULE, help="the module each rank runs (python -m MODULE)")
+    p.add_argument("--via", default="auto", choices=("auto", "local", "srun"),
+                   help="srun: srun --mpi=pmix in this SLURM allocation (several nodes); local: this machine; "
+                        "auto: srun inside a SLURM job, local elsewhere")
     args = p.parse_args(argv)
     try:
-        return launch(args.nproc, rest, args.module, args.backend)
+        return launch(args.nproc, rest, args.module, args.backend, args.via)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

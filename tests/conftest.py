@@ -27,7 +27,7 @@ if os.environ.get("GPULLM_CUPY_POOL") == "off" and device.has_gpu():
 # at a time, never side by side, and first (the longest unit: the other worker runs the rest meanwhile). A new test
 # file that starts mpirun or a server belongs in ONE_AT_A_TIME.
 ONE_AT_A_TIME = ("tests/test_browser.py", "tests/test_comm.py", "tests/test_parallel.py", "tests/test_train_ranks.py",
-                 "tests/test_grad_accum.py", "notebooks/")
+                 "tests/test_grad_accum.py", "tests/test_slurm.py", "notebooks/")
 
 
 def _one_at_a_time(nodeid: str) -> bool:
