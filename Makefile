@@ -53,6 +53,7 @@ RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/v
 	gpullm_lessons/backends gpullm_lessons/verdict.py gpullm_lessons/timing.py tests/test_train_ranks.py tests/test_containers.py \
 	tests/test_import_graph.py tests/test_kernel_names.py gpullm_lessons/sanitize.py tests/test_sanitize.py tests/test_viz.py tests/test_checks_verdict.py \
 	tests/test_slurm.py tests/test_slurm_env.py
+RUFF_FORMATTED += gpullm_lessons/classroom.py tests/test_class.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)

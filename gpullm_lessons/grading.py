@@ -29,13 +29,15 @@ cell timeout is interrupted and the notebook goes on; a kernel that dies is rest
 without the cell that killed it; a notebook past its total timeout is killed (subprocess and kernel) and its
 tasks without a verdict are "not run".
 
-CLI: ``python -m gpullm_lessons grade [DIR] [--solutions DIR] [--strict] [--json PATH] [--timeout S] [--workers N]``.
+CLI: ``python -m gpullm_lessons grade [DIR] [--solutions DIR] [--strict] [--notebooks PATTERN] [--json PATH]
+[--timeout S] [--workers N]``.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -628,7 +630,7 @@ def _instructor_dir(directory: Path, solutions) -> Path:
 
 def grade(directory="exercises", timeout: float = 600, kernel_name: str = "python3", workers: int = 1,
           cell_timeout: Optional[float] = None, progress: Optional[Callable[[str], None]] = None,
-          solutions=None, strict: bool = False) -> Report:
+          solutions=None, strict: bool = False, notebooks=None) -> Report:
     """Grade every notebook of ``directory`` against the instructor's notebooks of the same name.
 
     solutions: the instructor's folder (default: ``directory`` itself when it is named ``solutions``, else the
@@ -636,7 +638,8 @@ def grade(directory="exercises", timeout: float = 600, kernel_name: str = "pytho
     the learner lacks costs its tasks. timeout: wall-clock seconds per notebook (kernel start included); on expiry
     the notebook's subprocess and kernel are killed. cell_timeout: seconds per cell before it is interrupted
     (default: timeout / 2). workers: notebooks graded at once. strict: run the instructor's notebook with only
-    the learner's exercise cells (see the module docstring).
+    the learner's exercise cells (see the module docstring). notebooks: file-name patterns (``fnmatch``, e.g.
+    ``["01_*", "12_*"]``); only the notebooks that match one are graded or listed (default: all).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -647,6 +650,8 @@ def grade(directory="exercises", timeout: float = 600, kernel_name: str = "pytho
     instructor = {p.name: p for p in sorted(source_dir.glob("*.ipynb"))}
     learner = {p.name: p for p in sorted(directory.glob("*.ipynb"))}
     names = sorted(set(instructor) | set(learner))
+    if notebooks is not None:
+        names = [n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in notebooks)]
     with tempfile.TemporaryDirectory(prefix="gpullm-grade-") as tmp:
         def one(name):
             if name not in instructor:
@@ -705,6 +710,19 @@ def _verdict_from_outputs(outputs, token: str) -> dict:
     return {"status": status, "message": " ".join(str(v.get("message", "")).split())[:2000]}
 
 
+def _kernel_manager(kernel_name: str, workdir: Path):
+    """The manager of one kernel. Where there are Unix sockets its channels are socket files in a folder of their
+    own (zmq's ipc transport), not TCP ports: over TCP, jupyter_client picks a free port in this process and the
+    kernel binds it a moment later, so kernels started side by side by separate runners (--workers) now and then get
+    the same port, and one dies or hangs at startup ("Address already in use")."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    if os.name == "nt":
+        return AsyncKernelManager(kernel_name=kernel_name)
+    folder = tempfile.mkdtemp(prefix="k", dir=workdir)  # short: a socket path is limited to about 100 bytes
+    return AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(folder, "ipc"))
+
+
 def _run(nb_path: str, log_path: str, plan_path: str, kernel_name: str = "python3",
          cell_timeout: Optional[float] = None) -> int:
     import nbformat
@@ -731,7 +749,8 @@ def _run(nb_path: str, log_path: str, plan_path: str, kernel_name: str = "python
         dead: set[int] = set()
         done: set[str] = set()
         for attempt in range(_MAX_RESTARTS + 1):
-            client = NotebookClient(nb, timeout=None, kernel_name=kernel_name, allow_errors=True,
+            client = NotebookClient(nb, km=_kernel_manager(kernel_name, Path(log_path).parent), timeout=None,
+                                    kernel_name=kernel_name, allow_errors=True,
                                     record_timing=False, shutdown_kernel="immediate",
                                     resources={"metadata": {"path": str(nb_path.parent)}})
             died = False
@@ -827,7 +846,8 @@ def _run(nb_path: str, log_path: str, plan_path: str, kernel_name: str = "python
 # CLI
 # --------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    """``grade [DIR] [--solutions DIR] [--strict] [--json PATH] [--timeout S] [--workers N] [--kernel NAME]``.
+    """``grade [DIR] [--solutions DIR] [--strict] [--notebooks PATTERN] [--json PATH] [--timeout S] [--workers N]
+    [--kernel NAME]``.
 
     Exit 0 whenever a report is produced (whatever the score), 2 for bad arguments or a missing directory.
     A leading "grade" word is accepted, so both ``main(["grade", "exercises"])`` and ``main(["exercises"])`` work.
@@ -845,6 +865,9 @@ def main(argv=None) -> int:
                              "solutions/)")
     parser.add_argument("--strict", action="store_true",
                         help="run the instructor's notebook with only the learner's exercise cells")
+    parser.add_argument("--notebooks", metavar="PATTERN", action="append", default=None,
+                        help="grade only the notebooks whose file name matches PATTERN (e.g. '01_*'; repeat the "
+                             "option for several)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="wall-clock seconds per notebook (default: 600)")
@@ -871,9 +894,13 @@ def main(argv=None) -> int:
     try:
         report = grade(directory, timeout=args.timeout, kernel_name=args.kernel, workers=args.workers,
                        progress=lambda line: print(line, file=sys.stderr, flush=True), solutions=args.solutions,
-                       strict=args.strict)
+                       strict=args.strict, notebooks=args.notebooks)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.notebooks and not report.notebooks:
+        print(f"error: --notebooks {' '.join(args.notebooks)} matches no notebook of {directory} or of the "
+              "instructor's folder", file=sys.stderr)
         return 2
     print(report.format())
     if args.json:
