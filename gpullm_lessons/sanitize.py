@@ -54,6 +54,8 @@ DEFAULT_FILES = (
 )
 SANITIZER_ENV = "GPULLM_SANITIZER"  # the compute-sanitizer executable (default: found on PATH or in CUDA_PATH)
 _SUMMARY = re.compile(r"=+\s*ERROR SUMMARY:\s*(\d+)\s+errors?")
+# racecheck ends with its own line instead: "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)"
+_RACE_SUMMARY = re.compile(r"=+\s*RACECHECK SUMMARY:.*?\((\d+)\s+errors?,\s*(\d+)\s+warnings?\)")
 
 
 class SanitizeError(RuntimeError):
@@ -105,9 +107,11 @@ def command(sanitizer: str, tool: str, file: str, python: str = sys.executable, 
 def classify(output: str, returncode: int) -> tuple:
     """(status, errors, first error line) of one part from its output and exit status.
 
-    The sanitizer prints one "ERROR SUMMARY: N errors" per process it watched; the part's count is their sum. No
-    summary at all means the sanitizer did not run the program to the end."""
+    The sanitizer prints one "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: ... (E errors, W warnings)")
+    per process it watched; the part's count is their sum. No summary at all means the sanitizer did not run the
+    program to the end."""
     counts = [int(n) for n in _SUMMARY.findall(output)]
+    counts += [int(e) + int(w) for e, w in _RACE_SUMMARY.findall(output)]  # a racecheck warning is a hazard too
     errors = sum(counts)
     first = next(
         (

@@ -34,6 +34,14 @@ def test_classify_counts_every_process_and_names_the_first_error():
     assert sanitize.classify("1 passed\n========= ERROR SUMMARY: 0 errors\n", 0)[0] == "clean"
     assert sanitize.classify("1 failed\n========= ERROR SUMMARY: 0 errors\n", 1)[:2] == ("tests failed", 0)
     assert sanitize.classify("Segmentation fault\n", 139)[0] == "no summary"
+    race = "4 passed\n========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
+    assert sanitize.classify(race, 0)[:2] == ("errors", 2)
+    assert (
+        sanitize.classify(
+            race.replace("2 hazards", "0 hazards").replace("(1 error, 1 warning)", "(0 errors, 0 warnings)"), 0
+        )[0]
+        == "clean"
+    )
 
 
 @pytest.mark.parametrize(
