@@ -97,8 +97,9 @@ def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none"):
     return logits, loss, dict(cache, policy=policy, params=params)
 
 
-def gpt_backward_ckpt(cache, grads):
-    """Gradients of the loss into grads (overwritten), bitwise equal to reference gpt_backward. Returns None."""
+def gpt_backward_ckpt(cache, grads, ready=None):
+    """Gradients of the loss into grads (overwritten), bitwise equal to reference gpt_backward. Returns None.
+    ready(k): as gpt_backward's, called when layer k's gradients are final."""
     policy = cache.get("policy")
     _check_policy("gpt_backward_ckpt", policy)
     cfg, p = cache["cfg"], cache["params"]
@@ -108,7 +109,7 @@ def gpt_backward_ckpt(cache, grads):
     recompute = {"none": None,                                                # everything was kept
                  "selective": lambda l, kept: _rebuild_selective(kept),       # recompute ln1, ln2, gelu
                  "full": lambda l, x_in: block_forward(p, l, x_in, cfg.n_head)[1]}[policy]  # the whole block
-    return gpt_backward(cache, grads, recompute=recompute)
+    return gpt_backward(cache, grads, recompute=recompute, ready=ready)
 
 
 # ----------------------------------------------------------------------------------------------------------------

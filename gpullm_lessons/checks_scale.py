@@ -1,4 +1,5 @@
-"""Checkers for lesson 12 (memory at scale): gradient accumulation and block-wise 8-bit quantisation.
+"""Checkers for lesson 12 (memory at scale): gradient accumulation, block-wise 8-bit quantisation, and the gradient
+buckets that data parallel fills in backward order.
 
 They follow the conventions of the course's checkers (``gpullm_lessons.verdict``): fresh random inputs on every call
 (the seed is printed), one verdict printed and recorded (not attempted / error / wrong with a hint naming the mistake
@@ -27,6 +28,21 @@ multiple of the block and not, n < block, a block of zeros and a block with one 
 (quant.quantize_blockwise): q and the scales exactly, dequantize within half a level of each block. The named
 mistakes: one scale for the whole vector, the max instead of the absolute max, truncation instead of rounding, 128 or
 255 levels instead of 127, the last partial block dropped, division by a zero scale.
+
+``check_bucket_assignment(fn)`` (exercise 12.3), fn called as
+
+    buckets = fn(sizes, limit)
+
+sizes: the element counts of the gradient tensors in the order the forward pass uses them (backward finishes the last
+first); limit: the most elements a bucket holds. fn returns a list of buckets, each a list of tensor indices (any
+order inside a bucket), the first bucket holding the tensors backward finishes first: walking from the last tensor to
+the first, a tensor joins the open bucket while its total stays <= limit, else it starts the next bucket; a tensor
+larger than limit gets one of its own (parallel.assign_buckets, which data parallel uses). Checked every call on
+random sizes with a bucket filled exactly to the limit, everything in one bucket, a tensor larger than the limit, a
+limit below every tensor, no tensors and one, and the tiny GPT's gradient tensors. The named mistakes: forward order
+instead of backward, a bucket over the limit, a tensor split across buckets (or in two) or missing, the last bucket
+never closed, the off-by-one at the boundary (a tensor that fills the bucket exactly goes to the next one), a bucket
+closed with room left, everything in one bucket whatever the limit.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ import numpy as np
 from . import opcheck, quant, verdict
 from .verdict import CheckResult
 
-__all__ = ["check_accumulate", "check_quantize_blockwise", "softmax_regression"]
+__all__ = ["check_accumulate", "check_quantize_blockwise", "check_bucket_assignment", "softmax_regression"]
 
 _FIELDS = {"dtype": "float64", "arrays": "numpy"}
 
@@ -292,3 +308,116 @@ def _first_diff(a, b):
         return 0
     d = np.nonzero(a.astype(np.int64) != b.astype(np.int64))[0]
     return int(d[0]) if d.size else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 12.3 gradient buckets in backward order
+# ----------------------------------------------------------------------------------------------------------------
+def _bucket_cases(rng):
+    """(sizes, limit, what) cases; every call has the boundary case, one bucket, an oversized tensor, n = 0 and 1."""
+    from .params import GPTConfig, layer_segments
+
+    limit = int(rng.integers(40, 80))
+    a = int(rng.integers(5, limit - 5))
+    exact = [int(v) for v in rng.integers(1, 30, 6)] + [limit - a, a]  # backward takes a, then limit - a: exactly full
+    tiny = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
+    gpt = [hi - lo for layer in layer_segments(tiny) for _, lo, hi in layer]
+    sizes = [int(v) for v in rng.integers(1, 50, int(rng.integers(12, 20)))]
+    return [
+        (exact, limit, "a bucket filled exactly to the limit"),
+        (sizes, int(rng.integers(60, 120)), "random sizes"),
+        (sizes[:5], sum(sizes[:5]) + int(rng.integers(0, 5)), "everything fits one bucket"),
+        ([int(v) for v in rng.integers(1, 9, 5)] + [100] + [int(v) for v in rng.integers(1, 9, 4)], 30,
+         "a tensor larger than the limit"),
+        ([int(v) for v in rng.integers(10, 20, 4)], 9, "a limit below every tensor"),
+        ([], 10, "no tensors"),
+        ([7], 5, "one tensor"),
+        (gpt, 4096, "the tiny GPT's 2 + 12 L + 2 gradient tensors, 16 KiB buckets"),
+    ]
+
+
+def _bucket_verdict(buckets, sizes, limit):
+    """None if `buckets` is the assignment for (sizes, limit), else (what is wrong, the hint naming the mistake)."""
+    from .parallel.buckets import assign_buckets
+
+    n = len(sizes)
+    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in buckets):
+        return (f"returned {type(buckets).__name__}", "return a list of buckets, each a list of tensor indices")
+    try:
+        idx = [[int(i) for i in b] for b in buckets]
+    except (TypeError, ValueError):
+        return ("a bucket holds something that is not a tensor index", "each bucket lists tensor indices 0..n-1")
+    flat = [i for b in idx for i in b]
+    bad = [i for i in flat if not 0 <= i < n]
+    if bad:
+        return (f"index {bad[0]} is not a tensor (there are {n}: 0..{n - 1})", "list tensor indices, not sizes")
+    where = {}
+    for j, b in enumerate(idx):
+        for i in b:
+            if i in where:
+                return (f"tensor {i} is in bucket {where[i]} and in bucket {j}",
+                        "a tensor is never split across buckets, nor put in two: each index appears exactly once")
+            where[i] = j
+    if any(len(b) == 0 for b in idx):
+        return (f"bucket {[len(b) for b in idx].index(0)} is empty", "close a bucket only when it holds a tensor")
+    missing = sorted(set(range(n)) - set(flat))
+    if missing:
+        if missing == list(range(len(missing))):
+            return (f"tensors {missing[0]}..{missing[-1]} (the last ones backward finishes) are in no bucket",
+                    "the last open bucket was never added: after the loop, append the bucket still being filled")
+        return (f"tensor {missing[0]} (size {sizes[missing[0]]}) is in no bucket",
+                "every tensor goes into exactly one bucket: the tensor that does not fit starts the next bucket")
+    order = [i for b in idx for i in sorted(b, reverse=True)]
+    if order != list(range(n - 1, -1, -1)):
+        if [i for b in idx for i in sorted(b)] == list(range(n)):
+            return (f"bucket 0 holds tensor {sorted(idx[0])[0]}, which backward finishes last",
+                    "the buckets are filled in forward order: backward finishes tensor n-1 first and tensor 0 last, "
+                    "so walk from the last tensor to the first")
+        return ("the buckets do not follow the order backward finishes the tensors",
+                "each bucket is a run of consecutive tensors, the first bucket the last ones (walk from n-1 to 0)")
+    totals = [sum(sizes[i] for i in b) for b in idx]
+    for j, (b, t) in enumerate(zip(idx, totals)):
+        if len(b) > 1 and t > limit:
+            if len(idx) == 1:
+                return (f"one bucket of all {n} tensors, {t} elements, over the limit of {limit}",
+                        "this works only when everything fits one bucket: close the bucket when the next tensor "
+                        "would take it past the limit, and start a new one with that tensor")
+            return (f"bucket {j} holds {t} elements, over the limit of {limit}",
+                    "check before adding: if total + size > limit, close the bucket first (a tensor larger than the "
+                    "limit alone is the only bucket allowed over it)")
+    for j in range(len(idx) - 1):
+        nxt = sizes[max(idx[j + 1])]  # the first tensor of the next bucket: its highest index
+        if totals[j] + nxt == limit:
+            return (f"bucket {j} closed at {totals[j]} elements although the next tensor ({nxt}) fills it exactly to "
+                    f"the limit of {limit}", "off by one at the boundary: a tensor fits when total + size <= limit "
+                    "(not <)")
+        if totals[j] + nxt < limit:
+            return (f"bucket {j} closed at {totals[j]} elements with room for the next tensor ({nxt}, limit "
+                    f"{limit})", "close a bucket only when the next tensor does not fit; reset its total when a new "
+                    "bucket starts")
+    want = assign_buckets(sizes, limit)
+    if [sorted(b) for b in idx] != [sorted(b) for b in want]:
+        return ("the buckets differ from the assignment", "fill greedily from the last tensor to the first")
+    return None
+
+
+def check_bucket_assignment(fn, *, seed=None, task=None, quiet=False) -> CheckResult:
+    """Check buckets = fn(sizes, limit) (module docstring). Returns a CheckResult."""
+    name = "assign_buckets"
+    seed = opcheck.learner_fn_and_seed(name, fn, seed, "size lists")
+    rng = np.random.default_rng(seed)
+    cases = _bucket_cases(rng)
+    for i, (sizes, limit, what) in enumerate(cases):
+        dims = {"n": len(sizes), "limit": limit}
+        where = f"{what}: {len(sizes)} tensors, limit {limit}, case {i + 1} of {len(cases)}; seed {seed}"
+        out, err = _call(name, fn, (list(sizes), limit), seed, task, dims, quiet, where)
+        if err is not None:
+            return err
+        bad = _bucket_verdict(out, sizes, limit)
+        if bad is not None:
+            shown = sizes if len(sizes) <= 12 else f"{sizes[:12]}..."
+            return _result(name, task, "wrong", f"{name}: wrong - {bad[0]} (sizes {shown}; {where})", bad[1], seed,
+                           dims, quiet)
+    return _result(name, task, "correct", f"{name}: correct ({len(cases)} cases: an exactly full bucket, one bucket, "
+                   f"a tensor over the limit, n = 0 and 1, the tiny GPT's tensors; seed {seed})", seed=seed,
+                   dims={"cases": len(cases)}, quiet=quiet)

@@ -5,6 +5,7 @@
     comm.reduce_scatter(send, recv)           # send (W*n,) -> recv (n,): rank r gets the sum of every rank's chunk r
     comm.all_gather(send, recv)               # send (n,)   -> recv (W*n,): chunk r is rank r's send
     comm.broadcast(buf, root=0); comm.send(buf, peer); comm.recv(buf, peer); comm.sendrecv(s, dst, r, src)
+    req = comm.all_reduce_async(buf); ...; req.wait()   # started now, finished by wait(): buf untouched meanwhile
     comm.barrier()
 
 One interface, three engines, none of them written here (no sockets of our own):
@@ -42,6 +43,7 @@ has no MpiDefault) is refused before MPI_Init with the fix (srun --mpi=pmix, or 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -218,6 +220,47 @@ def _check_split(fn, big, small, world, big_name, small_name):
 
 # ---- the interface -----------------------------------------------------------------------------------------------
 
+class Request:
+    """A collective started by a *_async call and not yet waited for. Until wait() returns, its buffer belongs to the
+    communication: do not read it or write it.
+
+    wait(): block until the result is in the buffer (for a GPU buffer: and make the current stream wait for it);
+    calling it again does nothing. test(): True once the collective has completed (on MPI each call also lets the
+    library progress it, which Open MPI does only inside MPI calls). started / finished: time.perf_counter() when it
+    was started and when it was first seen complete (None until then). seconds(): how long it ran: the GPU's own
+    clock on NCCL (events around it on the communication stream), else finished - started as seen from the host."""
+
+    def __init__(self, what, test=None, wait=None, after=None, timer=None):
+        self.what, self.started, self.finished = what, time.perf_counter(), None
+        self._test, self._wait, self._after, self._timer = test, wait, after, timer
+        if test is None:                            # done already (a blocking call underneath)
+            self._complete()
+
+    def _complete(self):
+        if self._after is not None:
+            self._after()
+        self.finished = time.perf_counter()
+
+    def test(self) -> bool:
+        if self.finished is None and self._test():
+            self._complete()
+        return self.finished is not None
+
+    def wait(self) -> "Request":
+        if self.finished is None:
+            self._wait()
+            self._complete()
+        return self
+
+    def seconds(self) -> float:
+        if self.finished is None:
+            raise RuntimeError(f"{self.what}: seconds() of a request that has not completed; wait() first")
+        return self._timer() if self._timer is not None else self.finished - self.started
+
+    def __repr__(self):
+        return f"Request({self.what}, {'done' if self.finished is not None else 'in flight'})"
+
+
 class Communicator:
     """Collectives among world_size ranks on flat contiguous buffers (see the module docstring)."""
 
@@ -241,6 +284,13 @@ class Communicator:
 
     def broadcast(self, buf, root=0):
         raise NotImplementedError
+
+    def all_reduce_async(self, buf, op="sum") -> Request:
+        """Start all_reduce(buf, op) and return a Request at once (data parallel overlaps it with the backward pass).
+        Every rank must start its non-blocking collectives in the same order. Here (SingleComm, and any engine
+        without a non-blocking call): the all-reduce runs now and the request is already complete."""
+        self.all_reduce(buf, op)
+        return Request("all_reduce")
 
     # point to point
     def send(self, buf, peer):
@@ -387,6 +437,15 @@ class MPIComm(Communicator):
         self._unstage(b, h)
         return buf
 
+    def all_reduce_async(self, buf, op="sum"):
+        """MPI_Iallreduce in place; a CuPy buffer is copied to the host now and back when the request completes."""
+        _check_op("all_reduce_async", op)
+        b = _flat("all_reduce_async", "buf", buf)
+        _check_reduce_dtype("all_reduce_async", b, REDUCE_DTYPES)
+        (h,) = self._stage("all_reduce_async", b)
+        req = self.comm.Iallreduce(self.MPI.IN_PLACE, h, op=self._ops[op])
+        return Request("all_reduce", test=req.Test, wait=req.Wait, after=lambda: self._unstage(b, h))
+
     def reduce_scatter(self, send, recv, op="sum"):
         _check_op("reduce_scatter", op)
         s, r = _flat("reduce_scatter", "send", send), _flat("reduce_scatter", "recv", recv)
@@ -505,6 +564,30 @@ class NCCLComm(Communicator):
         if n:
             self.comm.allReduce(b.data.ptr, b.data.ptr, n, t, self._ops[op], self._stream)
         return buf
+
+    def all_reduce_async(self, buf, op="sum"):
+        """The all-reduce on a second stream of this GPU, so that the kernels queued next on the current stream (the
+        rest of the backward pass) run beside it. An event recorded on the current stream now (everything queued so
+        far, the writes of buf included) is what the communication stream waits for; an event recorded after the
+        all-reduce is what wait() waits for, on the host and on the current stream, before buf is read again."""
+        _check_op("all_reduce_async", op)
+        b = self._dev("all_reduce_async", "buf", buf)
+        _check_reduce_dtype("all_reduce_async", b, NCCL_REDUCE_DTYPES)
+        cp = self.cp
+        if getattr(self, "_comm_stream", None) is None:
+            self._comm_stream = cp.cuda.Stream(non_blocking=True)
+        side, ready = self._comm_stream, cp.cuda.Event(disable_timing=True)
+        ready.record(cp.cuda.get_current_stream())
+        side.wait_event(ready)
+        start, done = cp.cuda.Event(), cp.cuda.Event()
+        start.record(side)
+        t, n = self._type(b)
+        if n:
+            self.comm.allReduce(b.data.ptr, b.data.ptr, n, t, self._ops[op], side.ptr)
+        done.record(side)
+        return Request("all_reduce", test=lambda: done.done, wait=done.synchronize,
+                       after=lambda: cp.cuda.get_current_stream().wait_event(done),
+                       timer=lambda: cp.cuda.get_elapsed_time(start, done) / 1e3)
 
     def reduce_scatter(self, send, recv, op="sum"):
         _check_op("reduce_scatter", op)

@@ -98,6 +98,31 @@ def num_params(cfg: GPTConfig) -> int:
     return sum(math.prod(shape) for shape in param_shapes(cfg).values())
 
 
+BLOCK_PARAMS = PARAM_NAMES[2:14]                          # a block's tensors, in the order its forward uses them
+
+
+def layer_segments(cfg: GPTConfig) -> list:
+    """The flat buffer layer by layer, in the order the forward pass uses the layers: [the embeddings (wte, wpe),
+    block 0, ..., block L-1, the final LayerNorm (lnfw, lnfb)], each a list of (name, lo, hi): the elements
+    flat[lo:hi] of tensor `name` that belong to that layer (block l: the l-th slice of each (L, ...) tensor).
+
+    Together they cover the buffer once. Backward finishes the layers in the reverse order; wte's gradient is final
+    last of all (it is also the LM head: its two uses are added at the end)."""
+    offsets, start = {}, 0
+    for name, shape in param_shapes(cfg).items():
+        offsets[name] = start
+        start += math.prod(shape)
+    C, L = cfg.d_model, cfg.n_layer
+
+    def piece(name, l):                                   # block l's slice of an (L, ...) tensor
+        per = math.prod(param_shapes(cfg)[name][1:])
+        return name, offsets[name] + l * per, offsets[name] + (l + 1) * per
+
+    emb = [("wte", 0, cfg.vocab_size * C), ("wpe", offsets["wpe"], offsets["wpe"] + cfg.block_size * C)]
+    final = [("lnfw", offsets["lnfw"], offsets["lnfw"] + C), ("lnfb", offsets["lnfb"], offsets["lnfb"] + C)]
+    return [emb] + [[piece(name, l) for name in BLOCK_PARAMS] for l in range(L)] + [final]
+
+
 class ParamBuffer:
     """All parameters (or gradients) of a GPT in one flat array, with a named view per tensor.
 

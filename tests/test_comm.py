@@ -301,6 +301,7 @@ class FakeNccl:
             return result
 
         def allReduce(self, send, recv, count, dtype, op, stream):
+            self.streams = getattr(self, "streams", []) + [stream]   # which stream each all-reduce was queued on
             res = self._collective(_view(send, count, dtype).copy(), lambda s: _OPS[op].reduce(np.stack(s)))
             _view(recv, count, dtype)[...] = res
             self.world.barrier.wait()
@@ -352,7 +353,31 @@ def _fake_cupy(n_gpus):
     cp.zeros = lambda n, dtype=np.float64: _wrap(np.zeros(n, dtype))
     cp.empty = lambda n, dtype=np.float64: _wrap(np.empty(n, dtype))
     cp.ones = lambda n, dtype=np.float64: _wrap(np.ones(n, dtype))
-    stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+    class Event:  # the fake's work runs at once: an event is done once recorded
+        def __init__(self, disable_timing=False):
+            self.on = None
+
+        def record(self, stream=None):
+            self.on = stream
+
+        def synchronize(self):
+            assert self.on is not None, "waiting for an event never recorded"
+
+        done = property(lambda self: self.on is not None)
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            self.ptr, self.waited = id(self), []
+
+        def wait_event(self, event):
+            assert event.on is not None, "a stream waits for an event never recorded"
+            self.waited.append(event)
+
+        def synchronize(self):
+            pass
+
+    stream = Stream()
+    stream.ptr = 0  # the current (main) stream
 
     class Device:
         def __init__(self, i=None):
@@ -362,7 +387,8 @@ def _fake_cupy(n_gpus):
             _local.device = self.id
 
     cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: n_gpus), Device=Device,
-                                    get_current_stream=lambda: stream, nccl=FakeNccl)
+                                    get_current_stream=lambda: stream, nccl=FakeNccl, Stream=Stream, Event=Event,
+                                    get_elapsed_time=lambda start, end: 0.0)
     return cp
 
 
@@ -382,6 +408,11 @@ def test_nccl_comm_logic_on_a_fake_nccl(monkeypatch, N, capsys):
             c = C.NCCLComm(r, N, uid, local_rank=r)
             assert c.device == r and _local.device == r
             ok = parallel.selftest(c)
+            # all_reduce_async: on a second stream that first waits for the current one, which waits for it in turn
+            side, main = c._comm_stream, cp.cuda.get_current_stream()
+            assert side.ptr != main.ptr and side.ptr in c.comm.streams and main.ptr in c.comm.streams
+            assert side.waited and all(e.on is main for e in side.waited)
+            assert any(e.on is side for e in main.waited)
             rows = parallel.bench_allreduce(c, sizes=[1024, 4100], iters=2)
             bad = None
             try:

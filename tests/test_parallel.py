@@ -78,6 +78,124 @@ def test_zero_memory_table():
     rows = P.zero_memory_table(1000, worlds=(1, 2, 4))
     assert [r["zero1_optimizer"] for r in rows] == [8000, 4000, 2000]
     assert all(r["dp_optimizer"] == 8000 for r in rows)
+    assert [r["zero2_grads"] for r in rows] == [4000, 2000, 1000] and all(r["zero1_grads"] == 4000 for r in rows)
+    assert [r["zero1_total"] - r["zero2_total"] for r in rows] == [0, 2000, 3000]
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_memory_is_what_the_rank_holds(zero):
+    """memory() counts the arrays a rank holds between steps: ZeRO-1 the padded local gradient and the reduced shard,
+    ZeRO-2 the shard only (the local buffer exists from backward to the reduce-scatter)."""
+    from gpullm_lessons import engine
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+    eng = engine.build(cfg, "numpy", seed=1)
+    dp = P.DataParallel(eng, SingleComm(), zero=zero)
+    S = P.shard_size(num_params(cfg), 1, 64)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        dp.train_step(rng.integers(0, 32, (4, 8)), rng.integers(0, 32, (4, 8)), lr=1e-2)
+        assert dp.memory()["grads"] == 4 * S * (2 if zero == 1 else 1)
+        assert (eng.grads is None) == (zero == 2)
+
+
+# ---- buckets in backward order, and the all-reduce overlapped with backward ------------------------------------------
+
+def test_layer_segments_cover_the_buffer_once():
+    from gpullm_lessons.params import layer_segments
+
+    cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=3, n_head=2, d_model=6)
+    layers = layer_segments(cfg)
+    assert len(layers) == cfg.n_layer + 2 and [len(seg) for seg in layers] == [2, 12, 12, 12, 2]
+    hit = np.zeros(num_params(cfg), int)
+    for seg in layers:
+        for _, lo, hi in seg:
+            hit[lo:hi] += 1
+    assert (hit == 1).all()
+    p = ParamBuffer(cfg)
+    assert layers[2][4][1:] == (p.offsets["attprojw"][0] + 36, p.offsets["attprojw"][0] + 72)  # block 1's attprojw
+
+
+def test_assign_buckets_in_backward_order():
+    assert P.assign_buckets([3, 1, 2, 4], 6) == [[3, 2], [1, 0]]          # 4 + 2 = 6 fits exactly; then 1 + 3
+    assert P.assign_buckets([3, 1, 2, 4], 5) == [[3], [2, 1], [0]]
+    assert P.assign_buckets([10, 1, 1], 4) == [[2, 1], [0]]                # larger than the limit: a bucket of its own
+    assert P.assign_buckets([5, 5], 100) == [[1, 0]] and P.assign_buckets([], 3) == []
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        P.assign_buckets([1], 0)
+
+
+class TwoRanksInOne(SingleComm):
+    """One process posing as 2 ranks whose all-reduce triples the buffer (the mean gradient is 1.5x this rank's own);
+    it records each all-reduce's buffer as it was when started."""
+
+    def __init__(self):
+        super().__init__()
+        self.world_size, self.started = 2, []
+
+    def all_reduce(self, buf, op="sum"):
+        buf *= 3
+
+    def all_reduce_async(self, buf, op="sum"):
+        self.started.append(buf.copy())
+        return super().all_reduce_async(buf, op)
+
+    def all_reduce_scalars(self, values, op="sum"):
+        return np.asarray(values, np.float64) * (1 if op == "max" else 2)
+
+
+@pytest.mark.parametrize("backend, K", [("numpy", 1), ("numpy", 2), ("numba", 1)])
+def test_overlapped_buckets_start_in_backward_with_final_gradients(backend, K):
+    """The buckets start during backward (the first before the embeddings' gradients exist) and hold final values when
+    they start: the step's mean gradient equals the sequential buckets' and 1.5x a plain backward's, bit for bit (numba:
+    the kernel engine's backward, in the simulator here)."""
+    from gpullm_lessons import engine
+
+    if backend == "numpy":
+        cfg, B, T, mb = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16), 4, 8, 0.004
+    else:  # the simulator: a toy that runs in seconds
+        cfg, B, T, mb = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=1, d_model=8), 2, 4, 0.0005
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, cfg.vocab_size, (B, T)), rng.integers(0, cfg.vocab_size, (B, T))
+    plain = engine.build(cfg, backend, seed=1)
+    plain.forward_backward(x, y, K)
+    want = (plain.grads.flat * np.float32(3)) * np.float32(0.5)
+    got = {}
+    for overlap in (False, True):
+        eng, comm = engine.build(cfg, backend, seed=1), TwoRanksInOne()
+        dp = P.DataParallel(eng, comm, bucket_mb=mb, overlap=overlap)      # 1048 / 131 elements: 12 / 10 buckets
+        seen = []
+        if overlap:
+            ready = dp.buckets.ready
+            dp.buckets.ready = lambda k: (seen.append((k, len(comm.started))), ready(k))
+            dp.buckets.begin(eng.grads.flat)
+            eng.forward_backward(x, y, K, grads_ready=dp.buckets.ready)
+            dp.buckets.finish(eng.grads.flat)
+        else:
+            eng.forward_backward(x, y, K)
+            dp.mean_gradient(eng.grads.flat)
+        got[overlap] = eng.grads.flat.copy()
+        assert len(comm.started) == len(dp.buckets) >= 4
+        packed = np.zeros_like(dp.buckets.buf)                               # the final local gradient, bucket order
+        for i, (_, _, lo, hi) in enumerate(dp.buckets.tensors):
+            packed[dp.buckets.pos[i]:dp.buckets.pos[i] + hi - lo] = plain.grads.flat[lo:hi]
+        for (a, b), sent in zip(dp.buckets.bounds, comm.started):            # what each all-reduce was given: final
+            np.testing.assert_array_equal(sent, packed[a:b])
+    assert [k for k, _ in seen] == [3, 2, 1, 0]                              # final LayerNorm, blocks 1, 0, embeddings
+    assert seen[-1][1] >= 2                                                  # buckets started before the last layer
+    np.testing.assert_array_equal(got[True], got[False])
+    np.testing.assert_array_equal(got[True], want)
+
+
+def test_overlap_needs_buckets_and_no_zero():
+    from gpullm_lessons import engine
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+    for kw in ({"overlap": True}, {"overlap": True, "bucket_mb": 1, "zero": 1}):
+        with pytest.raises(ValueError, match="needs bucket_mb > 0 .* and zero=0"):
+            P.DataParallel(engine.build(cfg, "numpy"), SingleComm(), **kw)
+    with pytest.raises(ValueError, match=r"zero must be one of \(0, 1, 2\)"):
+        P.DataParallel(engine.build(cfg, "numpy"), SingleComm(), zero=3)
 
 
 # ---- one process: DataParallel with one rank is the engine's own step -------------------------------------------
@@ -162,11 +280,42 @@ def test_zero1_matches_data_parallel_and_halves_the_optimizer(tmp_path):
     dp = run_mpi(2, "gpullm_lessons.parallel", ["train", "--backend", "numpy", *TINY, "--out", str(tmp_path / "dp")])
     z = run_mpi(2, "gpullm_lessons.parallel", ["train", "--backend", "numpy", *TINY, "--zero", "--check-every", "2",
                                                "--out", str(tmp_path / "z")])
+    z2 = run_mpi(2, "gpullm_lessons.parallel", ["train", "--backend", "numpy", *TINY, "--zero", "2", "--check-every",
+                                                "2", "--out", str(tmp_path / "z2")])
     assert dp.returncode == 0 and z.returncode == 0, z.stdout[-3000:] + z.stderr[-3000:]
+    assert z2.returncode == 0, z2.stdout[-3000:] + z2.stderr[-3000:]
     np.testing.assert_allclose(losses(tmp_path / "z"), losses(tmp_path / "dp"), rtol=1e-6)
-    ratios = [float(v) for v in re.findall(r"rank \d: optimizer state .* unsharded \(([0-9.]+)\)", z.stdout)]
-    assert len(ratios) == 2 and all(abs(r - 0.5) < 0.01 for r in ratios), z.stdout
-    print("\n".join(line for line in z.stdout.splitlines() if "optimizer state" in line))
+    np.testing.assert_array_equal(losses(tmp_path / "z2"), losses(tmp_path / "z"))   # the same arithmetic as ZeRO-1
+    pattern = r"rank \d: optimizer state .* unsharded \(([0-9.]+)\); gradient kept .* unsharded \(([0-9.]+)\)"
+    z1_ratios = [tuple(map(float, v)) for v in re.findall(pattern, z.stdout)]
+    z2_ratios = [tuple(map(float, v)) for v in re.findall(pattern, z2.stdout)]
+    assert len(z1_ratios) == len(z2_ratios) == 2, z.stdout + z2.stdout
+    assert all(abs(opt - 0.5) < 0.01 and grad > 1.0 for opt, grad in z1_ratios), z.stdout  # full buffer + the shard
+    assert all(abs(opt - 0.5) < 0.01 and abs(grad - 0.5) < 0.01 for opt, grad in z2_ratios), z2.stdout
+    summary = json.loads((tmp_path / "z2" / "summary.json").read_text())
+    S = P.shard_size(summary["num_params"], 2, 64)
+    assert summary["zero"] == 2 and summary["gradient_bytes_per_rank"] == [4 * S, 4 * S]
+    print("\n".join(line for line in z.stdout.splitlines() + z2.stdout.splitlines() if "optimizer state" in line))
+
+
+@pytest.mark.parametrize("ranks, extra", [(3, []), (2, ["--grad-accum", "2"])], ids=["3-ranks", "2-ranks-accum"])
+def test_overlap_equals_the_sequential_buckets_bitwise(tmp_path, ranks, extra):
+    """--overlap gives the losses and the final weights of the same buckets all-reduced after backward, bit for bit
+    (3 ranks: a sum whose order matters; with --grad-accum: only the last micro-batch starts buckets)."""
+    args = ["train", "--backend", "numpy", *TINY, "--batch-size", "12", "--bucket-mb", "0.02", *extra]
+    runs = {}
+    for name, flags in (("seq", []), ("overlap", ["--overlap"])):
+        p = run_mpi(ranks, "gpullm_lessons.parallel", args + flags + ["--out", str(tmp_path / name)])
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        runs[name] = (losses(tmp_path / name), np.load(tmp_path / name / "ckpt.npz")["params"],
+                      json.loads((tmp_path / name / "summary.json").read_text()))
+        assert "gradient buckets: 4 of at most 0.02 MiB" in p.stdout
+    (ls, ps, ss), (lo, po, so) = runs["seq"], runs["overlap"]
+    np.testing.assert_array_equal(lo, ls)
+    np.testing.assert_array_equal(po, ps)
+    assert ss["buckets_started_during_backward"] == 0 and so["buckets_started_during_backward"] == 2
+    recs = [json.loads(line) for line in open(tmp_path / "overlap" / "log.jsonl")]
+    assert all(r["comm_s"] > 0 and r["comm_exposed_s"] > 0 for r in recs)
 
 
 def test_bench_reports_algbw_and_busbw(tmp_path):

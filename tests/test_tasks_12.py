@@ -1,11 +1,11 @@
-"""Graded tasks 12.1-12.2 (gradient accumulation, block-wise 8-bit quantisation): the solutions pass on fresh seeds,
-plausible wrong answers fail with a hint naming them (a wrong answer is the solution with one edit), and the
-checkers report what the learner's function raised instead of raising it."""
+"""Graded tasks 12.1-12.3 (gradient accumulation, block-wise 8-bit quantisation, gradient buckets in backward
+order): the solutions pass on fresh seeds, plausible wrong answers fail with a hint naming them (a wrong answer is the
+solution with one edit), and the checkers report what the learner's function raised instead of raising it."""
 
 import numpy as np
 import pytest
 
-from gpullm_lessons.checks_scale import check_accumulate, check_quantize_blockwise
+from gpullm_lessons.checks_scale import check_accumulate, check_bucket_assignment, check_quantize_blockwise
 
 from conftest import solution_namespace, wrong
 
@@ -95,3 +95,56 @@ def test_12_2_a_dropped_last_block_is_named():
 def test_12_2_q_must_be_one_byte():
     ns_ = solution_namespace(NAME, [("e12-t2-code", ".astype(np.int8).reshape(-1)[:n]", ".reshape(-1)[:n]")])
     wrong(quant(ns_), "int8")
+
+
+# ---- 12.3 -----------------------------------------------------------------------------------------------------------
+def buckets(ns_, seed=3):
+    return check_bucket_assignment(ns_["assign_buckets"], seed=seed, quiet=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_12_3_solution_passes_and_is_what_data_parallel_uses(ns, seed):
+    from gpullm_lessons.parallel import assign_buckets
+
+    assert buckets(ns, seed).status == "correct", buckets(ns, seed).message
+    rng = np.random.default_rng(seed)
+    sizes = [int(v) for v in rng.integers(1, 100, 40)]
+    for limit in (1, 50, 150, 10_000):
+        assert ns["assign_buckets"](sizes, limit) == assign_buckets(sizes, limit)
+
+
+LOOP = "    for i in reversed(range(len(sizes))):\n"
+TEST = "        if current and total + sizes[i] > limit:\n"
+
+
+@pytest.mark.parametrize("old,new,words", [
+    (LOOP, "    for i in range(len(sizes)):\n", ["forward order"]),                       # forward, not backward
+    (TEST, "        if current and total > limit:\n", ["over the limit", "check before adding"]),   # overflows
+    (TEST, "        if current and total + sizes[i] >= limit:\n", ["off by one", "exactly"]),    # boundary
+    ("            buckets.append(current)\n            current, total",
+     "            buckets.append(current + [i])\n            current, total", ["in bucket", "split"]),  # in two
+    ("    if current:\n        buckets.append(current)\n", "", ["last open bucket"]),      # the last one left out
+    ("            current, total = [], 0\n", "            current = []\n", ["with room", "reset"]),
+    (TEST, "        if False:\n", ["only when everything fits one bucket"]),
+])
+def test_12_3_wrong_answers_fail_with_their_hint(old, new, words):
+    wrong(buckets(solution_namespace(NAME, [("e12-t3-code", old, new)])), *words)
+
+
+def test_12_3_a_tensor_left_out_and_sizes_for_indices_are_named():
+    def skips_the_boundary_tensor(sizes, limit):
+        out, current, total = [], [], 0
+        for i in reversed(range(len(sizes))):
+            if current and total + sizes[i] > limit:
+                out.append(current)
+                current, total = [], 0
+                continue  # the tensor that did not fit is dropped instead of starting the next bucket
+            current.append(i)
+            total += sizes[i]
+        return out + ([current] if current else [])
+
+    wrong(buckets({"assign_buckets": skips_the_boundary_tensor}), "in no bucket", "exactly one bucket")
+    r = check_bucket_assignment(lambda sizes, limit: [[s] for s in reversed(sizes)], seed=1, quiet=True)
+    wrong(r, "not a tensor")
+    assert check_bucket_assignment(lambda s, l: (_ for _ in ()).throw(NotImplementedError),
+                                   quiet=True).status == "not attempted"

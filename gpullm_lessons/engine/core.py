@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ..optim import clip_coefficient
-from ..params import GPTConfig, num_params
+from ..params import GPTConfig, layer_segments, num_params
 
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -103,14 +103,19 @@ class Engine:
         return x.astype(np.int32), y
 
     # ---- gradient accumulation ------------------------------------------------------------------------------------
-    def forward_backward(self, x, y, micro_batches=1, loss_scale=1.0) -> float:
+    def forward_backward(self, x, y, micro_batches=1, loss_scale=1.0, grads_ready=None) -> float:
         """Forward and backward over the batch (x, y) as `micro_batches` equal blocks of rows, one after the other:
         the gradient of the batch's mean loss (times loss_scale) is left in self.grads and the mean loss returned.
 
         Each micro-batch's backward runs with loss_scale / K (K = micro_batches), so its gradient is its share of
         the mean over the whole batch; the shares are summed in an fp32 accumulator (the backward kernels write
         their gradient, they do not add to it) and copied into self.grads at the end. Only one micro-batch's
-        activations are alive at a time: the peak memory is that of a batch of B / K rows, plus the accumulator."""
+        activations are alive at a time: the peak memory is that of a batch of B / K rows, plus the accumulator.
+
+        grads_ready(k): called during the (last micro-batch's) backward as soon as layer k's gradients in self.grads
+        are final (k indexes params.layer_segments(cfg); backward(grads_ready=)), data parallel's cue to start
+        sending them. With K > 1 the last micro-batch's share of each layer is added into the accumulator and the sum
+        written into self.grads before the call: the same additions as the whole-buffer ones, so the same bits."""
         K = int(micro_batches)
         B = np.shape(x)[0] if np.ndim(x) == 2 else 0
         if K < 1 or B % K:
@@ -120,11 +125,22 @@ class Engine:
             )
         if K == 1:
             loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
-            self.backward(loss_scale=loss_scale)
+            self.backward(loss_scale=loss_scale, **self._ready_kw(grads_ready))
             return loss
         b, acc, losses = B // K, None, []
         for i in range(K):
             losses.append(self.forward(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])[1])
+            if i == K - 1 and grads_ready is not None:  # the last share, added layer by layer as backward ends each
+                segments, g = layer_segments(self.cfg), self.grads.flat
+
+                def add_last_share(k):
+                    for _, lo, hi in segments[k]:
+                        acc[lo:hi] += g[lo:hi]
+                        g[lo:hi] = acc[lo:hi]
+                    grads_ready(k)
+
+                self.backward(loss_scale=loss_scale / K, grads_ready=add_last_share)
+                return float(np.mean(losses))
             self.backward(loss_scale=loss_scale / K)
             if acc is None:
                 acc = self.grads.flat.copy()
@@ -132,6 +148,10 @@ class Engine:
                 acc += self.grads.flat
         self.grads.flat[...] = acc
         return float(np.mean(losses))
+
+    @staticmethod
+    def _ready_kw(grads_ready):
+        return {} if grads_ready is None else {"grads_ready": grads_ready}
 
     # ---- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -64,12 +64,26 @@ class NumpyEngine(Engine):
         logits, loss, self._cache = gpt_forward_ckpt(self.params.views, self.cfg, x, y, policy=self.policy)
         return logits, (float(loss) if loss is not None else None)
 
-    def backward(self, loss_scale=1.0):
+    def backward(self, loss_scale=1.0, grads_ready=None):
+        """Every gradient of the last forward's loss (times loss_scale) written into self.grads; grads_ready(k) as
+        soon as layer k's are final (forward_backward), each layer's scaled by loss_scale first."""
         from ..checkpointing import gpt_backward_ckpt
+        from ..params import layer_segments
 
-        gpt_backward_ckpt(self._cache, self.grads.views)
-        if loss_scale != 1.0:  # in the buffer's precision (float32; float64 in the accumulation test)
-            self.grads.flat *= self.grads.flat.dtype.type(loss_scale)
+        scale = self.grads.flat.dtype.type(loss_scale)  # in the buffer's precision (float64 in the accumulation test)
+        ready = None
+        if grads_ready is not None:
+            segments, g = layer_segments(self.cfg), self.grads.flat
+
+            def ready(k):  # the same multiplication as the whole buffer's below, layer by layer
+                if loss_scale != 1.0:
+                    for _, lo, hi in segments[k]:
+                        g[lo:hi] *= scale
+                grads_ready(k)
+
+        gpt_backward_ckpt(self._cache, self.grads.views, ready=ready)
+        if loss_scale != 1.0 and grads_ready is None:
+            self.grads.flat *= scale
         self._cache = None
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None, micro_batches=1) -> dict:

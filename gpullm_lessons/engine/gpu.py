@@ -455,8 +455,10 @@ class GPUEngine(Engine):
             )
         return logits.reshape(B, T, V), loss
 
-    def backward(self, loss_scale=1.0):
-        """Every gradient of the last forward's loss (times loss_scale) written into self.grads."""
+    def backward(self, loss_scale=1.0, grads_ready=None):
+        """Every gradient of the last forward's loss (times loss_scale) written into self.grads; grads_ready(k) right
+        after the launches that finish layer k's (k indexes params.layer_segments: L + 1 the final LayerNorm, 1 + l
+        block l, 0 the embeddings): work queued next on the current stream sees them final."""
         xp, cfg = self.xp, self.cfg
         c = self._cache
         if c is None:
@@ -475,6 +477,8 @@ class GPUEngine(Engine):
         self._gemm(dl_mm, c["lnf_mm"], self.grads["wte"], trans_a=True, alpha=alpha)  # dwte (head) = dlogits.T @ lnf
         del dl_mm
         dx = self._layernorm_backward(dlnf, c["h"], c["meanf"], c["rstdf"], "lnfw", "lnfb", None)
+        ready = grads_ready or (lambda k: None)
+        ready(cfg.n_layer + 1)
         for l in reversed(range(cfg.n_layer)):
             blk = c["blocks"][l]
             if self.policy == "full":
@@ -482,6 +486,7 @@ class GPUEngine(Engine):
             elif self.policy == "selective":
                 self._rebuild(blk, l)
             dx = self._block_backward(dx, blk, l, B, T)
+            ready(1 + l)
             c["blocks"][l] = None  # free the block's cache
             del blk  # (before the next recompute)
         dwte_enc = xp.empty_like(self.grads["wte"])
@@ -491,6 +496,7 @@ class GPUEngine(Engine):
         if T < cfg.block_size:
             self.grads["wpe"][T:] = 0
         self.grads["wte"] += dwte_enc
+        ready(0)
 
     def grad_sumsq(self, g=None) -> float:
         """The squared L2 norm of `g` (default: the flat gradient buffer): one kernel over it (deterministic)."""

@@ -1,9 +1,12 @@
-"""Several ranks, one model: ring all-reduce by hand, data parallel training and ZeRO-1, on a communicator (comm.py).
+"""Several ranks, one model: ring all-reduce by hand, data parallel training and ZeRO-1/2, on a communicator (comm.py).
 
     ring_allreduce_sim(buffers)          the ring all-reduce of N simulated ranks in NumPy, with its step log
     ring_allreduce(comm, buf)            the same algorithm across real ranks, over comm.sendrecv
     DataParallel(engine, comm, zero=)    one training step on every rank: local slice -> gradients -> all-reduce
-                                         (or ZeRO-1: reduce-scatter, AdamW on the local shard, all-gather)
+                                         (or ZeRO-1: reduce-scatter, AdamW on the local shard, all-gather;
+                                         ZeRO-2: the same, keeping only the shard of the reduced gradient)
+    assign_buckets(sizes, limit)         gradient tensors packed into buckets in the order backward finishes them
+                                         (DataParallel(bucket_mb=, overlap=): buckets.py, lesson 12)
     bench_allreduce(comm, sizes)         algorithm and bus bandwidth (nccl-tests' definitions), engine vs ring
 
 The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
@@ -35,6 +38,16 @@ params and grads are padded with zeros to N*S (the padding has gradient 0 and st
 gradients (rank r gets the summed shard r), x 1/N, the global norm from one all-reduce of the shards' squared norms,
 AdamW on the shard only (m and v exist only for the shard: 1/N of the optimizer memory), all-gather the parameters.
 On GPUs the half copy of the weights (bf16/fp16) is re-converted from the gathered fp32 params (one pass).
+ZeRO-2 (zero=2) also shards the gradient: after the reduce-scatter a rank keeps only its summed shard and drops its
+full-size local gradient until the next backward writes a fresh one (the same arithmetic as ZeRO-1, so the same
+losses). The engines write their gradient into one flat buffer, so during backward a rank still holds all of its own;
+the paper's ZeRO-2 reduces each bucket as backward finishes it and frees it, which would need a backward writing into
+bucket-sized buffers.
+
+Buckets and overlap (buckets.py): with bucket_mb > 0 the gradient tensors are packed into buckets in the order
+backward finishes them (assign_buckets); overlap=True starts each bucket's all-reduce (non-blocking: MPI's Iallreduce,
+NCCL on a second stream) from backward's grads_ready hook as soon as its layers are final, and waits for all of them
+before the update. The time the step still waits is the exposed communication (comm_exposed_s in the log).
 """
 
 from __future__ import annotations
@@ -47,7 +60,9 @@ from .benchmark import (
     format_bench,  # noqa: F401
     ring_fraction,
 )
+from .buckets import GradBuckets, assign_buckets  # noqa: F401
 from .data_parallel import (
+    ZERO_STAGES,  # noqa: F401
     DataParallel,
     ReplicaMismatch,
     shard_bounds,
@@ -77,6 +92,7 @@ __all__ = [
     "shard_decay_table",
     "DataParallel",
     "ReplicaMismatch",
+    "assign_buckets",
     "bench_allreduce",
     "format_bench",
     "zero_memory_table",

@@ -187,6 +187,11 @@ def selftest(comm: Communicator) -> bool:
         buf = xp.asarray(base + r)
         comm.all_reduce(buf)
         check(f"all_reduce sum ({N * m} elements)", buf, N * base + N * (N - 1) / 2)
+        a, b = xp.asarray(base + r), xp.asarray(2 * base + r)
+        for req in [comm.all_reduce_async(a), comm.all_reduce_async(b)]:  # two in flight at once, then waited for
+            req.wait()
+        want = np.concatenate([N * base + N * (N - 1) / 2, 2 * N * base + N * (N - 1) / 2])
+        check(f"all_reduce_async, two in flight ({N * m} elements each)", np.concatenate([host(a), host(b)]), want)
         buf = xp.asarray(base + r)
         comm.all_reduce(buf, op="max")
         check(f"all_reduce max ({N * m})", buf, base + N - 1)

@@ -122,12 +122,14 @@ def gpt_forward(params, cfg, idx, targets=None, keep=None):
     return logits, loss, cache
 
 
-def gpt_backward(cache, grads, dloss=1.0, recompute=None):
+def gpt_backward(cache, grads, dloss=1.0, recompute=None, ready=None):
     """Gradients of the loss (dloss = 1) into grads (ParamBuffer or dict name -> array of the parameter
     shapes). Every tensor of grads is overwritten, not accumulated. Returns None.
 
     dloss: the gradient of the loss itself; a loss scale there makes every gradient that many times larger.
     recompute(l, cache["layers"][l]) -> block l's whole cache, when gpt_forward's keep kept less (None: it kept all).
+    ready(k): called as soon as the gradients of layer k of params.layer_segments(cfg) are final (L + 1: the final
+    LayerNorm, 1 + l: block l, 0: the embeddings, last), so that data parallel can send them during the backward.
     """
     cfg = cache["cfg"]
     if cache["crossentropy"] is None:
@@ -138,13 +140,17 @@ def gpt_backward(cache, grads, dloss=1.0, recompute=None):
     dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])                  # (B, T, C), (C, V)
     # `grads[name][l], ... = op_backward(...)` writes layer l's slice of each gradient tensor in place
     dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])  # dx (B, T, C)
+    ready = ready or (lambda k: None)
+    ready(cfg.n_layer + 1)                                                        # lnfw, lnfb are final
 
     for l in reversed(range(cfg.n_layer)):
         c = cache["layers"][l]                                                    # what the forward kept
         if recompute is not None:
             c = recompute(l, c)                   # the whole block cache again, freed when c moves to block l - 1
         dx = block_backward(dx, c, grads, l)                                      # (B, T, C)
+        ready(1 + l)                                                              # block l's slices are final
 
     dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])              # (V, C), (maxT, C)
     grads["wte"][...] = dwte + dwte_head.T                                        # weight tying: both uses
+    ready(0)
     return None
