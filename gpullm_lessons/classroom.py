@@ -495,11 +495,9 @@ def grade_main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code in (0, None) else 2
-    if not args.timeout > 0:
-        print(f"error: --timeout must be a positive number of seconds, got {args.timeout:g}", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+    bad = grading.run_options_error(args.timeout, args.workers)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.root) / GRADEBOOK
     start_time = time.monotonic()

@@ -845,6 +845,15 @@ def _run(nb_path: str, log_path: str, plan_path: str, kernel_name: str = "python
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
+def run_options_error(timeout: float, workers: int):
+    """What is wrong with a grading run's --timeout / --workers (None when both are fine): one learner or a class."""
+    if not timeout > 0:
+        return f"--timeout must be a positive number of seconds, got {timeout:g}"
+    if workers < 1:
+        return f"--workers must be at least 1, got {workers}"
+    return None
+
+
 def main(argv=None) -> int:
     """``grade [DIR] [--solutions DIR] [--strict] [--notebooks PATTERN] [--json PATH] [--timeout S] [--workers N]
     [--kernel NAME]``.
@@ -877,11 +886,9 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed the usage and the problem
         return 0 if e.code in (0, None) else 2
-    if not args.timeout > 0:
-        print(f"error: --timeout must be a positive number of seconds, got {args.timeout:g}", file=sys.stderr)
-        return 2
-    if args.workers < 1:
-        print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+    bad = run_options_error(args.timeout, args.workers)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     directory = Path(args.directory)
     for folder, what in ((directory, "give the folder of notebooks to grade, e.g. exercises"),
