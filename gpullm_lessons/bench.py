@@ -494,7 +494,7 @@ def ncu_target(ops, small: bool, labels_path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "long", "checkpointing", "profile", "gputime",
+    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "long", "fits", "checkpointing", "profile", "gputime",
                                      "ncu-target"],
                     help="what to measure (ncu-target: what `ncu` profiles for `ncu`, not for you to run)")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
@@ -521,6 +521,10 @@ def main(argv=None) -> int:
         if args.what == "ceilings":
             result = ceilings(small=args.small)
             print(format_ceilings(result))
+        elif args.what == "fits":
+            from . import bench_train as bt
+            result = bt.bench_fits(precision=(args.precisions or "bf16"))
+            print(bt.format_fits(result))
         elif args.what == "long":
             from . import bench_train as bt
             result = bt.bench_long(args.presets.split(",")[0] if args.presets != "course,gpt2" else "gpt2",

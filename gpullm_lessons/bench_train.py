@@ -3,6 +3,7 @@
     python -m gpullm_lessons.bench train [--presets course,gpt2] [--precisions fp32,bf16] [--json PATH]
     python -m gpullm_lessons.bench checkpointing [--presets course,gpt2] [--json PATH] [--plot PATH]
     python -m gpullm_lessons.bench long [--presets gpt2] [--seq-len 4096] [--batch-size 32] [--json PATH]
+    python -m gpullm_lessons.bench fits [--json PATH]
 
 `train`: for each preset and precision, the median time of a full training step (forward, backward, global-norm
 clip, AdamW) after warm-up, tokens/s, model FLOPs per step (every matrix product, x3 for forward + backward,
@@ -12,6 +13,10 @@ PyTorch (eager, scaled_dot_product_attention, fused AdamW, bf16 autocast for bf1
 
 `long`: one long-context batch on each attention path (bench_long): the scores path beside flash attention, the
 prediction of engine_memory beside the measured peak, or the out-of-memory error where the step does not fit.
+
+`fits`: the edge of the "what fits" table (what_fits, from engine_memory) confirmed on this GPU: the most layers the
+model allows for a 1024-wide GPT at T = 4096, B = 8, bf16, flash attention, no checkpointing, run; one layer more,
+tried.
 
 `checkpointing`: per preset and policy (none / selective / full), the step time and the measured peak memory
 beside the predictions of engine.engine_memory (the engine's tensors) and checkpointing.memory_model (the
@@ -294,6 +299,91 @@ def format_long(result) -> str:
         lines.append(f"{r['who']:<9}{r['attention']:<11}{pred}{r['peak_bytes'] / 2**30:10.1f}{r['step_ms']:9.1f}"
                      f"{tps:11.0f}")
     return "\n".join(lines)
+
+
+def largest_layers(C, T, B, budget_bytes, precision="bf16", policy="none", attention="flash", vocab=50257,
+                   max_layers=512):
+    """The most layers a GPT of width C (heads of 64) at context T and batch B can have while engine_memory's
+    predicted step peak stays within budget_bytes (0 when not even one layer fits); with its prediction."""
+    from .params import GPTConfig
+
+    def total(L):
+        cfg = GPTConfig(vocab_size=vocab, block_size=T, n_layer=L, n_head=C // 64, d_model=C)
+        return _predict(cfg, B, T, precision, policy, attention)
+
+    if C % 64:
+        raise ValueError(f"largest_layers: width C = {C} is not a multiple of the head size 64")
+    if total(1) > budget_bytes:
+        return 0, total(1)
+    lo, hi = 1, max_layers
+    if total(hi) <= budget_bytes:
+        return hi, total(hi)
+    while hi - lo > 1:  # total(lo) fits, total(hi) does not: the peak grows with L
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total(mid) <= budget_bytes else (lo, mid)
+    return lo, total(lo)
+
+
+def what_fits(budget_bytes, widths=(768, 1024, 1600, 2048), contexts=(1024, 4096), B=8, precision="bf16",
+              combos=(("cublas", "none"), ("flash", "none"), ("flash", "selective"), ("flash", "full"))) -> list:
+    """The "what fits" table: for each width, context and (attention, checkpointing) combination, the most layers
+    whose predicted step peak (engine_memory) fits in budget_bytes. Rows of dicts."""
+    rows = []
+    for C in widths:
+        for T in contexts:
+            for attention, policy in combos:
+                L, need = largest_layers(C, T, B, budget_bytes, precision, policy, attention)
+                rows.append({"C": C, "T": T, "B": B, "attention": attention, "policy": policy, "layers": L,
+                             "predicted_bytes": int(need)})
+    return rows
+
+
+def bench_fits(C=1024, T=4096, B=8, precision="bf16", policy="none", attention="flash", steps=3) -> dict:
+    """Confirm the "what fits" table at its edge on this GPU: the most layers the model allows for (C, T, B) in the
+    memory CuPy can use now, run for a few steps (it must fit: the measured peak beside the prediction), and one
+    layer more, tried all the same (its row records the out-of-memory error, or that it fit after all)."""
+    device.require_gpu("finding what fits on this GPU")
+    import cupy as cp
+
+    from .params import GPTConfig
+
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    free, total = cp.cuda.runtime.memGetInfo()
+    L, _ = largest_layers(C, T, B, free, precision, policy, attention)
+    rows = []
+    for n_layer in (L, L + 1):
+        cfg = GPTConfig(vocab_size=50257, block_size=T, n_layer=n_layer, n_head=C // 64, d_model=C)
+        row = {"layers": n_layer, "predicted_bytes": int(_predict(cfg, B, T, precision, policy, attention))}
+        try:
+            row.update(measure_engine(cfg, B, T, precision, policy=policy, steps=steps,
+                                      versions={"attention": attention} if attention == "flash" else None))
+        except cp.cuda.memory.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e).splitlines()[0][:160]}"
+        finally:
+            gc.collect()
+            cp.get_default_memory_pool().free_all_blocks()
+        rows.append(row)
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "C": C, "T": T, "B": B,
+            "precision": precision, "policy": policy, "attention": attention, "free_bytes": int(free),
+            "gpu_bytes": int(total), "rows": rows}
+
+
+def format_fits(result) -> str:
+    lines = [f"GPT C{result['C']} T{result['T']} B{result['B']} {result['precision']} attention {result['attention']}, "
+             f"checkpointing {result['policy']}, on {result['card']} ({result['date']}): "
+             f"{result['free_bytes'] / 2**30:.1f} GiB free",
+             f"{'layers':>7}{'predicted GiB':>15}{'peak GiB':>10}{'ms/step':>9}"]
+    for r in result["rows"]:
+        head = f"{r['layers']:>7}{r['predicted_bytes'] / 2**30:15.1f}"
+        lines.append(head + (f"  {r['error']}" if "error" in r else f"{r['peak_bytes'] / 2**30:10.1f}{r['step_ms']:9.1f}"))
+    return "\n".join(lines)
+
+
+def _predict(cfg, B, T, precision, policy, attention):
+    from .engine import engine_memory
+
+    return engine_memory(cfg, B, T, precision, policy, attention=attention)["total"]
 
 
 def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), policies=("none", "selective", "full"),

@@ -1,0 +1,35 @@
+"""The "what fits" table (bench_train.what_fits / largest_layers): the most layers whose engine_memory prediction
+fits a memory budget, found by bisection, checked against the model itself without a GPU."""
+
+import pytest
+
+from gpullm_lessons import bench_train as bt
+from gpullm_lessons.engine import engine_memory
+from gpullm_lessons.params import GPTConfig
+
+GIB = 2**30
+
+
+def _need(C, T, B, L, policy="none", attention="flash"):
+    cfg = GPTConfig(vocab_size=50257, block_size=T, n_layer=L, n_head=C // 64, d_model=C)
+    return engine_memory(cfg, B, T, "bf16", policy, attention=attention)["total"]
+
+
+@pytest.mark.parametrize(
+    "C, T, policy, attention",
+    [(768, 1024, "none", "cublas"), (1024, 4096, "none", "flash"), (1600, 4096, "selective", "flash")],
+)
+def test_largest_layers_is_the_edge_of_the_prediction(C, T, policy, attention):
+    budget = 40 * GIB
+    L, need = bt.largest_layers(C, T, 4, budget, policy=policy, attention=attention)
+    assert L >= 1 and need == _need(C, T, 4, L, policy, attention) <= budget
+    assert _need(C, T, 4, L + 1, policy, attention) > budget  # one layer more does not fit: the edge, not below it
+
+
+def test_flash_and_checkpointing_fit_more_layers_and_nothing_fits_a_tiny_budget():
+    rows = bt.what_fits(40 * GIB, widths=(1024,), contexts=(4096,), B=4)
+    layers = {(r["attention"], r["policy"]): r["layers"] for r in rows}
+    assert layers["cublas", "none"] < layers["flash", "none"] < layers["flash", "selective"] <= layers["flash", "full"]
+    assert bt.largest_layers(1024, 4096, 4, 1 * GIB)[0] == 0
+    with pytest.raises(ValueError, match="not a multiple of the head size 64"):
+        bt.largest_layers(1000, 1024, 4, 40 * GIB)
