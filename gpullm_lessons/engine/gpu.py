@@ -51,8 +51,9 @@ class GPUEngine(Engine):
     # "attention": "cublas" (four batched products around the causal-softmax kernels, lesson 05's path; the default)
     # or "flash" (kernels/hip/flash.cu, lesson 11: the (T, T) scores never in memory, activations linear in T; HIP
     # backend, half precision, the head sizes it is compiled for; steps launched from Python, not replayed as a
-    # graph). Not the default: on the H200 (2026-12-03, results/train_flash_h200.json) its GPT-2 bf16 step took
-    # 60.6 ms against PyTorch eager's 48.2, and a graph replay of it did not reproduce the eager step's bits.
+    # graph). Not the default: on the H200 (2026-12-03) its GPT-2 bf16 step (v3) took 55.3 ms, the scores path's
+    # 57.3 launched from Python and 54.2 replayed as a graph (results/train_flash_h200.json, train_scores_h200.json),
+    # and a graph replay of the flash step did not reproduce the eager step's last bits.
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3"},
         "numba": _NUMBA_VERSIONS,
