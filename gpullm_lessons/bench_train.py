@@ -302,7 +302,7 @@ def format_long(result) -> str:
 
 
 def largest_layers(C, T, B, budget_bytes, precision="bf16", policy="none", attention="flash", vocab=50257,
-                   max_layers=512):
+                   max_layers=4096):
     """The most layers a GPT of width C (heads of 64) at context T and batch B can have while engine_memory's
     predicted step peak stays within budget_bytes (0 when not even one layer fits); with its prediction."""
     from .params import GPTConfig
