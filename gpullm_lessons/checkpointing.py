@@ -81,8 +81,9 @@ def _rebuild_selective(s):
 # The GPT with checkpointing
 # ----------------------------------------------------------------------------------------------------------------
 
-def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none"):
+def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none", ce_chunks=1):
     """Like reference gpt_forward, keeping only what `policy` says -> (logits (B, T, V), loss or None, cache).
+    ce_chunks: as gpt_forward's (the head and the loss in chunks of rows; logits None with targets).
 
     cache["policy"] says which; cache["params"] refers to the parameters (needed to recompute, and so that
     cache_bytes does not count them as activations).
@@ -93,7 +94,7 @@ def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none"):
     keep = {"none": None,                                                     # the plain reference: all of it
             "selective": lambda l, c: _drop_selective(c, p["ln1b"][l], p["ln2b"][l]),
             "full": lambda l, c: c["ln1"]["inp"]}[policy]   # only the block input x (B, T, C): ln1's inp
-    logits, loss, cache = gpt_forward(params, cfg, idx, targets, keep=keep)
+    logits, loss, cache = gpt_forward(params, cfg, idx, targets, keep=keep, ce_chunks=ce_chunks)
     return logits, loss, dict(cache, policy=policy, params=params)
 
 

@@ -69,7 +69,8 @@ OPTIMIZER_STATES = engine.OPTIMIZER_STATES  # AdamW's moments: fp32 | int8
 SLOW_PARAMS = 2_000_000  # warn above this many parameters on the CPU
 SIM_SLOW_TOKENS = 64  # warn above this many tokens per step (B * T) for numba in the CUDA simulator
 CKPT_NAME = "ckpt.npz"  # the checkpoint in --out
-# what a checkpoint must share with the run that resumes it (any other difference is printed as a note)
+# what a checkpoint must share with the run that resumes it (any other difference is printed as a note; ce_chunks is
+# such a note: it changes when the loss head's rows are multiplied, not the model or the loss beyond rounding)
 RESUME_MUST_MATCH = ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "batch_size", "seq_len", "precision",
                      "grad_accum")
 
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default="fp32",
                    help="AdamW's moments in fp32 or block-wise 8-bit (int8: 2 bytes per parameter instead of 8; "
                         "the NumPy backend; lesson 12)")
+    p.add_argument("--ce-chunks", type=int, default=1, metavar="N",
+                   help="the loss head over each forward's B*T rows in N chunks, each chunk's backward right after it, "
+                        "so the (B*T, V) logits never exist at once (lesson 12; the same loss up to rounding)")
     p.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2), metavar="{1,2}",
                    help="ZeRO over the ranks: 1 (or --zero alone) shards AdamW's state (reduce-scatter, shard update, "
                         "all-gather), 2 the gradient too (each rank keeps its reduced shard only); 0: off")
@@ -220,7 +224,7 @@ def _flat(run_config: dict) -> dict:
 
 
 # settings a checkpoint written before they existed was trained with
-CONFIG_DEFAULTS = {"grad_accum": 1}
+CONFIG_DEFAULTS = {"grad_accum": 1, "ce_chunks": 1}
 
 
 def config_differences(saved: dict, current: dict, keys) -> list:
@@ -283,7 +287,7 @@ def settings(args: argparse.Namespace) -> tuple:
     for flag, value in (("--n-layer", preset["n_layer"]), ("--n-head", preset["n_head"]),
                         ("--d-model", preset["d_model"]), ("--block-size", preset["block_size"]),
                         ("--seq-len", T), ("--batch-size", B), ("--steps", args.steps), ("--grad-accum", args.grad_accum),
-                        ("--eval-batches", args.eval_batches)):
+                        ("--eval-batches", args.eval_batches), ("--ce-chunks", args.ce_chunks)):
         if value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
     if args.checkpoint_every < 0:
@@ -354,6 +358,10 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     if args.overlap and args.graphs == "on":
         raise ConfigError("--graphs on with --overlap: the all-reduces start from Python in the middle of backward, "
                           "which a captured step cannot do; use --graphs auto or off")
+    if args.ce_chunks > B // W * T:
+        raise ConfigError(f"--ce-chunks {args.ce_chunks} is more than the {B // W * T} rows each forward gives the "
+                          f"loss head (B / ranks x T = {B // W} x {T}): each chunk needs at least one row; use at "
+                          f"most {B // W * T}")
     cfg = GPTConfig(**preset)
     steps = args.steps
     warmup = steps // 10 if args.warmup is None else args.warmup
@@ -364,7 +372,7 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                   "warmup": warmup, "min_lr": min_lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
                   "backend": backend, "precision": args.precision, "policy": args.checkpointing, "seed": args.seed,
                   "world_size": W, "zero": args.zero, "grad_accum": args.grad_accum,
-                  "optimizer_state": args.optimizer_state}
+                  "optimizer_state": args.optimizer_state, "ce_chunks": args.ce_chunks}
     # --resume: the checkpoint must exist, hold the same model, batch shape and precision, and have steps left
     # (every rank reads it; a checkpoint of one rank count resumes on another: the global batch is the same)
     resume = None
@@ -401,7 +409,7 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     #    several ranks DataParallel combines the ranks' gradients (one rank: the engine's own step)
     try:
         eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed, graphs=args.graphs,
-                           optimizer_state=args.optimizer_state)
+                           optimizer_state=args.optimizer_state, ce_chunks=args.ce_chunks)
     except engine.EngineError as e:  # e.g. bf16 / fp16 with the NumPy reference
         raise ConfigError(str(e)) from e
     start = 1
@@ -421,7 +429,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
         f"grad clip {args.grad_clip:g}" + (f" | {args.grad_accum} micro-batches per step (gradient accumulation: "
                                            f"{args.grad_accum * B} sequences per update)" if args.grad_accum > 1 else ""))
     say(f"backend: {describe_backend(eng)}" + (" [--backend auto]" if args.backend == "auto" else "") +
-        f" | precision {args.precision} | activation checkpointing {args.checkpointing}")
+        f" | precision {args.precision} | activation checkpointing {args.checkpointing}" +
+        (f" | loss head in {args.ce_chunks} chunks of rows" if args.ce_chunks > 1 else ""))
     if W > 1 or args.zero:
         say(f"data parallel: {W} rank(s) over {comm.name}" +
             {0: "", 1: ", ZeRO-1 (AdamW state sharded)", 2: ", ZeRO-2 (AdamW state and gradient sharded)"}[args.zero])

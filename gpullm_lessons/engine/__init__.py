@@ -48,6 +48,8 @@ One training step: forward (loss), backward (every gradient written, none accumu
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..params import GPTConfig
 from .core import (
     BACKENDS,
@@ -80,11 +82,16 @@ def build(
     versions=None,
     graphs="auto",
     optimizer_state="fp32",
+    ce_chunks=1,
 ):
     """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed).
 
     graphs: "auto" (CUDA graphs for train_step where they apply: backend hip on a GPU, fp32 or bf16), "off", or "on"
     (EngineError where they cannot apply). See GPUEngine.train_step.
+    ce_chunks: the loss head over the B*T rows in that many chunks (ceil(B*T / ce_chunks) rows each, the last one
+    smaller), each chunk's backward right after its forward, so the (B*T, V) logits never exist at once (lesson 12;
+    reference/head.py, GPUEngine._head_chunked, every backend); 1: the whole batch at once. The loss and gradients
+    equal the unchunked ones up to rounding; forward(x, y) then returns no logits.
     optimizer_state: AdamW's moments m and v in "fp32" or "int8" (block-wise 8-bit, gpullm_lessons.quant: lesson 12;
     the NumPy engine only)."""
     backend = check_backend(backend)
@@ -99,6 +106,8 @@ def build(
         raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if policy not in POLICIES:
         raise EngineError(f"unknown checkpointing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    if isinstance(ce_chunks, bool) or not isinstance(ce_chunks, (int, np.integer)) or ce_chunks < 1:
+        raise EngineError(f"ce_chunks must be a positive integer (1: the whole batch at once), got {ce_chunks!r}")
     if graphs not in ("auto", "on", "off", True, False):
         raise EngineError(f"graphs must be 'auto', 'on' or 'off', got {graphs!r}")
     graphs = {True: "on", False: "off"}.get(graphs, graphs)
@@ -114,7 +123,7 @@ def build(
                 f"precision {precision!r} needs a kernel backend (--backend hip or numba); the NumPy "
                 f"reference trains in fp32 (lesson 07 emulates half-precision matmuls on the CPU)"
             )
-        return NumpyEngine(cfg, policy, seed, betas, eps, optimizer_state=optimizer_state)
+        return NumpyEngine(cfg, policy, seed, betas, eps, optimizer_state=optimizer_state, ce_chunks=ce_chunks)
     return GPUEngine(
         cfg,
         backend,
@@ -125,4 +134,5 @@ def build(
         eps,
         versions,
         graphs=graphs if backend == "hip" and precision in GRAPH_PRECISIONS else "off",
+        ce_chunks=ce_chunks,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..params import ParamBuffer, init_params, num_params
+from ..reference.head import check_chunks
 from .core import Engine
 
 
@@ -13,10 +14,11 @@ class NumpyEngine(Engine):
 
     backend = "numpy"
 
-    def __init__(self, cfg, policy, seed, betas, eps, optimizer_state="fp32"):
+    def __init__(self, cfg, policy, seed, betas, eps, optimizer_state="fp32", ce_chunks=1):
         from ..optim import decay_mask_for
 
         super().__init__(cfg, "fp32", policy, seed, betas, eps)
+        self.ce_chunks = check_chunks("NumpyEngine", ce_chunks)  # the loss head in chunks of rows (reference/head.py)
         self.params = init_params(cfg, seed=seed, dtype=np.float32)
         self.grads = ParamBuffer(cfg, dtype=np.float32)
         n = num_params(cfg)
@@ -61,7 +63,9 @@ class NumpyEngine(Engine):
         from ..checkpointing import gpt_forward_ckpt
 
         x, y = self._check_batch("forward", x, y)
-        logits, loss, self._cache = gpt_forward_ckpt(self.params.views, self.cfg, x, y, policy=self.policy)
+        logits, loss, self._cache = gpt_forward_ckpt(
+            self.params.views, self.cfg, x, y, policy=self.policy, ce_chunks=self.ce_chunks
+        )  # with ce_chunks > 1 and targets: the logits never exist whole (None), the head's backward already ran
         return logits, (float(loss) if loss is not None else None)
 
     def backward(self, loss_scale=1.0, grads_ready=None):
@@ -126,7 +130,7 @@ class NumpyEngine(Engine):
         from ..reference import gpt_forward
 
         x, y = self._check_batch("eval_loss", x, y)
-        return float(gpt_forward(self.params.views, self.cfg, x, y)[1])
+        return float(gpt_forward(self.params.views, self.cfg, x, y, ce_chunks=self.ce_chunks, head_grads=False)[1])
 
     def next_logits(self, context) -> np.ndarray:
         from ..reference import gpt_forward

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..params import ParamBuffer, init_params, num_params
 from ..profiling import nvtx_range
+from ..reference.head import check_chunks
 from .core import Engine, EngineError
 from .graph import StepGraph
 from .profiler import OpProfiler, TimedLaunchers
@@ -62,7 +63,7 @@ class GPUEngine(Engine):
         "numba-sim": {**_NUMBA_VERSIONS, "layernorm_forward": "v1", "layernorm_backward": "v1"},
     }
 
-    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off"):
+    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off", ce_chunks=1):
         from .. import device
 
         super().__init__(cfg, precision, policy, seed, betas, eps)
@@ -135,6 +136,7 @@ class GPUEngine(Engine):
             raise EngineError(f"graphs='on': this engine's step cannot be captured: {why_not}")
         self.graphs = graphs in ("auto", "on") and self.on_gpu and why_not is None
         self._graphs = {}  # (B, T, split) -> StepGraph
+        self.ce_chunks = check_chunks("GPUEngine", ce_chunks)  # the loss head in chunks of rows (_head_chunked)
         self._graphs_required = graphs == "on"
 
     # ---- helpers ----------------------------------------------------------------------------------------------
@@ -421,11 +423,13 @@ class GPUEngine(Engine):
         return (self.params["wte"][idx] + self.params["wpe"][:T]).reshape(B * T, self.cfg.d_model), idx
 
     def forward(self, x, y=None):
-        """Logits (B, T, V) fp32 and, with targets, the mean loss; keeps what backward needs (the policy's cache)."""
+        """Logits (B, T, V) fp32 and, with targets, the mean loss; keeps what backward needs (the policy's cache).
+        With ce_chunks > 1 and targets the logits never exist whole (_head_chunked): (None, loss)."""
         x, y = self._check_batch("forward", x, y)
         return self._forward(x, y, keep=self.policy)
 
-    def _forward(self, x, y, keep, device_loss=False):
+    def _forward(self, x, y, keep, device_loss=False, grads=True):
+        """grads=False (evaluation): with ce_chunks > 1 the head computes the loss only, not its gradients."""
         xp, cfg = self.xp, self.cfg
         B, T = x.shape
         V = cfg.vocab_size
@@ -438,6 +442,15 @@ class GPUEngine(Engine):
             )
             blocks.append(c if keep != "full" else {"x": x_in})
         lnf_mm, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
+        if y is not None and self.ce_chunks > 1:  # the head's backward with its forward, chunk by chunk
+            losses, dlnf = self._head_chunked(lnf_mm, xp.asarray(y).reshape(-1), grads)
+            loss = losses.mean() if device_loss else float(losses.mean())
+            if grads:
+                scale = self.scaler.scale if self.scaler is not None else 1.0
+                self._cache = dict(
+                    B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, dlnf=dlnf, scale=scale
+                )
+            return None, loss
         logits = xp.empty((B * T, V), xp.float32)
         self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)  # tied head: lnf @ wte.T
         loss = None
@@ -466,17 +479,13 @@ class GPUEngine(Engine):
             raise RuntimeError("backward: call forward(x, y) with targets first")
         self._cache = None
         B, T = c["B"], c["T"]
-        dlogits = c["dlogits"]
-        if self.precision == "fp16":  # scale before rounding to fp16: that is what keeps small values alive
-            dl_mm = (dlogits * np.float32(loss_scale)).astype(xp.float16).view(xp.uint16)
-            alpha = 1.0
-        else:  # fp32: dlogits itself; bf16: already bf16 bits
-            dl_mm, alpha = dlogits, loss_scale
-        del dlogits, c["dlogits"]
-        dlnf = xp.empty((B * T, cfg.d_model), xp.float32)
-        self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)  # dlnf = dlogits @ wte
-        self._gemm(dl_mm, c["lnf_mm"], self.grads["wte"], trans_a=True, alpha=alpha)  # dwte (head) = dlogits.T @ lnf
-        del dl_mm
+        if "dlnf" in c:  # ce_chunks > 1: the head's products ran in forward (_head_chunked), for c["scale"]
+            dlnf = c.pop("dlnf")
+            if loss_scale != c["scale"]:  # micro-batches (1 / K): the rest of the factor, on dlnf and dwte (head)
+                dlnf *= np.float32(loss_scale / c["scale"])
+                self.grads["wte"] *= np.float32(loss_scale / c["scale"])
+        else:
+            dlnf = self._head_backward(c, loss_scale)
         dx = self._layernorm_backward(dlnf, c["h"], c["meanf"], c["rstdf"], "lnfw", "lnfb", None)
         ready = grads_ready or (lambda k: None)
         ready(cfg.n_layer + 1)
@@ -498,6 +507,71 @@ class GPUEngine(Engine):
             self.grads["wpe"][T:] = 0
         self.grads["wte"] += dwte_enc
         ready(0)
+
+    def _head_backward(self, c, loss_scale):
+        """The head's backward from the dlogits (B*T, V) the forward kept: dlnf (B*T, C) fp32, and the head's share of
+        grads["wte"] written."""
+        xp = self.xp
+        dlogits = c["dlogits"]
+        if self.precision == "fp16":  # scale before rounding to fp16: that is what keeps small values alive
+            dl_mm = (dlogits * np.float32(loss_scale)).astype(xp.float16).view(xp.uint16)
+            alpha = 1.0
+        else:  # fp32: dlogits itself; bf16: already bf16 bits
+            dl_mm, alpha = dlogits, loss_scale
+        del dlogits, c["dlogits"]
+        dlnf = xp.empty((c["B"] * c["T"], self.cfg.d_model), xp.float32)
+        self._gemm(dl_mm, self._w("wte"), dlnf, alpha=alpha)  # dlnf = dlogits @ wte
+        self._gemm(dl_mm, c["lnf_mm"], self.grads["wte"], trans_a=True, alpha=alpha)  # dwte (head) = dlogits.T @ lnf
+        return dlnf
+
+    def _head_chunked(self, lnf_mm, targets, grads=True):
+        """The tied head and the loss over the N = B*T rows in ce_chunks chunks (reference/head.py has the math), so
+        that only one chunk's logits and dlogits exist: per chunk (n rows) the logits (n, V) fp32 (cuBLAS), the fused
+        cross-entropy kernel (the chunk's row losses and dlogits), then at once dlnf[chunk] = dlogits @ wte and
+        grads["wte"] (+)= dlogits.T @ lnf[chunk] (the first chunk writes it, the others add: beta = 1). The loss
+        kernels divide dlogits by the rows they see (n), the mean is over N: alpha = n / N in both products.
+        Returns (losses (N,) fp32, dlnf (N, C) fp32; None with grads=False: the loss kernel alone per chunk).
+
+        Half copies: in bf16 the loss kernel writes the chunk's dlogits as bf16 bits (no fp32 dlogits), the products'
+        input, as without chunks; in fp16 it writes fp32 dlogits, which are multiplied by the loss scale (and n / N)
+        and rounded to fp16 chunk by chunk, right before the chunk's two products (without chunks: in backward, on
+        the whole (N, V)). fp16 uses the loss scale of this step (self.scaler.scale), which backward applies when
+        the head has not."""
+        xp, V, N = self.xp, self.cfg.vocab_size, lnf_mm.shape[0]
+        from ..reference.head import chunk_bounds
+
+        bounds = chunk_bounds(N, self.ce_chunks)
+        rows = bounds[0][1]  # the largest chunk (the first)
+        logits_buf = xp.empty((rows, V), xp.float32)
+        losses = xp.empty(N, xp.float32)
+        if not grads:
+            for lo, hi in bounds:
+                logits = logits_buf[: hi - lo]
+                self._gemm(lnf_mm[lo:hi], self._w("wte"), logits, trans_b=True)  # lnf[chunk] @ wte.T
+                self.K.crossentropy_forward(logits, targets[lo:hi], losses[lo:hi], version=self.ver["crossentropy"])
+            return losses, None
+        dlnf = xp.empty((N, self.cfg.d_model), xp.float32)
+        dl_buf = xp.empty((rows, V), xp.uint16 if self.precision == "bf16" else xp.float32)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        for i, (lo, hi) in enumerate(bounds):
+            logits, dlogits, t = logits_buf[: hi - lo], dl_buf[: hi - lo], targets[lo:hi]
+            self._gemm(lnf_mm[lo:hi], self._w("wte"), logits, trans_b=True)  # lnf[chunk] @ wte.T
+            if self.precision == "bf16":
+                self.K.crossentropy_forward_backward_half(logits, t, losses[lo:hi], dlogits, half="bf16")
+            else:
+                self.K.crossentropy_forward_backward(
+                    logits, t, losses[lo:hi], dlogits, version=self.ver["crossentropy"]
+                )
+            alpha = (hi - lo) / N  # the kernel's 1 / n made the batch's 1 / N
+            if self.precision == "fp16":
+                dl_mm, alpha = (dlogits * np.float32(scale * alpha)).astype(xp.float16).view(xp.uint16), 1.0
+            else:
+                dl_mm = dlogits
+            self._gemm(dl_mm, self._w("wte"), dlnf[lo:hi], alpha=alpha)  # dlnf[chunk] = dlogits @ wte
+            beta = 0.0 if i == 0 else 1.0  # dwte (head) = sum over the chunks of dlogits.T @ lnf[chunk]
+            self._gemm(dl_mm, lnf_mm[lo:hi], self.grads["wte"], trans_a=True, alpha=alpha, beta=beta)
+            del dl_mm
+        return losses, dlnf
 
     def grad_sumsq(self, g=None) -> float:
         """The squared L2 norm of `g` (default: the flat gradient buffer): one kernel over it (deterministic)."""
@@ -627,7 +701,7 @@ class GPUEngine(Engine):
 
     def eval_loss(self, x, y) -> float:
         x, y = self._check_batch("eval_loss", x, y)
-        _, loss = self._forward(x, y, keep="full")
+        _, loss = self._forward(x, y, keep="full", grads=False)
         self._cache = None
         return loss
 

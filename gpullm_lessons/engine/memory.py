@@ -7,7 +7,7 @@ from .core import POLICIES, PRECISIONS
 
 
 def engine_memory(
-    cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none", half_scores=True, attention="cublas"
+    cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none", half_scores=True, attention="cublas", ce_chunks=1
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -22,7 +22,12 @@ def engine_memory(
     engine's versions["scores"] == "half" (the default: the attention scores and their gradient in half; only in half
     precision). attention: the engine's versions["attention"], "cublas" (the default: the probabilities (B, nh, T,
     T) kept) or "flash" (y fp32 and the log-sum-exp kept instead: linear in T).
-    Returns the terms and "total" = model + activations + peak working set.
+    ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
+    its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
+    backward instead of dlogits (B*T, V).
+    Returns the terms, "head" (the loss head's own tensors at the end of the forward: lnf's output, the logits and
+    dlogits, or one chunk's and dlnf, the per-row losses and the targets) and "total" = model + activations + peak
+    working set.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"engine_memory: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -30,6 +35,9 @@ def engine_memory(
         raise ValueError(f"engine_memory: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if attention not in ("flash", "cublas"):
         raise ValueError(f"engine_memory: attention must be 'flash' or 'cublas', got {attention!r}")
+    from ..reference.head import chunk_bounds
+
+    ce_rows = chunk_bounds(B * T, ce_chunks)[0][1]  # rows of the largest chunk of the loss head (ValueError if bad)
     flash = attention == "flash"
     f, e = 4, (4 if precision == "fp32" else 2)
     half = e == 2
@@ -46,7 +54,10 @@ def engine_memory(
     full_cache = base + sel + rebuilt
     kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f}[policy]
     dl = 2 if precision == "bf16" else 4  # dlogits: bf16 from the loss kernel
-    top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4  # h, meanf, rstdf, lnf_mm, dlogits, idx
+    if ce_chunks == 1:
+        top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4  # h, meanf, rstdf, lnf_mm, dlogits, idx
+    else:  # the head's backward ran in forward: dlnf is kept instead of dlogits and lnf_mm
+        top = NC * f + 2 * N * f + NC * f + N * 4  # h, meanf, rstdf, dlnf, idx
     activations = L * kept_block + top
     # forward: one temporary at a time beside the growing cache: qkv before the head split, the scores (half or
     # fp32: half_scores) before the half softmax output (half runs), y before merge_heads, the block output; under
@@ -58,7 +69,12 @@ def engine_memory(
         fwd_block += rebuilt
     elif policy == "full":
         fwd_block += full_cache - NC * f
-    head = N * V * f + N * f + N * 4  # logits, losses, targets
+    if ce_chunks == 1:
+        head = N * V * f + N * f + N * 4  # logits, losses, targets
+        head_bytes = NC * e + N * V * (f + dl) + N * f + N * 4  # the head's tensors: lnf_mm, logits, dlogits, ...
+    else:  # one chunk's logits and dlogits (fp16: fp32 dlogits, x scale fp32, its fp16 copy) beside lnf_mm
+        head = NC * e + ce_rows * V * (f + (10 if precision == "fp16" else dl)) + N * f + N * 4
+        head_bytes = head + NC * f  # and dlnf, filled chunk by chunk
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
     stages = [
         NC * h + 4 * NC * f,  # fcproj: dx_mm, dgelu
@@ -88,9 +104,10 @@ def engine_memory(
     if policy == "full":  # the recompute's own forward locals, before the backward stages
         bwd_block = max(bwd_block, NC * f + fwd_block)
     fp16_copy = N * V * (f + 2) if precision == "fp16" else 0  # dlogits * scale, then its fp16 cast
-    bwd_head = fp16_copy + NC * f
+    bwd_head = fp16_copy + NC * f if ce_chunks == 1 else NC * f  # chunks: dlnf kept (top), dx of lnf's backward
     embed_bwd = NC * f + V * C * (f + 8)  # dx, the embedding's dwte, v3's int64 accumulator (V, C)
     peak_set = max(fwd_block, head, bwd_head, bwd_block, embed_bwd)
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
+    out["head"] = head_bytes
     out["total"] = sum(model.values()) + activations + peak_set
     return out

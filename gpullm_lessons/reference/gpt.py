@@ -18,6 +18,7 @@ Two variations for later lessons, off by default (then the code is the plain ref
     gpt_forward(..., keep=)        what the cache keeps of each block (lesson 08, activation checkpointing)
     gpt_backward(..., recompute=)  rebuilds a block's cache from what was kept, just before its backward (lesson 08)
     gpt_backward(..., dloss=)      the gradient the backward starts from: the loss scale (lesson 07, mixed precision)
+    gpt_forward(..., ce_chunks=)   the head and the loss in chunks of rows, never all the logits (lesson 12, head.py)
 """
 import numpy as np
 
@@ -26,6 +27,7 @@ from .attention import attention_backward, attention_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
+from .head import check_chunks, head_backward, head_forward_backward
 from .layernorm import layernorm_backward, layernorm_forward
 from .linear import linear_backward, linear_forward
 from .residual import residual_backward, residual_forward
@@ -97,13 +99,17 @@ def block_backward(dx, c, grads, l):
     return dx_in + dx_ln1                                                     # (B, T, C)
 
 
-def gpt_forward(params, cfg, idx, targets=None, keep=None):
+def gpt_forward(params, cfg, idx, targets=None, keep=None, ce_chunks=1, head_grads=True):
     """params (ParamBuffer or dict name -> array), cfg GPTConfig, idx (B, T) int, targets (B, T) int or None
     -> (logits (B, T, V), loss (scalar) or None, cache).
 
     keep(l, block l's cache) -> what cache["layers"][l] holds instead of that whole cache (None: keep it all).
+    ce_chunks > 1 (lesson 12, with targets): the head and the loss over the B*T rows in that many chunks, the head's
+    backward with them (reference/head.py), so the logits never exist whole: logits is None; head_grads=False: the
+    loss only (evaluation; such a cache cannot be backpropagated).
     """
     idx = check_inputs("gpt_forward", params, cfg, idx)
+    ce_chunks = check_chunks("gpt_forward", ce_chunks)
     p = params
 
     x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                       # (B, T, C)
@@ -112,11 +118,14 @@ def gpt_forward(params, cfg, idx, targets=None, keep=None):
         x, c = block_forward(p, l, x, cfg.n_head)                                 # (B, T, C)
         layers.append(c if keep is None else keep(l, c))
     lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])                   # (B, T, C)
-    logits, head_cache = linear_forward(lnf, p["wte"].T)                          # (B, T, V) weight (C, V)
-
     loss, ce_cache = None, None
-    if targets is not None:
-        loss, ce_cache = crossentropy_forward(logits, targets)                    # scalar
+    if targets is not None and ce_chunks > 1:     # chunk by chunk; ce_cache: dlnf, dwte of the head (dloss = 1)
+        logits, head_cache = None, None
+        loss, ce_cache = head_forward_backward(lnf, p["wte"], targets, ce_chunks, grads=head_grads)
+    else:
+        logits, head_cache = linear_forward(lnf, p["wte"].T)                      # (B, T, V) weight (C, V)
+        if targets is not None:
+            loss, ce_cache = crossentropy_forward(logits, targets)                # scalar
     cache = {"cfg": cfg, "encoder": enc_cache, "layers": layers, "lnf": lnf_cache,
              "head": head_cache, "crossentropy": ce_cache}
     return logits, loss, cache
@@ -136,8 +145,12 @@ def gpt_backward(cache, grads, dloss=1.0, recompute=None, ready=None):
         raise ValueError("gpt_backward: the cache has no loss; call gpt_forward with targets first")
     _check_tensors("gpt_backward", "grads", grads, cfg)
 
-    dlogits = crossentropy_backward(dloss, cache["crossentropy"])                 # (B, T, V)
-    dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])                  # (B, T, C), (C, V)
+    if "chunks" in cache["crossentropy"]:         # the chunked head's backward ran with the forward (head.py)
+        dlnf, dwte_head = head_backward(dloss, cache["crossentropy"])             # (B, T, C), (V, C)
+    else:
+        dlogits = crossentropy_backward(dloss, cache["crossentropy"])             # (B, T, V)
+        dlnf, dwte_head, _ = linear_backward(dlogits, cache["head"])              # (B, T, C), (C, V)
+        dwte_head = dwte_head.T                                                   # (V, C)
     # `grads[name][l], ... = op_backward(...)` writes layer l's slice of each gradient tensor in place
     dx, grads["lnfw"][...], grads["lnfb"][...] = layernorm_backward(dlnf, cache["lnf"])  # dx (B, T, C)
     ready = ready or (lambda k: None)
@@ -151,6 +164,6 @@ def gpt_backward(cache, grads, dloss=1.0, recompute=None, ready=None):
         ready(1 + l)                                                              # block l's slices are final
 
     dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])              # (V, C), (maxT, C)
-    grads["wte"][...] = dwte + dwte_head.T                                        # weight tying: both uses
+    grads["wte"][...] = dwte + dwte_head                                          # weight tying: both uses
     ready(0)
     return None
