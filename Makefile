@@ -55,6 +55,7 @@ RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/v
 	tests/test_slurm.py tests/test_slurm_env.py
 RUFF_FORMATTED += gpullm_lessons/classroom.py tests/test_class.py
 RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
+RUFF_FORMATTED += tests/test_optimizer_state_bf16.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)

@@ -21,6 +21,7 @@ is applied to one layer's tensor: qkvw (L, C, 3C) is a stack of 2-D matrices and
 of 1-D vectors and does not. Decayed: wte, wpe, qkvw, attprojw, fcw, fcprojw (see `DECAY_NAMES`).
 
 Also here: `adamw_update` (the same step as a function of the arrays: a whole buffer or one rank's shard),
+`adamw_update_bf16` (the same step with m and v stored as bfloat16 bits: lesson 12),
 `lr_schedule` (linear warmup then cosine decay), `clip_coefficient` and `clip_grad_norm` (global-norm clipping).
 """
 from __future__ import annotations
@@ -117,6 +118,25 @@ def adamw_update(p, g, m, v, t: int, lr: float, betas, eps: float, weight_decay:
     mhat = m / (1 - b1 ** t)
     vhat = v / (1 - b2 ** t)
     p -= lr * mhat / (np.sqrt(vhat) + eps)
+
+
+def adamw_update_bf16(p, g, m_bits, v_bits, t: int, lr: float, betas, eps: float, weight_decay: float,
+                      decay_mask=None) -> None:
+    """adamw_update with the moments stored as bfloat16 bits (uint16 (n,) each, 2 bytes per value instead of 4).
+
+    m and v are read back to float32 (exact: 16 zero bits appended), updated and used for the step in float32 (the
+    step uses this step's float32 moments, before rounding), then written back rounded to nearest even
+    (reference.rounding.f32_to_bf16_bits, ml_dtypes' bits). The reference of the bf16-moment AdamW kernels."""
+    from .reference.rounding import bf16_bits_to_f32, f32_to_bf16_bits
+
+    for name, a in (("m_bits", m_bits), ("v_bits", v_bits)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint16 or a.shape != p.shape:
+            raise TypeError(f"adamw_update_bf16: {name} must be a uint16 array of bfloat16 bits with the shape of "
+                            f"p {p.shape}, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    m, v = bf16_bits_to_f32(m_bits), bf16_bits_to_f32(v_bits)
+    adamw_update(p, g, m, v, t, lr, betas, eps, weight_decay, decay_mask)
+    m_bits[...] = f32_to_bf16_bits(m)
+    v_bits[...] = f32_to_bf16_bits(v)
 
 
 def shard_decay_table(bounds, flags, lo: int, hi: int) -> tuple:

@@ -65,7 +65,7 @@ from .optim import lr_schedule  # noqa: E402
 BACKENDS = ("auto",) + engine.BACKENDS  # the names --backend accepts; auto: hip on a GPU, numpy without one
 PRECISIONS = engine.PRECISIONS  # fp32 | bf16 | fp16 (half precision needs a kernel backend)
 POLICIES = engine.POLICIES  # activation checkpointing: none | selective | full
-OPTIMIZER_STATES = engine.OPTIMIZER_STATES  # AdamW's moments: fp32 | int8
+OPTIMIZER_STATES = engine.OPTIMIZER_STATES  # AdamW's moments: fp32 | bf16 | int8
 SLOW_PARAMS = 2_000_000  # warn above this many parameters on the CPU
 SIM_SLOW_TOKENS = 64  # warn above this many tokens per step (B * T) for numba in the CUDA simulator
 CKPT_NAME = "ckpt.npz"  # the checkpoint in --out
@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also write <out>/ckpt.npz every N steps (0: only at the end)")
     p.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default="fp32",
-                   help="AdamW's moments in fp32 or block-wise 8-bit (int8: 2 bytes per parameter instead of 8; "
-                        "the NumPy backend; lesson 12)")
+                   help="AdamW's moments in fp32, bf16 (4 bytes per parameter instead of 8, rounded to nearest even "
+                        "after each update; every backend) or block-wise 8-bit (int8: 2 bytes per parameter; the NumPy "
+                        "backend); lesson 12")
     p.add_argument("--ce-chunks", type=int, default=1, metavar="N",
                    help="the loss head over each forward's B*T rows in N chunks, each chunk's backward right after it, "
                         "so the (B*T, V) logits never exist at once (lesson 12; the same loss up to rounding)")
@@ -190,8 +191,11 @@ def save_checkpoint(path, eng, run_config: dict, progress: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:  # a file object: given a name, np.savez would append ".npz" to it
+            # the moments as the engine stores them (bf16: uint16 bits; int8: int8 / uint8 and the block scales)
+            scales = {k: state[k] for k in ("m_scale", "v_scale") if k in state}
             np.savez(f, params=state["params"], m=state["m"], v=state["v"], t=np.int64(state["t"]),
                      precision=np.str_(state["precision"]), scaler=np.str_(json.dumps(state.get("scaler"))),
+                     optimizer_state=np.str_(state.get("optimizer_state", "fp32")), **scales,
                      config=np.str_(json.dumps(run_config)), progress=np.str_(json.dumps(progress)))
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
@@ -207,7 +211,9 @@ def load_checkpoint(path) -> dict:
     try:
         with np.load(path, allow_pickle=False) as z:
             state = {"params": z["params"], "m": z["m"], "v": z["v"], "t": int(z["t"]),
-                     "precision": str(z["precision"])}
+                     "precision": str(z["precision"]),  # a checkpoint without optimizer_state holds fp32 moments
+                     "optimizer_state": str(z["optimizer_state"]) if "optimizer_state" in z.files else "fp32"}
+            state.update({k: z[k] for k in ("m_scale", "v_scale") if k in z.files})
             scaler = json.loads(str(z["scaler"]))
             config, progress = json.loads(str(z["config"])), json.loads(str(z["progress"]))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:

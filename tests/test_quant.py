@@ -93,15 +93,22 @@ def test_int8_moments_train_like_fp32_in_a_quarter_of_the_bytes():
     assert lb[-1] < lb[0] - 0.3  # it learns
     assert abs(np.mean(lb[-5:]) - np.mean(la[-5:])) < 0.05 * np.mean(la[-5:])  # close to the fp32 run
     assert not np.array_equal(i8.params.flat, f32.params.flat)  # and it is not the fp32 update itself
-    # a checkpoint holds fp32 moments either way; loading it into an int8 engine quantises them again
+    # a checkpoint holds the moments as stored (int8 m, uint8 sqrt(v), the block scales): a resume is exact
     st = i8.state_dict()
-    assert st["m"].shape == (n,) and st["optimizer_state"] == "int8"
-    other = engine.build(TOY, "numpy", optimizer_state="int8")
+    assert st["optimizer_state"] == "int8" and st["m"].dtype == np.int8 and st["v"].dtype == np.uint8
+    assert st["m"].shape == (n,) and st["m_scale"].shape == (math.ceil(n / quant.BLOCK),)
+    other = engine.build(TOY, "numpy", optimizer_state="int8", seed=5)
     other.load_state_dict(st)
-    m_back, v_back = quant.dequantize_moments(other.moments_q)
-    np.testing.assert_array_equal(m_back, st["m"])
-    np.testing.assert_allclose(v_back, st["v"], rtol=1e-5)
-    engine.build(TOY, "numpy").load_state_dict(st)  # an fp32 engine resumes it too
+    assert all(np.array_equal(other.moments_q[k], i8.moments_q[k]) for k in i8.moments_q)
+    x, y = _batches(1)[0]
+    la = i8.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)["loss"]
+    lb = other.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)["loss"]
+    assert la == lb and np.array_equal(i8.params.flat, other.params.flat)
+    # an fp32 engine resumes it too: the moments read back to fp32 (quant.dequantize_moments)
+    f32b = engine.build(TOY, "numpy")
+    f32b.load_state_dict(st)
+    m_back, v_back = quant.dequantize_moments(st)
+    assert np.array_equal(f32b.m, m_back) and np.array_equal(f32b.v, v_back)
 
 
 def test_int8_moments_are_refused_where_they_cannot_run():

@@ -54,6 +54,35 @@ def check_buffers(fn, names, arrays, check_array):
     return n
 
 
+MOMENTS_F32, MOMENTS_BF16 = "fp32", "bf16"  # how m and v are stored: float32, or bfloat16 bits in uint16
+
+
+def check_moment_buffers(fn, names, arrays, check_array):
+    """params, grads (1-D float32, one length n) and m, v: both float32, or both uint16 holding bfloat16 bits (the
+    bf16-moment kernels). Returns (n, MOMENTS_F32 or MOMENTS_BF16); errors name the argument and both choices."""
+    n = check_buffers(fn, names[:2], arrays[:2], check_array)
+    m = arrays[2]
+    dt = str(getattr(m, "dtype", ""))
+    if dt not in ("float32", "uint16"):
+        if not (hasattr(m, "shape") and hasattr(m, "dtype")):
+            check_array(fn, names[2], m, (n,), "float32")  # not an array: the usual message
+        raise TypeError(
+            f"{fn}: {names[2]} has dtype {dt}, expected float32 (fp32 moments) or uint16 (the bits of bf16 moments)"
+        )
+    for name, a in zip(names[2:], arrays[2:]):
+        check_array(fn, name, a, (n,), dt)
+    return n, (MOMENTS_BF16 if dt == "uint16" else MOMENTS_F32)
+
+
+def check_bf16_moments_version(fn, version):
+    """bf16 moments run the fused one-pass kernel only (v2's loop): the version must be 'v2'."""
+    if version != "v2":
+        raise ValueError(
+            f"{fn}: m and v hold bf16 moments (uint16): they run the fused one-pass kernel, version='v2' "
+            f"(got version={version!r})"
+        )
+
+
 def half_mode_of(fn, half_out, half_dtype, n):
     """(half_mode, the dtype half_out must have) from half_out / half_dtype; errors name the argument."""
     if half_out is None:

@@ -22,7 +22,9 @@ CUDA graphs (hip backend, fp32 / bf16, on by default): train_step captures the w
 replays it (StepGraph, engine/graph.py); see GPUEngine.train_step.
 
 Memory layout (params.py): parameters, gradients, m and v are flat fp32 buffers with named views
-(params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer.
+(params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer. optimizer_state="bf16" keeps m and
+v as bfloat16 bits (uint16) instead: the AdamW kernel reads them, computes in fp32 and writes them back rounded to
+nearest even (adamw_bf16_moments_v2; in a CUDA graph adamw_bf16_moments_device_v2).
 
 Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precision the AdamW pass also writes a half
 copy of the weights, the input of every matrix product is half (bf16 by round-to-nearest-even into uint16 bits)
@@ -63,6 +65,7 @@ from .core import (
     EngineError,  # noqa: F401
     OptimizerShard,
     check_backend,
+    optimizer_state_bytes,  # noqa: F401
 )
 from .cpu import NumpyEngine
 from .gpu import GPUEngine
@@ -92,15 +95,17 @@ def build(
     smaller), each chunk's backward right after its forward, so the (B*T, V) logits never exist at once (lesson 12;
     reference/head.py, GPUEngine._head_chunked, every backend); 1: the whole batch at once. The loss and gradients
     equal the unchunked ones up to rounding; forward(x, y) then returns no logits.
-    optimizer_state: AdamW's moments m and v in "fp32" or "int8" (block-wise 8-bit, gpullm_lessons.quant: lesson 12;
-    the NumPy engine only)."""
+    optimizer_state: AdamW's moments m and v in "fp32", "bf16" (bfloat16 bits, 2 bytes each, rounded to nearest even
+    after every update: every backend, the kernel backends through the bf16-moment AdamW kernels) or "int8"
+    (block-wise 8-bit, gpullm_lessons.quant: the NumPy engine only). Lesson 12."""
     backend = check_backend(backend)
     if optimizer_state not in OPTIMIZER_STATES:
         raise EngineError(f"unknown optimizer_state {optimizer_state!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
-    if optimizer_state != "fp32" and backend != "numpy":
+    if optimizer_state == "int8" and backend != "numpy":
         raise EngineError(
-            f"optimizer_state={optimizer_state!r} runs on the NumPy engine (--backend numpy) only: the kernel "
-            f"backends' fused AdamW reads and writes fp32 moments (backend {backend!r})"
+            f"optimizer_state='int8' runs on the NumPy engine (--backend numpy) only: the kernel backends have no "
+            f"block-wise quantise / dequantise kernels (backend {backend!r}); optimizer_state='bf16' halves the "
+            f"moments on every backend"
         )
     if precision not in PRECISIONS:
         raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -135,4 +140,5 @@ def build(
         versions,
         graphs=graphs if backend == "hip" and precision in GRAPH_PRECISIONS else "off",
         ce_chunks=ce_chunks,
+        optimizer_state=optimizer_state,
     )

@@ -14,7 +14,9 @@ from ..params import GPTConfig, layer_segments, num_params
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 POLICIES = ("none", "selective", "full")
-OPTIMIZER_STATES = ("fp32", "int8")  # AdamW's moments: fp32, or block-wise 8-bit (gpullm_lessons.quant)
+# AdamW's moments: fp32; bf16 (bfloat16 bits, rounded to nearest even after each update: every backend); block-wise
+# 8-bit (gpullm_lessons.quant: the NumPy engine)
+OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 GRAPH_PRECISIONS = ("fp32", "bf16")  # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -22,6 +24,50 @@ EPS = 1e-8
 
 class EngineError(ValueError):
     """A backend / precision / policy / machine combination that cannot run; the message names the problem."""
+
+
+# the dtypes of m and v as each optimizer state stores them (int8: m signed, v as sqrt(v) unsigned, plus per-block
+# fp32 scales m_scale, v_scale; see gpullm_lessons.quant)
+MOMENT_DTYPES = {"fp32": ("float32", "float32"), "bf16": ("uint16", "uint16"), "int8": ("int8", "uint8")}
+
+
+def optimizer_state_bytes(n: int, optimizer_state: str = "fp32") -> int:
+    """Bytes of AdamW's m and v for n parameters in `optimizer_state`: fp32 8 n, bf16 4 n, int8 2 n + the scales."""
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer_state {optimizer_state!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
+    if optimizer_state == "int8":
+        from ..quant import moment_bytes
+
+        return moment_bytes(n)
+    return n * 2 * (4 if optimizer_state == "fp32" else 2)
+
+
+def moments_to_f32(state: dict, optimizer_state: str) -> tuple:
+    """(m, v) float32 from a state dict's moments stored in `optimizer_state` (bf16 bits widened exactly; int8
+    dequantised as quant.dequantize_moments)."""
+    if optimizer_state == "fp32":
+        return np.asarray(state["m"], np.float32), np.asarray(state["v"], np.float32)
+    if optimizer_state == "bf16":
+        from ..reference.rounding import bf16_bits_to_f32
+
+        return bf16_bits_to_f32(np.asarray(state["m"])), bf16_bits_to_f32(np.asarray(state["v"]))
+    from ..quant import dequantize_moments
+
+    return dequantize_moments({k: np.asarray(state[k]) for k in ("m", "m_scale", "v", "v_scale")})
+
+
+def moments_from_f32(m, v, optimizer_state: str) -> dict:
+    """{"m", "v"} (int8: also "m_scale", "v_scale") in `optimizer_state` from float32 m, v (bf16: round to nearest
+    even; int8: quant.quantize_moments)."""
+    if optimizer_state == "fp32":
+        return {"m": np.asarray(m, np.float32), "v": np.asarray(v, np.float32)}
+    if optimizer_state == "bf16":
+        from ..reference.rounding import f32_to_bf16_bits
+
+        return {"m": f32_to_bf16_bits(np.asarray(m, np.float32)), "v": f32_to_bf16_bits(np.asarray(v, np.float32))}
+    from ..quant import quantize_moments
+
+    return quantize_moments(np.asarray(m, np.float32), np.asarray(v, np.float32))
 
 
 def check_backend(backend: str) -> str:
@@ -70,13 +116,20 @@ def _has_cupy() -> bool:
 
 
 class Engine:
-    """What every backend provides. Buffers: params (ParamBuffer, fp32 master), grads, m, v (flat); t = steps taken."""
+    """What every backend provides. Buffers: params (ParamBuffer, fp32 master), grads, m, v (flat); t = steps taken.
+    m and v are float32, or uint16 bfloat16 bits (moment_format "bf16"); the NumPy engine's "int8" keeps them
+    block-wise quantised instead (NumpyEngine.moments_q)."""
 
     backend = "?"
 
-    def __init__(self, cfg, precision, policy, seed, betas, eps):
+    def __init__(self, cfg, precision, policy, seed, betas, eps, optimizer_state="fp32"):
         if not isinstance(cfg, GPTConfig):
             raise TypeError(f"engine: cfg must be a GPTConfig, got {type(cfg).__name__}")
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise EngineError(
+                f"unknown optimizer_state {optimizer_state!r}: choose one of {', '.join(OPTIMIZER_STATES)}"
+            )
+        self.moment_format = optimizer_state  # how m and v are stored: "fp32" | "bf16" | "int8"
         self.cfg, self.precision, self.policy, self.seed = cfg, precision, policy, seed
         self.betas, self.eps = tuple(float(b) for b in betas), float(eps)
         self.t = 0
@@ -155,11 +208,13 @@ class Engine:
 
     # ---- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Host copies of everything a resumed run needs: params, m, v (flat fp32), t, the loss scaler."""
+        """Host copies of everything a resumed run needs: params (flat fp32), AdamW's moments as this engine stores
+        them ("optimizer_state": fp32 m, v; bf16: their uint16 bits; int8: int8 m, uint8 sqrt(v) and the per-block
+        scales m_scale, v_scale), t, the loss scaler. A resume from it continues bit for bit."""
         out = {
             "params": self._host(self.params.flat),
-            "m": self._host(self.m),
-            "v": self._host(self.v),
+            **self._moments_state(),
+            "optimizer_state": self.moment_format,
             "t": self.t,
             "precision": self.precision,
         }
@@ -167,26 +222,57 @@ class Engine:
             out["scaler"] = self.scaler.state_dict()
         return out
 
+    def _moments_state(self) -> dict:
+        return {"m": self._host(self.m, self.m.dtype), "v": self._host(self.v, self.v.dtype)}
+
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict(). Moments stored in another optimizer_state than this engine's (a checkpoint without
+        one holds fp32) are converted through fp32 (moments_to_f32, moments_from_f32): the same run, not the same
+        bits; in this engine's own format they are loaded exactly."""
         n = num_params(self.cfg)
-        for key in ("params", "m", "v"):
+        fmt = str(state.get("optimizer_state", "fp32"))
+        if fmt not in OPTIMIZER_STATES:
+            raise ValueError(f"load_state_dict: optimizer_state {fmt!r} is not one of {', '.join(OPTIMIZER_STATES)}")
+        for key in ("params", "m", "v") + (("m_scale", "v_scale") if fmt == "int8" else ()):
             if key not in state:
-                raise ValueError(f"load_state_dict: the state has no {key!r}")
-            if np.asarray(state[key]).shape != (n,):
+                raise ValueError(f"load_state_dict: the state has no {key!r} (optimizer_state {fmt!r})")
+            if key in ("params", "m", "v") and np.asarray(state[key]).shape != (n,):
                 raise ValueError(
                     f"load_state_dict: {key} has shape {np.asarray(state[key]).shape}, this model "
                     f"needs ({n},): the checkpoint is from a different model config"
                 )
+        want = MOMENT_DTYPES[fmt]
+        for key, dt in zip(("m", "v"), want):
+            got = np.asarray(state[key]).dtype
+            if got != np.dtype(dt) and not (fmt == "fp32" and np.issubdtype(got, np.floating)):
+                raise ValueError(
+                    f"load_state_dict: {key} has dtype {got}; an optimizer_state {fmt!r} state stores it as {dt}"
+                )
+        if fmt == self.moment_format:
+            moments = {k: np.asarray(state[k]) for k in state if k in ("m", "v", "m_scale", "v_scale")}
+            if fmt == "fp32":
+                moments = {k: a.astype(np.float32) for k, a in moments.items()}
+        else:
+            moments = moments_from_f32(*moments_to_f32(state, fmt), self.moment_format)
         self.params.flat[...] = self._dev(np.asarray(state["params"], np.float32))
-        self.m[...] = self._dev(np.asarray(state["m"], np.float32))
-        self.v[...] = self._dev(np.asarray(state["v"], np.float32))
+        self._load_moments(moments)
         self.t = int(state["t"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.params_changed()
 
-    def _host(self, a):
-        return np.array(a, dtype=np.float32, copy=True)
+    def _load_moments(self, moments: dict) -> None:
+        """m and v (already in this engine's format, host arrays) into the engine's buffers."""
+        self.m[...] = self._dev(moments["m"])
+        self.v[...] = self._dev(moments["v"])
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of AdamW's moments as this engine holds them now (fp32: 8 per parameter, bf16: 4, int8: 2 plus the
+        scales; 0 after release_optimizer_state)."""
+        return int(self.m.nbytes + self.v.nbytes)
+
+    def _host(self, a, dtype=np.float32):
+        return np.array(a, dtype=dtype, copy=True)
 
     def _dev(self, a):
         return a
@@ -206,6 +292,10 @@ class Engine:
         params, grads: the caller's views of that slice (params a view into the padded parameter storage, so the
         update lands there); m and v start from this engine's moments over the slice (zero in the padding), so a
         loaded checkpoint carries over; the decay rule is the slice's (no decay in the padding)."""
+        if self.moment_format != "fp32":
+            raise EngineError(
+                f"optimizer_shard: ZeRO shards fp32 moments; this engine stores them as {self.moment_format}"
+            )
         n = num_params(self.cfg)
         xp = getattr(self, "xp", np)
         m, v = xp.zeros(hi - lo, xp.float32), xp.zeros(hi - lo, xp.float32)

@@ -1,4 +1,5 @@
-"""NumpyEngine: the NumPy reference GPT (through checkpointing's policies) and AdamW on the CPU, fp32."""
+"""NumpyEngine: the NumPy reference GPT (through checkpointing's policies) and AdamW on the CPU, fp32 (AdamW's moments
+in fp32, bf16 or block-wise 8 bits)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ class NumpyEngine(Engine):
     def __init__(self, cfg, policy, seed, betas, eps, optimizer_state="fp32", ce_chunks=1):
         from ..optim import decay_mask_for
 
-        super().__init__(cfg, "fp32", policy, seed, betas, eps)
+        super().__init__(cfg, "fp32", policy, seed, betas, eps, optimizer_state)
         self.ce_chunks = check_chunks("NumpyEngine", ce_chunks)  # the loss head in chunks of rows (reference/head.py)
         self.params = init_params(cfg, seed=seed, dtype=np.float32)
         self.grads = ParamBuffer(cfg, dtype=np.float32)
         n = num_params(cfg)
-        self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)  # AdamW's moments (optim.AdamW's)
+        # AdamW's moments (optim.AdamW's): fp32; "bf16": their bfloat16 bits (uint16, 4 bytes per parameter instead of
+        # 8), each step reads them back to fp32, updates and rounds them to nearest even (optim.adamw_update_bf16)
+        dt = np.uint16 if optimizer_state == "bf16" else np.float32
+        self.m, self.v = np.zeros(n, dt), np.zeros(n, dt)
         self.decay = decay_mask_for(cfg)  # True where weight decay applies
         # optimizer_state "int8": m and v live only block-wise quantised (quant.quantize_moments: 2 bytes per
         # parameter instead of 8); each step reads them back to fp32, updates, and quantises them again
@@ -37,27 +41,25 @@ class NumpyEngine(Engine):
         self.m = self.v = np.zeros(0, np.float32)
 
     def optimizer_bytes(self) -> int:
-        """Bytes of AdamW's moments as this engine stores them (fp32: 8 per parameter; int8: 2, plus the scales)."""
+        """Bytes of AdamW's moments as this engine stores them (fp32: 8 per parameter; bf16: 4; int8: 2, plus the
+        scales)."""
         if self.moments_q is not None:
             return int(sum(a.nbytes for a in self.moments_q.values()))
-        return int(self.m.nbytes + self.v.nbytes)
+        return super().optimizer_bytes()
 
-    def state_dict(self) -> dict:
-        """As Engine.state_dict; int8 moments are read back to fp32 (the checkpoint format is the same)."""
+    def _moments_state(self) -> dict:
         if self.moments_q is None:
-            return super().state_dict()
-        from ..quant import dequantize_moments
+            return super()._moments_state()
+        return {k: a.copy() for k, a in self.moments_q.items()}  # int8 m, uint8 sqrt(v), their scales: as stored
 
-        m, v = dequantize_moments(self.moments_q)
-        return {**super().state_dict(), "m": m, "v": v, "optimizer_state": "int8"}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.moments_q is None:
-            return super().load_state_dict(state)
-        n = num_params(self.cfg)
-        self.m, self.v = np.zeros(n, np.float32), np.zeros(n, np.float32)
-        super().load_state_dict(state)
-        self._quantize_moments()
+    def _load_moments(self, moments: dict) -> None:
+        if self.moment_format != "int8":
+            return super()._load_moments(moments)
+        nb = self.moments_q["m_scale"].shape
+        for k in ("m_scale", "v_scale"):
+            if np.shape(moments[k]) != nb:
+                raise ValueError(f"load_state_dict: {k} has shape {np.shape(moments[k])}, this model needs {nb}")
+        self.moments_q = {k: np.array(moments[k], copy=True) for k in ("m", "m_scale", "v", "v_scale")}
 
     def forward(self, x, y=None):
         from ..checkpointing import gpt_forward_ckpt
@@ -123,6 +125,13 @@ class NumpyEngine(Engine):
             m, v = dequantize_moments(self.moments_q)
             adamw_update(st.params, st.grads, m, v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
             self.moments_q = quantize_moments(m, v)
+            return
+        if self.moment_format == "bf16":  # bf16 moments: read back, update in fp32, round to nearest even
+            from ..optim import adamw_update_bf16
+
+            adamw_update_bf16(
+                st.params, st.grads, st.m, st.v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay
+            )
             return
         adamw_update(st.params, st.grads, st.m, st.v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
 

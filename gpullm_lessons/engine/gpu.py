@@ -63,10 +63,28 @@ class GPUEngine(Engine):
         "numba-sim": {**_NUMBA_VERSIONS, "layernorm_forward": "v1", "layernorm_backward": "v1"},
     }
 
-    def __init__(self, cfg, backend, precision, policy, seed, betas, eps, versions=None, graphs="off", ce_chunks=1):
+    def __init__(
+        self,
+        cfg,
+        backend,
+        precision,
+        policy,
+        seed,
+        betas,
+        eps,
+        versions=None,
+        graphs="off",
+        optimizer_state="fp32",
+        ce_chunks=1,
+    ):
         from .. import device
 
-        super().__init__(cfg, precision, policy, seed, betas, eps)
+        if optimizer_state == "int8":
+            raise EngineError(
+                "optimizer_state='int8' runs on the NumPy engine only: the kernel backends have no block-wise "
+                "quantise / dequantise kernels; use optimizer_state='bf16' (2 bytes per moment)"
+            )
+        super().__init__(cfg, precision, policy, seed, betas, eps, optimizer_state)
         self.backend = backend
         if backend == "hip":
             from ..backends import hip as K
@@ -95,12 +113,15 @@ class GPUEngine(Engine):
                 raise EngineError(f"versions: attention='flash' cannot run here: {why_not}")
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
             self.ver["adamw"] = "v2"  # v3 reads float4: the buffer length must be a multiple of 4
+        if optimizer_state == "bf16" and not (versions and "adamw" in versions):
+            self.ver["adamw"] = "v2"  # bf16 moments: the fused one-pass kernel (adamw_bf16_moments_v2) is the one
         host = init_params(cfg, seed=seed, dtype=np.float32)
         self.params = ParamBuffer(cfg, np.float32, xp)
         self.params.flat[...] = xp.asarray(host.flat)
         self.grads = ParamBuffer(cfg, np.float32, xp)
         n = num_params(cfg)
-        self.m, self.v = xp.zeros(n, xp.float32), xp.zeros(n, xp.float32)
+        mdt = xp.uint16 if optimizer_state == "bf16" else xp.float32  # bf16: the moments' bfloat16 bits
+        self.m, self.v = xp.zeros(n, mdt), xp.zeros(n, mdt)
         from ..kernels.numba.adamw import decay_table
 
         self.decay = decay_table(self.params, arrays="cupy" if self.on_gpu else "numpy")
@@ -140,8 +161,8 @@ class GPUEngine(Engine):
         self._graphs_required = graphs == "on"
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-    def _host(self, a):
-        return np.array(self.xp.asnumpy(a) if self.on_gpu else a, dtype=np.float32, copy=True)
+    def _host(self, a, dtype=np.float32):
+        return np.array(self.xp.asnumpy(a) if self.on_gpu else a, dtype=dtype, copy=True)
 
     def _dev(self, a):
         return self.xp.asarray(a)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from ..params import GPTConfig, num_params
-from .core import POLICIES, PRECISIONS
+from .core import POLICIES, PRECISIONS, optimizer_state_bytes
 
 
 def engine_memory(
-    cfg: GPTConfig, B: int, T: int, precision="fp32", policy="none", half_scores=True, attention="cublas", ce_chunks=1
+    cfg: GPTConfig,
+    B: int,
+    T: int,
+    precision="fp32",
+    policy="none",
+    half_scores=True,
+    attention="cublas",
+    ce_chunks=1,
+    optimizer_state="fp32",
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -25,6 +33,8 @@ def engine_memory(
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
+    optimizer_state: how AdamW's m and v are stored ("adamw": fp32 8 bytes per parameter, bf16 4, int8 2 plus the
+    block scales: core.optimizer_state_bytes).
     Returns the terms, "head" (the loss head's own tensors at the end of the forward: lnf's output, the logits and
     dlogits, or one chunk's and dlnf, the per-row losses and the targets) and "total" = model + activations + peak
     working set.
@@ -45,7 +55,7 @@ def engine_memory(
     C, nh, L, V = cfg.d_model, cfg.n_head, cfg.n_layer, cfg.vocab_size
     N, P, TT = B * T, num_params(cfg), B * nh * T * T
     NC = N * C
-    model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": 2 * P * f}
+    model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": optimizer_state_bytes(P, optimizer_state)}
     # what one block keeps, per policy (GPUEngine._block_forward)
     base = NC * f + 4 * N * f  # x, mean1, rstd1, mean2, rstd2
     att = NC * f + B * nh * T * f if flash else TT * e  # flash: y and lse; cublas: the probabilities att_mm

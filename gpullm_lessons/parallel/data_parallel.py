@@ -119,9 +119,11 @@ class DataParallel:
                 "DataParallel: an NCCL communicator needs a GPU engine (backend hip or numba on a GPU); "
                 "the NumPy engine runs on MPI ranks"
             )
-        if self.zero and getattr(engine, "moments_q", None) is not None:
+        moment_format = getattr(engine, "moment_format", "fp32")
+        if self.zero and moment_format != "fp32":
             raise ValueError(
-                "DataParallel: ZeRO shards fp32 moments; this engine keeps them in 8 bits (optimizer_state='int8')"
+                f"DataParallel: ZeRO shards fp32 moments; this engine keeps them as {moment_format} "
+                f"(optimizer_state={moment_format!r})"
             )
         comm.broadcast(engine.params.flat, root=0)
         engine.params_changed()
@@ -160,7 +162,7 @@ class DataParallel:
         """Bytes of AdamW state (m + v) this rank holds."""
         if self.zero:
             return int(self.shard.m.nbytes + self.shard.v.nbytes)
-        if hasattr(self.eng, "optimizer_bytes"):  # the NumPy engine: fp32 or 8-bit moments
+        if hasattr(self.eng, "optimizer_bytes"):  # fp32, bf16 or 8-bit moments, as the engine stores them
             return self.eng.optimizer_bytes()
         return int(self.eng.m.nbytes + self.eng.v.nbytes)
 
@@ -173,7 +175,8 @@ class DataParallel:
 
     def memory(self) -> dict:
         """This rank's model-state bytes between steps, from the arrays it holds: params (padded under ZeRO), grads
-        (gradient_bytes), optimizer; and the unsharded sizes: optimizer_full (m + v of every parameter), grads_full
+        (gradient_bytes), optimizer; and the unsharded sizes: optimizer_full (m + v of every parameter, in the engine's
+        optimizer_state: ZeRO's are fp32; ratio: optimizer / optimizer_full), grads_full
         (one fp32 gradient of every parameter, what backward writes on every rank, ZeRO-2 included)."""
         p = self.ppad.nbytes if self.zero else self.eng.params.flat.nbytes
         return {
@@ -181,9 +184,14 @@ class DataParallel:
             "grads": self.gradient_bytes(),
             "grads_full": 4 * self.n,
             "optimizer": self.optimizer_bytes(),
-            "optimizer_full": 8 * self.n,
-            "ratio": self.optimizer_bytes() / (8 * self.n),
+            "optimizer_full": self._optimizer_full(),
+            "ratio": self.optimizer_bytes() / max(self._optimizer_full(), 1),
         }
+
+    def _optimizer_full(self) -> int:
+        from ..engine.core import optimizer_state_bytes
+
+        return optimizer_state_bytes(self.n, getattr(self.eng, "moment_format", "fp32"))
 
     # ---- state: what a checkpoint holds, the same on 1 and N ranks -------------------------------------------------
     def state_dict(self) -> dict:

@@ -9,7 +9,12 @@
 //   v3 (HIP only): v2 with float4 (16-byte) loads and stores, 4 elements per thread (n % 4 == 0, aligned).
 //   v4 (HIP only): v3 reading lr, lr wd, the bias corrections and the clip / loss-scale factor from GPU memory, so
 //       that a CUDA graph can replay the step (adamw_step_device); grad_sumsq* give it the gradient norm.
+//   adamw_bf16_moments_v2: v2 with m and v stored as bfloat16 bits (unsigned short, 2 bytes each): read back to
+//       float32 (exact), updated and used for the step in float32, written back rounded to nearest even (half.h's
+//       f32_to_bf16_bits): 24 bytes per parameter. adamw_bf16_moments_device_v2: the same with v4's scalars in GPU
+//       memory (the CUDA-graph step). Twins of kernels/numba/adamw.py's kernels of the same names.
 #include "portable.h"
+#include "half.h"
 
 // The half-precision copy of p into half_out[i] (half_mode 0: none, 1: float16, 2: bfloat16 bits).
 __device__ __forceinline__ void store_half(unsigned short* __restrict__ half_out, long long i, float p, int half_mode) {
@@ -181,6 +186,62 @@ extern "C" __global__ void adamw_step_v4(float* __restrict__ params, float* __re
     adamw_v3_body(params, grads, m, v, bounds, flags, half_out, half_mode, n, hyper[0], hyper[1], beta1,
                   one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps,
                   adamw_device_grad_scale(hyper, sumsq));
+}
+
+// ---- bf16 moments: m and v as bfloat16 bits, the update in float32 (one pass, v2's loop) ---------------------------
+__device__ __forceinline__ void adamw_bf16_moments_body(float* __restrict__ params, float* __restrict__ grads,
+                                                        unsigned short* __restrict__ m, unsigned short* __restrict__ v,
+                                                        const long long* __restrict__ bounds,
+                                                        const unsigned char* __restrict__ flags,
+                                                        unsigned short* __restrict__ half_out, int half_mode,
+                                                        long long n, float lr, float lr_wd, float beta1,
+                                                        float one_minus_beta1, float beta2, float one_minus_beta2,
+                                                        float bias1, float bias2, float eps, float grad_scale) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    int j = 0;   // the tensor element i lies in, walked forward
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        while (bounds[j + 1] <= i) j++;
+        float g = grads[i] * grad_scale;
+        float p = params[i];
+        if (flags[j] && lr_wd != 0.0f) p = p - lr_wd * p;
+        float m_old = __uint_as_float(((unsigned int)m[i]) << 16);   // bf16 bits -> float32: 16 zero bits appended
+        float v_old = __uint_as_float(((unsigned int)v[i]) << 16);
+        float mi = beta1 * m_old + one_minus_beta1 * g;
+        float vi = beta2 * v_old + one_minus_beta2 * (g * g);
+        p = p - (lr * (mi / bias1)) / (sqrtf(vi / bias2) + eps);   // this step's float32 moments, before rounding
+        params[i] = p;
+        m[i] = f32_to_bf16_bits(mi);   // round to nearest even, back to 2 bytes
+        v[i] = f32_to_bf16_bits(vi);
+        grads[i] = 0.0f;
+        store_half(half_out, i, p, half_mode);
+    }
+}
+
+extern "C" __global__ void adamw_bf16_moments_v2(float* __restrict__ params, float* __restrict__ grads,
+                                                 unsigned short* __restrict__ m, unsigned short* __restrict__ v,
+                                                 const long long* __restrict__ bounds,
+                                                 const unsigned char* __restrict__ flags,
+                                                 unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                                 float lr, float lr_wd, float beta1, float one_minus_beta1,
+                                                 float beta2, float one_minus_beta2, float bias1, float bias2,
+                                                 float eps, float grad_scale) {
+    adamw_bf16_moments_body(params, grads, m, v, bounds, flags, half_out, half_mode, n, lr, lr_wd, beta1,
+                            one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, grad_scale);
+}
+
+// the CUDA-graph step with bf16 moments: lr, lr wd, bias1, bias2 and the clip / loss-scale factor from hyper, sumsq
+extern "C" __global__ void adamw_bf16_moments_device_v2(float* __restrict__ params, float* __restrict__ grads,
+                                                        unsigned short* __restrict__ m, unsigned short* __restrict__ v,
+                                                        const long long* __restrict__ bounds,
+                                                        const unsigned char* __restrict__ flags,
+                                                        unsigned short* __restrict__ half_out, int half_mode,
+                                                        long long n, const float* __restrict__ hyper,
+                                                        const float* __restrict__ sumsq, float beta1,
+                                                        float one_minus_beta1, float beta2, float one_minus_beta2,
+                                                        float eps) {
+    adamw_bf16_moments_body(params, grads, m, v, bounds, flags, half_out, half_mode, n, hyper[0], hyper[1], beta1,
+                            one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps,
+                            adamw_device_grad_scale(hyper, sumsq));
 }
 
 // ---- the global gradient norm: the sum of squares of the flat buffer in two deterministic stages ------------------

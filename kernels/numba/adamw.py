@@ -38,6 +38,11 @@ v2: fused, one grid-stride pass that reads each buffer once and writes each once
 device_v2: v2 with lr, lr * wd, the bias corrections, 1 / loss scale and the clip threshold read from a device array
     (adamw_hyper()) and the clip factor computed from the squared gradient norm in device memory: adamw_step_device,
     the step a CUDA graph can replay (its launch arguments never change from step to step).
+bf16_moments_v2 (adamw_step with m, v uint16): v2 with AdamW's moments stored as bfloat16 bits, 2 bytes each: it reads
+    them (exact: 16 zero bits appended), updates them and takes the step in float32 (the step uses this step's
+    float32 moments), then writes them back rounded to nearest even (convert.f32_to_bf16_bits, the rounding of
+    reference.rounding and half.h). 24 B per parameter instead of 32. Reference: optim.adamw_update_bf16.
+bf16_moments_device_v2 (adamw_step_device with m, v uint16): bf16_moments_v2 with device_v2's scalars from hyper.
 sumsq_v1, sumsq_reduce_v1: grad_sumsq, the squared global gradient norm of the flat buffer: block partials (a
     shared-memory tree), then one fixed-order sum (deterministic, no atomics).
 No version is GPU-only: all of them run in Numba's CUDA simulator.
@@ -52,7 +57,9 @@ from gpullm_lessons.contracts import check_threads, check_version
 # the contract both backends share; adamw_hyper and the rest stay importable from here (the engine imports them)
 from gpullm_lessons.contracts.adamw import (HALF_BF16, HALF_FP16, HALF_NONE, HYPER_LEN, adamw_hyper,  # noqa: F401
                                             check_buffers, check_device_args, check_hyper, check_table, half_mode_of,
-                                            host_scalars)
+                                            host_scalars, check_moment_buffers, check_bf16_moments_version,
+                                            MOMENTS_BF16)
+from gpullm_lessons.kernels.numba.convert import U16, f32_to_bf16_bits, f32_to_f16_bits
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
 from gpullm_lessons.kernels.numba import launch_stream
@@ -181,6 +188,57 @@ def adamw_device_v2(params, grads, m, v, bounds, flags, half_out, half_mode, hyp
              beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
 
 
+# bf16_moments_v2: v2's one pass with m and v stored as bfloat16 bits (uint16): read them back to float32 (exact),
+# update and step in float32, write them back rounded to nearest even (f32_to_bf16_bits: + 0x7FFF + lowest kept bit).
+@cuda.jit(device=True, inline=True)
+def _bf16_moments_loop(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+                       beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    j = 0                                   # index of the tensor element i lies in (walked forward)
+    for i in range(start, params.shape[0], stride):
+        while bounds[j + 1] <= i:
+            j += 1
+        g = grads[i] * grad_scale
+        p = params[i]
+        if flags[j] != 0 and lr_wd != ZERO:
+            p = p - lr_wd * p
+        m_old = libdevice.int_as_float(numba.uint32(m[i]) << U16)   # bf16 bits -> float32: 16 zero bits appended
+        v_old = libdevice.int_as_float(numba.uint32(v[i]) << U16)
+        mi = beta1 * m_old + one_minus_beta1 * g
+        vi = beta2 * v_old + one_minus_beta2 * (g * g)
+        denom = numba.float32(math.sqrt(vi / bias2)) + eps
+        p = p - (lr * (mi / bias1)) / denom  # the step from this step's float32 moments, before they are rounded
+        params[i] = p
+        m[i] = f32_to_bf16_bits(mi)         # round to nearest even, back to 2 bytes
+        v[i] = f32_to_bf16_bits(vi)
+        grads[i] = ZERO
+        if half_mode == 1:
+            half_out[i] = f32_to_f16_bits(p)
+        elif half_mode == 2:
+            half_out[i] = f32_to_bf16_bits(p)
+
+
+@cuda.jit
+def adamw_bf16_moments_v2(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+                          beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
+    _bf16_moments_loop(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd, beta1, one_minus_beta1,
+                       beta2, one_minus_beta2, bias1, bias2, eps, grad_scale)
+
+
+# bf16_moments_device_v2 (adamw_step_device, bf16 moments): the scalars from hyper and sumsq, as device_v2.
+@cuda.jit
+def adamw_bf16_moments_device_v2(params, grads, m, v, bounds, flags, half_out, half_mode, hyper, sumsq, beta1,
+                                 one_minus_beta1, beta2, one_minus_beta2, eps):
+    inv_scale, clip = hyper[4], hyper[5]
+    coef = numba.float32(1.0)
+    if clip > ZERO:
+        c = clip / (numba.float32(math.sqrt(sumsq[0])) * inv_scale + numba.float32(1e-6))
+        if c < coef:
+            coef = c
+    _bf16_moments_loop(params, grads, m, v, bounds, flags, half_out, half_mode, hyper[0], hyper[1], beta1,
+                       one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
+
+
 # sumsq_v1 (grad_sumsq): stage 1, block b adds the squares of its grid-stride elements in a shared-memory tree into
 # partial[b]; stage 2 (sumsq_reduce_v1, one block) adds the partials in a fixed order: deterministic, no atomics.
 SUMSQ_THREADS = 128
@@ -217,7 +275,8 @@ def sumsq_reduce_v1(partial, out):
 
 KERNELS = {"v1_decay": adamw_v1_decay, "v1_m": adamw_v1_m, "v1_v": adamw_v1_v, "v1_update": adamw_v1_update,
            "v1_zero": adamw_v1_zero, "v2": adamw_v2, "device_v2": adamw_device_v2, "sumsq_v1": sumsq_v1,
-           "sumsq_reduce_v1": sumsq_reduce_v1}
+           "sumsq_reduce_v1": sumsq_reduce_v1, "bf16_moments_v2": adamw_bf16_moments_v2,
+           "bf16_moments_device_v2": adamw_bf16_moments_device_v2}
 _F = "float32[::1]"
 SIGNATURES = {
     "v1_decay": f"void({_F}, {_F}, int64[::1], uint8[::1], float32, float32)",   # params, grads, bounds, flags, ...
@@ -229,6 +288,10 @@ SIGNATURES = {
           + ", ".join(["float32"] * 10) + ")",
     "device_v2": f"void({_F}, {_F}, {_F}, {_F}, int64[::1], uint8[::1], uint16[::1], int32, {_F}, {_F}, "
                  + ", ".join(["float32"] * 5) + ")",
+    "bf16_moments_v2": f"void({_F}, {_F}, uint16[::1], uint16[::1], int64[::1], uint8[::1], uint16[::1], int32, "
+                       + ", ".join(["float32"] * 10) + ")",
+    "bf16_moments_device_v2": f"void({_F}, {_F}, uint16[::1], uint16[::1], int64[::1], uint8[::1], uint16[::1], "
+                              f"int32, {_F}, {_F}, " + ", ".join(["float32"] * 5) + ")",
     "sumsq_v1": f"void({_F}, {_F})",
     "sumsq_reduce_v1": f"void({_F}, {_F})",
 }
@@ -315,19 +378,26 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     (bounds, flags) from decay_table(). grad_scale multiplies the gradient first. half_out (n,): also receives the
     updated weights in half precision: float16 (half_dtype="float16") or bfloat16 bits in uint16
     (half_dtype="bfloat16"; ml_dtypes.bfloat16 arrays are accepted on the host too).
+    m and v uint16 (both): bf16 moments, their bfloat16 bits (bf16_moments_v2; version "v2" only).
     """
     from gpullm_lessons.contracts import check_array
     fn = "adamw_step"
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
-    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    n, moments = check_moment_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    if moments == MOMENTS_BF16:
+        check_bf16_moments_version(fn, version)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     bounds, flags, half_out, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min(math.ceil(n / threads), _max_blocks())
-    if version == "v2":
+    if moments == MOMENTS_BF16:
+        KERNELS["bf16_moments_v2"][blocks, threads, launch_stream()](
+            params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"], s["beta1"], s["one_minus_beta1"],
+            s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"], s["grad_scale"])
+    elif version == "v2":
         KERNELS["v2"][blocks, threads, launch_stream()](params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"],
                                        s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
                                        s["bias1"], s["bias2"], s["eps"], s["grad_scale"])
@@ -345,11 +415,12 @@ def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, deca
                       half_dtype=None, threads=256):
     """adamw_step with lr, weight decay, the step count, the loss scale and the clip threshold read from `hyper`
     (adamw_hyper(), on the device) and the gradient's squared norm from `sumsq` (grad_sumsq()): the step a CUDA
-    graph replays. The clip factor is min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)), as the host computes it."""
+    graph replays. The clip factor is min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)), as the host computes it.
+    m and v uint16 (both): bf16 moments (bf16_moments_device_v2)."""
     from gpullm_lessons.contracts import check_array
     fn = "adamw_step_device"
     threads = check_threads(fn, threads)
-    n = check_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    n, moments = check_moment_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
     check_device_args(fn, n, hyper, sumsq, check_array)
     check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
     bounds, flags, half_out, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
@@ -357,7 +428,8 @@ def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, deca
         return
     f = np.float32
     blocks = min(math.ceil(n / threads), _max_blocks())
-    KERNELS["device_v2"][blocks, threads, launch_stream()](params, grads, m, v, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),
+    key = "bf16_moments_device_v2" if moments == MOMENTS_BF16 else "device_v2"
+    KERNELS[key][blocks, threads, launch_stream()](params, grads, m, v, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),
                                           f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
 
 

@@ -5,7 +5,9 @@ the table), and the same argument checks (gpullm_lessons/contracts/adamw.py):
 v1 unfused (five elementwise kernels, ~60 bytes per parameter), v2 fused (one pass, 32 bytes per parameter).
 HIP only: v3, v2 with float4 loads and stores (4 elements per thread per step); it needs n % 4 == 0 and 16-byte
 aligned buffers and runs v2 otherwise.
-params, grads, m, v are 1-D float32 CuPy arrays of one length n (the flat parameter buffer and its companions).
+params, grads, m, v are 1-D float32 CuPy arrays of one length n (the flat parameter buffer and its companions); m and
+v may instead both be uint16, the bits of bf16 moments: adamw_bf16_moments_v2 (version "v2", scalar loads) and, in
+adamw_step_device, adamw_bf16_moments_device_v2 (no float4 requirement).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import numpy as np
 from gpullm_lessons.contracts import check_array, check_threads, check_version
 from gpullm_lessons.contracts.adamw import (
     HALF_NONE,
-    check_buffers,
+    MOMENTS_BF16,
+    check_bf16_moments_version,
     check_device_args,
     check_hyper,
+    check_moment_buffers,
     check_table,
     half_mode_of,
     host_scalars,
@@ -49,8 +53,9 @@ def _kernel(name):
 
 
 def _check_threads_and_buffers(fn, threads, buffers):
-    """(threads, n): the block size and the length of params, grads, m, v (checked, in that order, named after fn)."""
-    return check_threads(fn, threads), check_buffers(fn, BUFFER_NAMES, buffers, _check_cupy)
+    """(threads, n, moments): the block size, the length of params, grads, m, v (checked, in that order, named after
+    fn) and how m and v are stored (contracts.adamw.MOMENTS_F32 or MOMENTS_BF16)."""
+    return (check_threads(fn, threads), *check_moment_buffers(fn, BUFFER_NAMES, buffers, _check_cupy))
 
 
 def _float4_ok(n, buffers) -> bool:
@@ -141,12 +146,15 @@ def adamw_step(
     step: the step count t after increment (>= 1). decay_bounds: None (decay everything) or (bounds, flags) from
     decay_table() (CuPy arrays: int64 (k+1,), uint8 (k,); NumPy ones are copied to the GPU on every call).
     grad_scale multiplies the gradient first. half_out (n,) CuPy float16 (half_dtype="float16") or uint16
-    (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights.
+    (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights. m and v uint16 (both): bf16
+    moments (adamw_bf16_moments_v2, version "v2" only).
     """
     fn = "adamw_step"
     buffers = (params, grads, m, v)
     check_version(fn, version, VERSIONS)
-    threads, n = _check_threads_and_buffers(fn, threads, buffers)
+    threads, n, moments = _check_threads_and_buffers(fn, threads, buffers)
+    if moments == MOMENTS_BF16:
+        check_bf16_moments_version(fn, version)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
@@ -154,6 +162,9 @@ def adamw_step(
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min((n + threads - 1) // threads, MAX_BLOCKS)
     grid, block, nn = (blocks,), (threads,), np.int64(n)
+    if moments == MOMENTS_BF16:
+        _launch_fused("adamw_bf16_moments_v2", grid, threads, buffers, table, n, _fused_scalars(s))
+        return
     if version == "v3" and not _float4_ok(n, buffers):
         version = "v2"  # float4 needs whole, aligned groups of 4: the scalar kernel does the same work
     if version == "v3":  # float4 loads and stores: a thread per group of 4 elements
@@ -177,12 +188,21 @@ def adamw_step_device(
     """adamw_step (v3's float4 pass; v2's scalar pass is not offered) with lr, weight decay, the step count, the loss
     scale and the clip threshold read from `hyper` (contracts.adamw.adamw_hyper(), copied to the GPU) and the
     squared gradient norm from `sumsq` (grad_sumsq): nothing in the launch changes from step to step, so a CUDA graph
-    can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise)."""
+    can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise). m and v uint16 (both): bf16
+    moments, adamw_bf16_moments_device_v2 (one element per thread per step: any n)."""
     fn = "adamw_step_device"
     buffers = (params, grads, m, v)
-    threads, n = _check_threads_and_buffers(fn, threads, buffers)
+    threads, n, moments = _check_threads_and_buffers(fn, threads, buffers)
     check_device_args(fn, n, hyper, sumsq, _check_cupy)
     check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
+    f = np.float32
+    scalars = (hyper, sumsq, f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
+    if moments == MOMENTS_BF16:
+        table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
+        if n:
+            grid = (min((n + threads - 1) // threads, MAX_BLOCKS),)
+            _launch_fused("adamw_bf16_moments_device_v2", grid, threads, buffers, table, n, scalars)
+        return
     if not _float4_ok(n, buffers):
         raise ValueError(
             f"{fn}: the float4 kernel needs n % 4 == 0 (n = {n}) and 16-byte aligned buffers; use adamw_step"
@@ -190,8 +210,6 @@ def adamw_step_device(
     table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
-    f = np.float32
-    scalars = (hyper, sumsq, f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
     _launch_fused("adamw_step_v4", _float4_grid(n, threads), threads, buffers, table, n, scalars)
 
 
