@@ -54,6 +54,7 @@ RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/v
 	tests/test_import_graph.py tests/test_kernel_names.py gpullm_lessons/sanitize.py tests/test_sanitize.py tests/test_viz.py tests/test_checks_verdict.py \
 	tests/test_slurm.py tests/test_slurm_env.py
 RUFF_FORMATTED += gpullm_lessons/classroom.py tests/test_class.py
+RUFF_FORMATTED += tests/test_checkpointing_sqrt.py
 RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py
 lint: $(SETUP)

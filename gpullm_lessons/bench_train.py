@@ -18,7 +18,7 @@ prediction of engine_memory beside the measured peak, or the out-of-memory error
 model allows for a 1024-wide GPT at T = 4096, B = 8, bf16, flash attention, no checkpointing, run; one layer more,
 tried.
 
-`checkpointing`: per preset and policy (none / selective / full), the step time and the measured peak memory
+`checkpointing`: per preset and policy (none / selective / full / sqrt), the step time and the measured peak memory
 beside the predictions of engine.engine_memory (the engine's tensors) and checkpointing.memory_model (the
 reference's cache). Peak = the largest number of bytes in use in CuPy's memory pool at any allocation (an
 allocator hook reads pool.used_bytes() after each malloc); "reserved" = what the pool holds at the end, which adds
@@ -387,7 +387,7 @@ def _predict(cfg, B, T, precision, policy, attention):
     return engine_memory(cfg, B, T, precision, policy, attention=attention)["total"]
 
 
-def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), policies=("none", "selective", "full"),
+def bench_checkpointing(presets=("course", "gpt2"), precisions=("fp32",), policies=("none", "selective", "full", "sqrt"),
                         steps=6, backend="hip", graphs=("off", "on")) -> dict:
     """Step time and peak memory per checkpointing policy, each step launched from Python (graphs "off") and
     replayed as a CUDA graph ("on": no launch overhead, so what is left of a policy's cost is its recompute)."""

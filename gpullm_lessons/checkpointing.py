@@ -13,6 +13,12 @@ with T * T for attention). Checkpointing keeps less and recomputes the rest just
     policy="full"       keep only each block's input x (B, T, C). Just before a block's backward, run that
                         block's whole forward again from x, then its backward, then drop the recomputed cache.
                         Costs about one extra forward; activation memory is L * (B, T, C) plus ONE block's cache.
+    policy="sqrt"       the sqrt(n) schedule (Chen et al. 2016, "Training deep nets with sublinear memory cost"): the
+    policy="sqrt:K"     blocks are cut into segments of k consecutive blocks (k = round(sqrt(L)), or K), and only each
+                        segment's input x (B, T, C) is kept. Backward reaches a segment at its last block: it runs
+                        the whole segment's forward again from that input, holds the k block caches, and drops each
+                        one after its block's backward. Activation memory: ceil(L / k) inputs plus k block caches,
+                        while "full" is the same schedule with k = 1. Also about one extra forward.
 
 Recomputation uses exactly the same reference ops, in the same order and dtype, on the same inputs, so the
 recomputed tensors are bitwise equal to the forward's and the gradients are bitwise equal to the reference.
@@ -30,14 +36,48 @@ from .params import GPTConfig, num_params
 from .reference.gelu import gelu_forward
 from .reference.gpt import _check_tensors, block_forward, check_inputs, gpt_backward, gpt_forward
 
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "selective", "full", "sqrt")   # "sqrt" also as "sqrt:K", K blocks per segment
+BLOCK_POLICIES = ("none", "selective", "full")    # the ones that keep the same for every block
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}   # bytes per element of the compute precision
 INDEX_BYTES = 8                                  # token ids idx, targets: NumPy's default int64
 
 
-def _check_policy(fn, policy):
-    if policy not in POLICIES:
-        raise ValueError(f"{fn}: policy must be one of {', '.join(repr(p) for p in POLICIES)}; got {policy!r}")
+def parse_policy(policy, n_layer=None, fn="policy"):
+    """A checkpointing policy -> (name, k): name one of POLICIES; k the segment length of the sqrt schedule (blocks
+    per segment: round(sqrt(n_layer)), at least 1, for "sqrt"; K for "sqrt:K"), None for the other policies.
+    ValueError naming the problem for anything else (K not a whole number >= 1, or more than n_layer blocks).
+    Without n_layer only the spelling is checked and k of a plain "sqrt" is None."""
+    known = f"{', '.join(repr(p) for p in POLICIES)} (or 'sqrt:K', K blocks per segment)"
+    if not isinstance(policy, str):
+        raise ValueError(f"{fn}: policy must be one of {known}; got {policy!r}")
+    name, sep, k_text = policy.partition(":")
+    if name not in POLICIES or (sep and name != "sqrt"):
+        raise ValueError(f"{fn}: policy must be one of {known}; got {policy!r}")
+    if name != "sqrt":
+        return name, None
+    if sep:
+        if not (k_text.isascii() and k_text.isdigit()) or int(k_text) < 1:
+            raise ValueError(f"{fn}: the segment length K of {policy!r} must be a whole number of blocks, 1 or "
+                             f"more (as in 'sqrt:4'); got {k_text!r}")
+        k = int(k_text)
+    else:
+        k = None if n_layer is None else max(1, round(math.sqrt(n_layer)))
+    if n_layer is not None and k > n_layer:
+        raise ValueError(f"{fn}: the segment length of {policy!r} is {k} blocks but the model has only "
+                         f"{n_layer} (n_layer); choose K from 1 to {n_layer}")
+    return name, k
+
+
+def segments(n_layer, k) -> list:
+    """The sqrt schedule's segments: (start, stop) block ranges of k consecutive blocks from block 0 (the last one
+    shorter when k does not divide n_layer). Block `start` of each keeps its input; backward recomputes the rest."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n_layer:
+        raise ValueError(f"segments: k must be a whole number of blocks from 1 to n_layer={n_layer}, got {k!r}")
+    return [(a, min(a + k, n_layer)) for a in range(0, n_layer, k)]
+
+
+def _check_policy(fn, policy, n_layer=None):
+    return parse_policy(policy, n_layer, fn)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,12 +128,14 @@ def gpt_forward_ckpt(params, cfg, idx, targets=None, policy="none", ce_chunks=1)
     cache["policy"] says which; cache["params"] refers to the parameters (needed to recompute, and so that
     cache_bytes does not count them as activations).
     """
-    _check_policy("gpt_forward_ckpt", policy)
     idx = check_inputs("gpt_forward_ckpt", params, cfg, idx)
+    name, k = _check_policy("gpt_forward_ckpt", policy, cfg.n_layer)
     p = params
+    starts = {a for a, _ in segments(cfg.n_layer, k)} if name == "sqrt" else ()
     keep = {"none": None,                                                     # the plain reference: all of it
             "selective": lambda l, c: _drop_selective(c, p["ln1b"][l], p["ln2b"][l]),
-            "full": lambda l, c: c["ln1"]["inp"]}[policy]   # only the block input x (B, T, C): ln1's inp
+            "full": lambda l, c: c["ln1"]["inp"],           # only the block input x (B, T, C): ln1's inp
+            "sqrt": lambda l, c: c["ln1"]["inp"] if l in starts else None}[name]   # a segment's input x only
     logits, loss, cache = gpt_forward(params, cfg, idx, targets, keep=keep, ce_chunks=ce_chunks)
     return logits, loss, dict(cache, policy=policy, params=params)
 
@@ -104,13 +146,33 @@ def gpt_backward_ckpt(cache, grads, ready=None):
     policy = cache.get("policy")
     _check_policy("gpt_backward_ckpt", policy)
     cfg, p = cache["cfg"], cache["params"]
+    name, k = _check_policy("gpt_backward_ckpt", policy, cfg.n_layer)
     if cache["crossentropy"] is None:
         raise ValueError("gpt_backward_ckpt: the cache has no loss; call gpt_forward_ckpt with targets first")
     _check_tensors("gpt_backward_ckpt", "grads", grads, cfg)
-    recompute = {"none": None,                                                # everything was kept
-                 "selective": lambda l, kept: _rebuild_selective(kept),       # recompute ln1, ln2, gelu
-                 "full": lambda l, x_in: block_forward(p, l, x_in, cfg.n_head)[1]}[policy]  # the whole block
+    recompute = {"none": lambda: None,                                        # everything was kept
+                 "selective": lambda: lambda l, kept: _rebuild_selective(kept),   # recompute ln1, ln2, gelu
+                 "full": lambda: lambda l, x_in: block_forward(p, l, x_in, cfg.n_head)[1],  # the whole block
+                 "sqrt": lambda: _segment_recompute(p, cfg, cache["layers"], k)}[name]()  # a whole segment
     return gpt_backward(cache, grads, recompute=recompute, ready=ready)
+
+
+def _segment_recompute(p, cfg, layers, k):
+    """recompute(l, kept) for gpt_backward under the sqrt schedule. Backward reaches a segment at its last block: the
+    segment's forward runs again from its saved input layers[start] (the same block_forward, so the same bits), and
+    its block caches are held here; each block's backward takes its own out (held.pop), so it is freed when
+    gpt_backward moves on to the block below."""
+    segment_of = {l: (a, b) for a, b in segments(cfg.n_layer, k) for l in range(a, b)}
+    held = {}                                          # block -> its recomputed cache, for this segment only
+
+    def recompute(l, kept):
+        if l not in held:                              # l is the last block of its segment (backward runs down)
+            a, b = segment_of[l]
+            x = layers[a]                              # the segment's saved input (B, T, C)
+            for j in range(a, b):
+                x, held[j] = block_forward(p, j, x, cfg.n_head)   # x: block j's output, block j + 1's input
+        return held.pop(l)
+    return recompute
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,7 +224,7 @@ def _kept_per_block(cfg, B, T, policy):
     next block or the final LayerNorm keeps anyway: block l's output is block l+1's input)."""
     C, nh = cfg.d_model, cfg.n_head
     x_in = ("x: block input, ln1 inp (residual stream)", (B, T, C))
-    if policy == "full":
+    if policy in ("full", "sqrt"):                      # sqrt: what the first block of a segment keeps
         return [x_in]
     ln_stats = [("ln1 mean", (B, T)), ("ln1 rstd", (B, T))]
     selective = [x_in, *ln_stats,
@@ -198,7 +260,10 @@ def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
     recompute_peak the extra bytes alive during backward while one block is recomputed: under "full" that
                    block's whole dropped cache (everything in the "none" list but x); under "selective" its
                    ln1, ln2 and gelu outputs. 0 for "none". (Only one block at a time: it is dropped after its
-                   backward.)
+                   backward.) Under "sqrt" the caches of a whole segment (its longest, k blocks) minus its kept x:
+                   they all exist when the segment's recomputed forward ends, before the first of its backwards.
+    kept_blocks    how many blocks keep `kept_per_block`: n_layer, or under "sqrt" the number of segments
+                   ceil(L / k) (segment: k, the blocks per segment; None for the other policies).
     total          the sum of all the above.
 
     Not counted: the gradient activations of the backward (dx, dlogits, ...: transient, about one block's
@@ -207,7 +272,7 @@ def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
     """
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"memory_model: cfg must be a GPTConfig, got {type(cfg).__name__}")
-    _check_policy("memory_model", policy)
+    pol, k = _check_policy("memory_model", policy, cfg.n_layer)
     if precision not in PRECISIONS:
         raise ValueError(f"memory_model: precision must be one of {', '.join(repr(p) for p in PRECISIONS)}; "
                          f"got {precision!r}")
@@ -220,18 +285,21 @@ def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
     C, V, L = cfg.d_model, cfg.vocab_size, cfg.n_layer
     P = num_params(cfg)
 
-    per_block = _kept_per_block(cfg, B, T, policy)
+    per_block = _kept_per_block(cfg, B, T, pol)
     top = [("x: last block output, lnf inp", (B, T, C)), ("lnf mean", (B, T)), ("lnf rstd", (B, T)),
            ("lnf out (head inp)", (B, T, C)), ("logits", (B, T, V)), ("probs (crossentropy)", (B, T, V))]
     ids = [("idx", (B, T)), ("targets", (B, T))]
     block_bytes = sum(math.prod(shape) for _, shape in per_block) * e
-    activations = (L * block_bytes + sum(math.prod(shape) for _, shape in top) * e
+    kept_blocks = len(segments(L, k)) if pol == "sqrt" else L
+    activations = (kept_blocks * block_bytes + sum(math.prod(shape) for _, shape in top) * e
                    + sum(math.prod(shape) for _, shape in ids) * INDEX_BYTES)
 
     full_block = sum(math.prod(shape) for _, shape in _kept_per_block(cfg, B, T, "none")) * e
-    if policy == "full":
+    if pol == "full":
         recompute_peak = full_block - B * T * C * e           # everything but the kept x
-    elif policy == "selective":
+    elif pol == "sqrt":                                      # the longest segment's caches but its kept x
+        recompute_peak = max(b - a for a, b in segments(L, k)) * full_block - B * T * C * e
+    elif pol == "selective":
         recompute_peak = full_block - block_bytes             # ln1, ln2, gelu outputs
     else:
         recompute_peak = 0
@@ -245,6 +313,8 @@ def memory_model(cfg, B, T, precision="fp32", policy="none") -> dict:
         "activations_per_block": block_bytes,
         "recompute_peak": recompute_peak,
         "kept_per_block": per_block,
+        "kept_blocks": kept_blocks,
+        "segment": k,
         "kept_top": top + ids,
     }
     out["total"] = (out["params"] + out["params_half"] + out["grads"] + out["adamw"]
@@ -265,15 +335,15 @@ def activation_breakdown(cfg, B, T, precision="fp32") -> list:
     that policy keep it). Per-block bytes are for ONE block (memory_model multiplies by n_layer); token ids count
     8 bytes per element (int64), everything else the precision's element size."""
     e = PRECISIONS[precision]
-    kept = {policy: {name for name, _ in _kept_per_block(cfg, B, T, policy)} for policy in POLICIES}
+    kept = {policy: {name for name, _ in _kept_per_block(cfg, B, T, policy)} for policy in BLOCK_POLICIES}
     rows = []
     for name, shape in _kept_per_block(cfg, B, T, "none"):
         rows.append({"where": "per block", "tensor": name, "shape": shape, "bytes": math.prod(shape) * e,
-                     **{policy: name in kept[policy] for policy in POLICIES}})
+                     **{policy: name in kept[policy] for policy in BLOCK_POLICIES}})
     for name, shape in memory_model(cfg, B, T, precision, "none")["kept_top"]:
         size = INDEX_BYTES if name in ("idx", "targets") else e
         rows.append({"where": "top", "tensor": name, "shape": shape, "bytes": math.prod(shape) * size,
-                     **{policy: True for policy in POLICIES}})
+                     **{policy: True for policy in BLOCK_POLICIES}})
     return rows
 
 
@@ -281,7 +351,7 @@ def format_breakdown(cfg, B, T, precision="fp32") -> str:
     """activation_breakdown as a text table, with per-policy totals (n_layer blocks + the top tensors)."""
     rows = activation_breakdown(cfg, B, T, precision)
     mark = {True: "kept", False: "recomp."}
-    totals = {p: memory_model(cfg, B, T, precision, p) for p in POLICIES}
+    totals = {p: memory_model(cfg, B, T, precision, p) for p in BLOCK_POLICIES}
     sums = [("one block keeps", "activations_per_block"),
             (f"all activations (x {cfg.n_layer} blocks + top)", "activations"),
             ("+ one block recomputed in backward", "recompute_peak")]
@@ -296,7 +366,7 @@ def format_breakdown(cfg, B, T, precision="fp32") -> str:
                      f"{mark[r['selective']]:>9s} {mark[r['full']]:>7s}")
     for label, key in sums:
         lines.append(f"{label:{wt}s} {'':>{ws}s} {'':>{wb}s} "
-                     + " ".join(f"{_mib(totals[p][key]):>{w}s}" for p, w in zip(POLICIES, widths)))
+                     + " ".join(f"{_mib(totals[p][key]):>{w}s}" for p, w in zip(BLOCK_POLICIES, widths)))
     return "\n".join(lines)
 
 
@@ -314,14 +384,19 @@ def activation_timeline(cfg, B, T, precision="fp32", policy="none") -> list:
     freed); during and after each block's backward (during: + the recomputed part, recompute_peak; after: that
     block's kept tensors freed). Gradient activations (dx, dlogits) and op temporaries are not counted, as in
     memory_model. The maximum is <= memory_model's activations + recompute_peak (which also counts the top
-    tensors during the first block's recompute: an upper bound)."""
-    _check_policy("activation_timeline", policy)
+    tensors during the first block's recompute: an upper bound).
+    "sqrt": the forward keeps a segment's input only; backward's "bwd l" of a segment's last block is the end of its
+    recomputed forward (all its caches alive), and each block's cache is freed after its backward, the segment's
+    input with its first block's."""
+    name, _ = _check_policy("activation_timeline", policy, cfg.n_layer)
     m = memory_model(cfg, B, T, precision, policy)
     none_block = memory_model(cfg, B, T, precision, "none")["activations_per_block"]
     per_block, L = m["activations_per_block"], cfg.n_layer
     ids = 2 * B * T * INDEX_BYTES
-    top = m["activations"] - L * per_block - ids                 # lnf inp/out, stats, logits, probs
+    top = m["activations"] - m["kept_blocks"] * per_block - ids  # lnf inp/out, stats, logits, probs
     points = [("start", ids)]
+    if name == "sqrt":
+        return points + _sqrt_timeline(segments(L, m["segment"]), ids, top, per_block, none_block)
     for l in range(L):
         points.append((f"fwd {l}", ids + l * per_block + none_block))
         points.append((f"fwd {l} end", ids + (l + 1) * per_block))
@@ -330,6 +405,24 @@ def activation_timeline(cfg, B, T, precision="fp32", policy="none") -> list:
     for l in reversed(range(L)):
         points.append((f"bwd {l}", ids + (l + 1) * per_block + m["recompute_peak"]))
         points.append((f"bwd {l} end", ids + l * per_block))
+    return points
+
+
+def _sqrt_timeline(segs, ids, top, x, none_block):
+    """activation_timeline's points after "start" under the sqrt schedule (x: the bytes of one kept input)."""
+    points, kept = [], 0                                         # kept: the segment inputs held so far
+    for a, b in segs:
+        for l in range(a, b):
+            points.append((f"fwd {l}", ids + kept * x + none_block))   # block l's whole cache, its input in it
+            kept += l == a
+            points.append((f"fwd {l} end", ids + kept * x))
+    points.append(("head + loss", ids + kept * x + top))
+    points.append(("bwd head", ids + kept * x))
+    for a, b in reversed(segs):
+        for l in reversed(range(a, b)):                          # blocks a..l still hold their recomputed caches
+            points.append((f"bwd {l}", ids + kept * x + (l - a + 1) * none_block - x))
+            kept -= l == a
+            points.append((f"bwd {l} end", ids + kept * x + max(l - a, 0) * none_block - (x if l > a else 0)))
     return points
 
 
@@ -406,6 +499,27 @@ def load_h200(path=None):
     if not path.exists():
         return None
     return json.loads(path.read_text())
+
+
+def segment_peaks(cfg, B, T, precision="fp32", ks=None, model=None) -> list:
+    """The sqrt schedule's predicted activation peak for each segment length k (default every k from 1 to n_layer):
+    rows {"k", "segments", "kept" (bytes the forward keeps), "recomputed" (the extra while backward holds one
+    segment's caches), "peak" (their sum)}. model: memory_model (default: the reference's cache, "recomputed" its
+    recompute_peak) or engine.engine_memory (the GPU engine, "recomputed" its largest working set)."""
+    model = memory_model if model is None else model
+    rows = []
+    for k in (range(1, cfg.n_layer + 1) if ks is None else ks):
+        m = model(cfg, B, T, precision, f"sqrt:{k}")
+        extra = m["recompute_peak"] if "recompute_peak" in m else m["working_set"]
+        rows.append({"k": k, "segments": len(segments(cfg.n_layer, k)), "kept": m["activations"],
+                     "recomputed": extra, "peak": m["activations"] + extra})
+    return rows
+
+
+def best_segment(cfg, B, T, precision="fp32", model=None) -> int:
+    """The segment length k (1..n_layer) with the lowest predicted peak (segment_peaks); the shortest of ties."""
+    rows = segment_peaks(cfg, B, T, precision, model=model)
+    return min(rows, key=lambda r: (r["peak"], r["k"]))["k"]
 
 
 def max_batch(cfg, T, capacity_bytes, precision="fp32", policy="none", limit=1 << 20, model=None) -> int:

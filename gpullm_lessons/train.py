@@ -11,7 +11,7 @@ optimizer step (forward, backward, global-norm clipping, AdamW) on a backend:
     hip    the course's HIP kernels through CuPy (the default on a GPU)
     numba  the course's Numba kernels: on an NVIDIA GPU, or in the CUDA simulator (toy sizes only: ~10 s a step)
 --precision bf16 / fp16 (kernel backends) keeps fp32 master weights and runs the matrix products in half precision,
-fp16 with dynamic loss scaling; --checkpointing selective / full recomputes activations in backward.
+fp16 with dynamic loss scaling; --checkpointing selective / full / sqrt recomputes activations in backward.
 
 What it writes to --out (default runs/<preset>-<backend>, the backend that actually runs):
     log.jsonl    one JSON object per step: step, loss, lr, grad_norm, skipped, tokens_per_s
@@ -64,7 +64,7 @@ from .optim import lr_schedule  # noqa: E402
 # config: what the command line accepts (the model presets are params.PRESETS: L, nh, C, T, B and the learning rate)
 BACKENDS = ("auto",) + engine.BACKENDS  # the names --backend accepts; auto: hip on a GPU, numpy without one
 PRECISIONS = engine.PRECISIONS  # fp32 | bf16 | fp16 (half precision needs a kernel backend)
-POLICIES = engine.POLICIES  # activation checkpointing: none | selective | full
+POLICIES = engine.POLICIES  # activation checkpointing: none | selective | full | sqrt (also sqrt:K)
 OPTIMIZER_STATES = engine.OPTIMIZER_STATES  # AdamW's moments: fp32 | bf16 | int8
 SLOW_PARAMS = 2_000_000  # warn above this many parameters on the CPU
 SIM_SLOW_TOKENS = 64  # warn above this many tokens per step (B * T) for numba in the CUDA simulator
@@ -77,6 +77,20 @@ RESUME_MUST_MATCH = ("n_layer", "n_head", "d_model", "block_size", "vocab_size",
 
 class ConfigError(ValueError):
     """A setting that cannot work, found before training starts. The message names the problem."""
+
+
+def _policy_flag(value: str) -> str:
+    """--checkpointing's value, its spelling checked (none | selective | full | sqrt | sqrt:K); K against the model's
+    n_layer later, in settings()."""
+    from .checkpointing import parse_policy
+
+    if value.partition(":")[0] not in POLICIES:  # worded as argparse words an unknown choice
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(POLICIES)}, sqrt:K)")
+    try:
+        parse_policy(value, fn="--checkpointing")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--checkpointing: ")) from None
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the model runs (auto: hip on a GPU, numpy without one)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="matmul precision; fp32 master weights always, fp16 with loss scaling (bf16/fp16: hip, numba)")
-    p.add_argument("--checkpointing", choices=POLICIES, default="none",
-                   help="activation checkpointing: what backward recomputes instead of keeping")
+    p.add_argument("--checkpointing", type=_policy_flag, default="none", metavar="{" + ",".join(POLICIES) + ",sqrt:K}",
+                   help="activation checkpointing: what backward recomputes instead of keeping (sqrt: keep every "
+                        "k-th block's input, k = round(sqrt(n_layer)); sqrt:K: k = K)")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="replay each training step as a CUDA graph (hip backend, fp32/bf16; auto: where it applies)")
     p.add_argument("--checkpoint-every", type=int, default=0,
@@ -284,6 +299,8 @@ def settings(args: argparse.Namespace) -> tuple:
     """The preset overridden by the flags, every setting checked before any work (ConfigError names the problem).
 
     Returns (preset: GPTConfig fields, B, T, lr, backend with "auto" resolved)."""
+    from .checkpointing import parse_policy
+
     preset = dict(PRESETS[args.preset])
     for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
         if getattr(args, key) is not None:
@@ -311,9 +328,13 @@ def settings(args: argparse.Namespace) -> tuple:
     if not lr > 0:
         raise ConfigError(f"--lr must be positive, got {lr}")
     for flag, value, known in (("--backend", args.backend, BACKENDS), ("--precision", args.precision, PRECISIONS),
-                               ("--checkpointing", args.checkpointing, POLICIES)):
+                               ("--checkpointing", str(args.checkpointing).partition(":")[0], POLICIES)):
         if value not in known:  # argparse refuses these already; this is for train() called with a Namespace
             raise ConfigError(f"unknown {flag} {value!r}: choose one of {', '.join(known)}")
+    try:  # sqrt:K: K blocks per segment, at most the model's n_layer
+        parse_policy(args.checkpointing, preset["n_layer"], "--checkpointing")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     # the backend: "auto" resolved, and refused when this machine lacks it (hip with no GPU, no CuPy, numba with
     # neither an NVIDIA GPU nor the simulator, ...)
     try:

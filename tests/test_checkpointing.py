@@ -109,7 +109,7 @@ def test_memory_model_terms():
 def test_bad_policy_and_precision():
     params = init_params(TINY, seed=0)
     idx, targets = _batch(TINY, 1, 3)
-    with pytest.raises(ValueError, match=r"'none', 'selective', 'full'; got 'some'"):
+    with pytest.raises(ValueError, match=r"'none', 'selective', 'full', 'sqrt' \(or 'sqrt:K'.*\); got 'some'"):
         gpt_forward_ckpt(params, TINY, idx, targets, policy="some")
     with pytest.raises(ValueError, match=r"'none', 'selective', 'full'"):
         memory_model(TINY, 1, 3, policy="half")

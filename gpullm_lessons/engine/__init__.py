@@ -42,7 +42,9 @@ divides by the scale in its gradient read (grad_scale).
 
 Activation checkpointing (policy, as checkpointing.py): "none" keeps every block's cache; "selective" drops the
 LayerNorm outputs and the GELU output and recomputes them (one LayerNorm forward / one GELU forward) in backward;
-"full" keeps only each block's input and reruns the block's forward just before its backward.
+"full" keeps only each block's input and reruns the block's forward just before its backward; "sqrt" (or "sqrt:K")
+keeps only each segment's input (segments of k = round(sqrt(L)), or K, blocks) and, reaching a segment's last block,
+reruns the whole segment's forward, holding its k caches until their blocks' backwards have run.
 
 One training step: forward (loss), backward (every gradient written, none accumulated), the global gradient norm
 (one reduction over the flat gradient buffer), clipping and 1/loss-scale folded into AdamW's grad_scale, AdamW.
@@ -65,6 +67,7 @@ from .core import (
     EngineError,  # noqa: F401
     OptimizerShard,
     check_backend,
+    check_policy,
     optimizer_state_bytes,  # noqa: F401
 )
 from .cpu import NumpyEngine
@@ -109,8 +112,7 @@ def build(
         )
     if precision not in PRECISIONS:
         raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if policy not in POLICIES:
-        raise EngineError(f"unknown checkpointing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    check_policy(policy, cfg)
     if isinstance(ce_chunks, bool) or not isinstance(ce_chunks, (int, np.integer)) or ce_chunks < 1:
         raise EngineError(f"ce_chunks must be a positive integer (1: the whole batch at once), got {ce_chunks!r}")
     if graphs not in ("auto", "on", "off", True, False):

@@ -8,12 +8,12 @@ import math
 
 import numpy as np
 
+from ..checkpointing import POLICIES, parse_policy  # noqa: F401 - POLICIES: the names; "sqrt" also as "sqrt:K"
 from ..optim import clip_coefficient
 from ..params import GPTConfig, layer_segments, num_params
 
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
-POLICIES = ("none", "selective", "full")
 # AdamW's moments: fp32; bf16 (bfloat16 bits, rounded to nearest even after each update: every backend); block-wise
 # 8-bit (gpullm_lessons.quant: the NumPy engine)
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
@@ -68,6 +68,23 @@ def moments_from_f32(m, v, optimizer_state: str) -> dict:
     from ..quant import quantize_moments
 
     return quantize_moments(np.asarray(m, np.float32), np.asarray(v, np.float32))
+
+
+def check_policy(policy, cfg: GPTConfig) -> str:
+    """The checkpointing policy, checked for this model (checkpointing.parse_policy: "sqrt:K" needs 1 <= K <= n_layer);
+    EngineError naming the problem otherwise."""
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"engine: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    if not isinstance(policy, str) or policy.partition(":")[0] not in POLICIES:
+        raise EngineError(
+            f"unknown checkpointing policy {policy!r}: choose one of {', '.join(POLICIES)} "
+            f"(or sqrt:K, K blocks per segment)"
+        )
+    try:
+        parse_policy(policy, cfg.n_layer, "checkpointing")
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    return policy
 
 
 def check_backend(backend: str) -> str:

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from ..checkpointing import parse_policy, segments
 from ..params import ParamBuffer, init_params, num_params
 from ..profiling import nvtx_range
 from ..reference.head import check_chunks
@@ -455,13 +456,16 @@ class GPUEngine(Engine):
         B, T = x.shape
         V = cfg.vocab_size
         h, idx = self._embed(x)
+        keep, k = parse_policy(keep, cfg.n_layer)
+        starts = {a for a, _ in segments(cfg.n_layer, k)} if keep == "sqrt" else ()
         blocks = []
         for l in range(cfg.n_layer):
             x_in = h
-            h, c = self._block_forward(
-                h, l, B, T, "none" if keep == "none" else ("selective" if keep == "selective" else "full")
-            )
-            blocks.append(c if keep != "full" else {"x": x_in})
+            h, c = self._block_forward(h, l, B, T, keep if keep in ("none", "selective") else "full")
+            if keep == "sqrt":  # a segment's input only (backward recomputes the segment from it)
+                blocks.append({"x": x_in} if l in starts else None)
+            else:
+                blocks.append(c if keep != "full" else {"x": x_in})
         lnf_mm, meanf, rstdf = self._layernorm(h, "lnfw", "lnfb", None)
         if y is not None and self.ce_chunks > 1:  # the head's backward with its forward, chunk by chunk
             losses, dlnf = self._head_chunked(lnf_mm, xp.asarray(y).reshape(-1), grads)
@@ -510,12 +514,22 @@ class GPUEngine(Engine):
         dx = self._layernorm_backward(dlnf, c["h"], c["meanf"], c["rstdf"], "lnfw", "lnfb", None)
         ready = grads_ready or (lambda k: None)
         ready(cfg.n_layer + 1)
+        policy, k = parse_policy(self.policy, cfg.n_layer)
+        segment_of = {l: a for a, b in segments(cfg.n_layer, k) for l in range(a, b)} if policy == "sqrt" else {}
+        held = {}  # sqrt: the recomputed caches of the segment backward is in, each dropped after its block's backward
         for l in reversed(range(cfg.n_layer)):
             blk = c["blocks"][l]
-            if self.policy == "full":
+            if policy == "full":
                 blk = self._block_forward(blk["x"], l, B, T, "none")[1]  # the recomputed output is not kept
-            elif self.policy == "selective":
+            elif policy == "selective":
                 self._rebuild(blk, l)
+            elif policy == "sqrt":
+                if l not in held:  # the segment's last block: its forward again from the segment's saved input
+                    h = c["blocks"][segment_of[l]]["x"]
+                    for j in range(segment_of[l], l + 1):
+                        h, held[j] = self._block_forward(h, j, B, T, "none")
+                    del h  # the segment's output (the next segment's saved input, or the kept lnf input)
+                blk = held.pop(l)
             dx = self._block_backward(dx, blk, l, B, T)
             ready(1 + l)
             c["blocks"][l] = None  # free the block's cache

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..checkpointing import parse_policy, segments
 from ..params import GPTConfig, num_params
-from .core import POLICIES, PRECISIONS, optimizer_state_bytes
+from .core import PRECISIONS, optimizer_state_bytes
 
 
 def engine_memory(
@@ -26,7 +27,8 @@ def engine_memory(
     blocks (last block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working
     set of any phase of the step: the forward of a block (one temporary at a time), the head (logits + dlogits), the
     start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
-    recompute under "full" / "selective"), the embedding backward (v3's 64-bit accumulator). half_scores: the
+    recompute under "full" / "selective"; under "sqrt" the whole longest segment's recomputed caches), the embedding
+    backward (v3's 64-bit accumulator). half_scores: the
     engine's versions["scores"] == "half" (the default: the attention scores and their gradient in half; only in half
     precision). attention: the engine's versions["attention"], "cublas" (the default: the probabilities (B, nh, T,
     T) kept) or "flash" (y fp32 and the log-sum-exp kept instead: linear in T).
@@ -41,8 +43,9 @@ def engine_memory(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"engine_memory: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"engine_memory: policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"engine_memory: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    policy, k = parse_policy(policy, cfg.n_layer, "engine_memory")  # "sqrt:K" -> ("sqrt", K)
     if attention not in ("flash", "cublas"):
         raise ValueError(f"engine_memory: attention must be 'flash' or 'cublas', got {attention!r}")
     from ..reference.head import chunk_bounds
@@ -62,23 +65,28 @@ def engine_memory(
     sel = 3 * NC * e + att + NC * e + NC * f + 4 * NC * f  # q, k, v, the attention's, atty_mm, x1, fc
     rebuilt = NC * e + NC * e + 4 * NC * e  # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
-    kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f}[policy]
+    kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f, "sqrt": NC * f}[policy]
+    # sqrt: only a segment's first block keeps (its input); m, the longest segment, is recomputed at once in backward
+    n_kept, m = (len(segments(L, k)), max(b - a for a, b in segments(L, k))) if policy == "sqrt" else (L, 1)
     dl = 2 if precision == "bf16" else 4  # dlogits: bf16 from the loss kernel
     if ce_chunks == 1:
         top = NC * f + 2 * N * f + NC * e + N * V * dl + N * 4  # h, meanf, rstdf, lnf_mm, dlogits, idx
     else:  # the head's backward ran in forward: dlnf is kept instead of dlogits and lnf_mm
         top = NC * f + 2 * N * f + NC * f + N * 4  # h, meanf, rstdf, dlnf, idx
-    activations = L * kept_block + top
+    activations = n_kept * kept_block + top
     # forward: one temporary at a time beside the growing cache: qkv before the head split, the scores (half or
     # fp32: half_scores) before the half softmax output (half runs), y before merge_heads, the block output; under
     # selective the matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on
     # return)
     ts = e if (half and half_scores) else f  # bytes of a score / its gradient
-    fwd_block = max(3 * NC * f, 0 if flash else TT * ts * half, NC * f)
+    temps = max(3 * NC * f, 0 if flash else TT * ts * half, NC * f)
+    fwd_block = temps
     if policy == "selective":
         fwd_block += rebuilt
-    elif policy == "full":
+    elif policy == "full" or (policy == "sqrt" and m == 1):
         fwd_block += full_cache - NC * f
+    elif policy == "sqrt":  # a block inside a segment: its input (the block below's output) is not kept either
+        fwd_block += full_cache
     if ce_chunks == 1:
         head = N * V * f + N * f + N * 4  # logits, losses, targets
         head_bytes = NC * e + N * V * (f + dl) + N * f + N * 4  # the head's tensors: lnf_mm, logits, dlogits, ...
@@ -109,10 +117,10 @@ def engine_memory(
         5 * NC * f + 3 * NC * h,  # qkv: dx1, dqkv, dqkv_mm, dln1
         3 * NC * f,
     ]  # dx1, dln1, dx0
-    recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f}[policy]
+    recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f, "sqrt": m * full_cache - NC * f}[policy]
     bwd_block = NC * f + max(stages) + recompute
-    if policy == "full":  # the recompute's own forward locals, before the backward stages
-        bwd_block = max(bwd_block, NC * f + fwd_block)
+    if policy in ("full", "sqrt"):  # the recompute's own forward locals (of its last block), before the stages
+        bwd_block = max(bwd_block, NC * f + recompute + temps)
     fp16_copy = N * V * (f + 2) if precision == "fp16" else 0  # dlogits * scale, then its fp16 cast
     bwd_head = fp16_copy + NC * f if ce_chunks == 1 else NC * f  # chunks: dlnf kept (top), dx of lnf's backward
     embed_bwd = NC * f + V * C * (f + 8)  # dx, the embedding's dwte, v3's int64 accumulator (V, C)

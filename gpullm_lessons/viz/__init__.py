@@ -26,7 +26,11 @@ from .l07_mixed_precision import (
     plot_loss_scale,
     plot_precision_losses,
 )
-from .l08_activation_checkpointing import plot_activation_timeline, plot_checkpoint_tradeoff  # noqa: F401
+from .l08_activation_checkpointing import (  # noqa: F401
+    plot_activation_timeline,
+    plot_checkpoint_tradeoff,
+    plot_segment_peaks,
+)
 from .l09_full_training_loop import (
     LiveLossPlot,
     plot_loss,

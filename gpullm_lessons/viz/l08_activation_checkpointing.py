@@ -12,7 +12,7 @@ def plot_activation_timeline(timelines: dict, title: str = "", ax=None):
     every policy). The forward grows the memory block by block, the backward frees it block by block (the
     sawtooth); "full" keeps only each block's input plus, briefly, one block's recomputed cache."""
     fig, ax = figure_and_axes(ax, figsize=(11, 3.8))
-    colors = {"none": "tab:red", "selective": "tab:orange", "full": "tab:green"}
+    colors = {"none": "tab:red", "selective": "tab:orange", "full": "tab:green", "sqrt": "tab:purple"}
     labels = None
     for policy, points in timelines.items():
         labels = [lab for lab, _ in points]
@@ -50,7 +50,7 @@ def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
     for 30-40% more compute); None for no box."""
     plt = pyplot()
     fig, ax = figure_and_axes(ax, figsize=(7, 4.2))
-    markers = {"none": "o", "selective": "s", "full": "^"}
+    markers = {"none": "o", "selective": "s", "full": "^", "sqrt": "D"}
     cmap = plt.get_cmap("tab10")
     if claim is not None:
         mem, (lo, hi) = claim
@@ -82,5 +82,30 @@ def plot_checkpoint_tradeoff(sources: dict, claim=(0.5, (1.3, 1.4)), ax=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title("activation checkpointing: memory saved vs time paid", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_segment_peaks(series: dict, ax=None):
+    """The sqrt schedule's predicted activation peak against its segment length k, one line per model.
+
+    series: {label: (rows, marks)}: rows as checkpointing.segment_peaks returns them, marks {name: k} drawn as
+    labelled points on that line (e.g. "sqrt(L)", "lowest"). k = 1 is policy "full"; k = L keeps only the
+    embedding's output and recomputes the whole model at once."""
+    fig, ax = figure_and_axes(ax, figsize=(8, 4))
+    for label, (rows, marks) in series.items():
+        ks = [r["k"] for r in rows]
+        gib = [r["peak"] / 2**30 for r in rows]
+        (line,) = ax.plot(ks, gib, marker=".", lw=1.5, label=label)
+        for name, k in marks.items():
+            y = gib[ks.index(k)]
+            ax.scatter([k], [y], s=40, color=line.get_color(), zorder=3)
+            ax.annotate(f"{name} (k={k})", (k, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("segment length k (blocks; log scale)")
+    ax.set_ylabel("predicted activation peak (GiB)")
+    ax.set_title("sqrt schedule: kept segment inputs + one segment's caches", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
