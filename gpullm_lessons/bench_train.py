@@ -267,14 +267,8 @@ def bench_long(preset="gpt2", T=4096, B=32, precision="bf16", steps=3, with_torc
     for attention in ("cublas", "flash"):
         pred = engine_memory(cfg, B, T, precision, attention=attention)["total"]
         row = {"who": "ours", "attention": attention, "predicted_bytes": int(pred)}
-        try:
-            row.update(measure_engine(cfg, B, T, precision, steps=steps, versions={"attention": attention}))
-        except cp.cuda.memory.OutOfMemoryError as e:
-            row["error"] = f"out of memory: {str(e).splitlines()[0][:160]}"
-        finally:
-            gc.collect()
-            cp.get_default_memory_pool().free_all_blocks()
-        rows.append(row)
+        rows.append(_measured_or_out_of_memory(row, cfg, B, T, precision, steps=steps,
+                                               versions={"attention": attention}))
     if with_torch:
         try:
             import torch  # noqa: F401
@@ -356,15 +350,8 @@ def bench_fits(C=1024, T=4096, B=8, precision="bf16", policy="none", attention="
     for n_layer in (L, L + 1):
         cfg = GPTConfig(vocab_size=50257, block_size=T, n_layer=n_layer, n_head=C // 64, d_model=C)
         row = {"layers": n_layer, "predicted_bytes": int(_predict(cfg, B, T, precision, policy, attention))}
-        try:
-            row.update(measure_engine(cfg, B, T, precision, policy=policy, steps=steps,
-                                      versions={"attention": attention} if attention == "flash" else None))
-        except cp.cuda.memory.OutOfMemoryError as e:
-            row["error"] = f"out of memory: {str(e).splitlines()[0][:160]}"
-        finally:
-            gc.collect()
-            cp.get_default_memory_pool().free_all_blocks()
-        rows.append(row)
+        rows.append(_measured_or_out_of_memory(row, cfg, B, T, precision, policy=policy, steps=steps,
+                                               versions={"attention": attention} if attention == "flash" else None))
     return {"card": _card(), "date": datetime.date.today().isoformat(), "C": C, "T": T, "B": B,
             "precision": precision, "policy": policy, "attention": attention, "free_bytes": int(free),
             "gpu_bytes": int(total), "rows": rows}
@@ -379,6 +366,21 @@ def format_fits(result) -> str:
         head = f"{r['layers']:>7}{r['predicted_bytes'] / 2**30:15.1f}"
         lines.append(head + (f"  {r['error']}" if "error" in r else f"{r['peak_bytes'] / 2**30:10.1f}{r['step_ms']:9.1f}"))
     return "\n".join(lines)
+
+
+def _measured_or_out_of_memory(row, cfg, B, T, precision, **kwargs) -> dict:
+    """row with measure_engine's result, or with the out-of-memory error when the step does not fit; the pool is
+    emptied after either, so the next run starts from the same free memory."""
+    import cupy as cp
+
+    try:
+        row.update(measure_engine(cfg, B, T, precision, **kwargs))
+    except cp.cuda.memory.OutOfMemoryError as e:
+        row["error"] = f"out of memory: {str(e).splitlines()[0][:160]}"
+    finally:
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
+    return row
 
 
 def _predict(cfg, B, T, precision, policy, attention):

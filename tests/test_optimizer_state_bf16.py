@@ -98,6 +98,13 @@ def bf16_moments_wrong(got_bits, ref32, name, terms=None):
     return None
 
 
+def update_terms(m_bits, v_bits, g):
+    """The size of the two terms of each moment's update (bf16_moments_wrong's terms), from the moments' bits before
+    the step and the gradient the step uses."""
+    m, v = bf16_bits_to_f32(m_bits).astype(np.float64), bf16_bits_to_f32(v_bits).astype(np.float64)
+    return {"m": B1 * np.abs(m) + (1 - B1) * np.abs(g), "v": B2 * np.abs(v) + (1 - B2) * g * g}
+
+
 def run_bf16_against_reference(step_fn, arrays, n, table, mask, steps, seed=0, grad_scale=0.25):
     """`steps` AdamW steps of step_fn(params, grads, m, v, lr, b1, b2, eps, wd, t, decay_bounds=, grad_scale=) with m
     and v uint16 on `arrays` arrays; before each, the reference (optim.adamw_update) runs from the kernel's own state
@@ -111,8 +118,7 @@ def run_bf16_against_reference(step_fn, arrays, n, table, mask, steps, seed=0, g
         g = (rng.standard_normal(n, dtype=np.float32) * np.float32(2.0)).astype(np.float32)
         g[rng.random(n) < 0.01] = 0.0  # some exact zeros
         p_ref, m_ref, v_ref = to_numpy(p).copy(), bf16_bits_to_f32(to_numpy(m)), bf16_bits_to_f32(to_numpy(v))
-        gs = g.astype(np.float64) * grad_scale
-        terms = {"m": B1 * np.abs(m_ref) + (1 - B1) * np.abs(gs), "v": B2 * np.abs(v_ref) + (1 - B2) * gs * gs}
+        terms = update_terms(to_numpy(m), to_numpy(v), g.astype(np.float64) * grad_scale)
         adamw_update(p_ref, g * np.float32(grad_scale), m_ref, v_ref, t, lr, (B1, B2), EPS, WD, mask)
         gd = to_backend(g, arrays)
         step_fn(p, gd, m, v, lr, B1, B2, EPS, WD, t, decay_bounds=table, grad_scale=grad_scale)
@@ -205,11 +211,7 @@ def test_device_step_equals_the_host_step(small_grid, clip, loss_scale):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
     else:
         assert np.allclose(got[0], want[0], rtol=1e-6, atol=1e-7)
-        g_used = g.astype(np.float64) * coef
-        terms = {
-            "m": B1 * np.abs(bf16_bits_to_f32(m)) + (1 - B1) * np.abs(g_used),
-            "v": B2 * bf16_bits_to_f32(v) + (1 - B2) * g_used * g_used,
-        }
+        terms = update_terms(m, v, g.astype(np.float64) * coef)
         for name, k in (("m", 2), ("v", 3)):
             assert bf16_moments_wrong(got[k], bf16_bits_to_f32(want[k]), name, terms[name]) is None
 
@@ -291,11 +293,7 @@ def test_gpu_hip_device_step_equals_the_host_step():
         hip.adamw_step(*ref, 1e-3, B1, B2, EPS, WD, 3, decay_bounds=table, grad_scale=coef, version="v2")
         got, want = [cp.asnumpy(a) for a in dev], [cp.asnumpy(a) for a in ref]
         assert np.allclose(got[0], want[0], rtol=1e-6, atol=1e-7)
-        g_used = g.astype(np.float64) * coef
-        terms = {
-            "m": B1 * np.abs(bf16_bits_to_f32(m)) + (1 - B1) * np.abs(g_used),
-            "v": B2 * bf16_bits_to_f32(v) + (1 - B2) * g_used * g_used,
-        }
+        terms = update_terms(m, v, g.astype(np.float64) * coef)
         for name, k in (("m", 2), ("v", 3)):
             assert bf16_moments_wrong(got[k], bf16_bits_to_f32(want[k]), name, terms[name]) is None
         assert np.array_equal(cp.asnumpy(half), got[0].astype(ml_dtypes.bfloat16).view(np.uint16))
