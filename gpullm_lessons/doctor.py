@@ -136,8 +136,9 @@ def check_compilers() -> list[Check]:
             ok, log = hip.compile_nvrtc("flash")
             out.append(Check("OK" if ok else "FAIL", "tensor-cores",
                              "kernels/hip/flash.cu (wmma tiles) compiles for sm_90" if ok else log[:300],
-                             "pip install nvidia-cuda-crt (the crt/ headers that <mma.h> includes; part of the cuda13 "
-                             "and dev extras), or point CUDA_HOME to a CUDA toolkit"))
+                             "the crt/ headers that <mma.h> includes: pip install nvidia-cuda-crt (CUDA 13; in the "
+                             "cuda13 and dev extras) or nvidia-cuda-nvcc-cu12 (CUDA 12; in the cuda12 extra), or point "
+                             "CUDA_HOME to a CUDA toolkit"))
     except ImportError:
         out.append(Check("SKIP", "nvrtc", "cuda-python NVRTC bindings not installed",
                          "pip install -e '.[dev]' to compile-check kernels for NVIDIA without a GPU"))

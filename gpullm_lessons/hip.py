@@ -95,7 +95,8 @@ def _load(name: str, text: str, options: tuple):
 def load(name: str, options: tuple = ()):
     """The ``cupy.RawModule`` for ``kernels/hip/<name>.cu``; raises NoGPUError without a GPU."""
     device.require_gpu(f"loading the HIP kernel {name}.cu")
-    return _load(name, expanded_source(name), tuple(options))
+    extra = include_options() if device.kind() == "cuda" else ()
+    return _load(name, expanded_source(name), tuple(options) + extra)
 
 
 _KERNELS: dict = {}
@@ -210,6 +211,30 @@ def compile_source_nvrtc(text: str, arch: str = "sm_90") -> tuple[bool, str]:
 
 # ---- compiling without a GPU --------------------------------------------------------------------------------------
 
+def crt_include_dir() -> Path | None:
+    """The folder that holds crt/mma.h when it is not beside the CUDA headers: CUDA 12's pip wheels put <mma.h> in
+    nvidia-cuda-runtime-cu12 and the crt/ folder it includes in nvidia-cuda-nvcc-cu12 (CUDA 13's nvidia-cuda-crt
+    installs crt/ beside the headers, and a CUDA toolkit has both in one folder: None)."""
+    main = nvrtc_include_dir()
+    if main is not None and (main / "crt" / "mma.h").exists():
+        return None
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for base in nvidia.__path__:
+        cand = Path(base) / "cuda_nvcc" / "include"
+        if (cand / "crt" / "mma.h").exists():
+            return cand
+    return None
+
+
+def include_options() -> tuple:
+    """The -I options a CUDA compile of kernels/hip needs beyond NVRTC's own (crt_include_dir), as a tuple."""
+    crt = crt_include_dir()
+    return (f"-I{crt}",) if crt is not None else ()
+
+
 def nvrtc_include_dir() -> Path | None:
     """CUDA headers from pip's nvidia wheels (nvidia-cuda-runtime), or a system CUDA toolkit."""
     try:
@@ -239,6 +264,7 @@ def _nvrtc(text: bytes, filename: str, arch: str) -> tuple[bool, str]:
     inc = nvrtc_include_dir()
     if inc is not None:
         opts.append(f"-I{inc}".encode())
+    opts += [o.encode() for o in include_options()]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     # NVRTC writes the log into this buffer in place: it must be a bytes object of its own. b" " * 1 is CPython's

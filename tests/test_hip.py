@@ -3,6 +3,7 @@ and run through CuPy against NumPy where a GPU exists."""
 import json
 import re
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -278,3 +279,24 @@ def test_kernel_from_source_runs_and_names_missing_entry_points():
     assert x.get().tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
     with pytest.raises(LookupError, match="no kernel named 'thrice'.*twice"):
         hip.kernel_from_source(src, "thrice")
+
+
+def test_cuda12_wheels_crt_folder_is_added_to_the_include_path(tmp_path, monkeypatch):
+    """CUDA 12's pip wheels split <mma.h> (nvidia-cuda-runtime-cu12) from the crt/ folder it includes
+    (nvidia-cuda-nvcc-cu12): the compile gets -I for the latter. CUDA 13's layout (crt/ beside the headers) adds
+    nothing."""
+    import types
+
+    from gpullm_lessons import hip
+
+    runtime, nvcc = tmp_path / "cuda_runtime" / "include", tmp_path / "cuda_nvcc" / "include"
+    (runtime).mkdir(parents=True)
+    (runtime / "cuda_fp16.h").write_text("")
+    (nvcc / "crt").mkdir(parents=True)
+    (nvcc / "crt" / "mma.h").write_text("")
+    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(__path__=[str(tmp_path)]))
+    assert hip.nvrtc_include_dir() == runtime
+    assert hip.crt_include_dir() == nvcc and hip.include_options() == (f"-I{nvcc}",)
+    (runtime / "crt").mkdir()
+    (runtime / "crt" / "mma.h").write_text("")  # the CUDA 13 layout: crt/ beside the headers
+    assert hip.crt_include_dir() is None and hip.include_options() == ()

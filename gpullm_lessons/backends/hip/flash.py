@@ -64,8 +64,9 @@ def _kernel(name):
         if "crt/mma.h" in str(e):
             raise RuntimeError(
                 f"{name}: NVRTC cannot find crt/mma.h (NVIDIA's tensor-core header <mma.h> includes it): install the "
-                "CUDA headers' crt folder, `pip install nvidia-cuda-crt` (part of the course's cuda13 extra: make "
-                "setup GPU=cuda13), or point CUDA_PATH to a CUDA toolkit"
+                "CUDA headers' crt folder: `pip install nvidia-cuda-crt` on CUDA 13 (in the course's cuda13 extra: "
+                "make setup GPU=cuda13) or `pip install nvidia-cuda-nvcc-cu12` on CUDA 12 (in the cuda12 extra), or "
+                "point CUDA_PATH to a CUDA toolkit"
             ) from None
         raise
 
