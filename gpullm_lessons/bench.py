@@ -419,6 +419,14 @@ def kernel_results(ops, live=None, stored: str = "kernels_h200") -> dict:
     return dict(result, rows=[r for r in result["rows"] if r["op"] in ops], live=bool(live))
 
 
+def kernel_row(result: dict, op: str, backend: str, version=None):
+    """The fastest row of `result` (kernel_results / stored_*) for op on backend (and version, when given) that ran
+    without an error; None when there is none. PyTorch's rows have backend "torch"."""
+    rows = [r for r in result["rows"] if r["op"] == op and r["backend"] == backend and "error" not in r
+            and (version is None or r["version"] == version)]
+    return min(rows, key=lambda r: r["ms"]) if rows else None
+
+
 def result_source(result: dict) -> str:
     """One line saying where a result of kernel_results / stored_* comes from: this machine now, or the course's
     stored run (card and date)."""

@@ -300,11 +300,8 @@ def largest_layers(C, T, B, budget_bytes, precision="bf16", policy="none", atten
                    max_layers=4096):
     """The most layers a GPT of width C (heads of 64) at context T and batch B can have while engine_memory's
     predicted step peak stays within budget_bytes (0 when not even one layer fits); with its prediction."""
-    from .params import GPTConfig
-
     def total(L):
-        cfg = GPTConfig(vocab_size=vocab, block_size=T, n_layer=L, n_head=C // 64, d_model=C)
-        return _predict(cfg, B, T, precision, policy, attention)
+        return _predict(_wide_gpt(C, T, L, vocab), B, T, precision, policy, attention)
 
     if C % 64:
         raise ValueError(f"largest_layers: width C = {C} is not a multiple of the head size 64")
@@ -340,15 +337,13 @@ def bench_fits(C=1024, T=4096, B=8, precision="bf16", policy="none", attention="
     device.require_gpu("finding what fits on this GPU")
     import cupy as cp
 
-    from .params import GPTConfig
-
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
     free, total = cp.cuda.runtime.memGetInfo()
     L, _ = largest_layers(C, T, B, free, precision, policy, attention)
     rows = []
     for n_layer in (L, L + 1):
-        cfg = GPTConfig(vocab_size=50257, block_size=T, n_layer=n_layer, n_head=C // 64, d_model=C)
+        cfg = _wide_gpt(C, T, n_layer)
         row = {"layers": n_layer, "predicted_bytes": int(_predict(cfg, B, T, precision, policy, attention))}
         rows.append(_measured_or_out_of_memory(row, cfg, B, T, precision, policy=policy, steps=steps,
                                                versions={"attention": attention} if attention == "flash" else None))
@@ -381,6 +376,13 @@ def _measured_or_out_of_memory(row, cfg, B, T, precision, **kwargs) -> dict:
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
     return row
+
+
+def _wide_gpt(C, T, n_layer, vocab=50257):
+    """The GPT of the "what fits" table: width C in heads of 64, context T, GPT-2's vocabulary."""
+    from .params import GPTConfig
+
+    return GPTConfig(vocab_size=vocab, block_size=T, n_layer=n_layer, n_head=C // 64, d_model=C)
 
 
 def _predict(cfg, B, T, precision, policy, attention):

@@ -33,3 +33,21 @@ def test_flash_and_checkpointing_fit_more_layers_and_nothing_fits_a_tiny_budget(
     assert bt.largest_layers(1024, 4096, 4, 1 * GIB)[0] == 0
     with pytest.raises(ValueError, match="not a multiple of the head size 64"):
         bt.largest_layers(1000, 1024, 4, 40 * GIB)
+
+
+def test_kernel_row_picks_the_fastest_error_free_row_of_an_op_backend_and_version():
+    from gpullm_lessons import bench
+
+    rows = [
+        {"op": "f", "backend": "hip", "version": "v2", "ms": 2.0},
+        {"op": "f", "backend": "hip", "version": "v3", "ms": 1.0},
+        {"op": "f", "backend": "hip", "version": "v4", "error": "boom"},
+        {"op": "g", "backend": "hip", "version": "v2", "ms": 0.5},
+        {"op": "f", "backend": "torch", "version": "2.11", "ms": 0.3},
+    ]
+    result = {"rows": rows}
+    assert bench.kernel_row(result, "f", "hip")["version"] == "v3"
+    assert bench.kernel_row(result, "f", "hip", "v2")["ms"] == 2.0
+    assert bench.kernel_row(result, "f", "hip", "v4") is None  # only an error row
+    assert bench.kernel_row(result, "f", "torch")["ms"] == 0.3
+    assert bench.kernel_row(result, "h", "hip") is None
