@@ -1,14 +1,16 @@
-"""Flash attention v2 and v3, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
+"""Flash attention v2, v3 and v4, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
 
 On a GPU: forward (out, lse) and backward (dq, dk, dv) against lesson 01's reference attention in float64 on the same
-half-rounded q, k, v, dout, at T = 1, 7 (one partial tile), 65 (past one block of 64 rows), 1000 (not a multiple of
-any tile), 1024, 4096, every compiled head size, bf16 and fp16, and B * nh = 192 heads; each output is written into
-a view of a larger buffer whose guard zones must stay untouched; the backward twice gives the same bits. The
-tolerance is shown to reject the plausible mistakes (no 1/sqrt(hs), the mask off by one, dk and dv swapped) on the
-same inputs. Without a GPU: the argument errors (they need no device).
+half-rounded q, k, v, dout, at T = 1, 7 (one partial tile), 65 (past one block of 64 rows), 130 and 192 (past v4's
+block of 128 rows), 1000 (not a multiple of any tile), 1024, 4096, every compiled head size, bf16 and fp16, and
+B * nh = 192 heads; each output is written into a view of a larger buffer whose guard zones must stay untouched; the
+backward twice gives the same bits. The tolerance is shown to reject the plausible mistakes (no 1/sqrt(hs), the mask
+off by one, dk and dv swapped) on the same inputs. Without a GPU: the argument errors (they need no device) and the
+launcher's block shapes against flash.cu.
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -95,6 +97,7 @@ SHAPES = [
     (2, 2, 1024, 64),
     (1, 1, 4096, 64),
     (16, 12, 256, 64),
+    (2, 2, 192, 64),
     (1, 2, 130, 16),
     (1, 2, 130, 32),
     (1, 2, 130, 48),
@@ -135,12 +138,28 @@ def test_flash_refuses_what_it_has_no_kernel_for():
     out = np.zeros((1, 1, 4, 64), np.float32)
     with pytest.raises(ValueError, match="half='fp8' is not one of bf16, fp16"):
         hflash.flash_attention_forward(q, q, q, out, lse, half="fp8")
-    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3"):
+    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3, v4"):
         hflash.flash_attention_forward(q, q, q, out, lse, version="v1")
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         hflash.flash_attention_forward(q, q, q, out, lse)
     assert hflash.supports(64, "bf16") and hflash.supports(16, "fp16")
     assert not hflash.supports(128, "bf16") and not hflash.supports(24, "bf16") and not hflash.supports(64, None)
+
+
+def test_launch_geometry_matches_the_kernels():
+    """The launcher's rows and warps per block are flash.cu's: v4's entry points declare their block size
+    (__launch_bounds__), and a block of other rows would leave rows unwritten or written twice."""
+    from gpullm_lessons import hip
+
+    text = hip.source_path("flash").read_text()
+    defs = {k: int(v) for k, v in re.findall(r"^#define (FLASH4?_\w+)\s+(\d+)", text, re.M)}
+    old = (defs["FLASH_ROWS"], defs["FLASH_WARPS"])
+    assert (hflash.ROWS, hflash.WARPS) == old
+    assert hflash.GEOMETRY["v2"] == hflash.GEOMETRY["v3"] == {"forward": old, "dkdv": old, "dq": old}
+    rows, warps, dkdv_warps = defs["FLASH4_ROWS"], defs["FLASH4_WARPS"], defs["FLASH4_DKDV_WARPS"]
+    assert hflash.GEOMETRY["v4"] == {"forward": (rows, warps), "dkdv": (rows, dkdv_warps), "dq": (rows, warps)}
+    assert set(hflash.GEOMETRY) == set(hflash.VERSIONS)
+    assert min(r for g in hflash.GEOMETRY.values() for r, _ in g.values()) == hflash.ROWS  # _check's grid bound
 
 
 @needs_gpu

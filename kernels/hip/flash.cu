@@ -668,6 +668,386 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
     store_tiles<HS>(dv + head * T * HS, dvt, sw, T, 1.0f);
 }
 
+// ---- v4: more rows per block, tiles copied while the previous one is multiplied ------------------------------------
+// The math of v3 (register tiles), reorganised as FlashAttention-2 does:
+//   - a block owns 128 rows. Forward and dQ: 4 warps of two 16-row tiles each (32 rows per warp), so every K / V
+//     fragment a warp reads from shared memory (ldmatrix on NVIDIA) feeds two products instead of one: half the
+//     shared-memory traffic per multiply. dK dV: 8 warps of 16 key rows (the dK and dV accumulators, K and V as
+//     operands, S^T and dP^T already fill a thread's registers at 16 rows), each Q / dO tile shared by twice the keys;
+//   - the tiles walked are double-buffered: while the warps multiply tile i, the copies of tile i + 1 are in flight
+//     (portable.h's copy16_async: cp.async on NVIDIA; plain loads on AMD), one __syncthreads per tile;
+//   - the dQ kernel takes a key tile in two halves of 32 keys (S, dP of the half in registers), to stay in registers.
+// The results are summed in the same fixed order on every run (no atomics); tiles past the diagonal are skipped.
+#define FLASH4_ROWS 128        // rows a v4 block owns
+#define FLASH4_WARPS 4         // forward, dQ: warps per block (two 16-row tiles each)
+#define FLASH4_DKDV_WARPS 8    // dK dV: warps per block (16 key rows each)
+#define FLASH4_RT 2            // forward, dQ: 16-row tiles per warp
+#define FLASH4_KC 32           // dQ: keys per half tile
+
+// rows [r0, r0 + nrows) of a (T, HS) head into shared memory (row stride LD elements) with asynchronous 16-byte
+// copies; rows past T become zeros. Every thread of the block calls it; copy_commit / copy_wait are the caller's.
+template <int HS, int LD>
+__device__ __forceinline__ void copy_rows(unsigned short* dst, const unsigned short* __restrict__ src, int r0,
+                                          int nrows, int T) {
+    constexpr int chunks = HS / 8;  // 8 halves = 16 bytes
+    for (int i = threadIdx.x; i < nrows * chunks; i += blockDim.x) {
+        int r = i / chunks, c = (i % chunks) * 8;
+        bool ok = r0 + r < T;
+        copy16_async(dst + r * LD + c, ok ? src + (long long)(r0 + r) * HS + c : src, ok);
+    }
+}
+
+template <int H, int HS>
+__device__ void flash_forward_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                                 const unsigned short* __restrict__ v, float* __restrict__ out,
+                                 float* __restrict__ lse, int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, RT = FLASH4_RT;
+    static_assert(2 * KT == FLASH4_ROWS, "Q's rows are staged in one buffer of K and V rows");
+    __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    const int warp = threadIdx.x / warpSize;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH4_ROWS;  // heavy blocks first
+    const int tw = t0 + 16 * RT * warp;                          // the warp's rows: [tw, tw + 16 RT), tile rt at tw + 16 rt
+    const float sl2 = scale * FLASH_LOG2E;
+    const int t_last = min(T, t0 + FLASH4_ROWS) - 1, ntiles = t_last / KT + 1;
+
+    // Q's 128 rows staged in buffer 1, key tile 0 in buffer 0: one group of copies
+    copy_rows<HS, LD>(&kv[1][0][0], q, t0, FLASH4_ROWS, T);
+    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T);
+    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads();
+    mma_rows<H> qf[RT][HS / 16];
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++) mma_rows_load<H>(qf[rt][kk], &kv[1][16 * (RT * warp + rt)][16 * kk], LD);
+    mma_tile o[RT][HS / 16];
+    float m[RT][MMA_QPL], l[RT][MMA_QPL];
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++) {
+#pragma unroll
+        for (int j = 0; j < HS / 16; j++) zero_tile(o[rt][j]);
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++) m[rt][qi] = FLASH_NEG_INF, l[rt][qi] = 0.0f;
+    }
+    for (int it = 0; it < ntiles; it++) {
+        const int s0 = it * KT, b = it % 2;
+        copy_wait<0>();   // this thread's copies of tile it have landed
+        __syncthreads();  // everyone's have; every warp is done with buffer 1 - b (tile it - 1, or Q's staging)
+        if (it + 1 < ntiles) {
+            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T);
+            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T);
+            copy_commit();
+        }
+        if (s0 > tw + 16 * RT - 1) continue;  // the whole tile is above the diagonal for this warp's rows
+        const unsigned short(*ks)[LD] = kv[b];
+        const unsigned short(*vs)[LD] = kv[b] + KT;
+        mma_tile s[RT][KT / 16];  // S = Q K^T: 16 RT rows x 64 keys, each K fragment used by both row tiles
+#pragma unroll
+        for (int n = 0; n < KT / 16; n++) {
+#pragma unroll
+            for (int rt = 0; rt < RT; rt++) zero_tile(s[rt][n]);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_kfrag<H> kf;
+                mma_kfrag_load<H>(kf, &ks[16 * n][16 * kk], LD);
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++) mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
+            }
+        }
+        // the online merge of each row tile (a row tile wholly above the diagonal gets p = 0, alpha = 1: its m is
+        // finite from tile 0, where key 0 is visible to every row)
+        float alpha[RT][MMA_QPL];
+#pragma unroll
+        for (int rt = 0; rt < RT; rt++) {
+            float mt[MMA_QPL], ls[MMA_QPL];
+#pragma unroll
+            for (int qi = 0; qi < MMA_QPL; qi++) mt[qi] = FLASH_NEG_INF;
+#pragma unroll
+            for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) {
+                    bool keep = s0 + 16 * n + mma_tile_col(e) <= tw + 16 * rt + mma_tile_row(e);
+                    s[rt][n].x[e] = keep ? s[rt][n].x[e] * sl2 : FLASH_NEG_INF;
+                    mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[rt][n].x[e]);
+                }
+#pragma unroll
+            for (int qi = 0; qi < MMA_QPL; qi++) {
+                float m_new = fmaxf(m[rt][qi], mma_row_max(mt[qi]));
+                alpha[rt][qi] = m[rt][qi] == FLASH_NEG_INF ? 0.0f : exp2f(m[rt][qi] - m_new);
+                m[rt][qi] = m_new;
+                ls[qi] = 0.0f;
+            }
+#pragma unroll
+            for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) {
+                    float x = s[rt][n].x[e], p = x == FLASH_NEG_INF ? 0.0f : exp2f(x - m[rt][mma_tile_q(e)]);
+                    s[rt][n].x[e] = p;
+                    ls[mma_tile_q(e)] += p;
+                }
+#pragma unroll
+            for (int qi = 0; qi < MMA_QPL; qi++) l[rt][qi] = alpha[rt][qi] * l[rt][qi] + mma_row_sum(ls[qi]);
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] *= alpha[rt][mma_tile_q(e)];
+        }
+        // O += P V, each V fragment used by both row tiles
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++) {
+            mma_packed<H> pk[RT];
+#pragma unroll
+            for (int rt = 0; rt < RT; rt++) mma_pack<H>(pk[rt], s[rt][kk], RoundTo<H>());
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) {
+                mma_vfrag<H> vf;
+                mma_vfrag_load<H>(vf, &vs[16 * kk][16 * j], LD);
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++) mma_packed_mul<H>(o[rt][j], pk[rt], vf);
+            }
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++) {
+#pragma unroll
+        for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] /= l[rt][mma_tile_q(e)];
+        store_tiles<HS>(out + head * T * HS, o[rt], tw + 16 * rt, T, 1.0f);
+        if (mma_row_leader())
+#pragma unroll
+            for (int qi = 0; qi < MMA_QPL; qi++) {
+                int t = tw + 16 * rt + mma_lane_row(qi);
+                if (t < T) lse[head * T + t] = (m[rt][qi] + log2f(l[rt][qi])) * FLASH_LN2;
+            }
+    }
+}
+
+// dQ: a block owns 128 query rows (two 16-row tiles per warp) and walks the key tiles up to its last row, each in
+// two halves of 32 keys: S = Q K^T and dP = dO V^T in registers, P = 2^(S scale log2 e - lse log2 e),
+// dS = P (dP - delta), dQ += dS K; every K and V fragment feeds both row tiles.
+template <int H, int HS>
+__device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                            const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                            const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
+                            int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, KC = FLASH4_KC, RT = FLASH4_RT;
+    static_assert(2 * KT == FLASH4_ROWS, "Q's and dO's rows are staged in the two buffers of K and V rows");
+    __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    dout += head * T * HS;
+    const int warp = threadIdx.x / warpSize;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH4_ROWS, tw = t0 + 16 * RT * warp;  // heavy blocks first
+    const float sl2 = scale * FLASH_LOG2E;
+    const int t_last = min(T, t0 + FLASH4_ROWS) - 1, ntiles = t_last / KT + 1;
+    float lse_r[RT][MMA_QPL], del_r[RT][MMA_QPL];
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++) {
+            int t = tw + 16 * rt + mma_lane_row(qi);
+            lse_r[rt][qi] = t < T ? lse[head * T + t] * FLASH_LOG2E : 0.0f;
+            del_r[rt][qi] = t < T ? delta[head * T + t] : 0.0f;
+        }
+    // Q's 128 rows staged in buffer 0, dO's in buffer 1
+    copy_rows<HS, LD>(&kv[0][0][0], q, t0, FLASH4_ROWS, T);
+    copy_rows<HS, LD>(&kv[1][0][0], dout, t0, FLASH4_ROWS, T);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads();
+    mma_rows<H> qf[RT][HS / 16], df[RT][HS / 16];
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++) {
+            mma_rows_load<H>(qf[rt][kk], &kv[0][16 * (RT * warp + rt)][16 * kk], LD);
+            mma_rows_load<H>(df[rt][kk], &kv[1][16 * (RT * warp + rt)][16 * kk], LD);
+        }
+    __syncthreads();  // every warp holds its rows: the staging buffers are free
+    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T);
+    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T);
+    copy_commit();
+    mma_tile dqt[RT][HS / 16];
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+        for (int j = 0; j < HS / 16; j++) zero_tile(dqt[rt][j]);
+    for (int it = 0; it < ntiles; it++) {
+        const int s0 = it * KT, b = it % 2;
+        copy_wait<0>();
+        __syncthreads();  // tile it is in buffer b; every warp is done with buffer 1 - b
+        if (it + 1 < ntiles) {
+            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T);
+            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T);
+            copy_commit();
+        }
+        const unsigned short(*ks)[LD] = kv[b];
+        const unsigned short(*vs)[LD] = kv[b] + KT;
+#pragma unroll
+        for (int c0 = 0; c0 < KT; c0 += KC) {
+            if (s0 + c0 > tw + 16 * RT - 1) break;  // this half and the next are above the diagonal for the warp's rows
+            mma_tile s[RT][KC / 16], dp[RT][KC / 16];
+#pragma unroll
+            for (int n = 0; n < KC / 16; n++) {
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++) {
+                    zero_tile(s[rt][n]);
+                    zero_tile(dp[rt][n]);
+                }
+#pragma unroll
+                for (int kk = 0; kk < HS / 16; kk++) {
+                    mma_kfrag<H> kf, vf;
+                    mma_kfrag_load<H>(kf, &ks[c0 + 16 * n][16 * kk], LD);
+                    mma_kfrag_load<H>(vf, &vs[c0 + 16 * n][16 * kk], LD);
+#pragma unroll
+                    for (int rt = 0; rt < RT; rt++) {
+                        mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
+                        mma_rows_mul<H>(dp[rt][n], df[rt][kk], vf);
+                    }
+                }
+            }
+#pragma unroll
+            for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+                for (int n = 0; n < KC / 16; n++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++) {
+                        int t = tw + 16 * rt + mma_tile_row(e), qi = mma_tile_q(e);
+                        bool keep = s0 + c0 + 16 * n + mma_tile_col(e) <= t && t < T;
+                        float p = keep ? exp2f(s[rt][n].x[e] * sl2 - lse_r[rt][qi]) : 0.0f;
+                        s[rt][n].x[e] = p * (dp[rt][n].x[e] - del_r[rt][qi]);  // dS
+                    }
+#pragma unroll
+            for (int kk = 0; kk < KC / 16; kk++) {
+                mma_packed<H> pk[RT];
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++) mma_pack<H>(pk[rt], s[rt][kk], RoundTo<H>());
+#pragma unroll
+                for (int j = 0; j < HS / 16; j++) {
+                    mma_vfrag<H> kt;
+                    mma_vfrag_load<H>(kt, &ks[c0 + 16 * kk][16 * j], LD);
+#pragma unroll
+                    for (int rt = 0; rt < RT; rt++) mma_packed_mul<H>(dqt[rt][j], pk[rt], kt);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; rt++) store_tiles<HS>(dq + head * T * HS, dqt[rt], tw + 16 * rt, T, scale);
+}
+
+// dK, dV: a block owns 128 key rows (16 per warp, 8 warps) and walks the query tiles from its first key on, double-
+// buffered with their lse and delta; per tile v3's math: S^T = K Q^T and dP^T = V dO^T in registers, P^T,
+// dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in registers.
+template <int H, int HS>
+__device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                              const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                              const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
+                              float* __restrict__ dv, int T, float scale) {
+    constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE;
+    static_assert(2 * QT == FLASH4_ROWS && 16 * FLASH4_DKDV_WARPS == FLASH4_ROWS,
+                  "K's and V's rows are staged in the two buffers of Q and dO rows, 16 per warp");
+    __shared__ __align__(16) unsigned short qd[2][2 * QT][LD];  // [buffer][Q's QT rows, then dO's QT rows]
+    __shared__ __align__(16) float ld_s[2][2][QT];              // [buffer][lse, delta] of the tile's queries
+    const long long head = blockIdx.x;
+    q += head * T * HS;
+    k += head * T * HS;
+    v += head * T * HS;
+    dout += head * T * HS;
+    lse += head * T;
+    delta += head * T;
+    const int warp = threadIdx.x / warpSize;
+    const int s_first = blockIdx.y * FLASH4_ROWS, sw = s_first + 16 * warp;  // key block 0 (the longest walk) first
+    const float sl2 = scale * FLASH_LOG2E;
+    const int ntiles = (T - s_first + QT - 1) / QT;  // s_first < T: the grid has ceil(T / 128) key blocks
+    // K's 128 rows staged in buffer 0, V's in buffer 1
+    copy_rows<HS, LD>(&qd[0][0][0], k, s_first, FLASH4_ROWS, T);
+    copy_rows<HS, LD>(&qd[1][0][0], v, s_first, FLASH4_ROWS, T);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads();
+    mma_rows<H> kf[HS / 16], vf[HS / 16];
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) {
+        mma_rows_load<H>(kf[kk], &qd[0][16 * warp][16 * kk], LD);
+        mma_rows_load<H>(vf[kk], &qd[1][16 * warp][16 * kk], LD);
+    }
+    __syncthreads();  // every warp holds its rows: the staging buffers are free
+    // query tile i (queries s_first + QT i ...) into buffer i % 2: Q, dO, lse, delta (zeros past T)
+    auto issue = [&](int i) {
+        const int tq0 = s_first + i * QT, bb = i % 2;
+        copy_rows<HS, LD>(&qd[bb][0][0], q, tq0, QT, T);
+        copy_rows<HS, LD>(&qd[bb][QT][0], dout, tq0, QT, T);
+        for (int x = threadIdx.x; x < 2 * QT; x += blockDim.x) {
+            int c = x % QT, ok = tq0 + c < T;
+            const float* src = x < QT ? lse : delta;
+            copy4_async(&ld_s[bb][x / QT][c], ok ? src + tq0 + c : src, ok);
+        }
+        copy_commit();
+    };
+    issue(0);
+    mma_tile dkt[HS / 16], dvt[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) {
+        zero_tile(dkt[j]);
+        zero_tile(dvt[j]);
+    }
+    for (int it = 0; it < ntiles; it++) {
+        const int t0 = s_first + it * QT, b = it % 2;
+        copy_wait<0>();
+        __syncthreads();  // tile it is in buffer b; every warp is done with buffer 1 - b
+        if (it + 1 < ntiles) issue(it + 1);
+        if (t0 + QT - 1 < sw) continue;  // every query of the tile is before this warp's keys
+        const unsigned short(*qs)[LD] = qd[b];
+        const unsigned short(*ds)[LD] = qd[b] + QT;
+        const float* lse_s = ld_s[b][0];
+        const float* del_s = ld_s[b][1];
+        mma_tile st[QT / 16], dpt[QT / 16];
+#pragma unroll
+        for (int n = 0; n < QT / 16; n++) {
+            zero_tile(st[n]);
+            zero_tile(dpt[n]);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_rows_run<H>(st[n], kf[kk], &qs[16 * n][16 * kk], LD);
+                mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < QT / 16; n++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e++) {
+                int c = 16 * n + mma_tile_col(e), tq = t0 + c;
+                bool keep = tq >= sw + mma_tile_row(e) && tq < T;
+                float p = keep ? exp2f(st[n].x[e] * sl2 - lse_s[c] * FLASH_LOG2E) : 0.0f;
+                st[n].x[e] = p;
+                dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
+            }
+#pragma unroll
+        for (int kk = 0; kk < QT / 16; kk++) {
+            mma_packed<H> pp, pd;
+            mma_pack<H>(pp, st[kk], RoundTo<H>());
+            mma_pack<H>(pd, dpt[kk], RoundTo<H>());
+#pragma unroll
+            for (int j = 0; j < HS / 16; j++) {
+                mma_packed_run<H>(dvt[j], pp, &ds[16 * kk][16 * j], LD);
+                mma_packed_run<H>(dkt[j], pd, &qs[16 * kk][16 * j], LD);
+            }
+        }
+    }
+    store_tiles<HS>(dk + head * T * HS, dkt, sw, T, scale);
+    store_tiles<HS>(dv + head * T * HS, dvt, sw, T, 1.0f);
+}
+
 // ---- entry points: one per format and head size -------------------------------------------------------------------
 #define FLASH_ENTRIES(HS, FMT, H)                                                                                     \
     extern "C" __global__ void flash_attention_forward_v2_hs##HS##_##FMT(                                            \
@@ -701,6 +1081,27 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
         flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
     }
 
+// v4's entry points declare their block size (__launch_bounds__): the compilers may then give a thread the registers
+// that size leaves (AMD's default assumes 1024 threads).
+#define FLASH_ENTRIES_V4(HS, FMT, H)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v4_hs##HS##_##FMT( \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward_v4<H, HS>(q, k, v, out, lse, T, scale);                                                         \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v4_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
+                                                        const unsigned short* v, const unsigned short* dout,          \
+                                                        const float* lse, const float* delta, float* dk, float* dv,   \
+                                                        int T, float scale) {                                         \
+        flash_dkdv_v4<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                            \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_v4_dq_hs##HS##_##FMT( \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
+        flash_dq_v4<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
+    }
+
 FLASH_ENTRIES(16, bf16, 1)
 FLASH_ENTRIES(32, bf16, 1)
 FLASH_ENTRIES(48, bf16, 1)
@@ -709,6 +1110,14 @@ FLASH_ENTRIES(16, f16, 2)
 FLASH_ENTRIES(32, f16, 2)
 FLASH_ENTRIES(48, f16, 2)
 FLASH_ENTRIES(64, f16, 2)
+FLASH_ENTRIES_V4(16, bf16, 1)
+FLASH_ENTRIES_V4(32, bf16, 1)
+FLASH_ENTRIES_V4(48, bf16, 1)
+FLASH_ENTRIES_V4(64, bf16, 1)
+FLASH_ENTRIES_V4(16, f16, 2)
+FLASH_ENTRIES_V4(32, f16, 2)
+FLASH_ENTRIES_V4(48, f16, 2)
+FLASH_ENTRIES_V4(64, f16, 2)
 
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
                                                                   float* delta, long long rows, int hs) {

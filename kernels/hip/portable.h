@@ -59,6 +59,36 @@ __device__ __forceinline__ void warp_sync() {
 __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 #endif
 
+// ---- Copies from global to shared memory that overlap the math (cp.async on NVIDIA sm_80+) -----------------------
+// copy16_async(dst, src, ok): 16 bytes from global src to shared dst, both 16-byte aligned, or 16 zero bytes where !ok
+// (src is then not read, but pass a valid address); copy4_async: the same for 4 bytes (4-byte aligned). copy_commit()
+// closes this thread's group of copies so far; copy_wait<N>() waits until at most N of its groups are in flight. The
+// block's other threads see the bytes after copy_wait and __syncthreads(). AMD (and NVIDIA before sm_80): a plain load
+// and store, done when the call returns; commit and wait do nothing.
+#if GPULLM_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"((unsigned int)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void copy4_async(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"((unsigned int)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+#else
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool ok) {
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) x = *reinterpret_cast<const uint4*>(src);
+    *reinterpret_cast<uint4*>(dst) = x;
+}
+__device__ __forceinline__ void copy4_async(void* dst, const void* src, bool ok) {
+    *reinterpret_cast<unsigned int*>(dst) = ok ? *reinterpret_cast<const unsigned int*>(src) : 0u;
+}
+__device__ __forceinline__ void copy_commit() {}
+template <int N> __device__ __forceinline__ void copy_wait() {}
+#endif
+
 // ---- Matrix tiles on the matrix units (tensor cores on NVIDIA, MFMA on AMD CDNA: gfx90a, gfx942) ----------------
 // Only for sources that #define GPULLM_MATRIX_UNITS before including this header (NVIDIA's <mma.h> needs the CUDA
 // headers' crt/ folder: pip's nvidia-cuda-crt, or a CUDA toolkit).
@@ -155,6 +185,30 @@ __device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>&
     for (int e = 0; e < 4; e++) a[e] = (short)p[(k0 + e) * ld + j];
     mma_f4 c = {t.x[0], t.x[1], t.x[2], t.x[3]};
     mma_mfma<H>(c, a, pk.x);
+    for (int e = 0; e < 4; e++) t.x[e] = c[e];
+}
+// Operand fragments loaded once and used by several products (a warp's row tiles share them):
+// mma_kfrag: B's 16 rows for t += F B^T (what mma_rows_run loads); mma_vfrag: V's 16 rows for t += P V (mma_packed_run's)
+template <int H> struct mma_kfrag { mma_s4 x; };
+template <int H> struct mma_vfrag { mma_s4 x; };
+template <int H> __device__ __forceinline__ void mma_kfrag_load(mma_kfrag<H>& b, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, i = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) b.x[e] = (short)p[i * ld + k0 + e];
+}
+template <int H>
+__device__ __forceinline__ void mma_rows_mul(mma_tile& t, const mma_rows<H>& f, const mma_kfrag<H>& b) {
+    mma_f4 c = {t.x[0], t.x[1], t.x[2], t.x[3]};
+    mma_mfma<H>(c, b.x, f.x);
+    for (int e = 0; e < 4; e++) t.x[e] = c[e];
+}
+template <int H> __device__ __forceinline__ void mma_vfrag_load(mma_vfrag<H>& b, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, j = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) b.x[e] = (short)p[(k0 + e) * ld + j];
+}
+template <int H>
+__device__ __forceinline__ void mma_packed_mul(mma_tile& t, const mma_packed<H>& pk, const mma_vfrag<H>& b) {
+    mma_f4 c = {t.x[0], t.x[1], t.x[2], t.x[3]};
+    mma_mfma<H>(c, b.x, pk.x);
     for (int e = 0; e < 4; e++) t.x[e] = c[e];
 }
 #else
@@ -257,6 +311,28 @@ __device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>&
     mma_m16n8k16<H>(&t.x[0], pk.r, b[0], b[1]);
     mma_m16n8k16<H>(&t.x[4], pk.r, b[2], b[3]);
 }
+// Operand fragments loaded once and used by several products (a warp's row tiles share them): the same ldmatrix
+// addresses as mma_rows_run / mma_packed_run, the load split from the two m16n8k16 products.
+template <int H> struct mma_kfrag { unsigned int r[4]; };
+template <int H> struct mma_vfrag { unsigned int r[4]; };
+template <int H> __device__ __forceinline__ void mma_kfrag_load(mma_kfrag<H>& b, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % 32;
+    mma_ldmatrix(b.r, p + (lane % 8 + 8 * (lane / 16)) * ld + 8 * (lane / 8 % 2));
+}
+template <int H>
+__device__ __forceinline__ void mma_rows_mul(mma_tile& t, const mma_rows<H>& f, const mma_kfrag<H>& b) {
+    mma_m16n8k16<H>(&t.x[0], f.r, b.r[0], b.r[1]);
+    mma_m16n8k16<H>(&t.x[4], f.r, b.r[2], b.r[3]);
+}
+template <int H> __device__ __forceinline__ void mma_vfrag_load(mma_vfrag<H>& b, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % 32;
+    mma_ldmatrix_trans(b.r, p + (lane % 8 + 8 * (lane / 8 % 2)) * ld + 8 * (lane / 16));
+}
+template <int H>
+__device__ __forceinline__ void mma_packed_mul(mma_tile& t, const mma_packed<H>& pk, const mma_vfrag<H>& b) {
+    mma_m16n8k16<H>(&t.x[0], pk.r, b.r[0], b.r[1]);
+    mma_m16n8k16<H>(&t.x[4], pk.r, b.r[2], b.r[3]);
+}
 #endif
 // Register tiles, for code whose row-wise work (a softmax) runs between two products without a trip through shared
 // memory. mma_tile is a 16x16 fp32 tile spread over the warp: element e < MMA_SE of a lane is at row
@@ -268,5 +344,7 @@ __device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>&
 //   mma_pack<H>(pk, t, round):  the tile as the left operand of the next product, each element rounded to format H
 //                                by round(float) -> bits (P, in the registers that held S);
 //   mma_packed_run(t, pk, p, ld): t += P V, V[k][j] = p[k * ld + j] in shared memory (V's rows).
+//   mma_kfrag_load(b, p, ld); mma_rows_mul(t, f, b):     mma_rows_run split in two (one B fragment, several F);
+//   mma_vfrag_load(b, p, ld); mma_packed_mul(t, pk, b):  mma_packed_run split in two (one V fragment, several P).
 // Pointers into shared memory; rows 16-byte aligned (ld a multiple of 8).
 #endif  // GPULLM_MATRIX_UNITS

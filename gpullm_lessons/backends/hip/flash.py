@@ -4,8 +4,10 @@ The same names as kernels/numba/flash.py; the inputs are half precision: q, k, v
 bits (uint16, ``half="bf16"`` or ``"fp16"``), out, lse, dq, dk, dv float32; every product of two tiles runs on the
 matrix units (tensor cores, MFMA) with fp32 accumulation. Versions: v2 passes each product's result through shared
 memory (portable.h's load / run / store tiles) for the softmax; v3 (the default) keeps S, P, dP and dS in the
-registers the matrix units wrote (portable.h's register tiles). The head size must be one the source
-is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
+registers the matrix units wrote (portable.h's register tiles); v4 is v3 reorganised as FlashAttention-2 (128 rows
+per block, two 16-row tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-buffered with
+asynchronous copies; GEOMETRY has each kernel's block). The head size must be one the source is compiled for
+(HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ import numpy as np
 from gpullm_lessons.contracts import check_version
 from gpullm_lessons.contracts.flash import check_flash_args, scale_of
 
-VERSIONS = ("v2", "v3")
+VERSIONS = ("v2", "v3", "v4")
 DEFAULT = "v3"
 HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
 HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
 _SUFFIX = {"bf16": "bf16", "fp16": "f16"}
-WARPS = 4  # warps per block (flash.cu's FLASH_WARPS)
-ROWS = 64  # rows a block owns (FLASH_ROWS)
+WARPS = 4  # warps per block (flash.cu's FLASH_WARPS), v2 and v3
+ROWS = 64  # rows a block owns (FLASH_ROWS), v2 and v3: the most row blocks of any version
+# (rows a block owns, warps per block) of each kernel: v4's are flash.cu's FLASH4_ROWS, FLASH4_WARPS and
+# FLASH4_DKDV_WARPS (the entry points' __launch_bounds__: a launch with more threads fails)
+GEOMETRY = {
+    "v2": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
+    "v3": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
+    "v4": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
+}
 MAX_GRID_Y = 65535
 DELTA_BLOCKS = 4096  # the delta kernel's grid cap (grid-stride over rows)
 
@@ -71,10 +80,12 @@ def _kernel(name):
         raise
 
 
-def _threads():
+def _launch(version, kernel, heads, T):
+    """(grid, block) of one of `version`'s kernels ("forward", "dkdv", "dq") over `heads` heads of T rows."""
     from gpullm_lessons import hip
 
-    return WARPS * hip.warp_size()
+    rows, warps = GEOMETRY[version][kernel]
+    return (heads, math.ceil(T / rows)), (warps * hip.warp_size(),)
 
 
 def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
@@ -86,7 +97,7 @@ def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
     if B * nh * T == 0:
         return
     kern = _kernel(f"flash_attention_forward_{version}_hs{hs}_{_SUFFIX[half]}")
-    kern((B * nh, math.ceil(T / ROWS)), (_threads(),), (q, k, v, out, lse, np.int32(T), scale_of(hs)))
+    kern(*_launch(version, "forward", B * nh, T), (q, k, v, out, lse, np.int32(T), scale_of(hs)))
 
 
 def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16"):
@@ -106,13 +117,13 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     rows = B * nh * T
     delta = cp.empty((B, nh, T), cp.float32)
     warps = 256 // hip.warp_size()
-    _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(  # both versions: one warp per row
+    _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(  # every version: one warp per row
         (min(math.ceil(rows / warps), DELTA_BLOCKS),), (256,), (out, dout, delta, np.int64(rows), np.int32(hs))
     )
-    grid, block, scale = (B * nh, math.ceil(T / ROWS)), (_threads(),), scale_of(hs)
+    scale = scale_of(hs)
     _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
-        grid, block, (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
+        *_launch(version, "dkdv", B * nh, T), (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
     )
     _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}")(
-        grid, block, (q, k, v, dout, lse, delta, dq, np.int32(T), scale)
+        *_launch(version, "dq", B * nh, T), (q, k, v, dout, lse, delta, dq, np.int32(T), scale)
     )
