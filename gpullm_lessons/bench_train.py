@@ -74,8 +74,9 @@ def _time_steps(step, batches, warmup=3):
 
 
 def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", steps=10, versions=None,
-                   graphs="off", ce_chunks=1) -> dict:
-    """Step time and CuPy-pool peak bytes of our engine on random tokens (ce_chunks: the engine's loss head chunks).
+                   graphs="off", ce_chunks=1, optimizer_state="fp32", offload_optimizer=False) -> dict:
+    """Step time and CuPy-pool peak bytes of our engine on random tokens (ce_chunks, optimizer_state,
+    offload_optimizer: the engine's options of lesson 12; pinned host memory is not in the pool).
 
     graphs="off": every step launched from Python (the peak is the live peak of CuPy's pool, read at every malloc);
     "auto" / "on": the step replayed as a CUDA graph (engine.StepGraph); its activations live in the graph's private
@@ -97,7 +98,7 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
     cp.cuda.set_allocator(tracking_malloc)
     try:
         eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions, graphs=graphs,
-                           ce_chunks=ce_chunks)
+                           ce_chunks=ce_chunks, optimizer_state=optimizer_state, offload_optimizer=offload_optimizer)
         model_bytes = pool.used_bytes()              # params, grads, m, v (+ the half copy): before any step
         batches = _batches(cfg, B, T, steps + 3)
         step = lambda x, y: eng.train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)  # noqa: E731

@@ -17,6 +17,7 @@ def engine_memory(
     attention="cublas",
     ce_chunks=1,
     optimizer_state="fp32",
+    offload_optimizer=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -36,7 +37,9 @@ def engine_memory(
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
     optimizer_state: how AdamW's m and v are stored ("adamw": fp32 8 bytes per parameter, bf16 4, int8 2 plus the
-    block scales: core.optimizer_state_bytes).
+    block scales: core.optimizer_state_bytes). offload_optimizer: m and v live in host memory (engine/offload.py):
+    no GPU bytes for them; "host" then gives the host's pinned bytes (master weights, gradients, m, v: 16 per
+    parameter), which are not part of "total".
     Returns the terms, "head" (the loss head's own tensors at the end of the forward: lnf's output, the logits and
     dlogits, or one chunk's and dlnf, the per-row losses and the targets) and "total" = model + activations + peak
     working set.
@@ -58,7 +61,8 @@ def engine_memory(
     C, nh, L, V = cfg.d_model, cfg.n_head, cfg.n_layer, cfg.vocab_size
     N, P, TT = B * T, num_params(cfg), B * nh * T * T
     NC = N * C
-    model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": optimizer_state_bytes(P, optimizer_state)}
+    adamw = 0 if offload_optimizer else optimizer_state_bytes(P, optimizer_state)
+    model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": adamw}
     # what one block keeps, per policy (GPUEngine._block_forward)
     base = NC * f + 4 * N * f  # x, mean1, rstd1, mean2, rstd2
     att = NC * f + B * nh * T * f if flash else TT * e  # flash: y and lse; cublas: the probabilities att_mm
@@ -128,4 +132,6 @@ def engine_memory(
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
     out["head"] = head_bytes
     out["total"] = sum(model.values()) + activations + peak_set
+    if offload_optimizer:
+        out["host"] = 4 * P * f
     return out

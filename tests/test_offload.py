@@ -1,0 +1,181 @@
+"""AdamW's state in host memory and its update on the CPU (engine.build(..., offload_optimizer=True), train
+--offload-optimizer, engine/offload.py).
+
+In the CUDA simulator the offloaded engine trains bit for bit as the GPU update does (the CPU loop is the kernel's
+float32 formula), in fp32 and bf16, with the gradients arriving layer by layer from backward's hooks, whole after a
+hand-written backward, after gradient accumulation, and across update chunks that split tensors and hold several;
+a checkpoint moves between offloaded and resident engines; every combination that cannot work is refused by name;
+engine_memory drops the moments from the GPU. On a GPU (`make gpu-test`): the hip engine in bf16 within the
+graph-vs-eager bound of test_engine (a GPU fuses multiply-adds the CPU does not), and the pool holds 8 bytes per
+parameter fewer.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import engine
+from gpullm_lessons.engine.offload import HostOptimizer, adamw_host
+from gpullm_lessons.params import GPTConfig, num_params
+from test_engine import SMALL, TOY, batch
+
+HP = {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 0.5}
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return [batch(TOY, 2, 8, seed=s) for s in range(2)]
+
+
+def states_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return {k: np.array_equal(sa[k], sb[k]) for k in ("params", "m", "v")}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_offloaded_engine_trains_bit_for_bit_as_the_gpu_update(precision, batches):
+    resident = engine.build(TOY, "numba", precision=precision)
+    off = engine.build(TOY, "numba", precision=precision, offload_optimizer=True)
+    assert isinstance(off.offload, HostOptimizer) and not off.graphs
+    for x, y in batches:
+        a, b = resident.train_step(x, y, **HP), off.train_step(x, y, **HP)
+        assert a == b
+    assert all(states_equal(resident, off).values())
+    assert not np.any(off.grads.flat)  # zeroed after the update, as the fused kernels do
+    if precision == "bf16":
+        assert np.array_equal(resident.half, off.half)  # the half copy rewritten from the new weights
+
+
+def test_offload_gradients_arrive_whole_without_hooks_and_after_accumulation(batches):
+    """A hand-written step (forward, backward, optimizer_step: no hooks) and two micro-batches (the hooks fire in the
+    last one) give the resident engine's result; the hooks of an earlier step do not leak into a later one."""
+    resident = engine.build(TOY, "numba")
+    off = engine.build(TOY, "numba", offload_optimizer=True)
+    (x, y), (x2, y2) = batches
+    for eng in (resident, off):
+        eng.train_step(x, y, **HP)  # hooks
+        eng.forward(x2, y2)
+        eng.backward()  # no hooks: the whole buffer is copied in the update
+        eng.optimizer_step(HP["lr"], HP["weight_decay"], HP["grad_clip"])
+        eng.train_step(x, y, micro_batches=2, **HP)
+    assert all(states_equal(resident, off).values())
+
+
+def test_offload_chunks_split_tensors_and_hold_several():
+    """The update in chunks of 37 elements (tensor boundaries inside chunks, chunk boundaries inside tensors, decay
+    and no-decay tensors) equals one chunk over everything and the Numba kernel's own update."""
+    from gpullm_lessons.kernels.numba.adamw import adamw_step, decay_table
+
+    eng = engine.build(TOY, "numba", offload_optimizer=True)
+    n = num_params(TOY)
+    rng = np.random.default_rng(3)
+    p0, g0 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    m0, v0 = rng.standard_normal(n).astype(np.float32), rng.random(n).astype(np.float32)
+    results = []
+    for chunk in (37, n):
+        off = HostOptimizer(eng, chunk=chunk)
+        eng.params.flat[...] = p0
+        off.pull_master()
+        off.m[...], off.v[...] = m0, v0
+        eng.grads.flat[...] = g0
+        off.step(1e-2, 0.1, 0.5, 3, (0.9, 0.95), 1e-8)
+        results.append((off.master.copy(), off.m.copy(), off.v.copy(), eng.params.flat.copy()))
+    p, g, m, v = p0.copy(), g0.copy(), m0.copy(), v0.copy()
+    adamw_step(p, g, m, v, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, decay_bounds=decay_table(eng.params, arrays="numpy"),
+               grad_scale=0.5)  # fmt: skip
+    bounds, flags = decay_table(eng.params, arrays="numpy")
+    assert 0 < flags.sum() < len(flags)  # both kinds of tensor
+    for r in results:
+        assert all(np.array_equal(a, b) for a, b in zip(r, (p, m, v, p)))
+
+
+def test_adamw_host_uses_each_tensors_decay_flag():
+    """Two tensors, decay on the second only: the first is untouched by the decay term (a table read off by one
+    tensor would decay it)."""
+    n = 10
+    p, g = np.ones(n, np.float32), np.zeros(n, np.float32)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    f = np.float32
+    adamw_host(p, g, m, v, np.array([0, 4, n]), np.array([0, 1], np.uint8), f(0.1), f(0.5), f(0.9), f(0.1), f(0.95),
+               f(0.05), f(0.1), f(0.05), f(1e-8), f(1.0))  # fmt: skip
+    assert np.array_equal(p[:4], np.ones(4, np.float32)) and np.all(p[4:] == f(0.5))
+
+
+def test_a_checkpoint_moves_between_offloaded_and_resident_engines(batches):
+    (x, y), (x2, y2) = batches
+    off = engine.build(TOY, "numba", offload_optimizer=True)
+    off.train_step(x, y, **HP)
+    resident = engine.build(TOY, "numba")
+    resident.load_state_dict(off.state_dict())
+    back = engine.build(TOY, "numba", offload_optimizer=True)
+    back.load_state_dict(resident.state_dict())
+    assert np.array_equal(back.offload.master, resident.params.flat)  # the host's master follows a load
+    results = [e.train_step(x2, y2, **HP) for e in (off, resident, back)]
+    assert results[0] == results[1] == results[2]
+    assert all(states_equal(off, resident).values()) and all(states_equal(off, back).values())
+
+
+def test_offload_refusals_name_the_problem():
+    with pytest.raises(engine.EngineError, match="NumPy engine already keeps"):
+        engine.build(TOY, "numpy", offload_optimizer=True)
+    with pytest.raises(engine.EngineError, match="offload_optimizer keeps AdamW's moments in fp32"):
+        engine.build(TOY, "numba", optimizer_state="bf16", offload_optimizer=True)
+    eng = engine.build(TOY, "numba", offload_optimizer=True)
+    with pytest.raises(engine.EngineError, match="ZeRO shards the optimizer state across GPUs"):
+        eng.optimizer_shard(0, 8, eng.params.flat[:8], eng.grads.flat[:8])
+
+
+def test_engine_memory_without_the_moments_on_the_gpu():
+    cfg, n = SMALL, num_params(SMALL)
+    a = engine.engine_memory(cfg, 8, 64, "bf16")
+    b = engine.engine_memory(cfg, 8, 64, "bf16", offload_optimizer=True)
+    assert a["total"] - b["total"] == 8 * n and b["adamw"] == 0 and b["host"] == 16 * n and "host" not in a
+
+
+@pytest.mark.gpu
+def test_gpu_offloaded_step_matches_the_resident_step_and_frees_the_moments():
+    import cupy as cp
+
+    from gpullm_lessons.bench_train import measure_engine
+
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=128)
+    batches = [batch(cfg, 8, 64, seed=s) for s in range(6)]
+    resident = engine.build(cfg, "hip", precision="bf16", graphs="off")
+    off = engine.build(cfg, "hip", precision="bf16", offload_optimizer=True)
+    with pytest.raises(engine.EngineError, match="the optimizer runs on the CPU"):
+        engine.build(cfg, "hip", precision="bf16", graphs="on", offload_optimizer=True)
+    for i, (x, y) in enumerate(batches):
+        a, b = resident.train_step(x, y, **HP), off.train_step(x, y, **HP)
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * a["loss"], (i, a, b)
+    sa, sb = resident.state_dict(), off.state_dict()
+    for key in ("params", "m", "v"):
+        assert np.linalg.norm(sa[key] - sb[key]) <= 1e-3 * np.linalg.norm(sa[key]), key
+    assert not cp.any(off.grads.flat)
+    n = num_params(cfg)
+    r0 = measure_engine(cfg, 8, 64, "bf16", steps=2)
+    r1 = measure_engine(cfg, 8, 64, "bf16", steps=2, offload_optimizer=True)
+    assert r0["model_bytes"] - r1["model_bytes"] >= 8 * n
+
+
+# ---- train.py ---------------------------------------------------------------------------------------------------------
+def test_train_offload_flag_trains_as_the_resident_run_and_refuses_what_cannot_work(tmp_path):
+    from gpullm_lessons import train
+
+    args = ["--backend", "numba", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--block-size", "8",
+            "--batch-size", "2", "--eval-batches", "1", "--eval-every", "2", "--sample-tokens", "0", "--steps", "2",
+            "--no-progress"]  # fmt: skip
+    a = train.main(args + ["--out", str(tmp_path / "a")])
+    b = train.main(args + ["--offload-optimizer", "--out", str(tmp_path / "b")])
+    logs = [[json.loads(r) for r in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in ("a", "b")]
+    assert [r["loss"] for r in logs[0]] == [r["loss"] for r in logs[1]] and a["val_loss"] == b["val_loss"]
+    assert b["offload_optimizer"] and not a["offload_optimizer"]
+    for extra, match in (
+        (["--zero", "1"], "--offload-optimizer with --zero 1"),
+        (["--optimizer-state", "bf16"], "--offload-optimizer with --optimizer-state bf16"),
+        (["--graphs", "on"], "--graphs on with --offload-optimizer"),
+    ):
+        with pytest.raises(train.ConfigError, match=match):
+            train.main(args + ["--offload-optimizer", "--out", str(tmp_path / "c")] + extra)
+    with pytest.raises(train.ConfigError, match="NumPy engine already keeps"):
+        train.main(args[2:] + ["--backend", "numpy", "--offload-optimizer", "--out", str(tmp_path / "d")])
