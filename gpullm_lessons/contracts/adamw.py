@@ -54,24 +54,38 @@ def check_buffers(fn, names, arrays, check_array):
     return n
 
 
-MOMENTS_F32, MOMENTS_BF16 = "fp32", "bf16"  # how m and v are stored: float32, or bfloat16 bits in uint16
+MOMENTS_F32, MOMENTS_BF16, MOMENTS_INT8 = "fp32", "bf16", "int8"  # how m and v are stored (see below)
+# the dtype of v for each dtype of m: float32 moments; bfloat16 bits in uint16; block-wise 8 bits (m int8, v uint8
+# holding sqrt(v), plus one float32 scale per block of each: gpullm_lessons.quant's format)
+_MOMENT_DTYPES = {
+    "float32": ("float32", MOMENTS_F32),
+    "uint16": ("uint16", MOMENTS_BF16),
+    "int8": ("uint8", MOMENTS_INT8),
+}
+INT8_BLOCK = 256  # values per quantisation block of int8 moments: quant.BLOCK (tests/test_optimizer_state_int8.py)
+INT8_THREADS = (64, 128, 256)  # threads per block of the int8-moment kernels: one thread block per quantisation
+# block (at most INT8_BLOCK threads), whole 64-lane wavefronts (AMD; the HIP max is warp_max), a power of two (the
+# Numba max is a shared-memory tree)
 
 
 def check_moment_buffers(fn, names, arrays, check_array):
-    """params, grads (1-D float32, one length n) and m, v: both float32, or both uint16 holding bfloat16 bits (the
-    bf16-moment kernels). Returns (n, MOMENTS_F32 or MOMENTS_BF16); errors name the argument and both choices."""
+    """params, grads (1-D float32, one length n) and m, v: both float32, both uint16 holding bfloat16 bits (the
+    bf16-moment kernels), or m int8 and v uint8 (block-wise 8-bit moments, with their scales: check_int8_moments).
+    Returns (n, MOMENTS_F32, MOMENTS_BF16 or MOMENTS_INT8); errors name the argument and the choices."""
     n = check_buffers(fn, names[:2], arrays[:2], check_array)
     m = arrays[2]
     dt = str(getattr(m, "dtype", ""))
-    if dt not in ("float32", "uint16"):
+    if dt not in _MOMENT_DTYPES:
         if not (hasattr(m, "shape") and hasattr(m, "dtype")):
             check_array(fn, names[2], m, (n,), "float32")  # not an array: the usual message
         raise TypeError(
-            f"{fn}: {names[2]} has dtype {dt}, expected float32 (fp32 moments) or uint16 (the bits of bf16 moments)"
+            f"{fn}: {names[2]} has dtype {dt}, expected float32 (fp32 moments) or uint16 (the bits of bf16 moments), "
+            f"or int8 with {names[3]} uint8 (block-wise 8-bit moments, with m_scale and v_scale)"
         )
-    for name, a in zip(names[2:], arrays[2:]):
-        check_array(fn, name, a, (n,), dt)
-    return n, (MOMENTS_BF16 if dt == "uint16" else MOMENTS_F32)
+    v_dt, moments = _MOMENT_DTYPES[dt]
+    check_array(fn, names[2], m, (n,), dt)
+    check_array(fn, names[3], arrays[3], (n,), v_dt)
+    return n, moments
 
 
 def check_bf16_moments_version(fn, version):
@@ -80,6 +94,43 @@ def check_bf16_moments_version(fn, version):
         raise ValueError(
             f"{fn}: m and v hold bf16 moments (uint16): they run the fused one-pass kernel, version='v2' "
             f"(got version={version!r})"
+        )
+
+
+def int8_blocks(n: int) -> int:
+    """How many quantisation blocks (and scales per moment) n values of int8 moments have: ceil(n / INT8_BLOCK)."""
+    return -(-int(n) // INT8_BLOCK)
+
+
+def check_int8_moments(fn, moments, n, m_scale, v_scale, version, threads, check_array):
+    """The int8-moment arguments: m_scale and v_scale float32 (int8_blocks(n),) exactly when m, v are int8 / uint8,
+    version 'v2' (the one fused kernel), threads one of INT8_THREADS. No-op for other moments except that scales
+    given without int8 moments are an error."""
+    if moments != MOMENTS_INT8:
+        if m_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"{fn}: m_scale / v_scale belong to block-wise 8-bit moments (m int8, v uint8); "
+                f"m and v here hold {moments} moments"
+            )
+        return
+    if m_scale is None or v_scale is None:
+        missing = " and ".join(k for k, a in (("m_scale", m_scale), ("v_scale", v_scale)) if a is None)
+        raise ValueError(
+            f"{fn}: m int8 and v uint8 are block-wise 8-bit moments: pass their per-block scales "
+            f"(missing {missing}: float32 ({int8_blocks(n)},), one per block of {INT8_BLOCK} values)"
+        )
+    for name, a in (("m_scale", m_scale), ("v_scale", v_scale)):
+        check_array(fn, name, a, (int8_blocks(n),), "float32")
+    if version != "v2":
+        raise ValueError(
+            f"{fn}: m and v hold block-wise 8-bit moments (int8 / uint8): they run the fused one-pass kernel, "
+            f"version='v2' (got version={version!r})"
+        )
+    if threads not in INT8_THREADS:
+        raise ValueError(
+            f"{fn}: threads={threads}: the int8-moment kernel runs one quantisation block of {INT8_BLOCK} values per "
+            f"thread block, in whole 64-lane wavefronts, its max a power-of-two tree: threads must be one of "
+            f"{', '.join(map(str, INT8_THREADS))}"
         )
 
 

@@ -13,6 +13,10 @@
 //       float32 (exact), updated and used for the step in float32, written back rounded to nearest even (half.h's
 //       f32_to_bf16_bits): 24 bytes per parameter. adamw_bf16_moments_device_v2: the same with v4's scalars in GPU
 //       memory (the CUDA-graph step). Twins of kernels/numba/adamw.py's kernels of the same names.
+//   adamw_int8_moments_v2: m and v block-wise quantised in gpullm_lessons.quant's format (int8 codes of m, uint8 codes
+//       of sqrt(v), one float32 scale per block of 256 and moment): one thread block per quantisation block, which it
+//       reads back, updates and quantises again with the block's new absmax: 20 bytes per parameter (+ 16 per block).
+//       adamw_int8_moments_device_v2: the same with v4's scalars in GPU memory. Twins of the Numba kernels.
 #include "portable.h"
 #include "half.h"
 
@@ -241,6 +245,114 @@ extern "C" __global__ void adamw_bf16_moments_device_v2(float* __restrict__ para
                                                         float eps) {
     adamw_bf16_moments_body(params, grads, m, v, bounds, flags, half_out, half_mode, n, hyper[0], hyper[1], beta1,
                             one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps,
+                            adamw_device_grad_scale(hyper, sumsq));
+}
+
+// ---- int8 moments: block-wise 8-bit m and sqrt(v), gpullm_lessons.quant's format -----------------------------------
+//   m: signed codes q = rint(m / a * 127) with a = the block's max |m| (m_scale[b]); read back as q * (a / 127)
+//   v: unsigned codes r = rint(sqrt(v) / a * 255) with a = the block's max sqrt(v) (v_scale[b]); read back as
+//      (r * (a / 255))^2, a code 0 as r = 0.5 (half a level: m / (0 + eps) would be a huge step)
+// rint rounds to nearest, ties to even (np.rint); an all-zero block has scale 0 and codes 0 (divided by 1).
+// Thread block bid owns quantisation blocks bid, bid + gridDim.x, ...; in each, thread t owns elements lo + t,
+// lo + t + blockDim.x, ...: (1) read back with the OLD scales, update p (and the half copy), m, v in float32, keep the
+// new m and sqrt(v) in shared memory; (2) the block's NEW absmax of each (warp_max, then one value per warp);
+// (3) quantise with the new scales, thread 0 stores them. blockDim.x: 64, 128 or 256 (whole warps / wavefronts).
+#define ADAMW_Q8_BLOCK 256   // values per quantisation block: quant.BLOCK
+
+// The max over the thread block of x >= 0, returned to every thread; wmax: MAX_WARPS_PER_BLOCK floats of shared memory
+// that no thread may touch again before the next __syncthreads.
+__device__ __forceinline__ float q8_block_max(float x, float* wmax) {
+    int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, n_warps = blockDim.x / warpSize;
+    x = warp_max(x);                             // every lane holds its warp's max
+    if (lane == 0) wmax[warp] = x;
+    __syncthreads();
+    x = lane < n_warps ? wmax[lane] : 0.0f;      // 0 is neutral: the values are >= 0
+    return warp_max(x);                          // every warp reduces the n_warps (<= warpSize) maxima itself
+}
+
+__device__ __forceinline__ void adamw_int8_moments_body(float* __restrict__ params, float* __restrict__ grads,
+                                                        signed char* __restrict__ m, unsigned char* __restrict__ v,
+                                                        float* __restrict__ m_scale, float* __restrict__ v_scale,
+                                                        const long long* __restrict__ bounds,
+                                                        const unsigned char* __restrict__ flags,
+                                                        unsigned short* __restrict__ half_out, int half_mode,
+                                                        long long n, float lr, float lr_wd, float beta1,
+                                                        float one_minus_beta1, float beta2, float one_minus_beta2,
+                                                        float bias1, float bias2, float eps, float grad_scale) {
+    __shared__ float m_new[ADAMW_Q8_BLOCK], r_new[ADAMW_Q8_BLOCK];   // the block's new m and sqrt(v)
+    __shared__ float wmax_m[MAX_WARPS_PER_BLOCK], wmax_v[MAX_WARPS_PER_BLOCK];
+    long long blocks = (n + ADAMW_Q8_BLOCK - 1) / ADAMW_Q8_BLOCK;
+    int j = 0;   // the tensor element i lies in, walked forward
+    for (long long b = blockIdx.x; b < blocks; b += gridDim.x) {
+        long long lo = b * ADAMW_Q8_BLOCK;
+        int size = n - lo < ADAMW_Q8_BLOCK ? (int)(n - lo) : ADAMW_Q8_BLOCK;   // the last block may be shorter
+        float per_m = m_scale[b] / 127.0f, per_v = v_scale[b] / 255.0f;   // the OLD scales
+        float amax_m = 0.0f, amax_v = 0.0f;
+        for (int k = threadIdx.x; k < size; k += blockDim.x) {   // (1) read back, update, keep
+            long long i = lo + k;
+            while (bounds[j + 1] <= i) j++;
+            float g = grads[i] * grad_scale;
+            float p = params[i];
+            if (flags[j] && lr_wd != 0.0f) p = p - lr_wd * p;
+            float m_old = (float)m[i] * per_m;
+            float r = (float)v[i];
+            if (r == 0.0f) r = 0.5f;
+            float s = r * per_v;
+            float v_old = s * s;
+            float mi = beta1 * m_old + one_minus_beta1 * g;
+            float vi = beta2 * v_old + one_minus_beta2 * (g * g);
+            p = p - (lr * (mi / bias1)) / (sqrtf(vi / bias2) + eps);   // this step's float32 moments, before quantising
+            params[i] = p;
+            grads[i] = 0.0f;
+            store_half(half_out, i, p, half_mode);
+            float ri = sqrtf(vi);   // v is stored as sqrt(v)
+            m_new[k] = mi;
+            r_new[k] = ri;
+            amax_m = fmaxf(amax_m, fabsf(mi));
+            amax_v = fmaxf(amax_v, ri);
+        }
+        amax_m = q8_block_max(amax_m, wmax_m);   // (2) the block's new absmax of each
+        amax_v = q8_block_max(amax_v, wmax_v);
+        float safe_m = amax_m > 0.0f ? amax_m : 1.0f, safe_v = amax_v > 0.0f ? amax_v : 1.0f;
+        for (int k = threadIdx.x; k < size; k += blockDim.x) {   // (3) quantise: the thread's own m_new, r_new
+            long long i = lo + k;
+            m[i] = (signed char)rintf(m_new[k] / safe_m * 127.0f);
+            v[i] = (unsigned char)rintf(r_new[k] / safe_v * 255.0f);
+        }
+        if (threadIdx.x == 0) {
+            m_scale[b] = amax_m;
+            v_scale[b] = amax_v;
+        }
+        __syncthreads();   // wmax_* are written again by the next block
+    }
+}
+
+extern "C" __global__ void adamw_int8_moments_v2(float* __restrict__ params, float* __restrict__ grads,
+                                                 signed char* __restrict__ m, unsigned char* __restrict__ v,
+                                                 float* __restrict__ m_scale, float* __restrict__ v_scale,
+                                                 const long long* __restrict__ bounds,
+                                                 const unsigned char* __restrict__ flags,
+                                                 unsigned short* __restrict__ half_out, int half_mode, long long n,
+                                                 float lr, float lr_wd, float beta1, float one_minus_beta1,
+                                                 float beta2, float one_minus_beta2, float bias1, float bias2,
+                                                 float eps, float grad_scale) {
+    adamw_int8_moments_body(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, n, lr, lr_wd,
+                            beta1, one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, grad_scale);
+}
+
+// the CUDA-graph step with int8 moments: lr, lr wd, bias1, bias2 and the clip / loss-scale factor from hyper, sumsq
+extern "C" __global__ void adamw_int8_moments_device_v2(float* __restrict__ params, float* __restrict__ grads,
+                                                        signed char* __restrict__ m, unsigned char* __restrict__ v,
+                                                        float* __restrict__ m_scale, float* __restrict__ v_scale,
+                                                        const long long* __restrict__ bounds,
+                                                        const unsigned char* __restrict__ flags,
+                                                        unsigned short* __restrict__ half_out, int half_mode,
+                                                        long long n, const float* __restrict__ hyper,
+                                                        const float* __restrict__ sumsq, float beta1,
+                                                        float one_minus_beta1, float beta2, float one_minus_beta2,
+                                                        float eps) {
+    adamw_int8_moments_body(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, n, hyper[0],
+                            hyper[1], beta1, one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps,
                             adamw_device_grad_scale(hyper, sumsq));
 }
 

@@ -1,7 +1,8 @@
 """numba.cuda.libdevice, or under the CUDA simulator a NumPy stand-in for the few bit functions the kernels use.
 
 Kernels that read float bits (the bf16/fp16 copies in adamw.py, convert.py) call libdevice.float_as_int,
-int_as_float and float2half_rn: real libdevice on a GPU (and when compiling to PTX), NumPy in the simulator.
+int_as_float and float2half_rn, and adamw.py's int8 moments rintf (round to nearest, ties to even): real libdevice on
+a GPU (and when compiling to PTX), NumPy in the simulator.
 """
 import numpy as np
 from numba import config
@@ -15,6 +16,10 @@ if config.ENABLE_CUDASIM:
         @staticmethod
         def int_as_float(x):
             return np.uint32(x).view(np.float32)      # the float32 with these bits
+
+        @staticmethod
+        def rintf(x):
+            return np.rint(np.float32(x))                     # round to nearest, ties to even, as the GPU
 
         @staticmethod
         def float2half_rn(x):

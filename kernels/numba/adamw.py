@@ -43,6 +43,17 @@ bf16_moments_v2 (adamw_step with m, v uint16): v2 with AdamW's moments stored as
     float32 moments), then writes them back rounded to nearest even (convert.f32_to_bf16_bits, the rounding of
     reference.rounding and half.h). 24 B per parameter instead of 32. Reference: optim.adamw_update_bf16.
 bf16_moments_device_v2 (adamw_step_device with m, v uint16): bf16_moments_v2 with device_v2's scalars from hyper.
+int8_moments_v2 (adamw_step with m int8, v uint8 and their scales m_scale, v_scale): AdamW's moments block-wise
+    quantised in gpullm_lessons.quant's format (2 bytes per parameter plus 8 per block of 256): m as int8 codes
+    q = round(m / a * 127), v as uint8 codes of sqrt(v) scaled by the block's max sqrt(v), one float32 scale a (the
+    block's absmax) per block and moment. One thread block per quantisation block (a grid-stride loop over the
+    blocks): each thread reads its elements' codes back to float32 with the OLD scales (a sqrt(v) code 0 reads as
+    half a level), updates p (and the half copy), m, v in float32 and keeps the new m, sqrt(v) in shared memory;
+    a tree gives the block's NEW absmax of each; then every value is quantised with the new scale (round to nearest,
+    ties to even: libdevice rintf) and the scales stored. An all-zero block gets scale 0 and codes 0. Reference:
+    quant.dequantize_moments -> optim.adamw_update -> quant.quantize_moments (NumpyEngine's int8 step).
+    20 B per parameter instead of 32 (p and g as v2; m and v 1 B each, read and written; + 16 B of scales per block).
+int8_moments_device_v2 (adamw_step_device with int8 moments): int8_moments_v2 with device_v2's scalars from hyper.
 sumsq_v1, sumsq_reduce_v1: grad_sumsq, the squared global gradient norm of the flat buffer: block partials (a
     shared-memory tree), then one fixed-order sum (deterministic, no atomics).
 No version is GPU-only: all of them run in Numba's CUDA simulator.
@@ -58,7 +69,7 @@ from gpullm_lessons.contracts import check_threads, check_version
 from gpullm_lessons.contracts.adamw import (HALF_BF16, HALF_FP16, HALF_NONE, HYPER_LEN, adamw_hyper,  # noqa: F401
                                             check_buffers, check_device_args, check_hyper, check_table, half_mode_of,
                                             host_scalars, check_moment_buffers, check_bf16_moments_version,
-                                            MOMENTS_BF16)
+                                            MOMENTS_BF16, MOMENTS_INT8, INT8_BLOCK, check_int8_moments, int8_blocks)
 from gpullm_lessons.kernels.numba.convert import U16, f32_to_bf16_bits, f32_to_f16_bits
 
 from gpullm_lessons.kernels.numba._libdevice import libdevice
@@ -239,6 +250,110 @@ def adamw_bf16_moments_device_v2(params, grads, m, v, bounds, flags, half_out, h
                        one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
 
 
+# int8_moments_v2: AdamW's moments block-wise quantised (quant's format; see the module docstring). Thread block bid
+# owns quantisation blocks bid, bid + gridDim, ...; in each, thread t owns elements lo + t, lo + t + threads, ...
+Q8 = INT8_BLOCK                       # values per quantisation block (quant.BLOCK); threads <= Q8, a power of two
+Q8_LEVELS_M = numba.float32(127.0)    # m: signed codes -127..127
+Q8_LEVELS_V = numba.float32(255.0)    # sqrt(v): unsigned codes 0..255
+Q8_HALF_LEVEL = numba.float32(0.5)    # a sqrt(v) code 0 reads as half a level (quant.dequantize_moments)
+ONE = numba.float32(1.0)
+
+
+@cuda.jit(device=True, inline=True)
+def _int8_moments_loop(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, lr, lr_wd, beta1,
+                       one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
+    m_new = cuda.shared.array(Q8, numba.float32)    # the block's updated m and sqrt(v), until the new scales exist
+    r_new = cuda.shared.array(Q8, numba.float32)
+    red_m = cuda.shared.array(Q8, numba.float32)    # the trees of max |m| and max sqrt(v) over the block
+    red_v = cuda.shared.array(Q8, numba.float32)
+    t, threads = cuda.threadIdx.x, cuda.blockDim.x
+    n = params.shape[0]
+    j = 0                                           # index of the tensor element i lies in (walked forward)
+    for b in range(cuda.blockIdx.x, m_scale.shape[0], cuda.gridDim.x):
+        lo = b * Q8
+        size = min(Q8, n - lo)                      # the last block may be shorter
+        per_m = m_scale[b] / Q8_LEVELS_M            # the OLD scales (thread 0 overwrites them after the barriers)
+        per_v = v_scale[b] / Q8_LEVELS_V
+        amax_m = ZERO
+        amax_v = ZERO
+        for k in range(t, size, threads):           # 1. read back, update, keep the new moments in shared memory
+            i = lo + k
+            while bounds[j + 1] <= i:
+                j += 1
+            g = grads[i] * grad_scale
+            p = params[i]
+            if flags[j] != 0 and lr_wd != ZERO:
+                p = p - lr_wd * p
+            m_old = numba.float32(m[i]) * per_m     # q / 127 * a, as quant.dequantize_blockwise
+            r = numba.float32(v[i])
+            if r == ZERO:
+                r = Q8_HALF_LEVEL
+            s = r * per_v                           # sqrt(v) ~ r / 255 * a
+            v_old = s * s
+            mi = beta1 * m_old + one_minus_beta1 * g
+            vi = beta2 * v_old + one_minus_beta2 * (g * g)
+            denom = numba.float32(math.sqrt(vi / bias2)) + eps
+            p = p - (lr * (mi / bias1)) / denom     # the step from this step's float32 moments, before quantising
+            params[i] = p
+            grads[i] = ZERO
+            if half_mode == 1:
+                half_out[i] = f32_to_f16_bits(p)
+            elif half_mode == 2:
+                half_out[i] = f32_to_bf16_bits(p)
+            ri = numba.float32(math.sqrt(vi))       # v is stored as sqrt(v)
+            m_new[k] = mi
+            r_new[k] = ri
+            if abs(mi) > amax_m:
+                amax_m = abs(mi)
+            if ri > amax_v:
+                amax_v = ri
+        red_m[t] = amax_m                           # 2. the block's new absmax: a tree in shared memory
+        red_v[t] = amax_v
+        cuda.syncthreads()
+        half = threads // 2
+        while half > 0:
+            if t < half:
+                if red_m[t + half] > red_m[t]:
+                    red_m[t] = red_m[t + half]
+                if red_v[t + half] > red_v[t]:
+                    red_v[t] = red_v[t + half]
+            cuda.syncthreads()
+            half //= 2
+        a_m = red_m[0]
+        a_v = red_v[0]
+        safe_m = a_m if a_m > ZERO else ONE         # an all-zero block: scale 0, codes 0 (0 / 1)
+        safe_v = a_v if a_v > ZERO else ONE
+        for k in range(t, size, threads):           # 3. quantise with the new scales: round to nearest, ties to even
+            i = lo + k
+            m[i] = numba.int8(libdevice.rintf(m_new[k] / safe_m * Q8_LEVELS_M))
+            v[i] = numba.uint8(libdevice.rintf(r_new[k] / safe_v * Q8_LEVELS_V))
+        if t == 0:
+            m_scale[b] = a_m
+            v_scale[b] = a_v
+        cuda.syncthreads()                          # red_*[0], m_new, r_new are reused by the next block
+
+
+@cuda.jit
+def adamw_int8_moments_v2(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, lr, lr_wd, beta1,
+                          one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, grad_scale):
+    _int8_moments_loop(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, lr, lr_wd, beta1,
+                       one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, grad_scale)
+
+
+# int8_moments_device_v2 (adamw_step_device, int8 moments): the scalars from hyper and sumsq, as device_v2.
+@cuda.jit
+def adamw_int8_moments_device_v2(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, hyper,
+                                 sumsq, beta1, one_minus_beta1, beta2, one_minus_beta2, eps):
+    inv_scale, clip = hyper[4], hyper[5]
+    coef = numba.float32(1.0)
+    if clip > ZERO:
+        c = clip / (numba.float32(math.sqrt(sumsq[0])) * inv_scale + numba.float32(1e-6))
+        if c < coef:
+            coef = c
+    _int8_moments_loop(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, hyper[0], hyper[1],
+                       beta1, one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
+
+
 # sumsq_v1 (grad_sumsq): stage 1, block b adds the squares of its grid-stride elements in a shared-memory tree into
 # partial[b]; stage 2 (sumsq_reduce_v1, one block) adds the partials in a fixed order: deterministic, no atomics.
 SUMSQ_THREADS = 128
@@ -276,7 +391,8 @@ def sumsq_reduce_v1(partial, out):
 KERNELS = {"v1_decay": adamw_v1_decay, "v1_m": adamw_v1_m, "v1_v": adamw_v1_v, "v1_update": adamw_v1_update,
            "v1_zero": adamw_v1_zero, "v2": adamw_v2, "device_v2": adamw_device_v2, "sumsq_v1": sumsq_v1,
            "sumsq_reduce_v1": sumsq_reduce_v1, "bf16_moments_v2": adamw_bf16_moments_v2,
-           "bf16_moments_device_v2": adamw_bf16_moments_device_v2}
+           "bf16_moments_device_v2": adamw_bf16_moments_device_v2, "int8_moments_v2": adamw_int8_moments_v2,
+           "int8_moments_device_v2": adamw_int8_moments_device_v2}
 _F = "float32[::1]"
 SIGNATURES = {
     "v1_decay": f"void({_F}, {_F}, int64[::1], uint8[::1], float32, float32)",   # params, grads, bounds, flags, ...
@@ -292,6 +408,10 @@ SIGNATURES = {
                        + ", ".join(["float32"] * 10) + ")",
     "bf16_moments_device_v2": f"void({_F}, {_F}, uint16[::1], uint16[::1], int64[::1], uint8[::1], uint16[::1], "
                               f"int32, {_F}, {_F}, " + ", ".join(["float32"] * 5) + ")",
+    "int8_moments_v2": f"void({_F}, {_F}, int8[::1], uint8[::1], {_F}, {_F}, int64[::1], uint8[::1], uint16[::1], "
+                       "int32, " + ", ".join(["float32"] * 10) + ")",
+    "int8_moments_device_v2": f"void({_F}, {_F}, int8[::1], uint8[::1], {_F}, {_F}, int64[::1], uint8[::1], "
+                              f"uint16[::1], int32, {_F}, {_F}, " + ", ".join(["float32"] * 5) + ")",
     "sumsq_v1": f"void({_F}, {_F})",
     "sumsq_reduce_v1": f"void({_F}, {_F})",
 }
@@ -371,7 +491,7 @@ def _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype):
 
 
 def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, decay_bounds=None, grad_scale=1.0,
-               half_out=None, half_dtype=None, version="v2", threads=256):
+               half_out=None, half_dtype=None, version="v2", threads=256, m_scale=None, v_scale=None):
     """One AdamW step in place: params, m, v updated, grads zeroed (all float32 (n,)); see the module docstring.
 
     step: the step count t after increment (1 on the first step). decay_bounds: None (decay every element) or
@@ -379,6 +499,8 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     updated weights in half precision: float16 (half_dtype="float16") or bfloat16 bits in uint16
     (half_dtype="bfloat16"; ml_dtypes.bfloat16 arrays are accepted on the host too).
     m and v uint16 (both): bf16 moments, their bfloat16 bits (bf16_moments_v2; version "v2" only).
+    m int8 and v uint8 with m_scale, v_scale float32 (ceil(n / 256),): block-wise 8-bit moments in quant's format,
+    updated in place with their scales (int8_moments_v2; version "v2", threads 64, 128 or 256).
     """
     from gpullm_lessons.contracts import check_array
     fn = "adamw_step"
@@ -387,13 +509,18 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
     n, moments = check_moment_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
     if moments == MOMENTS_BF16:
         check_bf16_moments_version(fn, version)
+    check_int8_moments(fn, moments, n, m_scale, v_scale, version, threads, check_array)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     bounds, flags, half_out, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min(math.ceil(n / threads), _max_blocks())
-    if moments == MOMENTS_BF16:
+    if moments == MOMENTS_INT8:   # one thread block per quantisation block (grid-stride over the blocks)
+        KERNELS["int8_moments_v2"][min(int8_blocks(n), _max_blocks()), threads, launch_stream()](
+            params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, mode, s["lr"], s["lr_wd"], s["beta1"],
+            s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"], s["grad_scale"])
+    elif moments == MOMENTS_BF16:
         KERNELS["bf16_moments_v2"][blocks, threads, launch_stream()](
             params, grads, m, v, bounds, flags, half_out, mode, s["lr"], s["lr_wd"], s["beta1"], s["one_minus_beta1"],
             s["beta2"], s["one_minus_beta2"], s["bias1"], s["bias2"], s["eps"], s["grad_scale"])
@@ -412,21 +539,28 @@ def adamw_step(params, grads, m, v, lr, beta1, beta2, eps, weight_decay, step, d
 # ---- the graph-friendly step: scalars in GPU memory (adamw_hyper(), from contracts.adamw) ----------------------
 
 def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None,
-                      half_dtype=None, threads=256):
+                      half_dtype=None, threads=256, m_scale=None, v_scale=None):
     """adamw_step with lr, weight decay, the step count, the loss scale and the clip threshold read from `hyper`
     (adamw_hyper(), on the device) and the gradient's squared norm from `sumsq` (grad_sumsq()): the step a CUDA
     graph replays. The clip factor is min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)), as the host computes it.
-    m and v uint16 (both): bf16 moments (bf16_moments_device_v2)."""
+    m and v uint16 (both): bf16 moments (bf16_moments_device_v2). m int8, v uint8 with m_scale, v_scale: block-wise
+    8-bit moments (int8_moments_device_v2)."""
     from gpullm_lessons.contracts import check_array
     fn = "adamw_step_device"
     threads = check_threads(fn, threads)
     n, moments = check_moment_buffers(fn, ("params", "grads", "m", "v"), (params, grads, m, v), check_array)
+    check_int8_moments(fn, moments, n, m_scale, v_scale, "v2", threads, check_array)
     check_device_args(fn, n, hyper, sumsq, check_array)
     check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
     bounds, flags, half_out, mode = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
         return
     f = np.float32
+    if moments == MOMENTS_INT8:
+        KERNELS["int8_moments_device_v2"][min(int8_blocks(n), _max_blocks()), threads, launch_stream()](
+            params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),
+            f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
+        return
     blocks = min(math.ceil(n / threads), _max_blocks())
     key = "bf16_moments_device_v2" if moments == MOMENTS_BF16 else "device_v2"
     KERNELS[key][blocks, threads, launch_stream()](params, grads, m, v, bounds, flags, half_out, mode, hyper, sumsq, f(beta1),

@@ -7,7 +7,10 @@ HIP only: v3, v2 with float4 loads and stores (4 elements per thread per step); 
 aligned buffers and runs v2 otherwise.
 params, grads, m, v are 1-D float32 CuPy arrays of one length n (the flat parameter buffer and its companions); m and
 v may instead both be uint16, the bits of bf16 moments: adamw_bf16_moments_v2 (version "v2", scalar loads) and, in
-adamw_step_device, adamw_bf16_moments_device_v2 (no float4 requirement).
+adamw_step_device, adamw_bf16_moments_device_v2 (no float4 requirement); or m int8 and v uint8 with their float32
+scales m_scale, v_scale (ceil(n / 256),): block-wise 8-bit moments in gpullm_lessons.quant's format,
+adamw_int8_moments_v2 / adamw_int8_moments_device_v2 (one thread block per block of 256 values; threads 64, 128 or
+256; any n).
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from gpullm_lessons.contracts import check_array, check_threads, check_version
 from gpullm_lessons.contracts.adamw import (
     HALF_NONE,
     MOMENTS_BF16,
+    MOMENTS_INT8,
     check_bf16_moments_version,
     check_device_args,
     check_hyper,
+    check_int8_moments,
     check_moment_buffers,
     check_table,
     half_mode_of,
     host_scalars,
+    int8_blocks,
 )
 
 __all__ = ["adamw_step", "adamw_step_device", "grad_sumsq", "VERSIONS"]
@@ -54,7 +60,7 @@ def _kernel(name):
 
 def _check_threads_and_buffers(fn, threads, buffers):
     """(threads, n, moments): the block size, the length of params, grads, m, v (checked, in that order, named after
-    fn) and how m and v are stored (contracts.adamw.MOMENTS_F32 or MOMENTS_BF16)."""
+    fn) and how m and v are stored (contracts.adamw.MOMENTS_F32, MOMENTS_BF16 or MOMENTS_INT8)."""
     return (check_threads(fn, threads), *check_moment_buffers(fn, BUFFER_NAMES, buffers, _check_cupy))
 
 
@@ -85,9 +91,14 @@ def _fused_scalars(s):
     return tuple(s[k] for k in keys)
 
 
+def _int8_grid(n):
+    """The grid of an int8-moment kernel: a thread block per quantisation block, capped at MAX_BLOCKS (grid-stride)."""
+    return (min(int8_blocks(n), MAX_BLOCKS),)
+
+
 def _launch_fused(name, grid, threads, buffers, table, n, scalars):
-    """One launch of a one-pass kernel (v2, v3, v4): params, grads, m, v, then _table_and_half's (bounds, flags,
-    half bits, half_mode), n, then that kernel's scalars."""
+    """One launch of a one-pass kernel (v2, v3, v4): params, grads, m, v (int8 moments: and m_scale, v_scale), then
+    _table_and_half's (bounds, flags, half bits, half_mode), n, then that kernel's scalars."""
     _kernel(name)(grid, (threads,), (*buffers, *table, np.int64(n), *scalars))
 
 
@@ -140,6 +151,8 @@ def adamw_step(
     half_dtype=None,
     version="v2",
     threads=256,
+    m_scale=None,
+    v_scale=None,
 ):
     """One AdamW step in place on CuPy arrays: params, m, v updated, grads zeroed (all float32 (n,)).
 
@@ -147,7 +160,9 @@ def adamw_step(
     decay_table() (CuPy arrays: int64 (k+1,), uint8 (k,); NumPy ones are copied to the GPU on every call).
     grad_scale multiplies the gradient first. half_out (n,) CuPy float16 (half_dtype="float16") or uint16
     (half_dtype="bfloat16": the bfloat16 bits) also receives the updated weights. m and v uint16 (both): bf16
-    moments (adamw_bf16_moments_v2, version "v2" only).
+    moments (adamw_bf16_moments_v2, version "v2" only). m int8 and v uint8 with m_scale, v_scale float32
+    (ceil(n / 256),): block-wise 8-bit moments, updated in place with their scales (adamw_int8_moments_v2, version
+    "v2", threads 64, 128 or 256).
     """
     fn = "adamw_step"
     buffers = (params, grads, m, v)
@@ -155,6 +170,7 @@ def adamw_step(
     threads, n, moments = _check_threads_and_buffers(fn, threads, buffers)
     if moments == MOMENTS_BF16:
         check_bf16_moments_version(fn, version)
+    check_int8_moments(fn, moments, n, m_scale, v_scale, version, threads, _check_cupy)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
     if n == 0:
@@ -162,6 +178,11 @@ def adamw_step(
     s = host_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     blocks = min((n + threads - 1) // threads, MAX_BLOCKS)
     grid, block, nn = (blocks,), (threads,), np.int64(n)
+    if moments == MOMENTS_INT8:  # one thread block per quantisation block, grid-stride over the blocks
+        _launch_fused(
+            "adamw_int8_moments_v2", _int8_grid(n), threads, (*buffers, m_scale, v_scale), table, n, _fused_scalars(s)
+        )
+        return
     if moments == MOMENTS_BF16:
         _launch_fused("adamw_bf16_moments_v2", grid, threads, buffers, table, n, _fused_scalars(s))
         return
@@ -183,20 +204,43 @@ def adamw_step(
 
 
 def adamw_step_device(
-    params, grads, m, v, hyper, sumsq, beta1, beta2, eps, decay_bounds=None, half_out=None, half_dtype=None, threads=256
+    params,
+    grads,
+    m,
+    v,
+    hyper,
+    sumsq,
+    beta1,
+    beta2,
+    eps,
+    decay_bounds=None,
+    half_out=None,
+    half_dtype=None,
+    threads=256,
+    m_scale=None,
+    v_scale=None,
 ):
     """adamw_step (v3's float4 pass; v2's scalar pass is not offered) with lr, weight decay, the step count, the loss
     scale and the clip threshold read from `hyper` (contracts.adamw.adamw_hyper(), copied to the GPU) and the
     squared gradient norm from `sumsq` (grad_sumsq): nothing in the launch changes from step to step, so a CUDA graph
     can replay it. Needs n % 4 == 0 and 16-byte aligned buffers (ValueError otherwise). m and v uint16 (both): bf16
-    moments, adamw_bf16_moments_device_v2 (one element per thread per step: any n)."""
+    moments, adamw_bf16_moments_device_v2 (one element per thread per step: any n). m int8, v uint8 with m_scale,
+    v_scale: block-wise 8-bit moments, adamw_int8_moments_device_v2 (any n)."""
     fn = "adamw_step_device"
     buffers = (params, grads, m, v)
     threads, n, moments = _check_threads_and_buffers(fn, threads, buffers)
+    check_int8_moments(fn, moments, n, m_scale, v_scale, "v2", threads, _check_cupy)
     check_device_args(fn, n, hyper, sumsq, _check_cupy)
     check_hyper(fn, 1e-3, beta1, beta2, eps, 0.0, 1, 1.0)
     f = np.float32
     scalars = (hyper, sumsq, f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
+    if moments == MOMENTS_INT8:
+        table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
+        if n:
+            _launch_fused(
+                "adamw_int8_moments_device_v2", _int8_grid(n), threads, (*buffers, m_scale, v_scale), table, n, scalars
+            )
+        return
     if moments == MOMENTS_BF16:
         table = _table_and_half(fn, params, n, decay_bounds, half_out, half_dtype)
         if n:
