@@ -503,7 +503,8 @@ def ncu_target(ops, small: bool, labels_path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "long", "fits", "checkpointing", "profile", "gputime",
+    ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "long", "fits", "memory",
+                                     "checkpointing", "profile", "gputime",
                                      "ncu-target"],
                     help="what to measure (ncu-target: what `ncu` profiles for `ncu`, not for you to run)")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
@@ -534,6 +535,11 @@ def main(argv=None) -> int:
             from . import bench_train as bt
             result = bt.bench_fits(precision=(args.precisions or "bf16"))
             print(bt.format_fits(result))
+        elif args.what == "memory":
+            from . import bench_train as bt
+            result = bt.bench_memory(args.presets.split(",")[0] if args.presets != "course,gpt2" else "gpt2",
+                                     precision=(args.precisions or "bf16"), attention=args.attention)
+            print(bt.format_memory(result))
         elif args.what == "long":
             from . import bench_train as bt
             result = bt.bench_long(args.presets.split(",")[0] if args.presets != "course,gpt2" else "gpt2",

@@ -364,6 +364,66 @@ def format_fits(result) -> str:
     return "\n".join(lines)
 
 
+# lesson 12's techniques, each as the engine options it takes (beside the plain step): the row name, build() options
+MEMORY_TECHNIQUES = (
+    ("plain", {}),
+    ("ce_chunks 16", {"ce_chunks": 16}),
+    ("moments bf16", {"optimizer_state": "bf16"}),
+    ("moments int8", {"optimizer_state": "int8"}),
+    ("offload optimizer", {"offload_optimizer": True}),
+    ("checkpointing full", {"policy": "full"}),
+    ("checkpointing sqrt", {"policy": "sqrt"}),
+    ("all but offload", {"ce_chunks": 16, "optimizer_state": "int8", "policy": "sqrt"}),
+)
+
+
+def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techniques=MEMORY_TECHNIQUES) -> dict:
+    """Lesson 12's techniques on one model: for each, engine_memory's prediction, the measured pool peak and the step
+    time (a CUDA graph where the step can be captured, as train does by default), in one run. A technique this
+    engine refuses records the refusal."""
+    device.require_gpu("benchmarking the memory techniques")
+    from .engine import EngineError, engine_memory
+
+    cfg, B = _cfg(preset)
+    T = cfg.block_size
+    versions = {"attention": attention} if attention else None
+    att = attention or _default_attention(cfg, precision)
+    rows = []
+    for name, opts in techniques:
+        kw = {"policy": opts.get("policy", "none"), "ce_chunks": opts.get("ce_chunks", 1),
+              "optimizer_state": opts.get("optimizer_state", "fp32"),
+              "offload_optimizer": opts.get("offload_optimizer", False)}
+        pred = engine_memory(cfg, B, T, precision, attention=att, **kw)
+        row = {"technique": name, **kw, "predicted_bytes": int(pred["total"]), "host_bytes": int(pred.get("host", 0))}
+        try:
+            _measured_or_out_of_memory(row, cfg, B, T, precision, steps=steps, versions=versions, graphs="auto", **kw)
+        except EngineError as e:
+            row["error"] = str(e)
+        rows.append(row)
+    return {"card": _card(), "date": datetime.date.today().isoformat(), "preset": preset, "B": B, "T": T,
+            "precision": precision, "attention": att, "rows": rows}
+
+
+def _default_attention(cfg, precision, backend="hip"):
+    from .engine.gpu import GPUEngine, flash_unsupported
+
+    want = GPUEngine.DEFAULT_VERSIONS[backend]["attention"]
+    return "flash" if want == "flash" and flash_unsupported(cfg, backend, precision) is None else "cublas"
+
+
+def format_memory(result) -> str:
+    lines = [f"memory techniques, {result['preset']} B{result['B']} T{result['T']} {result['precision']}, attention "
+             f"{result['attention']}, on {result['card']} ({result['date']})",
+             f"{'technique':<20}{'predicted GiB':>14}{'peak GiB':>10}{'ms/step':>9}{'graph':>7}"]
+    for r in result["rows"]:
+        head = f"{r['technique']:<20}{r['predicted_bytes'] / 2**30:14.2f}"
+        if "error" in r:
+            lines.append(head + f"  {r['error'][:100]}")
+        else:
+            lines.append(head + f"{r['peak_bytes'] / 2**30:10.2f}{r['step_ms']:9.1f}{'yes' if r['cuda_graph'] else 'no':>7}")
+    return "\n".join(lines)
+
+
 def _measured_or_out_of_memory(row, cfg, B, T, precision, **kwargs) -> dict:
     """row with measure_engine's result, or with the out-of-memory error when the step does not fit; the pool is
     emptied after either, so the next run starts from the same free memory."""

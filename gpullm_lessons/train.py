@@ -131,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write <out>/ckpt.npz every N steps (0: only at the end)")
     p.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default="fp32",
                    help="AdamW's moments in fp32, bf16 (4 bytes per parameter instead of 8, rounded to nearest even "
-                        "after each update; every backend) or block-wise 8-bit (int8: 2 bytes per parameter; the NumPy "
-                        "backend); lesson 12")
+                        "after each update; every backend) or block-wise 8-bit (int8: 2 bytes per parameter plus a "
+                        "scale per 256 values; every backend); lesson 12")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="the fp32 master weights and AdamW's moments in pinned host memory, the update on the CPU "
+                        "(gradients copied layer by layer during backward, the weights back per chunk): 8 bytes per "
+                        "parameter off the GPU, at the cost of the CPU's update (kernel backends; lesson 12)")
     p.add_argument("--ce-chunks", type=int, default=1, metavar="N",
                    help="the loss head over each forward's B*T rows in N chunks, each chunk's backward right after it, "
                         "so the (B*T, V) logits never exist at once (lesson 12; the same loss up to rounding)")
@@ -245,7 +249,7 @@ def _flat(run_config: dict) -> dict:
 
 
 # settings a checkpoint written before they existed was trained with
-CONFIG_DEFAULTS = {"grad_accum": 1, "ce_chunks": 1}
+CONFIG_DEFAULTS = {"grad_accum": 1, "ce_chunks": 1, "offload_optimizer": False}
 
 
 def config_differences(saved: dict, current: dict, keys) -> list:
@@ -373,6 +377,15 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                           f"backward; accumulation runs its micro-batches from Python (use --graphs auto or off)")
     if args.zero and args.optimizer_state != "fp32":
         raise ConfigError(f"--zero with --optimizer-state {args.optimizer_state}: ZeRO shards fp32 moments")
+    if args.offload_optimizer and args.zero:
+        raise ConfigError(f"--offload-optimizer with --zero {args.zero}: ZeRO shards the optimizer state across the "
+                          f"GPUs, offload moves it to host memory; use one or the other")
+    if args.offload_optimizer and args.optimizer_state != "fp32":
+        raise ConfigError(f"--offload-optimizer with --optimizer-state {args.optimizer_state}: the offloaded moments "
+                          f"stay fp32 in host memory; use one or the other")
+    if args.offload_optimizer and args.graphs == "on":
+        raise ConfigError("--graphs on with --offload-optimizer: the update runs on the CPU, which a captured step "
+                          "cannot hold; use --graphs auto or off")
     if args.zero and args.graphs == "on":
         raise ConfigError(f"--graphs on with --zero: ZeRO-{args.zero} updates one shard between a reduce-scatter and "
                           f"an all-gather, which the captured step does not hold; use --graphs auto or off")
@@ -399,7 +412,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                   "warmup": warmup, "min_lr": min_lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
                   "backend": backend, "precision": args.precision, "policy": args.checkpointing, "seed": args.seed,
                   "world_size": W, "zero": args.zero, "grad_accum": args.grad_accum,
-                  "optimizer_state": args.optimizer_state, "ce_chunks": args.ce_chunks}
+                  "optimizer_state": args.optimizer_state, "ce_chunks": args.ce_chunks,
+                  "offload_optimizer": bool(args.offload_optimizer)}
     # --resume: the checkpoint must exist, hold the same model, batch shape and precision, and have steps left
     # (every rank reads it; a checkpoint of one rank count resumes on another: the global batch is the same)
     resume = None
@@ -436,7 +450,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     #    several ranks DataParallel combines the ranks' gradients (one rank: the engine's own step)
     try:
         eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed, graphs=args.graphs,
-                           optimizer_state=args.optimizer_state, ce_chunks=args.ce_chunks)
+                           optimizer_state=args.optimizer_state, ce_chunks=args.ce_chunks,
+                           offload_optimizer=args.offload_optimizer)
     except engine.EngineError as e:  # e.g. bf16 / fp16 with the NumPy reference
         raise ConfigError(str(e)) from e
     start = 1
@@ -457,7 +472,8 @@ def train(args: argparse.Namespace, comm=None) -> dict:
                                            f"{args.grad_accum * B} sequences per update)" if args.grad_accum > 1 else ""))
     say(f"backend: {describe_backend(eng)}" + (" [--backend auto]" if args.backend == "auto" else "") +
         f" | precision {args.precision} | activation checkpointing {args.checkpointing}" +
-        (f" | loss head in {args.ce_chunks} chunks of rows" if args.ce_chunks > 1 else ""))
+        (f" | loss head in {args.ce_chunks} chunks of rows" if args.ce_chunks > 1 else "") +
+        (" | optimizer state in host memory, AdamW on the CPU" if args.offload_optimizer else ""))
     if W > 1 or args.zero:
         say(f"data parallel: {W} rank(s) over {comm.name}" +
             {0: "", 1: ", ZeRO-1 (AdamW state sharded)", 2: ", ZeRO-2 (AdamW state and gradient sharded)"}[args.zero])
@@ -605,6 +621,7 @@ def train(args: argparse.Namespace, comm=None) -> dict:
         "beats_unigram": val_loss < entropy, "skipped_steps": sum(r.get("skipped", False) for r in records),
         "time_s": train_time, "tokens_per_s": n_trained * B * T / train_time,
         "world_size": W, "comm": comm.name, "zero": args.zero, "overlap": args.overlap,
+        "offload_optimizer": bool(args.offload_optimizer),
         "optimizer_bytes_per_rank": [int(v) for v in mem[:, 0]], "optimizer_bytes_full": int(mem[0, 1]),
         "gradient_bytes_per_rank": [int(v) for v in mem[:, 2]], "gradient_bytes_full": int(mem[0, 3]),
         "gradient_buckets": len(dp.buckets) if dp.buckets is not None else None,

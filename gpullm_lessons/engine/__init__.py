@@ -24,7 +24,10 @@ replays it (StepGraph, engine/graph.py); see GPUEngine.train_step.
 Memory layout (params.py): parameters, gradients, m and v are flat fp32 buffers with named views
 (params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer. optimizer_state="bf16" keeps m and
 v as bfloat16 bits (uint16) instead: the AdamW kernel reads them, computes in fp32 and writes them back rounded to
-nearest even (adamw_bf16_moments_v2; in a CUDA graph adamw_bf16_moments_device_v2).
+nearest even (adamw_bf16_moments_v2; in a CUDA graph adamw_bf16_moments_device_v2). optimizer_state="int8" keeps them
+block-wise quantised (gpullm_lessons.quant's format: int8 m, uint8 sqrt(v), one fp32 scale per block of 256 values
+each, GPUEngine.m_scale / v_scale): one thread block per quantisation block reads it back, updates and quantises it
+again with the block's new absmax (adamw_int8_moments_v2; in a CUDA graph adamw_int8_moments_device_v2).
 
 Precision ("fp32" | "bf16" | "fp16"): fp32 master weights always. In half precision the AdamW pass also writes a half
 copy of the weights, the input of every matrix product is half (bf16 by round-to-nearest-even into uint16 bits)
@@ -89,6 +92,7 @@ def build(
     graphs="auto",
     optimizer_state="fp32",
     ce_chunks=1,
+    offload_optimizer=False,
 ):
     """An engine for cfg on `backend` (see the module docstring), initialised with init_params(cfg, seed).
 
@@ -100,16 +104,13 @@ def build(
     equal the unchunked ones up to rounding; forward(x, y) then returns no logits.
     optimizer_state: AdamW's moments m and v in "fp32", "bf16" (bfloat16 bits, 2 bytes each, rounded to nearest even
     after every update: every backend, the kernel backends through the bf16-moment AdamW kernels) or "int8"
-    (block-wise 8-bit, gpullm_lessons.quant: the NumPy engine only). Lesson 12."""
+    (block-wise 8-bit, gpullm_lessons.quant's format: every backend, the kernel backends through the int8-moment
+    AdamW kernels, one thread block per block of 256 values). Lesson 12.
+    offload_optimizer: the fp32 master weights and AdamW's moments in pinned host memory and the update on the CPU
+    (engine/offload.py, kernel backends, fp32 moments, steps launched from Python). Lesson 12."""
     backend = check_backend(backend)
     if optimizer_state not in OPTIMIZER_STATES:
         raise EngineError(f"unknown optimizer_state {optimizer_state!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
-    if optimizer_state == "int8" and backend != "numpy":
-        raise EngineError(
-            f"optimizer_state='int8' runs on the NumPy engine (--backend numpy) only: the kernel backends have no "
-            f"block-wise quantise / dequantise kernels (backend {backend!r}); optimizer_state='bf16' halves the "
-            f"moments on every backend"
-        )
     if precision not in PRECISIONS:
         raise EngineError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     check_policy(policy, cfg)
@@ -123,6 +124,11 @@ def build(
             f"graphs='on': CUDA graphs replay the hip backend's step in {' or '.join(GRAPH_PRECISIONS)} "
             f"(fp16 decides on the host whether to skip a step); got backend {backend!r}, "
             f"precision {precision!r}"
+        )
+    if offload_optimizer and backend == "numpy":
+        raise EngineError(
+            "offload_optimizer moves AdamW's state from the GPU to host memory; the NumPy engine already keeps "
+            "everything in host memory (use --backend hip or numba)"
         )
     if backend == "numpy":
         if precision != "fp32":
@@ -143,4 +149,5 @@ def build(
         graphs=graphs if backend == "hip" and precision in GRAPH_PRECISIONS else "off",
         ce_chunks=ce_chunks,
         optimizer_state=optimizer_state,
+        offload_optimizer=bool(offload_optimizer),
     )

@@ -342,10 +342,15 @@ class Engine:
             st.grads[...] = 0
             return {"grad_norm": float("nan"), "skipped": True, **out}
         norm = math.sqrt(max(float(sumsq), 0.0)) / scale
-        coef = clip_coefficient(norm, grad_clip)
         self.t += 1
-        self._adamw(st, lr, weight_decay, float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef))
+        self._adamw(st, lr, weight_decay, self._grad_scale(sumsq, scale, grad_clip))
         return {"grad_norm": norm, "skipped": False, **out}
+
+    def _grad_scale(self, sumsq, scale, grad_clip) -> float:
+        """The factor AdamW multiplies the gradient by: the clip factor of the unscaled norm over the loss scale
+        (optim.clip_coefficient, in float64; the kernel engines compute it as their graph step's kernel does)."""
+        coef = clip_coefficient(math.sqrt(max(float(sumsq), 0.0)) / scale, grad_clip)
+        return float(np.float32(coef) / np.float32(scale)) if scale != 1.0 else float(coef)
 
     def optimizer_step(self, lr, weight_decay=0.0, grad_clip=0.0, grad_norm=None) -> dict:
         """After backward(loss_scale=self.scaler.scale or 1): update() with this engine's own gradient norm (or

@@ -10,6 +10,7 @@ from ..checkpointing import parse_policy, segments
 from ..params import ParamBuffer, init_params, num_params
 from ..profiling import nvtx_range
 from ..reference.head import check_chunks
+from ..contracts.adamw import int8_blocks
 from .core import Engine, EngineError
 from .graph import StepGraph
 from .profiler import OpProfiler, TimedLaunchers
@@ -50,14 +51,12 @@ class GPUEngine(Engine):
     # "scores": the format of the attention scores and their gradient between cuBLAS and the softmax kernels in a
     # half-precision run: "half" (cuBLAS rounds them to the run's half format: half the bytes of the largest
     # activation; GPT-2 bf16 on the H200: 64.2 -> 60.6 ms per step) or "f32" (fp32 products, as before 2026-11-30)
-    # "attention": "cublas" (four batched products around the causal-softmax kernels, lesson 05's path; the default)
-    # or "flash" (kernels/hip/flash.cu, lesson 11: the (T, T) scores never in memory, activations linear in T; HIP
-    # backend, half precision, the head sizes it is compiled for; steps launched from Python, not replayed as a
-    # graph). Not the default: on the H200 (2026-12-03) its GPT-2 bf16 step (v3) took 55.3 ms, the scores path's
-    # 57.3 launched from Python and 54.2 replayed as a graph (results/train_flash_h200.json, train_scores_h200.json),
-    # and a graph replay of the flash step did not reproduce the eager step's last bits.
+    # "attention": "flash" (kernels/hip/flash.cu, lesson 11: the (T, T) scores never in memory, activations linear in
+    # T; the hip default in half precision at the head sizes flash.cu is compiled for) or "cublas" (four batched
+    # products around the causal-softmax kernels, lesson 05's path; the numba backend's, fp32's and the fallback
+    # where flash cannot run)
     DEFAULT_VERSIONS = {
-        "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3"},
+        "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
         # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
         # one-thread-per-row versions are ~50x faster there than the block-per-row ones
@@ -77,14 +76,10 @@ class GPUEngine(Engine):
         graphs="off",
         optimizer_state="fp32",
         ce_chunks=1,
+        offload_optimizer=False,
     ):
         from .. import device
 
-        if optimizer_state == "int8":
-            raise EngineError(
-                "optimizer_state='int8' runs on the NumPy engine only: the kernel backends have no block-wise "
-                "quantise / dequantise kernels; use optimizer_state='bf16' (2 bytes per moment)"
-            )
         super().__init__(cfg, precision, policy, seed, betas, eps, optimizer_state)
         self.backend = backend
         if backend == "hip":
@@ -110,19 +105,35 @@ class GPUEngine(Engine):
             raise EngineError(f"versions: attention must be 'flash' or 'cublas', got {self.ver['attention']!r}")
         if self.ver["attention"] == "flash":
             why_not = flash_unsupported(cfg, backend, precision)
-            if why_not:
+            if why_not and versions and "attention" in versions:
                 raise EngineError(f"versions: attention='flash' cannot run here: {why_not}")
+            if why_not:  # the default where flash cannot run (fp32, a head size without a kernel): the cuBLAS path
+                self.ver["attention"] = "cublas"
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
             self.ver["adamw"] = "v2"  # v3 reads float4: the buffer length must be a multiple of 4
-        if optimizer_state == "bf16" and not (versions and "adamw" in versions):
-            self.ver["adamw"] = "v2"  # bf16 moments: the fused one-pass kernel (adamw_bf16_moments_v2) is the one
+        if optimizer_state in ("bf16", "int8") and not (versions and "adamw" in versions):
+            self.ver["adamw"] = "v2"  # bf16 / int8 moments: the fused one-pass kernel (adamw_{bf16,int8}_moments_v2)
         host = init_params(cfg, seed=seed, dtype=np.float32)
         self.params = ParamBuffer(cfg, np.float32, xp)
         self.params.flat[...] = xp.asarray(host.flat)
         self.grads = ParamBuffer(cfg, np.float32, xp)
         n = num_params(cfg)
         mdt = xp.uint16 if optimizer_state == "bf16" else xp.float32  # bf16: the moments' bfloat16 bits
-        self.m, self.v = xp.zeros(n, mdt), xp.zeros(n, mdt)
+        # int8: m int8 and v uint8 (sqrt(v)) codes, with one float32 scale per block of 256 values each (quant's format)
+        mdt, vdt = (xp.int8, xp.uint8) if optimizer_state == "int8" else (mdt, mdt)
+        self.m_scale = self.v_scale = None
+        if optimizer_state == "int8":
+            self.m_scale, self.v_scale = (xp.zeros(int8_blocks(n), xp.float32) for _ in range(2))
+        self.offload = None  # offload_optimizer: HostOptimizer (engine/offload.py), built once the weights exist
+        if offload_optimizer:
+            if optimizer_state != "fp32":
+                raise EngineError(
+                    f"offload_optimizer keeps AdamW's moments in fp32 in host memory (host memory is not what "
+                    f"runs out); optimizer_state={optimizer_state!r} shrinks them on the GPU instead: choose one"
+                )
+            self.m = self.v = None
+        else:
+            self.m, self.v = xp.zeros(n, mdt), xp.zeros(n, vdt)
         from ..kernels.numba.adamw import decay_table
 
         self.decay = decay_table(self.params, arrays="cupy" if self.on_gpu else "numpy")
@@ -134,6 +145,11 @@ class GPUEngine(Engine):
                 k: self.half[a:b].reshape(self.params.shapes[k]) for k, (a, b) in self.params.offsets.items()
             }
             self.params_changed()
+        if offload_optimizer:
+            from .offload import HostOptimizer
+
+            self.offload = HostOptimizer(self)
+            self.m, self.v = self.offload.m, self.offload.v  # host arrays: state_dict and the moments' bytes read them
         if precision == "fp16":
             from ..precision import DynamicLossScaler
 
@@ -150,8 +166,8 @@ class GPUEngine(Engine):
             if n % 4
             else "embedding backward v2 sorts tokens on the host"
             if self.ver["encoder"] == "v2"
-            else "a replay of the flash attention step does not reproduce the eager step (measured on the H200)"
-            if self.ver["attention"] == "flash"
+            else "the optimizer runs on the CPU (offload_optimizer)"
+            if offload_optimizer
             else None
         )
         if graphs == "on" and why_not:
@@ -169,9 +185,28 @@ class GPUEngine(Engine):
         return self.xp.asarray(a)
 
     def params_changed(self):
-        """Refresh the half copy of the weights from the fp32 master (after init, a load, a broadcast, a gather)."""
+        """Refresh the half copy of the weights from the fp32 master (after init, a load, a broadcast, a gather), and
+        with offload_optimizer the host's master copy."""
         if self.half is not None:
             self._to_half(self.params.flat, self.half)
+        if getattr(self, "offload", None) is not None:
+            self.offload.pull_master()
+
+    def _load_moments(self, moments: dict) -> None:
+        if self.m_scale is not None:
+            self._load_int8_scales(moments)
+        if self.offload is None:
+            return super()._load_moments(moments)
+        self.m[...] = moments["m"]  # host memory: no copy to the GPU
+        self.v[...] = moments["v"]
+
+    def optimizer_shard(self, lo, hi, params, grads):
+        if self.offload is not None:
+            raise EngineError(
+                "optimizer_shard: ZeRO shards the optimizer state across GPUs; this engine keeps it in host memory "
+                "(offload_optimizer): use one or the other"
+            )
+        return super().optimizer_shard(lo, hi, params, grads)
 
     def _to_half(self, src, dst=None):
         """src float32 (contiguous) -> its half bits (uint16, same shape) through our conversion kernels."""
@@ -502,6 +537,8 @@ class GPUEngine(Engine):
         c = self._cache
         if c is None:
             raise RuntimeError("backward: call forward(x, y) with targets first")
+        if self.offload is not None:
+            self.offload.backward_started()
         self._cache = None
         B, T = c["B"], c["T"]
         if "dlnf" in c:  # ce_chunks > 1: the head's products ran in forward (_head_chunked), for c["scale"]
@@ -630,7 +667,34 @@ class GPUEngine(Engine):
         where = "cupy" if self.on_gpu else "numpy"
         return to_backend(b, where), to_backend(f, where)
 
+    # ---- int8 moments: the per-block scales beside m and v ------------------------------------------------------
+    def _int8_scales(self) -> dict:
+        """{"m_scale", "v_scale"}: the per-block scales of int8 moments, else {}."""
+        return {} if self.m_scale is None else {"m_scale": self.m_scale, "v_scale": self.v_scale}
+
+    def _int8_args(self) -> dict:
+        """The AdamW launchers' int8 keywords: the scales; in the CUDA simulator 64 threads per block (each simulated
+        thread is a Python thread: a quarter of the threads does the same work ~4x faster)."""
+        sim = {} if self.on_gpu or self.m_scale is None else {"threads": 64}
+        return {**self._int8_scales(), **sim}
+
+    def _moments_state(self) -> dict:
+        out = super()._moments_state()  # int8: the codes as stored (int8 m, uint8 sqrt(v)), then their scales
+        return {**out, **{k: self._host(a) for k, a in self._int8_scales().items()}}
+
+    def _load_int8_scales(self, moments: dict) -> None:
+        for k, a in self._int8_scales().items():
+            if np.shape(moments[k]) != a.shape:
+                raise ValueError(f"load_state_dict: {k} has shape {np.shape(moments[k])}, this model needs {a.shape}")
+            a[...] = self._dev(np.asarray(moments[k], np.float32))
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of AdamW's moments as this engine holds them (int8: the codes and the per-block scales)."""
+        return super().optimizer_bytes() + sum(int(a.nbytes) for a in self._int8_scales().values())
+
     def _adamw(self, st, lr, weight_decay, grad_scale):
+        if self.offload is not None:  # on the CPU, over the host's master copy (engine/offload.py)
+            return self.offload.step(lr, weight_decay, grad_scale, self.t, self.betas, self.eps)
         self.K.adamw_step(
             st.params,
             st.grads,
@@ -647,7 +711,20 @@ class GPUEngine(Engine):
             half_out=st.half,
             half_dtype={"bf16": "bfloat16", "fp16": "float16"}.get(self.precision) if st.half is not None else None,
             version=self.ver["adamw"],
+            **self._int8_args(),
         )
+
+    def _grad_scale(self, sumsq, scale, grad_clip) -> float:
+        """The clip factor over the loss scale in float32, operation for operation as adamw_step_device computes it
+        from hyper and the squared norm on the GPU (min(1, clip / (sqrt(sumsq) / scale + 1e-6)) / scale), so a step
+        launched from Python and its CUDA-graph replay update with the same factor (float64 and float32 arithmetic
+        differ in the last bit, and Adam's first steps, an update of about lr * sign(g), amplify that)."""
+        f = np.float32
+        inv, coef = f(1.0 / scale), f(1.0)
+        if grad_clip > 0:
+            c = f(grad_clip) / (f(np.sqrt(f(max(float(sumsq), 0.0)))) * inv + f(1e-6))
+            coef = min(coef, c)
+        return float(coef * inv)
 
     def _hyper(self, lr, weight_decay, grad_clip):
         """The graph step's update policy on the host: the step count advances and AdamW's scalars (lr, lr * wd, bias
@@ -675,6 +752,7 @@ class GPUEngine(Engine):
             decay_bounds=st.decay,
             half_out=st.half,
             half_dtype="bfloat16" if self.precision == "bf16" else None,
+            **self._int8_args(),
         )
 
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0, reduce_grads=None, micro_batches=1) -> dict:
@@ -717,14 +795,17 @@ class GPUEngine(Engine):
             if graph is not None:
                 return graph.step(x, y, lr, weight_decay, grad_clip, reduce_grads)
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        # offload_optimizer: each layer's gradients start their copy to the host as backward finishes them (after a
+        # data-parallel all-reduce they are copied whole, in the update)
+        ready = self._ready_kw(self.offload.grads_ready if self.offload is not None and reduce_grads is None else None)
         if micro_batches == 1:  # the phases as their own NVTX ranges (the step timeline shows them)
             with nvtx_range("forward"):
                 loss = self.forward(x, y)[1]  # the logits are not kept: (B, T, V) would stay alive through backward
             with nvtx_range("backward"):
-                self.backward(loss_scale=scale)
+                self.backward(loss_scale=scale, **ready)
         else:
             with nvtx_range("micro-batches"):
-                loss = self.forward_backward(x, y, micro_batches, loss_scale=scale)
+                loss = self.forward_backward(x, y, micro_batches, loss_scale=scale, **ready)
         if reduce_grads is not None:
             reduce_grads(self.grads.flat)
         with nvtx_range("optimizer"):

@@ -35,7 +35,8 @@ class StepGraph:
         from ..blas import prepare_capture
 
         prepare_capture()  # cuBLAS handle + workspace for captured matrix products
-        state = [eng.params.flat, eng.grads.flat, eng.m, eng.v] + ([eng.half] if eng.half is not None else [])
+        extra = (eng.half, getattr(eng, "m_scale", None), getattr(eng, "v_scale", None))  # int8 moments: their scales
+        state = [eng.params.flat, eng.grads.flat, eng.m, eng.v] + [a for a in extra if a is not None]
         saved = [a.copy() for a in state]
         parts = [self._grads, self._update] if self.split else [self._whole]
         self.graphs = []

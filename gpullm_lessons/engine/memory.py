@@ -14,7 +14,7 @@ def engine_memory(
     precision="fp32",
     policy="none",
     half_scores=True,
-    attention="cublas",
+    attention="auto",
     ce_chunks=1,
     optimizer_state="fp32",
     offload_optimizer=False,
@@ -31,8 +31,9 @@ def engine_memory(
     recompute under "full" / "selective"; under "sqrt" the whole longest segment's recomputed caches), the embedding
     backward (v3's 64-bit accumulator). half_scores: the
     engine's versions["scores"] == "half" (the default: the attention scores and their gradient in half; only in half
-    precision). attention: the engine's versions["attention"], "cublas" (the default: the probabilities (B, nh, T,
-    T) kept) or "flash" (y fp32 and the log-sum-exp kept instead: linear in T).
+    precision). attention: the engine's versions["attention"], "cublas" (the probabilities (B, nh, T, T) kept),
+    "flash" (y fp32 and the log-sum-exp kept instead: linear in T) or "auto" (the hip engine's default: flash in half
+    precision at the head sizes flash.cu is compiled for, else cublas).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -49,8 +50,12 @@ def engine_memory(
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"engine_memory: cfg must be a GPTConfig, got {type(cfg).__name__}")
     policy, k = parse_policy(policy, cfg.n_layer, "engine_memory")  # "sqrt:K" -> ("sqrt", K)
+    if attention == "auto":  # the hip engine's default: flash where its kernels run, else the cuBLAS path
+        from .gpu import flash_unsupported
+
+        attention = "flash" if flash_unsupported(cfg, "hip", precision) is None else "cublas"
     if attention not in ("flash", "cublas"):
-        raise ValueError(f"engine_memory: attention must be 'flash' or 'cublas', got {attention!r}")
+        raise ValueError(f"engine_memory: attention must be 'flash', 'cublas' or 'auto', got {attention!r}")
     from ..reference.head import chunk_bounds
 
     ce_rows = chunk_bounds(B * T, ce_chunks)[0][1]  # rows of the largest chunk of the loss head (ValueError if bad)

@@ -3,10 +3,10 @@
 The same names as kernels/numba/flash.py; the inputs are half precision: q, k, v and dout are bfloat16 or float16
 bits (uint16, ``half="bf16"`` or ``"fp16"``), out, lse, dq, dk, dv float32; every product of two tiles runs on the
 matrix units (tensor cores, MFMA) with fp32 accumulation. Versions: v2 passes each product's result through shared
-memory (portable.h's load / run / store tiles) for the softmax; v3 (the default) keeps S, P, dP and dS in the
-registers the matrix units wrote (portable.h's register tiles); v4 is v3 reorganised as FlashAttention-2 (128 rows
-per block, two 16-row tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-buffered with
-asynchronous copies; GEOMETRY has each kernel's block). The head size must be one the source is compiled for
+memory (portable.h's load / run / store tiles) for the softmax; v3 keeps S, P, dP and dS in the
+registers the matrix units wrote (portable.h's register tiles); v4 (the default) is v3 reorganised as
+FlashAttention-2 (128 rows per block, two 16-row tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles
+walked double-buffered with asynchronous copies; GEOMETRY has each kernel's block). The head size must be one the source is compiled for
 (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
 """
 
@@ -20,7 +20,7 @@ from gpullm_lessons.contracts import check_version
 from gpullm_lessons.contracts.flash import check_flash_args, scale_of
 
 VERSIONS = ("v2", "v3", "v4")
-DEFAULT = "v3"
+DEFAULT = "v4"
 HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
 HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
 _SUFFIX = {"bf16": "bf16", "fp16": "f16"}
