@@ -184,3 +184,55 @@ def test_train_offload_flag_trains_as_the_resident_run_and_refuses_what_cannot_w
             train.main(args + ["--offload-optimizer", "--out", str(tmp_path / "c")] + extra)
     with pytest.raises(train.ConfigError, match="NumPy engine already keeps"):
         train.main(args[2:] + ["--backend", "numpy", "--offload-optimizer", "--out", str(tmp_path / "d")])
+
+
+# ---- bench memory (lesson 12's table) ----------------------------------------------------------------------------------
+def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_refusals(monkeypatch):
+    """With a stand-in measure_engine (no GPU): every technique is predicted with its own options and measured
+    launched from Python (the peak the prediction describes) and, where it captures, as a graph; an EngineError is
+    recorded in its row; the table prints every row."""
+    from gpullm_lessons import bench_train as bt
+    from gpullm_lessons import device
+
+    calls = []
+
+    def fake_measure(cfg, B, T, precision, **kw):
+        calls.append(kw)
+        if kw["offload_optimizer"] and kw["graphs"] != "off":
+            return {"step_ms": 9.0, "peak_bytes": 1, "reserved_bytes": 1, "model_bytes": 1, "cuda_graph": False}
+        if kw["optimizer_state"] == "int8":
+            raise engine.EngineError("no int8 here")
+        graph = kw["graphs"] != "off"
+        return {"step_ms": 2.0 if graph else 3.0, "peak_bytes": (5 if graph else 4) * 2**30, "reserved_bytes": 0,
+                "model_bytes": 0, "cuda_graph": graph}  # fmt: skip
+
+    monkeypatch.setattr(device, "require_gpu", lambda why: None)
+    monkeypatch.setattr(bt, "measure_engine", fake_measure)
+    monkeypatch.setattr(bt.gc, "collect", lambda: 0)
+    import sys
+    import types
+
+    fake_cp = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(memory=types.SimpleNamespace(OutOfMemoryError=MemoryError)),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake_cp)
+    monkeypatch.setattr(bt, "_card", lambda: "a card")
+    result = bt.bench_memory("course", "bf16", steps=2)
+    rows = {r["technique"]: r for r in result["rows"]}
+    assert list(rows) == [name for name, _ in bt.MEMORY_TECHNIQUES]
+    cfg, B = bt._cfg("course")
+    for name, opts in bt.MEMORY_TECHNIQUES:
+        r = rows[name]
+        kw = {"policy": "none", "ce_chunks": 1, "optimizer_state": "fp32", "offload_optimizer": False, **opts}
+        want = engine.engine_memory(cfg, B, cfg.block_size, "bf16", attention=result["attention"], **kw)["total"]
+        assert r["predicted_bytes"] == want, name
+        if kw["optimizer_state"] == "int8":
+            assert r["error"] == "no int8 here"
+        elif kw["offload_optimizer"]:
+            assert r["peak_bytes"] == 4 * 2**30 and "graph_step_ms" not in r  # eager only
+        else:
+            assert (r["peak_bytes"], r["step_ms"], r["graph_step_ms"]) == (4 * 2**30, 3.0, 2.0), name
+    assert {c["graphs"] for c in calls} == {"off", "auto"}
+    text = bt.format_memory(result)
+    assert all(name in text for name in rows) and "no int8 here" in text
