@@ -167,6 +167,10 @@ def low_half(x):
     return np.uint16(np.float32(x).view(np.uint32) & np.uint32(0xFFFF))
 
 
+@pytest.mark.skipif(
+    device.numba_on_gpu(),
+    reason="patches the kernel's Python rounding helper, which only the CUDA simulator runs as Python",
+)
 @pytest.mark.parametrize("wrong, words", [(truncating, "bits equal the reference's"), (low_half, "further")])
 def test_a_wrong_rounding_in_the_kernel_is_caught(small_grid, monkeypatch, wrong, words):
     """The kernel's rounding helper replaced (the simulator runs the kernel as Python, so the patch takes effect):

@@ -28,8 +28,8 @@ def engine_memory(
     blocks (last block output, lnf statistics and output, dlogits (B*T, V) fp32, token ids); and the largest working
     set of any phase of the step: the forward of a block (one temporary at a time), the head (logits + dlogits), the
     start of backward (dlogits, its half copy, dlnf), a block's backward (the stages of _block_backward, with its
-    recompute under "full" / "selective"; under "sqrt" the whole longest segment's recomputed caches), the embedding
-    backward (v3's 64-bit accumulator). half_scores: the
+    recompute under "full" / "selective"; under "sqrt" the whole longest segment's recomputed caches; by then the head's
+    backward has freed the dlogits), the embedding backward (v3's 64-bit accumulator). half_scores: the
     engine's versions["scores"] == "half" (the default: the attention scores and their gradient in half; only in half
     precision). attention: the engine's versions["attention"], "cublas" (the probabilities (B, nh, T, T) kept),
     "flash" (y fp32 and the log-sum-exp kept instead: linear in T) or "auto" (the hip engine's default: flash in half
@@ -133,7 +133,9 @@ def engine_memory(
     fp16_copy = N * V * (f + 2) if precision == "fp16" else 0  # dlogits * scale, then its fp16 cast
     bwd_head = fp16_copy + NC * f if ce_chunks == 1 else NC * f  # chunks: dlnf kept (top), dx of lnf's backward
     embed_bwd = NC * f + V * C * (f + 8)  # dx, the embedding's dwte, v3's int64 accumulator (V, C)
-    peak_set = max(fwd_block, head, bwd_head, bwd_block, embed_bwd)
+    # the blocks' backward runs after the head's: the dlogits the forward kept (ce_chunks 1) are freed by then
+    freed = N * V * dl if ce_chunks == 1 else 0
+    peak_set = max(fwd_block, head, bwd_head, bwd_block - freed, embed_bwd)
     out = {**model, "activations": activations, "activations_per_block": kept_block, "working_set": peak_set}
     out["head"] = head_bytes
     out["total"] = sum(model.values()) + activations + peak_set
