@@ -220,7 +220,7 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
             try:
                 runs.append(("ours+graph", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
                                                                    versions=versions, graphs="on")))
-            except EngineError as e:  # a step that cannot be captured (fp16, flash attention): no graph row
+            except EngineError as e:  # a step that cannot be captured (fp16: the loss scaler decides on the host)
                 print(f"{preset} {prec}: no CUDA-graph row ({e})", file=sys.stderr)
             if with_torch:
                 r = measure_torch(cfg, B, T, prec, steps=steps)
