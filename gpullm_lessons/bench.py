@@ -551,8 +551,10 @@ def main(argv=None) -> int:
             versions = {**({"scores": args.scores} if args.scores else {}),
                         **({"attention": args.attention} if args.attention else {})}
             if args.what == "gputime":
+                import importlib.util
                 result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0],
-                                             versions=versions or None)
+                                             versions=versions or None,
+                                             with_torch=importlib.util.find_spec("torch") is not None)
                 print(bt.format_gpu_time(result))
             elif args.what == "profile":
                 result = bt.profile_step(presets[0], (args.precisions or "bf16").split(",")[0])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import re
 import sys
 import time
 
@@ -122,6 +123,28 @@ def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
     model through torch.compile (the default inductor backend; the optimizer step stays eager and fused), its
     compilation done in the warm-up steps, outside the timed ones."""
     import torch
+
+    step, release = _torch_step(cfg, precision, compile)
+    batches = _batches(cfg, B, T, steps + 3)
+    for x, y in batches[:3]:
+        step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for x, y in batches[3:]:
+        t0 = time.perf_counter()
+        step(x, y)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    release()
+    return {"step_ms": 1e3 * float(np.median(times)), "peak_bytes": int(peak), "version": torch.__version__}
+
+
+def _torch_step(cfg, precision, compile=False):
+    """(step(x, y), release()): one training step of the PyTorch GPT (measure_torch's), and a call that frees its
+    model and optimizer."""
+    import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -162,31 +185,84 @@ def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
     if compile:
         model = torch.compile(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    held = {"model": model, "opt": opt}
 
     def step(x, y):
         x, y = torch.from_numpy(x).long().cuda(), torch.from_numpy(y).long().cuda()
         with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-            loss = model(x, y)
+            loss = held["model"](x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(held["model"].parameters(), 1.0)
+        held["opt"].step()
+        held["opt"].zero_grad(set_to_none=True)
 
+    def release():                                   # free PyTorch's model and optimizer before empty_cache
+        held.clear()
+        torch.cuda.empty_cache()
+
+    return step, release
+
+
+def torch_gpu_time(cfg, B, T, precision="bf16", steps=3) -> dict:
+    """GPU time per step of the PyTorch GPT's kernels, kernel by kernel (torch.profiler's CUDA activity, summed over
+    `steps` profiled steps after 3 warm-up steps, divided by steps): {"version", "total_ms", "kernels": {name: ms}}."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step, release = _torch_step(cfg, precision)
     batches = _batches(cfg, B, T, steps + 3)
     for x, y in batches[:3]:
         step(x, y)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for x, y in batches[3:]:
-        t0 = time.perf_counter()
-        step(x, y)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for x, y in batches[3:]:
+            step(x, y)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
-    model = opt = None                               # free PyTorch's model and optimizer before empty_cache
-    torch.cuda.empty_cache()
-    return {"step_ms": 1e3 * float(np.median(times)), "peak_bytes": int(peak), "version": torch.__version__}
+    kernels = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us:
+            kernels[e.key] = kernels.get(e.key, 0.0) + us / 1e3 / steps
+    release()
+    return {"version": torch.__version__, "total_ms": sum(kernels.values()), "kernels": kernels}
+
+
+# the groups a step's GPU time is compared in, ours beside PyTorch's: (group, regular expression on the op or kernel
+# name, case-insensitive); the first group that matches takes a name, the others go to "other"
+GPU_TIME_GROUPS = (
+    ("matrix products", r"gemm|cutlass|xmma|nvjet|cublas|splitk"),
+    ("attention", r"flash|fmha|attention|split_heads|merge_heads"),
+    ("layernorm", r"layer_?norm|gammabeta"),
+    ("loss head", r"crossentropy|cross_entropy|softmax|nll"),
+    ("optimizer", r"adam|grad_sumsq|multi_tensor|foreach"),
+    ("gelu, bias, residual", r"gelu|bias|colsum"),
+    ("embedding", r"encoder|embedding"),
+)
+
+
+def gpu_time_group(name: str) -> str:
+    """The GPU_TIME_GROUPS group of an op (ours) or a kernel name (PyTorch's); "other" when none matches."""
+    for group, pattern in GPU_TIME_GROUPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return group
+    return "other"
+
+
+def grouped_gpu_time(result) -> list:
+    """[(group, our ms, PyTorch's ms or None)] of a gpu_time_profile result, in GPU_TIME_GROUPS order, "other" last."""
+    ours, theirs = {}, {}
+    for r in result["rows"]:
+        g = gpu_time_group(r["op"])
+        ours[g] = ours.get(g, 0.0) + (r["ms"] or 0.0)
+    torch_side = result.get("torch")
+    for name, ms in (torch_side or {}).get("kernels", {}).items():
+        g = gpu_time_group(name)
+        theirs[g] = theirs.get(g, 0.0) + ms
+    groups = [g for g, _ in GPU_TIME_GROUPS] + ["other"]
+    return [(g, ours.get(g, 0.0), theirs.get(g, 0.0) if torch_side else None) for g in groups
+            if g in ours or g in theirs]
 
 
 def _card():
@@ -580,7 +656,7 @@ def record_step_calls(eng, x, y, lr=1e-4) -> list:
 
 
 def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B=None, T=None, timer=None,
-                     warmup=True, versions=None) -> dict:
+                     warmup=True, versions=None, with_torch=False) -> dict:
     """GPU time of one training step, op by op. Each distinct call of an eager step (record_step_calls) is replayed
     alone as a CUDA graph of 10 calls (time_gpu_graph) and multiplied by its count per step.
 
@@ -588,7 +664,8 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
     Python; this measures the kernels themselves, and its total is about what a CUDA-graph replay of the step can
     reach. A call that cannot be captured (one that reads a device value on the host) is listed with ms None.
     timer(fn) -> seconds per call replaces the CUDA-graph timing, warmup=False skips the warm-up step (the tests run
-    the bookkeeping in the simulator)."""
+    the bookkeeping in the simulator). with_torch: the same model's PyTorch eager step too, kernel by kernel
+    (torch_gpu_time), under "torch"; format_gpu_time then compares them group by group (grouped_gpu_time)."""
     from . import engine
     from .timing import time_gpu_graph
 
@@ -615,9 +692,14 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
     total = sum(r["ms"] for r in rows if r["ms"] is not None)
     for r in rows:
         r["share"] = None if r["ms"] is None else r["ms"] / total
-    return {"card": _card() if device.has_gpu() else "the CUDA simulator (CPU)",
-            "date": datetime.date.today().isoformat(), "preset": preset,
-            "precision": precision, "backend": backend, "B": B, "T": T, "total_ms": total, "rows": rows}
+    out = {"card": _card() if device.has_gpu() else "the CUDA simulator (CPU)",
+           "date": datetime.date.today().isoformat(), "preset": preset, "precision": precision, "backend": backend,
+           "B": B, "T": T, "total_ms": total, "rows": rows, "versions": dict(eng.ver)}
+    if with_torch:
+        eng = None
+        gc.collect()
+        out["torch"] = torch_gpu_time(cfg, B, T, precision)
+    return out
 
 
 def format_gpu_time(result, top=20) -> str:
@@ -637,6 +719,13 @@ def format_gpu_time(result, top=20) -> str:
     missing = [r["op"] for r in result["rows"] if r["ms"] is None]
     if missing:
         lines.append(f"not capturable, not timed: {', '.join(sorted(set(missing)))}")
+    if result.get("torch"):
+        lines.append(f"beside PyTorch {result['torch']['version']} eager, the same model (torch.profiler, kernel time "
+                     f"per step: {result['torch']['total_ms']:.2f} ms):")
+        lines.append(f"{'group':<24}{'ours ms':>9}{'PyTorch ms':>12}{'ours / PyTorch':>16}")
+        for g, a, b in grouped_gpu_time(result):
+            ratio = f"{a / b:16.2f}" if b else f"{'-':>16}"
+            lines.append(f"{g:<24}{a:9.2f}{b:12.2f}" + ratio)
     return "\n".join(lines)
 
 

@@ -504,6 +504,49 @@ def test_gpu_graph_run_is_deterministic(attention, gpu_batches):
     assert runs[0][:5] == runs[1][:5] and np.array_equal(runs[0][5], runs[1][5])
 
 
+def test_gpu_time_groups_put_our_ops_and_pytorchs_kernels_side_by_side():
+    """bench gputime's comparison with PyTorch: our op names and PyTorch's CUDA kernel names (as torch.profiler
+    reports them) fall into the same groups; the table sums each side per group and says which side has none."""
+    from gpullm_lessons import bench_train as bt
+
+    cases = {
+        "gemm": "matrix products",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matrix products",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "matrix products",
+        "flash_attention_forward": "attention",
+        "attention_softmax_backward": "attention",  # ours: the scores path's softmax, not the loss head's
+        "split_heads": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>": "attention",
+        "layernorm_backward": "layernorm",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>": "layernorm",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float, float>": "layernorm",
+        "crossentropy_forward_backward_half": "loss head",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>": "loss head",
+        "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "loss head",
+        "adamw_step": "optimizer",
+        "grad_sumsq": "optimizer",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "bias_gelu_forward": "gelu, bias, residual",
+        "colsum_convert": "gelu, bias, residual",
+        "void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>": "gelu, bias, residual",
+        "encoder_backward": "embedding",
+        "void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float, float, long>": "embedding",
+        "void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>": "other",
+        "nonfinite_count": "other",
+    }
+    for name, group in cases.items():
+        assert bt.gpu_time_group(name) == group, name
+    result = {"preset": "toy", "B": 1, "T": 1, "precision": "bf16", "backend": "hip", "card": "a card", "date": "d",
+              "total_ms": 3.0, "rows": [{"op": "gemm", "ms": 2.0, "calls": 3, "us_per_call": 1.0, "shapes": "[]"},
+                                        {"op": "adamw_step", "ms": 1.0, "calls": 1, "us_per_call": 1.0, "shapes": "[]"}]}
+    assert bt.grouped_gpu_time(result) == [("matrix products", 2.0, None), ("optimizer", 1.0, None)]
+    result["torch"] = {"version": "x", "total_ms": 5.0, "kernels": {"sm90_xmma_gemm_a": 1.5, "sm90_xmma_gemm_b": 1.5,
+                                                                    "direct_copy_kernel": 2.0}}
+    assert bt.grouped_gpu_time(result) == [("matrix products", 2.0, 3.0), ("optimizer", 1.0, 0.0), ("other", 0.0, 2.0)]
+    text = bt.format_gpu_time(result)
+    assert "beside PyTorch x eager" in text and "matrix products" in text
+
+
 def test_gpu_time_profile_records_each_distinct_call_with_its_count():
     """bench gputime's bookkeeping, in the simulator with a stand-in timer (1 us per call; the third call 'cannot be
     captured'): every op of a step appears, counted per step, the total is the sum of the timed calls."""
