@@ -517,6 +517,14 @@ def test_gpu_time_groups_put_our_ops_and_pytorchs_kernels_side_by_side():
         "attention_softmax_backward": "attention",  # ours: the scores path's softmax, not the loss head's
         "split_heads": "attention",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*)": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT": "matrix products",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matrix products",
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16, at::native::func_wrapper_t<"
+        "c10::BFloat16, at::native::sum_functor<c10::BFloat16, float>>>>": "gelu, bias, residual",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "gelu, bias, residual",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>": "other",
         "layernorm_backward": "layernorm",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>": "layernorm",
         "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float, float>": "layernorm",
