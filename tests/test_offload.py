@@ -168,7 +168,7 @@ def test_train_offload_flag_trains_as_the_resident_run_and_refuses_what_cannot_w
     from gpullm_lessons import train
 
     args = ["--backend", "numba", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--block-size", "8",
-            "--batch-size", "2", "--eval-batches", "1", "--eval-every", "2", "--sample-tokens", "0", "--steps", "2",
+            "--batch-size", "2", "--eval-batches", "1", "--eval-every", "1", "--sample-tokens", "0", "--steps", "1",
             "--no-progress"]  # fmt: skip
     a = train.main(args + ["--out", str(tmp_path / "a")])
     b = train.main(args + ["--offload-optimizer", "--out", str(tmp_path / "b")])
