@@ -36,7 +36,20 @@ from gpullm_lessons.kernels.numba import adamw as nb
 from gpullm_lessons.optim import adamw_update, decay_mask_for
 from gpullm_lessons.params import GPTConfig, ParamBuffer, num_params
 
-from test_optimizer_state_bf16 import B1, B2, EPS, TINY, TOY, WD, _learnable_batches, needs_numba_gpu, random_table
+from test_optimizer_state_bf16 import (
+    B1,
+    B2,
+    EPS,
+    GPU_BACKENDS,
+    TINY,
+    TOY,
+    WD,
+    _gpu_launcher,
+    _learnable_batches,
+    needs_numba_gpu,
+    numba_step,
+    random_table,
+)
 
 BLOCK = quant.BLOCK
 SCALE_RTOL = 1e-5  # int8_moments_wrong's bound on a block scale (its docstring says why)
@@ -166,10 +179,6 @@ def run_int8_against_reference(step_fn, arrays, n, table, mask, steps, seed=0, g
         if zero.stop and (got["m_scale"][1] != 0 or got["v_scale"][1] != 0):
             return f"step {t}: the all-zero block 1 got scales {got['m_scale'][1]}, {got['v_scale'][1]}"
     return None
-
-
-def numba_step(threads=64):
-    return lambda *a, **k: nb.adamw_step(*a, **k, version="v2", threads=threads)
 
 
 def table_inside_blocks(n, seed):
@@ -404,18 +413,6 @@ def test_the_cli_trains_with_int8_moments_on_the_numba_backend(tmp_path):
 
 
 # ---- (d) on a GPU: both backends, large and awkward sizes -----------------------------------------------------------
-
-
-def _gpu_launcher(backend, threads=256):
-    if backend == "numba":
-        return numba_step(threads), "numba"
-    pytest.importorskip("cupy")
-    from gpullm_lessons.backends.hip import adamw as hip_adamw
-
-    return (lambda *a, **k: hip_adamw.adamw_step(*a, **k, version="v2", threads=threads)), "cupy"
-
-
-GPU_BACKENDS = [pytest.param("numba", marks=needs_numba_gpu), "hip"]
 
 
 @pytest.mark.gpu

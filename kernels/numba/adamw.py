@@ -184,19 +184,26 @@ def adamw_v2(params, grads, m, v, bounds, flags, half_out, half_mode, lr, lr_wd,
              beta2, one_minus_beta2, bias1, bias2, eps, grad_scale)
 
 
-# device_v2 (adamw_step_device): v2 with lr, lr*wd, bias1, bias2, 1/loss_scale and clip read from hyper (float32 (6,))
-# and the clip factor computed from sumsq[0] (the squared gradient norm, grad_sumsq): what a CUDA graph can replay.
-@cuda.jit
-def adamw_device_v2(params, grads, m, v, bounds, flags, half_out, half_mode, hyper, sumsq, beta1, one_minus_beta1,
-                    beta2, one_minus_beta2, eps):
+# the graph steps' gradient factor from hyper (1 / loss_scale, clip) and sumsq[0], the squared gradient norm:
+# min(1, clip / (sqrt(sumsq) / loss_scale + 1e-6)) / loss_scale in float32 (GPUEngine._grad_scale is its host twin)
+@cuda.jit(device=True, inline=True)
+def _device_grad_scale(hyper, sumsq):
     inv_scale, clip = hyper[4], hyper[5]
     coef = numba.float32(1.0)
     if clip > ZERO:
         c = clip / (numba.float32(math.sqrt(sumsq[0])) * inv_scale + numba.float32(1e-6))
         if c < coef:
             coef = c
+    return coef * inv_scale
+
+
+# device_v2 (adamw_step_device): v2 with lr, lr*wd, bias1, bias2, 1/loss_scale and clip read from hyper (float32 (6,))
+# and the clip factor computed from sumsq[0] (the squared gradient norm, grad_sumsq): what a CUDA graph can replay.
+@cuda.jit
+def adamw_device_v2(params, grads, m, v, bounds, flags, half_out, half_mode, hyper, sumsq, beta1, one_minus_beta1,
+                    beta2, one_minus_beta2, eps):
     _v2_loop(params, grads, m, v, bounds, flags, half_out, half_mode, hyper[0], hyper[1], beta1, one_minus_beta1,
-             beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
+             beta2, one_minus_beta2, hyper[2], hyper[3], eps, _device_grad_scale(hyper, sumsq))
 
 
 # bf16_moments_v2: v2's one pass with m and v stored as bfloat16 bits (uint16): read them back to float32 (exact),
@@ -240,14 +247,8 @@ def adamw_bf16_moments_v2(params, grads, m, v, bounds, flags, half_out, half_mod
 @cuda.jit
 def adamw_bf16_moments_device_v2(params, grads, m, v, bounds, flags, half_out, half_mode, hyper, sumsq, beta1,
                                  one_minus_beta1, beta2, one_minus_beta2, eps):
-    inv_scale, clip = hyper[4], hyper[5]
-    coef = numba.float32(1.0)
-    if clip > ZERO:
-        c = clip / (numba.float32(math.sqrt(sumsq[0])) * inv_scale + numba.float32(1e-6))
-        if c < coef:
-            coef = c
     _bf16_moments_loop(params, grads, m, v, bounds, flags, half_out, half_mode, hyper[0], hyper[1], beta1,
-                       one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
+                       one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, _device_grad_scale(hyper, sumsq))
 
 
 # int8_moments_v2: AdamW's moments block-wise quantised (quant's format; see the module docstring). Thread block bid
@@ -344,14 +345,8 @@ def adamw_int8_moments_v2(params, grads, m, v, m_scale, v_scale, bounds, flags, 
 @cuda.jit
 def adamw_int8_moments_device_v2(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, hyper,
                                  sumsq, beta1, one_minus_beta1, beta2, one_minus_beta2, eps):
-    inv_scale, clip = hyper[4], hyper[5]
-    coef = numba.float32(1.0)
-    if clip > ZERO:
-        c = clip / (numba.float32(math.sqrt(sumsq[0])) * inv_scale + numba.float32(1e-6))
-        if c < coef:
-            coef = c
     _int8_moments_loop(params, grads, m, v, m_scale, v_scale, bounds, flags, half_out, half_mode, hyper[0], hyper[1],
-                       beta1, one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, coef * inv_scale)
+                       beta1, one_minus_beta1, beta2, one_minus_beta2, hyper[2], hyper[3], eps, _device_grad_scale(hyper, sumsq))
 
 
 # sumsq_v1 (grad_sumsq): stage 1, block b adds the squares of its grid-stride elements in a shared-memory tree into
