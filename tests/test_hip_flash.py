@@ -175,3 +175,135 @@ def test_flash_names_a_head_size_without_a_kernel():
     with pytest.raises(TypeError, match="q must be uint16"):
         f = cp.zeros((1, 1, 4, 64), cp.float32)
         hflash.flash_attention_forward(f, f, f, f, cp.zeros((1, 1, 4), cp.float32))
+
+
+# ---- the packed layout: the engine's (B, T, 3C) qkv rows, y and dout (B, T, C) in the half format, dqkv float32 ----
+def _pack(heads):
+    """(B, nh, T, hs) -> (B, T, nh * hs): the heads side by side in each row."""
+    B, nh, T, hs = heads.shape
+    return heads.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+
+
+def _unpack(rows, nh):
+    """(B, T, nh * hs) -> (B, nh, T, hs), C-contiguous."""
+    B, T, C = rows.shape
+    return np.ascontiguousarray(rows.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3))
+
+
+def _half_bits(x, half):
+    """float32 -> the bits of `half`, rounded to nearest even (as half.h)."""
+    from gpullm_lessons.precision import f32_to_bf16_bits
+
+    return f32_to_bf16_bits(x) if half == "bf16" else x.astype(np.float16).view(np.uint16)
+
+
+def _half_values(bits, half):
+    import ml_dtypes
+
+    return bits.view(ml_dtypes.bfloat16 if half == "bf16" else np.float16).astype(np.float32)
+
+
+def _guarded_like(cp, shape, dtype, fill):
+    n = int(np.prod(shape))
+    buf = cp.full(n + 2 * GUARD, fill, dtype)
+    return buf, buf[GUARD : GUARD + n].reshape(shape)
+
+
+def _guards_equal(buf, fill):
+    g = buf.get()
+    same = (lambda x: np.isnan(x)) if isinstance(fill, float) and np.isnan(fill) else (lambda x: x == fill)
+    return bool(same(g[:GUARD]).all() and same(g[-GUARD:]).all())
+
+
+PACKED_SHAPES = [
+    (1, 1, 1, 64),
+    (2, 3, 7, 64),
+    (2, 3, 130, 64),
+    (1, 2, 1000, 64),
+    (4, 12, 256, 64),
+    (1, 2, 130, 16),
+    (1, 3, 65, 32),
+    (2, 2, 192, 48),
+]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half):
+    """The packed launchers compute what v4 computes on the heads layout, to the bit: out is v4's float32 out rounded
+    to the half format, lse the same; dq, dk, dv are v4's from that rounded out. Every element of out and dqkv is
+    written and nothing beside them; the backward gives the same bits twice; and the result is the reference's."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    B, nh, T, hs = shape
+    C = nh * hs
+    (q, qb), (k, kb), (v, vb), (do, dob) = (_rounded(rng, shape, half) for _ in range(4))
+    qkv = cp.asarray(np.concatenate([_pack(qb), _pack(kb), _pack(vb)], axis=2))
+    dout = cp.asarray(_pack(dob))
+    obuf, out = _guarded_like(cp, (B, T, C), cp.uint16, 0xFFFF)
+    lbuf, lse = _guarded(cp, (B, nh, T))
+    hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half)
+    gbuf, dqkv = _guarded(cp, (B, T, 3 * C))
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half)
+    first = dqkv.get()
+    dqkv.fill(np.nan)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half)
+    assert np.array_equal(first.view(np.uint32), dqkv.get().view(np.uint32)), "a second backward gave other bits"
+    assert _guards_equal(obuf, 0xFFFF) and _guards_equal(lbuf, np.nan) and _guards_equal(gbuf, np.nan)
+    assert np.isfinite(first).all(), f"dqkv: elements never written, seed {seed}"
+    out_bits, lse_p = out.get(), lse.get()
+    assert np.isfinite(_half_values(out_bits, half)).all(), f"out: elements never written, seed {seed}"
+    # v4 on the heads layout, same inputs
+    heads = [cp.asarray(x) for x in (qb, kb, vb, dob)]
+    out_h, lse_h = cp.empty(shape, cp.float32), cp.empty((B, nh, T), cp.float32)
+    hflash.flash_attention_forward(*heads[:3], out_h, lse_h, half=half, version="v4")
+    assert np.array_equal(lse_p.view(np.uint32), lse_h.get().view(np.uint32)), f"lse differs, seed {seed}"
+    assert np.array_equal(_unpack(out_bits, nh), _half_bits(out_h.get(), half)), f"out differs, seed {seed}"
+    y = cp.asarray(_unpack(_half_values(out_bits, half), nh))  # the rounded out the packed backward reads
+    grads = [cp.empty(shape, cp.float32) for _ in range(3)]
+    hflash.flash_attention_backward(*heads[:3], y, heads[3], lse_h, *grads, half=half, version="v4")
+    for i, (name, g) in enumerate(zip(("dq", "dk", "dv"), grads)):
+        got = _unpack(first[:, :, i * C : (i + 1) * C], nh)
+        assert np.array_equal(got.view(np.uint32), g.get().view(np.uint32)), f"{name} differs, seed {seed}"
+    want = oracle(q, k, v, do)
+    got = [_unpack(_half_values(out_bits, half), nh), lse_p]
+    got += [_unpack(first[:, :, i * C : (i + 1) * C], nh) for i in range(3)]
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        err = rel_err(g, w)
+        assert err < TOL[half], f"{name}: max error {err:.3g} of its magnitude (tolerance {TOL[half]}), seed {seed}"
+
+
+def test_packed_launchers_refuse_bad_arguments():
+    """Argument errors name the problem before anything touches a GPU."""
+    qkv = np.zeros((1, 4, 3 * 128), np.uint16)
+    out = np.zeros((1, 4, 128), np.uint16)
+    lse = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(TypeError, match="qkv must be a CuPy array"):
+        hflash.flash_attention_forward_packed(qkv, out, lse, 2)
+    with pytest.raises(TypeError, match="qkv must be a CuPy array"):
+        hflash.flash_attention_backward_packed(qkv, out, out, lse, np.zeros((1, 4, 384), np.float32), 2)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_packed_launchers_name_shapes_they_cannot_run():
+    import cupy as cp
+
+    qkv, out, lse = cp.zeros((1, 4, 384), cp.uint16), cp.zeros((1, 4, 128), cp.uint16), cp.zeros((1, 2, 4), cp.float32)
+    with pytest.raises(ValueError, match="half='fp8' is not one of bf16, fp16"):
+        hflash.flash_attention_forward_packed(qkv, out, lse, 2, half="fp8")
+    with pytest.raises(ValueError, match="nh must be a positive int"):
+        hflash.flash_attention_forward_packed(qkv, out, lse, 0)
+    with pytest.raises(ValueError, match=r"qkv must be \(B, T, 3C\)"):
+        hflash.flash_attention_forward_packed(qkv, out, lse, 5)
+    with pytest.raises(ValueError, match=r"lse"):
+        hflash.flash_attention_forward_packed(qkv, out, cp.zeros((1, 4, 2), cp.float32), 2)
+    with pytest.raises(ValueError, match=r"hs = C / nh = 128 has no kernel"):
+        hflash.flash_attention_forward_packed(qkv, out, cp.zeros((1, 1, 4), cp.float32), 1)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        shifted = cp.zeros(4 * 384 + 2, cp.uint16)[2:].reshape(1, 4, 384)  # C-contiguous, 4 bytes past a boundary
+        hflash.flash_attention_forward_packed(shifted, out, lse, 2)

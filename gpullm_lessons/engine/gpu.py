@@ -254,8 +254,9 @@ class GPUEngine(Engine):
         self._gemm(inp_mm, self._w(name_w, l), out)
         return out
 
-    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features):
-        """dout (N, C_out) fp32 -> dinp (N, C_in) fp32; writes grads[name_w][l] and grads[name_b][l].
+    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features, out_mm=False):
+        """dout (N, C_out) fp32 -> dinp (N, C_in) fp32 (out_mm: in the matmul format, cuBLAS rounding the fp32 sums on
+        the way out); writes grads[name_w][l] and grads[name_b][l].
 
         One fused pass over dout (colsum_convert) gives the bias gradient (its column sums, deterministic) and the
         half copy the two products read."""
@@ -266,7 +267,8 @@ class GPUEngine(Engine):
         else:
             dout_mm = self._mm_empty(dout.shape)
             self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half)
-        dinp = xp.empty((dout.shape[0], in_features), xp.float32)
+        shape = (dout.shape[0], in_features)
+        dinp = self._mm_empty(shape) if out_mm else xp.empty(shape, xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
         self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
         return dinp
@@ -318,7 +320,10 @@ class GPUEngine(Engine):
         Between the matrix products only fused kernels run (kernels/hip/fused.cu and its Numba twin): LayerNorm
         writes the matmul input directly; split_heads adds the qkv bias while it moves q, k, v into (B*nh, T, hs)
         in the matmul format; the causal softmax writes the probabilities in the matmul format (half runs keep no
-        fp32 copy: the softmax backward reads the half one); merge_heads brings the heads back; bias_add adds each
+        fp32 copy: the softmax backward reads the half one); merge_heads brings the heads back. Flash attention
+        reads q, k, v where they are: split_heads as one head of 3C columns only adds the bias and rounds qkv to the
+        matmul format, and the packed kernels write y straight into the attention projection's input (no merge, no
+        fp32 y). bias_add adds each
         projection's bias and the residual in one pass; bias_gelu_forward adds the fc bias (fc is kept for the GELU
         backward) and writes GELU's output in the matmul format."""
         xp, cfg = self.xp, self.cfg
@@ -329,22 +334,26 @@ class GPUEngine(Engine):
         ln1_mm, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
         qkv = self._matmul(ln1_mm, "qkvw", l, 3 * C)  # (B*T, 3C), no bias yet
         qkvb = self.params["qkvb"][l]
-        q, k, v = (self._mm_empty((B * nh, T, hs)) for _ in range(3))
-        for i, dst in enumerate((q, k, v)):
-            self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C : (i + 1) * C], half=half)
-        del qkv
-        y = xp.empty((B * nh, T, hs), xp.float32)
         if self.ver["attention"] == "flash":  # y and each row's log-sum-exp; the (T, T) scores never exist
-            att = {"y": y, "lse": xp.empty((B * nh, T), xp.float32)}
-            heads = (B, nh, T, hs)
-            qh, kh, vh, yh = (a.reshape(heads) for a in (q, k, v, y))
-            self.K.flash_attention_forward(qh, kh, vh, yh, att["lse"].reshape(B, nh, T), half=half)
+            atty_mm = self._mm_empty((B * T, C))
+            qkv_mm = self._mm_empty((B, T, 3 * C))  # q, k, v side by side, bias added, in the matmul format
+            self.K.split_heads(qkv, 0, qkv_mm, B, T, 1, bias=qkvb, half=half)
+            del qkv
+            att = {"lse": xp.empty((B, nh, T), xp.float32)}
+            self.K.flash_attention_forward_packed(qkv_mm, atty_mm.reshape(B, T, C), att["lse"], nh, half=half)
+            heads = {"qkv_mm": qkv_mm}
         else:
+            q, k, v = (self._mm_empty((B * nh, T, hs)) for _ in range(3))
+            for i, dst in enumerate((q, k, v)):
+                self.K.split_heads(qkv, i * C, dst, B, T, nh, bias=qkvb[i * C : (i + 1) * C], half=half)
+            del qkv
+            y = xp.empty((B * nh, T, hs), xp.float32)
             att = {"att_mm": self._attention_probabilities(q, k, B, T, hs)}
             self._gemm(att["att_mm"], v, y)  # att @ v
-        atty_mm = self._mm_empty((B * T, C))
-        self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
-        del y
+            atty_mm = self._mm_empty((B * T, C))
+            self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
+            del y
+            heads = {"q": q, "k": k, "v": v}
         x1 = self._matmul(atty_mm, "attprojw", l, C)
         self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)  # x1 = x + atty @ W + b
         ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
@@ -356,10 +365,8 @@ class GPUEngine(Engine):
         if keep == "none":
             c.update(
                 att,
+                **heads,
                 ln1_mm=ln1_mm,
-                q=q,
-                k=k,
-                v=v,
                 atty_mm=atty_mm,
                 x1=x1,
                 ln2_mm=ln2_mm,
@@ -367,7 +374,7 @@ class GPUEngine(Engine):
                 gelu_mm=gelu_mm,
             )
         elif keep == "selective":  # LayerNorm and GELU outputs are rebuilt in backward
-            c.update(att, q=q, k=k, v=v, atty_mm=atty_mm, x1=x1, fc=fc)
+            c.update(att, **heads, atty_mm=atty_mm, x1=x1, fc=fc)
         # "full": only x (the caller keeps it; the rest is recomputed)
         return x2, c
 
@@ -412,22 +419,17 @@ class GPUEngine(Engine):
         dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)
         del dln2
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
-        datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
-        dy = self._mm_empty((B * nh, T, hs))
-        self.K.split_heads(datty, 0, dy, B, T, nh, half=half)  # (B*nh, T, hs)
-        del datty
-        if "lse" in c:  # flash: dq, dk, dv from the saved y and lse, the probabilities recomputed tile by tile
-            heads = (B, nh, T, hs)
-            grads = [xp.empty(heads, xp.float32) for _ in range(3)]
-            qh, kh, vh, yh, dyh = (a.reshape(heads) for a in (c["q"], c["k"], c["v"], c["y"], dy))
-            self.K.flash_attention_backward(qh, kh, vh, yh, dyh, c["lse"].reshape(B, nh, T), *grads, half=half)
-            del dyh
+        if "lse" in c:  # flash: dq, dk, dv from the kept y (atty_mm) and lse, the probabilities recomputed tile by tile
+            dy = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C, out_mm=True)  # (B*T, C)
+            dqkv = xp.empty((B * T, 3 * C), xp.float32)  # every element written: dq, dk, dv side by side
+            y, dqkv3 = c["atty_mm"].reshape(B, T, C), dqkv.reshape(B, T, 3 * C)
+            self.K.flash_attention_backward_packed(c["qkv_mm"], y, dy.reshape(B, T, C), c["lse"], dqkv3, nh, half=half)
             del dy
-            dqkv = xp.empty((B * T, 3 * C), xp.float32)
-            for i in range(3):  # dq, dk, dv into their thirds of dqkv
-                self.K.merge_heads(grads[i].reshape(B * nh, T, hs), dqkv, i * C, B, T, nh)
-                grads[i] = None
         else:
+            datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
+            dy = self._mm_empty((B * nh, T, hs))
+            self.K.split_heads(datty, 0, dy, B, T, nh, half=half)  # (B*nh, T, hs)
+            del datty
             box = [dy]  # the helper drops dy as soon as it is used up (no reference left here)
             del dy
             dqkv = self._attention_backward_cublas(box, c, B, T, hs)

@@ -32,7 +32,7 @@ def engine_memory(
     backward has freed the dlogits), the embedding backward (v3's 64-bit accumulator). half_scores: the
     engine's versions["scores"] == "half" (the default: the attention scores and their gradient in half; only in half
     precision). attention: the engine's versions["attention"], "cublas" (the probabilities (B, nh, T, T) kept),
-    "flash" (y fp32 and the log-sum-exp kept instead: linear in T) or "auto" (the hip engine's default: flash in half
+    "flash" (the log-sum-exp kept instead: linear in T; y is the kept atty_mm) or "auto" (the hip engine's default: flash in half
     precision at the head sizes flash.cu is compiled for, else cublas).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
@@ -70,8 +70,8 @@ def engine_memory(
     model = {"params": P * f, "params_half": P * h, "grads": P * f, "adamw": adamw}
     # what one block keeps, per policy (GPUEngine._block_forward)
     base = NC * f + 4 * N * f  # x, mean1, rstd1, mean2, rstd2
-    att = NC * f + B * nh * T * f if flash else TT * e  # flash: y and lse; cublas: the probabilities att_mm
-    sel = 3 * NC * e + att + NC * e + NC * f + 4 * NC * f  # q, k, v, the attention's, atty_mm, x1, fc
+    att = B * nh * T * f if flash else TT * e  # flash: lse; cublas: the probabilities att_mm
+    sel = 3 * NC * e + att + NC * e + NC * f + 4 * NC * f  # q, k, v (flash: qkv_mm), the attention's, atty_mm, x1, fc
     rebuilt = NC * e + NC * e + 4 * NC * e  # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
     kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f, "sqrt": NC * f}[policy]
@@ -84,7 +84,8 @@ def engine_memory(
         top = NC * f + 2 * N * f + NC * f + N * 4  # h, meanf, rstdf, dlnf, idx
     activations = n_kept * kept_block + top
     # forward: one temporary at a time beside the growing cache: qkv before the head split, the scores (half or
-    # fp32: half_scores) before the half softmax output (half runs), y before merge_heads, the block output; under
+    # fp32: half_scores) before the half softmax output (half runs), y before merge_heads (cublas), the block output;
+    # under
     # selective the matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on
     # return)
     ts = e if (half and half_scores) else f  # bytes of a score / its gradient
@@ -108,16 +109,16 @@ def engine_memory(
         8 * NC * f,  # dgelu, dfc
         4 * NC * f + 4 * NC * h + NC * f,  # fc: dfc, dfc_mm, dln2
         2 * NC * f,  # dln2, dx1
-        2 * NC * f + NC * h,  # attproj: dx1, dx1_mm, datty
-        2 * NC * f + NC * e,  # dx1, datty, dy
     ]
-    if flash:
+    if flash:  # the projection's product writes dy in the matmul format; the kernels write dqkv directly
         stages += [
-            4 * NC * f + NC * e + B * nh * T * f,  # dx1, dy, dq, dk, dv, delta
-            7 * NC * f,  # dx1, dq, dk, dv, dqkv
+            NC * f + NC * h + NC * e,  # attproj: dx1, dx1_mm, dy
+            4 * NC * f + NC * e + B * nh * T * f,  # dx1, dy, dqkv, delta
         ]
     else:
         stages += [
+            2 * NC * f + NC * h,  # attproj: dx1, dx1_mm, datty
+            2 * NC * f + NC * e,  # dx1, datty, dy
             2 * NC * f + NC * e + TT * ts,  # dx1, dy, dv, datt
             2 * NC * f + TT * ts + TT * h,  # dx1, dv, datt, dpre (half)
             5 * NC * f + TT * e,  # dx1, dqkv, dv / part, dpre

@@ -678,6 +678,11 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 //     (portable.h's copy16_async: cp.async on NVIDIA; plain loads on AMD), one __syncthreads per tile;
 //   - the dQ kernel takes a key tile in two halves of 32 keys (S, dP of the half in registers), to stay in registers.
 // The results are summed in the same fixed order on every run (no atomics); tiles past the diagonal are skipped.
+// Layouts: every row of q, k, v, dout, out, dq, dk, dv is HS contiguous elements, rows `ld` apart (the device functions'
+// ld_* arguments), head h of batch b starting at (b T ld + h HS): the heads layout (B*nh, T, HS) is nh = 1, ld = HS;
+// the packed layout of the engine reads q, k, v straight out of the qkv product's (B, T, 3C) rows (ld = 3C, k and v
+// at columns C and 2C), writes y into the (B, T, C) rows the attention projection reads (in format H) and dq, dk, dv
+// into the (B, T, 3C) float32 rows of dqkv: no head split or merge pass.
 #define FLASH4_ROWS 128        // rows a v4 block owns
 #define FLASH4_WARPS 4         // forward, dQ: warps per block (two 16-row tiles each)
 #define FLASH4_DKDV_WARPS 8    // dK dV: warps per block (16 key rows each)
@@ -688,26 +693,51 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 // copies; rows past T become zeros. Every thread of the block calls it; copy_commit / copy_wait are the caller's.
 template <int HS, int LD>
 __device__ __forceinline__ void copy_rows(unsigned short* dst, const unsigned short* __restrict__ src, int r0,
-                                          int nrows, int T) {
+                                          int nrows, int T, int ld) {
     constexpr int chunks = HS / 8;  // 8 halves = 16 bytes
     for (int i = threadIdx.x; i < nrows * chunks; i += blockDim.x) {
         int r = i / chunks, c = (i % chunks) * 8;
         bool ok = r0 + r < T;
-        copy16_async(dst + r * LD + c, ok ? src + (long long)(r0 + r) * HS + c : src, ok);
+        copy16_async(dst + r * LD + c, ok ? src + (long long)(r0 + r) * ld + c : src, ok);
     }
 }
 
-template <int H, int HS>
+// where block blockIdx.x's head starts in an array whose rows are ld elements apart (see Layouts above)
+template <int HS> __device__ __forceinline__ long long head_start(int T, int nh, int ld) {
+    const long long head = blockIdx.x;
+    return (head / nh) * T * ld + (head % nh) * HS;
+}
+
+// one element of a result: float32, or rounded to format H (16-bit bits)
+template <int H> __device__ __forceinline__ void put(float* p, float x) { *p = x; }
+template <int H> __device__ __forceinline__ void put(unsigned short* p, float x) { *p = f32_to_half_bits<H>(x); }
+
+// rows [row0, row0 + 16) of a head from a warp's HS / 16 register tiles, times mul, rows ld apart (rows past T left
+// alone); v4's twin of store_tiles
+template <int H, int HS, typename OutT>
+__device__ __forceinline__ void store_tiles_ld(OutT* __restrict__ dst, const mma_tile (&t)[HS / 16], int row0, int T,
+                                               float mul, int ld) {
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+        for (int e = 0; e < MMA_SE; e++) {
+            int row = row0 + mma_tile_row(e);
+            if (row < T) put<H>(dst + (long long)row * ld + 16 * j + mma_tile_col(e), t[j].x[e] * mul);
+        }
+}
+
+template <int H, int HS, typename OutT>
 __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-                                 const unsigned short* __restrict__ v, float* __restrict__ out,
-                                 float* __restrict__ lse, int T, float scale) {
+                                 const unsigned short* __restrict__ v, OutT* __restrict__ out,
+                                 float* __restrict__ lse, int T, float scale, int nh, int ld, int ld_out) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, RT = FLASH4_RT;
     static_assert(2 * KT == FLASH4_ROWS, "Q's rows are staged in one buffer of K and V rows");
     __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
-    const long long head = blockIdx.x;
-    q += head * T * HS;
-    k += head * T * HS;
-    v += head * T * HS;
+    const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld);
+    q += in0;
+    k += in0;
+    v += in0;
+    out += head_start<HS>(T, nh, ld_out);
     const int warp = threadIdx.x / warpSize;
     const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH4_ROWS;  // heavy blocks first
     const int tw = t0 + 16 * RT * warp;                          // the warp's rows: [tw, tw + 16 RT), tile rt at tw + 16 rt
@@ -715,9 +745,9 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
     const int t_last = min(T, t0 + FLASH4_ROWS) - 1, ntiles = t_last / KT + 1;
 
     // Q's 128 rows staged in buffer 1, key tile 0 in buffer 0: one group of copies
-    copy_rows<HS, LD>(&kv[1][0][0], q, t0, FLASH4_ROWS, T);
-    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T);
-    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T);
+    copy_rows<HS, LD>(&kv[1][0][0], q, t0, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T, ld);
+    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T, ld);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -740,8 +770,8 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
         copy_wait<0>();   // this thread's copies of tile it have landed
         __syncthreads();  // everyone's have; every warp is done with buffer 1 - b (tile it - 1, or Q's staging)
         if (it + 1 < ntiles) {
-            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T);
-            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T);
+            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T, ld);
+            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T, ld);
             copy_commit();
         }
         if (s0 > tw + 16 * RT - 1) continue;  // the whole tile is above the diagonal for this warp's rows
@@ -819,7 +849,7 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
         for (int j = 0; j < HS / 16; j++)
 #pragma unroll
             for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] /= l[rt][mma_tile_q(e)];
-        store_tiles<HS>(out + head * T * HS, o[rt], tw + 16 * rt, T, 1.0f);
+        store_tiles_ld<H, HS>(out, o[rt], tw + 16 * rt, T, 1.0f, ld_out);
         if (mma_row_leader())
 #pragma unroll
             for (int qi = 0; qi < MMA_QPL; qi++) {
@@ -836,15 +866,16 @@ template <int H, int HS>
 __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                             const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
-                            int T, float scale) {
+                            int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, KC = FLASH4_KC, RT = FLASH4_RT;
     static_assert(2 * KT == FLASH4_ROWS, "Q's and dO's rows are staged in the two buffers of K and V rows");
     __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
-    const long long head = blockIdx.x;
-    q += head * T * HS;
-    k += head * T * HS;
-    v += head * T * HS;
-    dout += head * T * HS;
+    const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld);
+    q += in0;
+    k += in0;
+    v += in0;
+    dout += head_start<HS>(T, nh, ld_do);
+    dq += head_start<HS>(T, nh, ld_grad);
     const int warp = threadIdx.x / warpSize;
     const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH4_ROWS, tw = t0 + 16 * RT * warp;  // heavy blocks first
     const float sl2 = scale * FLASH_LOG2E;
@@ -859,8 +890,8 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
             del_r[rt][qi] = t < T ? delta[head * T + t] : 0.0f;
         }
     // Q's 128 rows staged in buffer 0, dO's in buffer 1
-    copy_rows<HS, LD>(&kv[0][0][0], q, t0, FLASH4_ROWS, T);
-    copy_rows<HS, LD>(&kv[1][0][0], dout, t0, FLASH4_ROWS, T);
+    copy_rows<HS, LD>(&kv[0][0][0], q, t0, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD>(&kv[1][0][0], dout, t0, FLASH4_ROWS, T, ld_do);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -873,8 +904,8 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
             mma_rows_load<H>(df[rt][kk], &kv[1][16 * (RT * warp + rt)][16 * kk], LD);
         }
     __syncthreads();  // every warp holds its rows: the staging buffers are free
-    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T);
-    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T);
+    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T, ld);
+    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T, ld);
     copy_commit();
     mma_tile dqt[RT][HS / 16];
 #pragma unroll
@@ -886,8 +917,8 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         copy_wait<0>();
         __syncthreads();  // tile it is in buffer b; every warp is done with buffer 1 - b
         if (it + 1 < ntiles) {
-            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T);
-            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T);
+            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T, ld);
+            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T, ld);
             copy_commit();
         }
         const unsigned short(*ks)[LD] = kv[b];
@@ -942,7 +973,7 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         }
     }
 #pragma unroll
-    for (int rt = 0; rt < RT; rt++) store_tiles<HS>(dq + head * T * HS, dqt[rt], tw + 16 * rt, T, scale);
+    for (int rt = 0; rt < RT; rt++) store_tiles_ld<H, HS>(dq, dqt[rt], tw + 16 * rt, T, scale, ld_grad);
 }
 
 // dK, dV: a block owns 128 key rows (16 per warp, 8 warps) and walks the query tiles from its first key on, double-
@@ -952,17 +983,19 @@ template <int H, int HS>
 __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                               const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                               const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
-                              float* __restrict__ dv, int T, float scale) {
+                              float* __restrict__ dv, int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE;
     static_assert(2 * QT == FLASH4_ROWS && 16 * FLASH4_DKDV_WARPS == FLASH4_ROWS,
                   "K's and V's rows are staged in the two buffers of Q and dO rows, 16 per warp");
     __shared__ __align__(16) unsigned short qd[2][2 * QT][LD];  // [buffer][Q's QT rows, then dO's QT rows]
     __shared__ __align__(16) float ld_s[2][2][QT];              // [buffer][lse, delta] of the tile's queries
-    const long long head = blockIdx.x;
-    q += head * T * HS;
-    k += head * T * HS;
-    v += head * T * HS;
-    dout += head * T * HS;
+    const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld), g0 = head_start<HS>(T, nh, ld_grad);
+    q += in0;
+    k += in0;
+    v += in0;
+    dout += head_start<HS>(T, nh, ld_do);
+    dk += g0;
+    dv += g0;
     lse += head * T;
     delta += head * T;
     const int warp = threadIdx.x / warpSize;
@@ -970,8 +1003,8 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     const float sl2 = scale * FLASH_LOG2E;
     const int ntiles = (T - s_first + QT - 1) / QT;  // s_first < T: the grid has ceil(T / 128) key blocks
     // K's 128 rows staged in buffer 0, V's in buffer 1
-    copy_rows<HS, LD>(&qd[0][0][0], k, s_first, FLASH4_ROWS, T);
-    copy_rows<HS, LD>(&qd[1][0][0], v, s_first, FLASH4_ROWS, T);
+    copy_rows<HS, LD>(&qd[0][0][0], k, s_first, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD>(&qd[1][0][0], v, s_first, FLASH4_ROWS, T, ld);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -985,8 +1018,8 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     // query tile i (queries s_first + QT i ...) into buffer i % 2: Q, dO, lse, delta (zeros past T)
     auto issue = [&](int i) {
         const int tq0 = s_first + i * QT, bb = i % 2;
-        copy_rows<HS, LD>(&qd[bb][0][0], q, tq0, QT, T);
-        copy_rows<HS, LD>(&qd[bb][QT][0], dout, tq0, QT, T);
+        copy_rows<HS, LD>(&qd[bb][0][0], q, tq0, QT, T, ld);
+        copy_rows<HS, LD>(&qd[bb][QT][0], dout, tq0, QT, T, ld_do);
         for (int x = threadIdx.x; x < 2 * QT; x += blockDim.x) {
             int c = x % QT, ok = tq0 + c < T;
             const float* src = x < QT ? lse : delta;
@@ -1044,8 +1077,8 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
             }
         }
     }
-    store_tiles<HS>(dk + head * T * HS, dkt, sw, T, scale);
-    store_tiles<HS>(dv + head * T * HS, dvt, sw, T, 1.0f);
+    store_tiles_ld<H, HS>(dk, dkt, sw, T, scale, ld_grad);
+    store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
 // ---- entry points: one per format and head size -------------------------------------------------------------------
@@ -1087,19 +1120,44 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v4_hs##HS##_##FMT( \
         const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
         float scale) {                                                                                                \
-        flash_forward_v4<H, HS>(q, k, v, out, lse, T, scale);                                                         \
+        flash_forward_v4<H, HS>(q, k, v, out, lse, T, scale, 1, HS, HS);                                                         \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
         flash_attention_backward_v4_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
                                                         const unsigned short* v, const unsigned short* dout,          \
                                                         const float* lse, const float* delta, float* dk, float* dv,   \
                                                         int T, float scale) {                                         \
-        flash_dkdv_v4<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                            \
+        flash_dkdv_v4<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                                            \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_v4_dq_hs##HS##_##FMT( \
         const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
         const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v4<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
+        flash_dq_v4<H, HS>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                                   \
+    }
+
+// the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
+// C = nh HS; lse and delta (B, nh, T) as in the heads layout
+#define FLASH_ENTRIES_PACKED(HS, FMT, H)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
+        flash_attention_forward_v4_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,    \
+                                                      int T, int nh, float scale) {                                   \
+        const int C = nh * HS;                                                                                        \
+        flash_forward_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                         \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v4_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,   \
+                                                            const float* lse, const float* delta, float* dqkv, int T,  \
+                                                            int nh, float scale) {                                    \
+        const int C = nh * HS;                                                                                        \
+        flash_dkdv_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, 3 * C, \
+                             C, 3 * C);                                                                               \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
+        flash_attention_backward_v4_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,     \
+                                                          const float* lse, const float* delta, float* dqkv, int T,    \
+                                                          int nh, float scale) {                                      \
+        const int C = nh * HS;                                                                                        \
+        flash_dq_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);          \
     }
 
 FLASH_ENTRIES(16, bf16, 1)
@@ -1118,6 +1176,14 @@ FLASH_ENTRIES_V4(16, f16, 2)
 FLASH_ENTRIES_V4(32, f16, 2)
 FLASH_ENTRIES_V4(48, f16, 2)
 FLASH_ENTRIES_V4(64, f16, 2)
+FLASH_ENTRIES_PACKED(16, bf16, 1)
+FLASH_ENTRIES_PACKED(32, bf16, 1)
+FLASH_ENTRIES_PACKED(48, bf16, 1)
+FLASH_ENTRIES_PACKED(64, bf16, 1)
+FLASH_ENTRIES_PACKED(16, f16, 2)
+FLASH_ENTRIES_PACKED(32, f16, 2)
+FLASH_ENTRIES_PACKED(48, f16, 2)
+FLASH_ENTRIES_PACKED(64, f16, 2)
 
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
                                                                   float* delta, long long rows, int hs) {
@@ -1126,4 +1192,31 @@ extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* o
 extern "C" __global__ void flash_attention_backward_v2_delta_f16(const float* out, const unsigned short* dout,
                                                                  float* delta, long long rows, int hs) {
     flash_delta<2>(out, dout, delta, rows, hs);
+}
+
+// the packed layout's delta: out and dout (B, T, C) in format H, rows r = (b T + t) nh + h of HS contiguous elements;
+// delta (B, nh, T) float32 as the dK dV and dQ kernels read it
+template <int H>
+__device__ void flash_delta_packed(const unsigned short* __restrict__ out, const unsigned short* __restrict__ dout,
+                                   float* __restrict__ delta, long long rows, int hs, int T, int nh) {
+    const int lane = threadIdx.x % warpSize, warps = blockDim.x / warpSize;
+    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / warpSize; row < rows;
+         row += (long long)gridDim.x * warps) {
+        float acc = 0.0f;
+        for (int j = lane; j < hs; j += warpSize)
+            acc += half_to_f32<H>(dout[row * hs + j]) * half_to_f32<H>(out[row * hs + j]);
+        acc = warp_sum(acc);
+        const long long bt = row / nh, b = bt / T;
+        if (lane == 0) delta[(b * nh + row % nh) * T + bt % T] = acc;
+    }
+}
+extern "C" __global__ void flash_attention_backward_v4_packed_delta_bf16(const unsigned short* out,
+                                                                      const unsigned short* dout, float* delta,
+                                                                      long long rows, int hs, int T, int nh) {
+    flash_delta_packed<1>(out, dout, delta, rows, hs, T, nh);
+}
+extern "C" __global__ void flash_attention_backward_v4_packed_delta_f16(const unsigned short* out,
+                                                                     const unsigned short* dout, float* delta,
+                                                                     long long rows, int hs, int T, int nh) {
+    flash_delta_packed<2>(out, dout, delta, rows, hs, T, nh);
 }

@@ -8,6 +8,11 @@ registers the matrix units wrote (portable.h's register tiles); v4 (the default)
 FlashAttention-2 (128 rows per block, two 16-row tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles
 walked double-buffered with asynchronous copies; GEOMETRY has each kernel's block). The head size must be one the source is compiled for
 (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
+
+The packed launchers (flash_attention_forward_packed / _backward_packed) run v4 on the engine's layout: q, k, v read
+straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
+projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes
+around the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
 """
 
 from __future__ import annotations
@@ -127,3 +132,77 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}")(
         *_launch(version, "dq", B * nh, T), (q, k, v, dout, lse, delta, dq, np.int32(T), scale)
     )
+
+
+def _check_packed(fn, half, nh, pairs):
+    """pairs: (name, array, columns as a multiple of C, dtype); every array (B, T, cols * C), C-contiguous, 16-byte
+    aligned (the kernels copy rows 16 bytes at a time). Returns (B, T, nh, hs)."""
+    from gpullm_lessons.contracts import check_array, is_cupy, shape_of
+
+    for name, a, _, _ in pairs:
+        if not is_cupy(a):
+            raise TypeError(
+                f"{fn}: {name} must be a CuPy array (the HIP kernels run on the GPU), got {type(a).__name__}"
+            )
+    if half not in HALF_FORMATS:
+        raise ValueError(f"{fn}: half={half!r} is not one of {', '.join(HALF_FORMATS)}")
+    if isinstance(nh, bool) or not isinstance(nh, (int, np.integer)) or nh < 1:
+        raise ValueError(f"{fn}: nh must be a positive int (the number of heads), got {nh!r}")
+    name0, a0, cols0, _ = pairs[0]
+    shape = shape_of(a0)
+    if len(shape) != 3 or shape[2] % (cols0 * nh):
+        raise ValueError(f"{fn}: {name0} must be (B, T, {cols0}C) with C = nh * hs, nh = {nh}, got shape {shape}")
+    B, T, C = shape[0], shape[1], shape[2] // cols0
+    hs = C // nh
+    for name, a, cols, dtype in pairs:
+        check_array(fn, name, a, (B, T, cols * C) if cols else (B, nh, T), dtype, cupy=True)
+        if a.data.ptr % 16:
+            raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (the kernels copy 16 bytes at a time)")
+    if hs not in HEAD_SIZES:
+        raise ValueError(
+            f"{fn}: head size hs = C / nh = {hs} has no kernel: flash.cu is compiled for hs in {HEAD_SIZES}"
+        )
+    if math.ceil(T / ROWS) > MAX_GRID_Y:
+        raise ValueError(f"{fn}: T = {T} needs more row blocks than the grid's {MAX_GRID_Y}")
+    return B, T, nh, hs
+
+
+def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16"):
+    """v4 on the engine's layout: out (B, T, C) uint16 in format `half` = y with its heads side by side, lse (B, nh, T)
+    float32, from qkv (B, T, 3C) uint16 (q, k, v side by side in each row, the bias already added); C = nh * hs."""
+    fn = "flash_attention_forward_packed"
+    B, T, nh, hs = _check_packed(
+        fn, half, nh, [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("lse", lse, 0, "float32")]
+    )
+    if B * T == 0:
+        return
+    kern = _kernel(f"flash_attention_forward_v4_packed_hs{hs}_{_SUFFIX[half]}")
+    kern(*_launch("v4", "forward", B * nh, T), (qkv, out, lse, np.int32(T), np.int32(nh), scale_of(hs)))
+
+
+def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16"):
+    """dqkv (B, T, 3C) float32: dq, dk, dv side by side in each row, of out = flash_attention_forward_packed(qkv),
+    from qkv, out and dout (B, T, C) uint16 in format `half`, and lse; summed in a fixed order (the same bits on every
+    run). Every element of dqkv is written."""
+    fn = "flash_attention_backward_packed"
+    pairs = [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("dout", dout, 1, "uint16")]
+    pairs += [("lse", lse, 0, "float32"), ("dqkv", dqkv, 3, "float32")]
+    B, T, nh, hs = _check_packed(fn, half, nh, pairs)
+    if B * T == 0:
+        return
+    import cupy as cp
+
+    from gpullm_lessons import hip
+
+    rows = B * T * nh
+    delta = cp.empty((B, nh, T), cp.float32)
+    warps = 256 // hip.warp_size()
+    _kernel(f"flash_attention_backward_v4_packed_delta_{_SUFFIX[half]}")(
+        (min(math.ceil(rows / warps), DELTA_BLOCKS),),
+        (256,),
+        (out, dout, delta, np.int64(rows), np.int32(hs), np.int32(T), np.int32(nh)),
+    )
+    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
+    suffix = f"hs{hs}_{_SUFFIX[half]}"
+    _kernel(f"flash_attention_backward_v4_packed_dkdv_{suffix}")(*_launch("v4", "dkdv", B * nh, T), args)
+    _kernel(f"flash_attention_backward_v4_packed_dq_{suffix}")(*_launch("v4", "dq", B * nh, T), args)
