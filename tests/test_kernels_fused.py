@@ -231,6 +231,37 @@ def test_colsum_convert(half, N, C):
     np.testing.assert_array_equal(again.view(np.uint32), colsum.view(np.uint32))   # deterministic: same bits
 
 
+def gelu_grad64(x):
+    """d gelu_tanh(x) / dx in float64."""
+    x = x.astype(np.float64)
+    t = np.tanh(GELU_SCALE * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * GELU_SCALE * (1 + 3 * 0.044715 * x * x)
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C", [(1, 1), (70, 23)])
+def test_colsum_convert_with_gelu_is_gelu_backward_then_colsum(half, N, C):
+    """gelu_of fuses GELU's backward into the pass: the same bits as gelu_backward, then colsum_convert, and the
+    float64 chain rule within the usual bounds; a pass that forgets the GELU factor is caught."""
+    from gpullm_lessons.kernels.numba import gelu as nb_gelu
+    rng = np.random.default_rng()
+    dgelu, pre = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+    colsum, out = empty_out((C,), None), empty_out((N, C), half)
+    nb.colsum_convert(dgelu, colsum, out=out, half=half, threads=32, gelu_of=pre)
+    dfc = empty_out((N, C), None)
+    nb_gelu.gelu_backward(dgelu.reshape(-1), pre.reshape(-1), dfc.reshape(-1))
+    colsum2, out2 = empty_out((C,), None), empty_out((N, C), half)
+    nb.colsum_convert(dfc, colsum2, out=out2, half=half, threads=32)
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(colsum.view(np.uint32), colsum2.view(np.uint32))
+    want = dgelu.astype(np.float64) * gelu_grad64(pre)
+    scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)  # float32 gelu' is within ~1e-6 absolute
+    assert np.all(np.abs(colsum - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)
+    plain = empty_out((C,), None)
+    nb.colsum_convert(dgelu, plain, out=empty_out((N, C), half), half=half, threads=32)
+    assert not np.all(np.abs(plain - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)  # no GELU factor: caught
+
+
 def test_colsum_of_no_rows_is_zero():
     colsum = empty_out((5,), None)
     nb.colsum_convert(np.zeros((0, 5), np.float32), colsum)
@@ -339,6 +370,10 @@ def test_bad_arguments_are_named():
     # launch settings
     with pytest.raises(ValueError, match="bias_add: version='v2' is not one of v1"):
         nb.bias_add(x, b6, x.copy(), version="v2")
+    with pytest.raises(ValueError, match="colsum_convert: gelu_of is given but out is None"):
+        nb.colsum_convert(x, b6.copy(), gelu_of=x)
+    with pytest.raises(ValueError, match=r"colsum_convert: gelu_of has shape \(4, 5\), expected \(4, 6\)"):
+        nb.colsum_convert(x, b6.copy(), out=np.zeros((4, 6), u16), half="bf16", gelu_of=np.zeros((4, 5), f32))
     with pytest.raises(ValueError, match=r"colsum_convert: threads=0 must be in \[1, 1024\]"):
         nb.colsum_convert(x, b6.copy(), threads=0)
 
@@ -409,7 +444,8 @@ def test_hip_entry_points_exist_for_every_launch():
         assert f"{op}_##SUFFIX" in macro, op
         entries |= {f"{op}_{s}" for s in hf.SUFFIX.values()}
     needed = {"bias_add_v1", "bias_add_res_v1", "colsum_partials_v1", "colsum_reduce_v1", "colsum_partials_v1_bf16",
-              "colsum_partials_v1_f16", "layernorm_forward_half_v1_bf16", "layernorm_forward_half_v1_f16"}
+              "colsum_partials_v1_f16", "colsum_partials_v1_gelu_bf16", "colsum_partials_v1_gelu_f16",
+              "layernorm_forward_half_v1_bf16", "layernorm_forward_half_v1_f16"}
     assert needed <= entries, needed - entries
 
 
@@ -527,6 +563,31 @@ def test_gpu_colsum_convert(half, N, C):
                 assert_out(out, inp, half)
         assert np.all(np.abs(sums[0] - expected) <= 1e-5 * scale), name
         np.testing.assert_array_equal(sums[0].view(np.uint32), sums[1].view(np.uint32), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C", [(16384, 3072), (1001, 33)])
+def test_gpu_colsum_convert_with_gelu(half, N, C):
+    """The fused GELU backward on each GPU backend: the bits of that backend's gelu_backward then colsum_convert."""
+    import cupy as cp
+    rng = np.random.default_rng()
+    dgelu, pre = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+    want = dgelu.astype(np.float64) * gelu_grad64(pre)
+    scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)  # float32 gelu' is within ~1e-6 absolute
+    from gpullm_lessons.backends import hip as hip_backend, numba as numba_backend
+    for name, mod in gpu_backends():
+        gelu_backward = (hip_backend if name == "hip" else numba_backend).gelu_backward
+        d, p = cp.asarray(dgelu), cp.asarray(pre)
+        colsum, out = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+        mod.colsum_convert(d, colsum, out=out, half=half, gelu_of=p)
+        dfc = cp.full((N, C), cp.nan, cp.float32)
+        gelu_backward(d.reshape(-1), p.reshape(-1), dfc.reshape(-1))
+        colsum2, out2 = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+        mod.colsum_convert(dfc, colsum2, out=out2, half=half)
+        np.testing.assert_array_equal(out.get(), out2.get(), err_msg=name)
+        np.testing.assert_array_equal(colsum.get().view(np.uint32), colsum2.get().view(np.uint32), err_msg=name)
+        assert np.all(np.abs(colsum.get() - want.sum(axis=0)) <= 1e-5 * scale), name
 
 
 @pytest.mark.gpu

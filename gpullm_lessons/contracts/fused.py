@@ -94,8 +94,13 @@ def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
     return B * T, ld, hs, mode
 
 
-def check_colsum(fn, inp, colsum, out, half, check=check_array):
-    """Returns (N, C, mode); mode 0 when out is None."""
+def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None):
+    """Returns (N, C, mode); mode 0 when out is None. gelu_of: GELU's input (N, C) float32; it needs out."""
+    if gelu_of is not None and out is None:
+        raise ValueError(
+            f"{fn}: gelu_of is given but out is None: the fused GELU backward writes dfc only as the half copy "
+            "(give out and half; in float32 run gelu_backward, then colsum_convert)"
+        )
     if out is None:
         if half is not None:
             raise ValueError(
@@ -112,6 +117,8 @@ def check_colsum(fn, inp, colsum, out, half, check=check_array):
     check(fn, "colsum", colsum, (C,), "float32")
     if out is not None:
         check(fn, "out", out, (N, C), "uint16")
+    if gelu_of is not None:
+        check(fn, "gelu_of", gelu_of, (N, C), "float32")
     return N, C, mode
 
 

@@ -254,19 +254,23 @@ class GPUEngine(Engine):
         self._gemm(inp_mm, self._w(name_w, l), out)
         return out
 
-    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features, out_mm=False):
+    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features, out_mm=False, gelu_of=None):
         """dout (N, C_out) fp32 -> dinp (N, C_in) fp32 (out_mm: in the matmul format, cuBLAS rounding the fp32 sums on
         the way out); writes grads[name_w][l] and grads[name_b][l].
 
         One fused pass over dout (colsum_convert) gives the bias gradient (its column sums, deterministic) and the
-        half copy the two products read."""
+        half copy the two products read. gelu_of (half precision only): dout is the gradient of GELU's output and
+        gelu_of GELU's input; the pass applies GELU's backward on the way (the layer's output gradient is
+        dout * gelu'(gelu_of))."""
         xp = self.xp
         if self.half is None:
+            if gelu_of is not None:
+                raise EngineError("_linear_backward: gelu_of needs a half precision run (the fused pass writes half)")
             self.K.colsum_convert(dout, self.grads[name_b][l])
             dout_mm = dout
         else:
             dout_mm = self._mm_empty(dout.shape)
-            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half)
+            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half, gelu_of=gelu_of)
         shape = (dout.shape[0], in_features)
         dinp = self._mm_empty(shape) if out_mm else xp.empty(shape, xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
@@ -411,11 +415,15 @@ class GPUEngine(Engine):
         half = self._half
         # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
         dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
-        dfc = xp.empty_like(dgelu)
-        self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
-        del dgelu
-        dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
-        del dfc
+        if half is None:
+            dfc = xp.empty_like(dgelu)
+            self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
+            del dgelu
+            dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
+            del dfc
+        else:  # GELU's backward inside the fc layer's pass over dfc (colsum_convert): no float32 dfc
+            dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_of=c["fc"])
+            del dgelu
         dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)
         del dln2
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))

@@ -106,7 +106,7 @@ def engine_memory(
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
     stages = [
         NC * h + 4 * NC * f,  # fcproj: dx_mm, dgelu
-        8 * NC * f,  # dgelu, dfc
+        4 * NC * f + (4 * NC * h if half else 4 * NC * f),  # dgelu, dfc (half runs: only dfc_mm, GELU fused)
         4 * NC * f + 4 * NC * h + NC * f,  # fc: dfc, dfc_mm, dln2
         2 * NC * f,  # dln2, dx1
     ]

@@ -4,7 +4,9 @@
 //   bias_gelu_forward: pre (N,C) = inp + bias[col] (pre may be inp); out = gelu_tanh(pre), float32 or half bits
 //   split_heads:       out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias[h*hs+d]); inp (N, ld) rows
 //   merge_heads:       out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]; out (N, ld), other columns untouched
-//   colsum_convert:    colsum (C,) = sum over rows of inp (N,C), deterministic two-stage; optionally out = half(inp)
+//   colsum_convert:    colsum (C,) = sum over rows of inp (N,C), deterministic two-stage; optionally out = half(inp);
+//                      the _gelu entries sum and convert inp * gelu'(pre) instead: GELU's backward fused into the
+//                      pass over dfc that the fc layer's backward makes anyway (the float32 dfc is never written)
 //   layernorm_forward_half: LayerNorm (as layernorm.cu) with out as half bits; one warp per row
 // Half outputs are uint16 bits, rounded by half.h (bit-exact with convert.cu, kernels/numba/convert.py, NumPy).
 // Entry points are <op>_v1_<out>, <out> = f32 | bf16 | f16 (the output format; a template parameter inside).
@@ -167,9 +169,17 @@ MERGE_ENTRY(f16, 2)
 // Stage 1, block (blockIdx.x, blockIdx.y) = (column tile, chunk of chunk_rows rows); blockDim.x * blockDim.y <= 1024.
 // Thread (x, y) sums rows y, y + blockDim.y, ... of the chunk in column tile * blockDim.x + x (a warp reads a run of
 // consecutive columns of one row); the block then adds its blockDim.y sums in y order. H = 0: no conversion.
-template <int H>
+// d gelu_tanh(x) / dx, the float32 operations of gelu.cu's gelu_backward_v1 in the same order (the same bits)
+__device__ __forceinline__ float gelu_local_grad(float x) {
+    float t = tanhf(GELU_SCALE * (x + GELU_CUBE * x * x * x));
+    float dudx = GELU_SCALE * (1.0f + 3.0f * GELU_CUBE * x * x);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dudx;
+}
+
+template <int H, bool GELU = false>
 __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ inp, float* __restrict__ partial,
-                                                     unsigned short* __restrict__ out, int N, int C, int chunk_rows) {
+                                                     unsigned short* __restrict__ out, int N, int C, int chunk_rows,
+                                                     const float* __restrict__ pre = nullptr) {
     __shared__ float buf[1024];
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     int r0 = blockIdx.y * chunk_rows;
@@ -179,6 +189,7 @@ __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ i
         for (int r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
             long long i = (long long)r * C + col;
             float v = inp[i];
+            if (GELU) v = v * gelu_local_grad(pre[i]);
             s += v;
             if (H != 0) out[i] = f32_to_half_bits<H>(v);
         }
@@ -203,6 +214,17 @@ extern "C" __global__ void colsum_partials_v1_bf16(const float* __restrict__ inp
 extern "C" __global__ void colsum_partials_v1_f16(const float* __restrict__ inp, float* __restrict__ partial,
                                                   unsigned short* __restrict__ out, int N, int C, int chunk_rows) {
     colsum_partials_body<2>(inp, partial, out, N, C, chunk_rows);
+}
+// inp = d(GELU output), pre = GELU's input: the sums and the half copy of dfc = inp * gelu'(pre)
+extern "C" __global__ void colsum_partials_v1_gelu_bf16(const float* __restrict__ inp, const float* __restrict__ pre,
+                                                        float* __restrict__ partial, unsigned short* __restrict__ out,
+                                                        int N, int C, int chunk_rows) {
+    colsum_partials_body<1, true>(inp, partial, out, N, C, chunk_rows, pre);
+}
+extern "C" __global__ void colsum_partials_v1_gelu_f16(const float* __restrict__ inp, const float* __restrict__ pre,
+                                                       float* __restrict__ partial, unsigned short* __restrict__ out,
+                                                       int N, int C, int chunk_rows) {
+    colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre);
 }
 
 // Stage 2: colsum[col] = partial[0, col] + partial[1, col] + ... in chunk order; one thread per column, grid-stride.

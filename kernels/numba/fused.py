@@ -5,7 +5,10 @@
     split_heads(inp, col0, out, B, T, nh, bias=None, half=None)
                                                              out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias)
     merge_heads(inp, out, col0, B, T, nh, half=None)         out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]
-    colsum_convert(inp, colsum, out=None, half=None)         colsum (C,) = sum over rows (deterministic); out=half(inp)
+    colsum_convert(inp, colsum, out=None, half=None, gelu_of=None)
+                                                             colsum (C,) = sum over rows (deterministic); out=half(inp);
+                                                             gelu_of: of inp * gelu'(gelu_of) instead (GELU's backward
+                                                             fused in: the fc layer's dfc without a float32 copy)
     layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5)
                                                              LayerNorm (as layernorm_forward), out as half bits
 
@@ -25,6 +28,8 @@ merge_heads_v1: one thread per element of inp (B*nh, T, hs), float32 out (N, ld)
 merge_heads_v1_half: the same kernel, out uint16 bits.
 colsum_partials_v1: colsum stage 1, one thread per (chunk of ROWS_PER_CHUNK rows, column): the chunk's sum in row
     order into partial (chunks, C); with mode 1/2 it also writes the half bits of every element it reads into out.
+colsum_partials_v1_gelu: colsum_partials_v1 (mode 1/2) of inp * gelu'(pre), the float32 operations of
+    gelu_backward_v1 (kernels/numba/gelu.py) in the same order.
 colsum_reduce_v1: colsum stage 2, one thread per column adds the chunks in order (deterministic: no atomics).
 layernorm_forward_half_v1: one thread per row (mean, variance from a second pass, write), out uint16 bits.
 No version is GPU-only: all of them run in Numba's CUDA simulator.
@@ -48,6 +53,7 @@ GELU_CUBE = numba.float32(0.044715)
 F_HALF = numba.float32(0.5)
 F_ONE = numba.float32(1.0)
 F_ZERO = numba.float32(0.0)
+F_THREE = numba.float32(3.0)
 
 
 # bias_add_v1: thread i owns elements i, i + stride, ... of the flattened (N, C); out may be inp or res.
@@ -143,6 +149,26 @@ def colsum_partials_v1(inp, partial, out, mode):
         partial[k, c] = s
 
 
+# colsum_partials_v1_gelu: colsum_partials_v1 of dfc = inp * gelu'(pre), gelu_backward_v1's float32 operations
+@cuda.jit
+def colsum_partials_v1_gelu(inp, pre, partial, out, mode):
+    N, C = inp.shape
+    chunks = partial.shape[0]
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for j in range(start, chunks * C, stride):
+        k = j // C
+        c = j - k * C
+        s = F_ZERO
+        for r in range(k * ROWS_PER_CHUNK, min(k * ROWS_PER_CHUNK + ROWS_PER_CHUNK, N)):
+            x = pre[r, c]
+            t = math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x))
+            dudx = GELU_SCALE * (F_ONE + F_THREE * GELU_CUBE * x * x)
+            v = inp[r, c] * (F_HALF * (F_ONE + t) + F_HALF * x * (F_ONE - t * t) * dudx)
+            s += v
+            out[r, c] = f32_to_half_bits(v, mode)
+        partial[k, c] = s
+
+
 # colsum_reduce_v1: thread c owns columns c, c + stride, ...: colsum[c] = partial[0, c] + partial[1, c] + ...
 @cuda.jit
 def colsum_reduce_v1(partial, colsum):
@@ -183,7 +209,8 @@ KERNELS = {"bias_add_v1": bias_add_v1,
            "bias_gelu_forward_v1": bias_gelu_forward_v1, "bias_gelu_forward_v1_half": bias_gelu_forward_v1,
            "split_heads_v1": split_heads_v1, "split_heads_v1_half": split_heads_v1,
            "merge_heads_v1": merge_heads_v1, "merge_heads_v1_half": merge_heads_v1,
-           "colsum_partials_v1": colsum_partials_v1, "colsum_reduce_v1": colsum_reduce_v1,
+           "colsum_partials_v1": colsum_partials_v1, "colsum_partials_v1_gelu": colsum_partials_v1_gelu,
+           "colsum_reduce_v1": colsum_reduce_v1,
            "layernorm_forward_half_v1": layernorm_forward_half_v1}
 SIGNATURES = {"bias_add_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",                  # inp, bias, res, out, has_res
               "bias_gelu_forward_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",         # inp, bias, pre, out, mode
@@ -193,6 +220,7 @@ SIGNATURES = {"bias_add_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",            
               "merge_heads_v1": f"void({_M3}, {_M}, int64, int64, int64)",            # inp, out, col0, nh, mode
               "merge_heads_v1_half": f"void({_M3}, {_U}, int64, int64, int64)",
               "colsum_partials_v1": f"void({_M}, {_M}, {_U}, int64)",                 # inp, partial, out, mode
+              "colsum_partials_v1_gelu": f"void({_M}, {_M}, {_M}, {_U}, int64)",      # inp, pre, partial, out, mode
               "colsum_reduce_v1": f"void({_M}, {_V})",                                # partial, colsum
               "layernorm_forward_half_v1": f"void({_M}, {_V}, {_V}, {_U}, {_V}, {_V}, float32, int64)"}
 GPU_ONLY = set()
@@ -250,11 +278,13 @@ def colsum_chunks(N: int) -> int:
     return max(1, math.ceil(N / ROWS_PER_CHUNK))
 
 
-def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
+def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, gelu_of=None):
     """colsum (C,) = inp.sum(axis=0) for inp (N,C) float32, deterministic (two stages, fixed order); with out (N,C)
-    uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass."""
+    uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. gelu_of (N, C) float32, GELU's
+    input (needs out): inp is the gradient of GELU's output; the pass sums and converts inp * gelu'(gelu_of) instead,
+    with gelu_backward's bits."""
     fn = "colsum_convert"
-    N, C, mode = check_colsum(fn, inp, colsum, out, half)
+    N, C, mode = check_colsum(fn, inp, colsum, out, half, gelu_of=gelu_of)
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
     if C == 0:
@@ -262,7 +292,10 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
     chunks = colsum_chunks(N)
     partial = device_scratch((chunks, C), np.float32)             # scratch, every element written
     dummy = out if out is not None else device_scratch((1, 1), np.uint16)   # mode 0: never written
-    _launch(fn, "colsum_partials_v1", version, threads, chunks * C, (inp, partial, dummy, mode))
+    if gelu_of is not None:
+        _launch(fn, "colsum_partials_v1_gelu", version, threads, chunks * C, (inp, gelu_of, partial, out, mode))
+    else:
+        _launch(fn, "colsum_partials_v1", version, threads, chunks * C, (inp, partial, dummy, mode))
     _launch(fn, "colsum_reduce_v1", version, threads, C, (partial, colsum))
 
 

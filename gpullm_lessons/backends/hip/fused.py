@@ -146,12 +146,14 @@ def colsum_chunking(N: int, C: int) -> tuple[int, int]:
     return max(1, -(-N // rows)), rows
 
 
-def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
+def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, gelu_of=None):
     """colsum (C,) = inp.sum(axis=0) for inp (N,C) float32, deterministic (two stages, fixed order); with out (N,C)
     uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. CuPy arrays.
+    gelu_of (N, C) float32, GELU's input (needs out): inp is the gradient of GELU's output, and the pass sums and
+    converts inp * gelu'(gelu_of) (gelu_backward's bits) instead: the fc layer's dfc without a float32 copy.
     threads: the stage-2 block; stage 1 always runs 32 x 8 blocks."""
     fn = "colsum_convert"
-    N, C, mode = check_colsum(fn, inp, colsum, out, half, check=_check_cupy)
+    N, C, mode = check_colsum(fn, inp, colsum, out, half, check=_check_cupy, gelu_of=gelu_of)
     threads = _setup(fn, version, threads)
     if C == 0:
         return
@@ -162,7 +164,9 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256):
     grid1 = (-(-C // COLSUM_TILE), chunks)
     block1 = (COLSUM_TILE, COLSUM_ROWS)
     sizes = (np.int32(N), np.int32(C), np.int32(rows))
-    if mode == 0:
+    if gelu_of is not None:
+        _kernel(f"colsum_partials_v1_gelu_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, partial, out, *sizes))
+    elif mode == 0:
         _kernel("colsum_partials_v1")(grid1, block1, (inp, partial, *sizes))
     else:
         _kernel(f"colsum_partials_v1_{SUFFIX[mode]}")(grid1, block1, (inp, partial, out, *sizes))
