@@ -278,14 +278,17 @@ def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half):
 
 
 def test_packed_launchers_refuse_bad_arguments():
-    """Argument errors name the problem before anything touches a GPU."""
+    """Argument errors name the problem before anything touches a GPU; the HIP backend (the engine's kernels) has
+    both launchers."""
+    from gpullm_lessons.backends import hip as hip_backend
+
     qkv = np.zeros((1, 4, 3 * 128), np.uint16)
     out = np.zeros((1, 4, 128), np.uint16)
     lse = np.zeros((1, 2, 4), np.float32)
     with pytest.raises(TypeError, match="qkv must be a CuPy array"):
-        hflash.flash_attention_forward_packed(qkv, out, lse, 2)
+        hip_backend.flash_attention_forward_packed(qkv, out, lse, 2)
     with pytest.raises(TypeError, match="qkv must be a CuPy array"):
-        hflash.flash_attention_backward_packed(qkv, out, out, lse, np.zeros((1, 4, 384), np.float32), 2)
+        hip_backend.flash_attention_backward_packed(qkv, out, out, lse, np.zeros((1, 4, 384), np.float32), 2)
 
 
 @needs_gpu

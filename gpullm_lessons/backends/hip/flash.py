@@ -38,6 +38,7 @@ GEOMETRY = {
     "v3": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
     "v4": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
 }
+LAUNCHERS = ("flash_attention_forward_packed", "flash_attention_backward_packed")  # the engine's (backends/_collect.py)
 MAX_GRID_Y = 65535
 DELTA_BLOCKS = 4096  # the delta kernel's grid cap (grid-stride over rows)
 
