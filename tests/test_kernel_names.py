@@ -95,6 +95,7 @@ SINGLE_BACKEND = {
     "crossentropy_backward_v4": "float4 loads (HIP only, lesson 05's tuning)",
     "crossentropy_forward_backward_half*": "half dlogits written directly; Numba converts in a second kernel",
     "layernorm_backward_v4*": "lesson 04's tuned stage-1/2 pair, HIP only",
+    "colsum_partials_v1_x4*": "v1 with four columns per thread (float4 loads), HIP only; v1's sums bit for bit",
     "layernorm_backward_v5_*": "register-blocked family w{W}_k{K} + its reduce, HIP only",
     "softmax_backward_v5": "float4 registers (HIP only, lesson 03's tuning)",
     "softmax_backward_v6_k*": "K floats per lane in registers, one entry per K, HIP only",

@@ -566,6 +566,39 @@ def test_gpu_colsum_convert(half, N, C):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gpu_hip_colsum_x4_is_v1_bit_for_bit(half, gelu):
+    """HIP's colsum_convert takes four columns per thread where C % 4 == 0 and the rows are 16-byte aligned; the
+    same call on rows 4 bytes off a boundary runs the one-column kernel: the sums and the half copy are the same
+    bits."""
+    import cupy as cp
+    if gelu and half is None:
+        pytest.skip("the fused GELU backward writes half only")
+    hf = hip_module()
+    rng = np.random.default_rng()
+    N, C = 1003, 772
+    dgelu, pre = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+
+    def call(offset):
+        bufs = [cp.zeros(N * C + 4, cp.float32) for _ in range(2)]
+        d, p = (b[offset:offset + N * C].reshape(N, C) for b in bufs)
+        d[...], p[...] = cp.asarray(dgelu), cp.asarray(pre)
+        colsum = cp.full(C, cp.nan, cp.float32)
+        out = None if half is None else empty_out((N, C), half, "cupy")
+        hf.colsum_convert(d, colsum, out=out, half=half, gelu_of=p if gelu else None)
+        return colsum.get(), None if out is None else out.get()
+
+    (s4, o4), (s1, o1) = call(0), call(1)
+    np.testing.assert_array_equal(s4.view(np.uint32), s1.view(np.uint32))
+    if half is not None:
+        np.testing.assert_array_equal(o4, o1)
+    want = dgelu.astype(np.float64) * (gelu_grad64(pre) if gelu else 1.0)
+    scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)
+    assert np.all(np.abs(s4 - want.sum(axis=0)) <= 1e-5 * scale)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("N, C", [(16384, 3072), (1001, 33)])
 def test_gpu_colsum_convert_with_gelu(half, N, C):
