@@ -157,6 +157,19 @@ def test_bias_gelu_forward(half, N, C):
         assert_out(out, f32, half)
 
 
+@pytest.mark.parametrize("half", HALVES)
+def test_bias_gelu_forward_without_pre_leaves_inp_alone(half):
+    """pre=None: the same out, inp not rewritten (the engine's half runs keep fc without its bias)."""
+    rng = np.random.default_rng()
+    inp, bias = (rand(rng, 9, 29) * 3).astype(np.float32), rand(rng, 29)
+    a = inp.copy()
+    out, want = empty_out((9, 29), half), empty_out((9, 29), half)
+    nb.bias_gelu_forward(a, bias, None, out, half=half, threads=32)
+    nb.bias_gelu_forward(inp, bias, empty_out((9, 29), None), want, half=half, threads=32)
+    np.testing.assert_array_equal(a, inp)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_bias_gelu_forward_in_place_pre_is_inp():
     rng = np.random.default_rng()
     inp, bias = rand(rng, 9, 29), rand(rng, 29)
@@ -241,13 +254,15 @@ def gelu_grad64(x):
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("N, C", [(1, 1), (70, 23)])
 def test_colsum_convert_with_gelu_is_gelu_backward_then_colsum(half, N, C):
-    """gelu_of fuses GELU's backward into the pass: the same bits as gelu_backward, then colsum_convert, and the
-    float64 chain rule within the usual bounds; a pass that forgets the GELU factor is caught."""
+    """gelu_of + gelu_bias fuse GELU's backward into the pass: the same bits as gelu_backward of fc + b, then
+    colsum_convert, and the float64 chain rule within the usual bounds; a pass that forgets the GELU factor, or the
+    bias inside it, is caught."""
     from gpullm_lessons.kernels.numba import gelu as nb_gelu
     rng = np.random.default_rng()
-    dgelu, pre = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+    dgelu, fc, b = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32), rand(rng, C)
+    pre = fc + b  # GELU's input, as bias_gelu_forward computes it
     colsum, out = empty_out((C,), None), empty_out((N, C), half)
-    nb.colsum_convert(dgelu, colsum, out=out, half=half, threads=32, gelu_of=pre)
+    nb.colsum_convert(dgelu, colsum, out=out, half=half, threads=32, gelu_of=fc, gelu_bias=b)
     dfc = empty_out((N, C), None)
     nb_gelu.gelu_backward(dgelu.reshape(-1), pre.reshape(-1), dfc.reshape(-1))
     colsum2, out2 = empty_out((C,), None), empty_out((N, C), half)
@@ -260,6 +275,8 @@ def test_colsum_convert_with_gelu_is_gelu_backward_then_colsum(half, N, C):
     plain = empty_out((C,), None)
     nb.colsum_convert(dgelu, plain, out=empty_out((N, C), half), half=half, threads=32)
     assert not np.all(np.abs(plain - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)  # no GELU factor: caught
+    no_bias = (dgelu.astype(np.float64) * gelu_grad64(fc)).sum(axis=0)
+    assert not np.all(np.abs(no_bias - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)  # gelu'(fc) without b: caught
 
 
 def test_colsum_of_no_rows_is_zero():
@@ -371,9 +388,14 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="bias_add: version='v2' is not one of v1"):
         nb.bias_add(x, b6, x.copy(), version="v2")
     with pytest.raises(ValueError, match="colsum_convert: gelu_of is given but out is None"):
-        nb.colsum_convert(x, b6.copy(), gelu_of=x)
+        nb.colsum_convert(x, b6.copy(), gelu_of=x, gelu_bias=b6)
+    with pytest.raises(ValueError, match="colsum_convert: give gelu_of and gelu_bias together"):
+        nb.colsum_convert(x, b6.copy(), out=np.zeros((4, 6), u16), half="bf16", gelu_of=x)
     with pytest.raises(ValueError, match=r"colsum_convert: gelu_of has shape \(4, 5\), expected \(4, 6\)"):
-        nb.colsum_convert(x, b6.copy(), out=np.zeros((4, 6), u16), half="bf16", gelu_of=np.zeros((4, 5), f32))
+        nb.colsum_convert(x, b6.copy(), out=np.zeros((4, 6), u16), half="bf16", gelu_of=np.zeros((4, 5), f32),
+                          gelu_bias=b6)
+    with pytest.raises(ValueError, match=r"colsum_convert: gelu_bias has shape \(5,\), expected \(6,\)"):
+        nb.colsum_convert(x, b6.copy(), out=np.zeros((4, 6), u16), half="bf16", gelu_of=x, gelu_bias=b6[:5])
     with pytest.raises(ValueError, match=r"colsum_convert: threads=0 must be in \[1, 1024\]"):
         nb.colsum_convert(x, b6.copy(), threads=0)
 
@@ -491,6 +513,11 @@ def test_gpu_bias_add_and_gelu_at_engine_size(half):
                                    atol=1e-6 * float(np.abs(inp + bias).max()), err_msg=name)
         if half is not None:
             assert_out(got, f32.get(), half)
+        a = cp.asarray(inp)
+        nopre = empty_out((N, C), half, "cupy")
+        mod.bias_gelu_forward(a, cp.asarray(bias), None, nopre, half=half)  # pre not written: inp unchanged
+        np.testing.assert_array_equal(a.get(), inp, err_msg=name)
+        np.testing.assert_array_equal(nopre.get(), (got if half is not None else f32).get(), err_msg=name)
 
 
 @pytest.mark.gpu
@@ -578,7 +605,7 @@ def test_gpu_hip_colsum_x4_is_v1_bit_for_bit(half, gelu):
     hf = hip_module()
     rng = np.random.default_rng()
     N, C = 1003, 772
-    dgelu, pre = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+    dgelu, pre, b = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32), rand(rng, C)
 
     def call(offset):
         bufs = [cp.zeros(N * C + 4, cp.float32) for _ in range(2)]
@@ -586,14 +613,15 @@ def test_gpu_hip_colsum_x4_is_v1_bit_for_bit(half, gelu):
         d[...], p[...] = cp.asarray(dgelu), cp.asarray(pre)
         colsum = cp.full(C, cp.nan, cp.float32)
         out = None if half is None else empty_out((N, C), half, "cupy")
-        hf.colsum_convert(d, colsum, out=out, half=half, gelu_of=p if gelu else None)
+        gb = cp.asarray(b) if gelu else None
+        hf.colsum_convert(d, colsum, out=out, half=half, gelu_of=p if gelu else None, gelu_bias=gb)
         return colsum.get(), None if out is None else out.get()
 
     (s4, o4), (s1, o1) = call(0), call(1)
     np.testing.assert_array_equal(s4.view(np.uint32), s1.view(np.uint32))
     if half is not None:
         np.testing.assert_array_equal(o4, o1)
-    want = dgelu.astype(np.float64) * (gelu_grad64(pre) if gelu else 1.0)
+    want = dgelu.astype(np.float64) * (gelu_grad64(pre + b) if gelu else 1.0)
     scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)
     assert np.all(np.abs(s4 - want.sum(axis=0)) <= 1e-5 * scale)
 
@@ -605,7 +633,8 @@ def test_gpu_colsum_convert_with_gelu(half, N, C):
     """The fused GELU backward on each GPU backend: the bits of that backend's gelu_backward then colsum_convert."""
     import cupy as cp
     rng = np.random.default_rng()
-    dgelu, pre = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+    dgelu, fc, b = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32), rand(rng, C)
+    pre = fc + b
     want = dgelu.astype(np.float64) * gelu_grad64(pre)
     scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)  # float32 gelu' is within ~1e-6 absolute
     from gpullm_lessons.backends import hip as hip_backend, numba as numba_backend
@@ -613,7 +642,7 @@ def test_gpu_colsum_convert_with_gelu(half, N, C):
         gelu_backward = (hip_backend if name == "hip" else numba_backend).gelu_backward
         d, p = cp.asarray(dgelu), cp.asarray(pre)
         colsum, out = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
-        mod.colsum_convert(d, colsum, out=out, half=half, gelu_of=p)
+        mod.colsum_convert(d, colsum, out=out, half=half, gelu_of=cp.asarray(fc), gelu_bias=cp.asarray(b))
         dfc = cp.full((N, C), cp.nan, cp.float32)
         gelu_backward(d.reshape(-1), p.reshape(-1), dfc.reshape(-1))
         colsum2, out2 = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")

@@ -51,11 +51,13 @@ def check_bias_add(fn, inp, bias, out, res, check=check_array):
 
 
 def check_bias_gelu(fn, inp, bias, pre, out, half, check=check_array):
+    """pre may be None (not written)."""
     mode, odt = half_mode(fn, half, out)
     N, C = _array(fn, "inp", inp, 2, "(N, C)")
     check(fn, "inp", inp, (N, C), "float32")
     check(fn, "bias", bias, (C,), "float32")
-    check(fn, "pre", pre, (N, C), "float32")
+    if pre is not None:
+        check(fn, "pre", pre, (N, C), "float32")
     check(fn, "out", out, (N, C), odt)
     return N, C, mode
 
@@ -94,8 +96,11 @@ def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
     return B * T, ld, hs, mode
 
 
-def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None):
-    """Returns (N, C, mode); mode 0 when out is None. gelu_of: GELU's input (N, C) float32; it needs out."""
+def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None, gelu_bias=None):
+    """Returns (N, C, mode); mode 0 when out is None. GELU's input is gelu_of (N, C) + gelu_bias (C,), float32, given
+    together; they need out."""
+    if (gelu_of is None) != (gelu_bias is None):
+        raise ValueError(f"{fn}: give gelu_of and gelu_bias together (GELU's input is gelu_of + gelu_bias[col])")
     if gelu_of is not None and out is None:
         raise ValueError(
             f"{fn}: gelu_of is given but out is None: the fused GELU backward writes dfc only as the half copy "
@@ -119,6 +124,7 @@ def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None):
         check(fn, "out", out, (N, C), "uint16")
     if gelu_of is not None:
         check(fn, "gelu_of", gelu_of, (N, C), "float32")
+        check(fn, "gelu_bias", gelu_bias, (C,), "float32")
     return N, C, mode
 
 

@@ -254,23 +254,24 @@ class GPUEngine(Engine):
         self._gemm(inp_mm, self._w(name_w, l), out)
         return out
 
-    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features, out_mm=False, gelu_of=None):
+    def _linear_backward(self, dout, inp_mm, name_w, name_b, l, in_features, out_mm=False, gelu_in=None):
         """dout (N, C_out) fp32 -> dinp (N, C_in) fp32 (out_mm: in the matmul format, cuBLAS rounding the fp32 sums on
         the way out); writes grads[name_w][l] and grads[name_b][l].
 
         One fused pass over dout (colsum_convert) gives the bias gradient (its column sums, deterministic) and the
-        half copy the two products read. gelu_of (half precision only): dout is the gradient of GELU's output and
-        gelu_of GELU's input; the pass applies GELU's backward on the way (the layer's output gradient is
-        dout * gelu'(gelu_of))."""
+        half copy the two products read. gelu_in = (pre, bias) (half precision only): dout is the gradient of GELU's
+        output and pre + bias[col] GELU's input; the pass applies GELU's backward on the way (the layer's output
+        gradient is dout * gelu'(pre + bias))."""
         xp = self.xp
         if self.half is None:
-            if gelu_of is not None:
-                raise EngineError("_linear_backward: gelu_of needs a half precision run (the fused pass writes half)")
+            if gelu_in is not None:
+                raise EngineError("_linear_backward: gelu_in needs a half precision run (the fused pass writes half)")
             self.K.colsum_convert(dout, self.grads[name_b][l])
             dout_mm = dout
         else:
             dout_mm = self._mm_empty(dout.shape)
-            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half, gelu_of=gelu_of)
+            pre, bias = gelu_in if gelu_in is not None else (None, None)
+            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half, gelu_of=pre, gelu_bias=bias)
         shape = (dout.shape[0], in_features)
         dinp = self._mm_empty(shape) if out_mm else xp.empty(shape, xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
@@ -304,11 +305,14 @@ class GPUEngine(Engine):
             dx += residual
         return dx
 
-    def _gelu_mm(self, fc):
-        """GELU of fc (N, 4C) fp32 (bias already in) -> the matmul input (bias_gelu_forward with a zero bias)."""
-        zero = self._zeros(fc.shape[1])
+    def _gelu_mm(self, fc, l):
+        """GELU of the kept fc (N, 4C) fp32 -> the matmul input: fp32 runs keep fc with its bias (bias_gelu_forward
+        with a zero bias), half runs without it (the bias added on the way, fc not rewritten)."""
         out = self._mm_empty(fc.shape)
-        self.K.bias_gelu_forward(fc, zero, fc, out, half=self._half)  # fc + 0 = fc: rewritten unchanged
+        if self.half is None:
+            self.K.bias_gelu_forward(fc, self._zeros(fc.shape[1]), fc, out)  # fc + 0 = fc: rewritten unchanged
+        else:
+            self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, out, half=self._half)
         return out
 
     def _zeros(self, n):
@@ -329,7 +333,7 @@ class GPUEngine(Engine):
         matmul format, and the packed kernels write y straight into the attention projection's input (no merge, no
         fp32 y). bias_add adds each
         projection's bias and the residual in one pass; bias_gelu_forward adds the fc bias (fc is kept for the GELU
-        backward) and writes GELU's output in the matmul format."""
+        backward: with its bias in fp32 runs, without it in half runs, whose backward adds it again in its fused pass) and writes GELU's output in the matmul format."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
@@ -363,7 +367,10 @@ class GPUEngine(Engine):
         ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
         fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
         gelu_mm = self._mm_empty(fc.shape)
-        self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm, half=half)  # fc += b; gelu(fc)
+        if half is None:
+            self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm)  # fc += b; gelu(fc)
+        else:  # gelu(fc + b) in the matmul format; fc is not rewritten
+            self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, gelu_mm, half=half)
         x2 = self._matmul(gelu_mm, "fcprojw", l, C)
         self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)  # x2 = x1 + gelu @ W + b
         if keep == "none":
@@ -401,7 +408,7 @@ class GPUEngine(Engine):
         """Selective recompute: the LayerNorm outputs from x / x1 and the GELU output from fc."""
         c["ln1_mm"] = self._layernorm(c["x"], "ln1w", "ln1b", l)[0]
         c["ln2_mm"] = self._layernorm(c["x1"], "ln2w", "ln2b", l)[0]
-        c["gelu_mm"] = self._gelu_mm(c["fc"])
+        c["gelu_mm"] = self._gelu_mm(c["fc"], l)
 
     def _block_backward(self, dx, c, l, B, T):
         """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
@@ -422,7 +429,8 @@ class GPUEngine(Engine):
             dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
             del dfc
         else:  # GELU's backward inside the fc layer's pass over dfc (colsum_convert): no float32 dfc
-            dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_of=c["fc"])
+            gelu_in = (c["fc"], self.params["fcb"][l])  # fc kept without its bias
+            dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_in=gelu_in)
             del dgelu
         dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)
         del dln2

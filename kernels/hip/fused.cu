@@ -1,11 +1,12 @@
 // fused.cu: the glue the training engine runs between matrix products, one launch each (portable: NVRTC on NVIDIA,
 // hiprtc/hipcc on AMD). Same names and math as kernels/numba/fused.py. Shapes: N = B*T rows, C = nh*hs channels.
 //   bias_add:          out (N,C) = inp + bias[col] (+ res); out may be inp or res (in place: no __restrict__ there)
-//   bias_gelu_forward: pre (N,C) = inp + bias[col] (pre may be inp); out = gelu_tanh(pre), float32 or half bits
+//   bias_gelu_forward: pre (N,C) = inp + bias[col] (pre may be inp); out = gelu_tanh(pre), float32 or half bits;
+//                      the _nopre entries do not write pre (the half runs keep fc without its bias)
 //   split_heads:       out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias[h*hs+d]); inp (N, ld) rows
 //   merge_heads:       out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]; out (N, ld), other columns untouched
 //   colsum_convert:    colsum (C,) = sum over rows of inp (N,C), deterministic two-stage; optionally out = half(inp);
-//                      the _gelu entries sum and convert inp * gelu'(pre) instead: GELU's backward fused into the
+//                      the _gelu entries sum and convert inp * gelu'(pre + gbias[col]) instead: GELU's backward fused into the
 //                      pass over dfc that the fc layer's backward makes anyway (the float32 dfc is never written)
 //   layernorm_forward_half: LayerNorm (as layernorm.cu) with out as half bits; one warp per row
 // Half outputs are uint16 bits, rounded by half.h (bit-exact with convert.cu, kernels/numba/convert.py, NumPy).
@@ -68,7 +69,7 @@ extern "C" __global__ void bias_add_res_v1(const float* inp, const float* __rest
 }
 
 // ---- bias_gelu_forward: inp, pre, out (N*C,) flat; bias (C,); pre may be inp --------------------------------------
-template <int H>
+template <int H, bool PRE = true>
 __device__ __forceinline__ void bias_gelu_body(const float* inp, const float* __restrict__ bias, float* pre,
                                                typename Out<H>::T* __restrict__ out, long long n, int C) {
     long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -77,7 +78,7 @@ __device__ __forceinline__ void bias_gelu_body(const float* inp, const float* __
     int col = (int)(start % C), step = (int)(stride % C);
     for (long long i = start; i < n; i += stride) {
         float x = inp[i] + bias[col];
-        pre[i] = x;
+        if (PRE) pre[i] = x;
         float u = GELU_SCALE * (x + GELU_CUBE * x * x * x);
         out[i] = Out<H>::cvt(0.5f * x * (1.0f + tanhf(u)));
         col += step;
@@ -90,6 +91,11 @@ __device__ __forceinline__ void bias_gelu_body(const float* inp, const float* __
                                                              float* pre, Out<H>::T* __restrict__ out,              \
                                                              long long n, int C) {                                 \
         bias_gelu_body<H>(inp, bias, pre, out, n, C);                                                               \
+    }                                                                                                               \
+    extern "C" __global__ void bias_gelu_forward_v1_nopre_##SUFFIX(const float* __restrict__ inp,                   \
+                                                                   const float* __restrict__ bias,                 \
+                                                                   Out<H>::T* __restrict__ out, long long n, int C) { \
+        bias_gelu_body<H, false>(inp, bias, nullptr, out, n, C);                                                    \
     }
 BIAS_GELU_ENTRY(f32, 0)
 BIAS_GELU_ENTRY(bf16, 1)
@@ -179,7 +185,8 @@ __device__ __forceinline__ float gelu_local_grad(float x) {
 template <int H, bool GELU = false>
 __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ inp, float* __restrict__ partial,
                                                      unsigned short* __restrict__ out, int N, int C, int chunk_rows,
-                                                     const float* __restrict__ pre = nullptr) {
+                                                     const float* __restrict__ pre = nullptr,
+                                                     const float* __restrict__ gbias = nullptr) {
     __shared__ float buf[1024];
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     int r0 = blockIdx.y * chunk_rows;
@@ -189,7 +196,7 @@ __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ i
         for (int r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
             long long i = (long long)r * C + col;
             float v = inp[i];
-            if (GELU) v = v * gelu_local_grad(pre[i]);
+            if (GELU) v = v * gelu_local_grad(pre[i] + gbias[col]);
             s += v;
             if (H != 0) out[i] = f32_to_half_bits<H>(v);
         }
@@ -215,16 +222,19 @@ extern "C" __global__ void colsum_partials_v1_f16(const float* __restrict__ inp,
                                                   unsigned short* __restrict__ out, int N, int C, int chunk_rows) {
     colsum_partials_body<2>(inp, partial, out, N, C, chunk_rows);
 }
-// inp = d(GELU output), pre = GELU's input: the sums and the half copy of dfc = inp * gelu'(pre)
+// inp = d(GELU output), GELU's input = pre + gbias[col] (bias_gelu_forward's x): the sums and the half copy of
+// dfc = inp * gelu'(pre + gbias[col])
 extern "C" __global__ void colsum_partials_v1_gelu_bf16(const float* __restrict__ inp, const float* __restrict__ pre,
-                                                        float* __restrict__ partial, unsigned short* __restrict__ out,
-                                                        int N, int C, int chunk_rows) {
-    colsum_partials_body<1, true>(inp, partial, out, N, C, chunk_rows, pre);
+                                                        const float* __restrict__ gbias, float* __restrict__ partial,
+                                                        unsigned short* __restrict__ out, int N, int C,
+                                                        int chunk_rows) {
+    colsum_partials_body<1, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
 extern "C" __global__ void colsum_partials_v1_gelu_f16(const float* __restrict__ inp, const float* __restrict__ pre,
-                                                       float* __restrict__ partial, unsigned short* __restrict__ out,
-                                                       int N, int C, int chunk_rows) {
-    colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre);
+                                                       const float* __restrict__ gbias, float* __restrict__ partial,
+                                                       unsigned short* __restrict__ out, int N, int C,
+                                                       int chunk_rows) {
+    colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
 
 // x4: four consecutive columns per thread where C % 4 == 0 (16-byte loads of inp and pre, 8-byte half stores): a
@@ -233,7 +243,8 @@ extern "C" __global__ void colsum_partials_v1_gelu_f16(const float* __restrict__
 template <int H, bool GELU>
 __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict__ inp, float* __restrict__ partial,
                                                         unsigned short* __restrict__ out, int N, int C, int chunk_rows,
-                                                        const float* __restrict__ pre) {
+                                                        const float* __restrict__ pre,
+                                                        const float* __restrict__ gbias) {
     __shared__ float4 buf4[256];  // blockDim.x * blockDim.y <= 256 (the launcher's 32 x 8)
     int col = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     int r0 = blockIdx.y * chunk_rows;
@@ -245,10 +256,10 @@ __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict_
             float4 v = *reinterpret_cast<const float4*>(inp + i);
             if (GELU) {
                 float4 p = *reinterpret_cast<const float4*>(pre + i);
-                v.x = v.x * gelu_local_grad(p.x);
-                v.y = v.y * gelu_local_grad(p.y);
-                v.z = v.z * gelu_local_grad(p.z);
-                v.w = v.w * gelu_local_grad(p.w);
+                v.x = v.x * gelu_local_grad(p.x + gbias[col]);
+                v.y = v.y * gelu_local_grad(p.y + gbias[col + 1]);
+                v.z = v.z * gelu_local_grad(p.z + gbias[col + 2]);
+                v.w = v.w * gelu_local_grad(p.w + gbias[col + 3]);
             }
             s.x += v.x;
             s.y += v.y;
@@ -278,22 +289,24 @@ __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict_
                                                              float* __restrict__ partial,                          \
                                                              unsigned short* __restrict__ out, int N, int C,       \
                                                              int chunk_rows) {                                     \
-        colsum_partials_x4_body<H, false>(inp, partial, out, N, C, chunk_rows, nullptr);                           \
+        colsum_partials_x4_body<H, false>(inp, partial, out, N, C, chunk_rows, nullptr, nullptr);                  \
     }
 COLSUM_X4_ENTRY(, 0)
 COLSUM_X4_ENTRY(_bf16, 1)
 COLSUM_X4_ENTRY(_f16, 2)
 extern "C" __global__ void colsum_partials_v1_x4_gelu_bf16(const float* __restrict__ inp,
-                                                           const float* __restrict__ pre, float* __restrict__ partial,
+                                                           const float* __restrict__ pre,
+                                                           const float* __restrict__ gbias, float* __restrict__ partial,
                                                            unsigned short* __restrict__ out, int N, int C,
                                                            int chunk_rows) {
-    colsum_partials_x4_body<1, true>(inp, partial, out, N, C, chunk_rows, pre);
+    colsum_partials_x4_body<1, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
 extern "C" __global__ void colsum_partials_v1_x4_gelu_f16(const float* __restrict__ inp,
-                                                          const float* __restrict__ pre, float* __restrict__ partial,
+                                                          const float* __restrict__ pre,
+                                                          const float* __restrict__ gbias, float* __restrict__ partial,
                                                           unsigned short* __restrict__ out, int N, int C,
                                                           int chunk_rows) {
-    colsum_partials_x4_body<2, true>(inp, partial, out, N, C, chunk_rows, pre);
+    colsum_partials_x4_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
 
 // Stage 2: colsum[col] = partial[0, col] + partial[1, col] + ... in chunk order; one thread per column, grid-stride.

@@ -1,14 +1,16 @@
 """fused: the glue the training engine runs between matrix products, one launch each (N = B*T rows, C = nh*hs).
 
     bias_add(inp, bias, out, res=None)                       out (N,C) = inp + bias[col] (+ res); out may be inp/res
-    bias_gelu_forward(inp, bias, pre, out, half=None)        pre = inp + bias (pre may be inp); out = gelu_tanh(pre)
+    bias_gelu_forward(inp, bias, pre, out, half=None)        pre = inp + bias (pre may be inp, or None: not
+                                                             written); out = gelu_tanh(pre)
     split_heads(inp, col0, out, B, T, nh, bias=None, half=None)
                                                              out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias)
     merge_heads(inp, out, col0, B, T, nh, half=None)         out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]
-    colsum_convert(inp, colsum, out=None, half=None, gelu_of=None)
+    colsum_convert(inp, colsum, out=None, half=None, gelu_of=None, gelu_bias=None)
                                                              colsum (C,) = sum over rows (deterministic); out=half(inp);
-                                                             gelu_of: of inp * gelu'(gelu_of) instead (GELU's backward
-                                                             fused in: the fc layer's dfc without a float32 copy)
+                                                             gelu_of, gelu_bias: of inp * gelu'(gelu_of + gelu_bias)
+                                                             instead (GELU's backward fused in: the fc layer's dfc
+                                                             without a float32 copy)
     layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5)
                                                              LayerNorm (as layernorm_forward), out as half bits
 
@@ -20,7 +22,7 @@ Numba versions are the plain ones, written to be read and to run in the simulato
 
 Versions (KERNELS keys; a "_half" key is the same kernel compiled for a uint16 output; the wrappers take version="v1"):
 bias_add_v1: one thread per element of (N, C), grid-stride; has_res=0 leaves res unread.
-bias_gelu_forward_v1: one thread per element, writes pre (float32) and out (float32).
+bias_gelu_forward_v1: one thread per element, writes pre (float32; has_pre=0: not written) and out (float32).
 bias_gelu_forward_v1_half: the same kernel, out uint16 (mode 1 bf16, 2 fp16).
 split_heads_v1: one thread per element of out (B*nh, T, hs), float32 out; has_bias=0 leaves bias unread.
 split_heads_v1_half: the same kernel, out uint16 bits.
@@ -28,7 +30,7 @@ merge_heads_v1: one thread per element of inp (B*nh, T, hs), float32 out (N, ld)
 merge_heads_v1_half: the same kernel, out uint16 bits.
 colsum_partials_v1: colsum stage 1, one thread per (chunk of ROWS_PER_CHUNK rows, column): the chunk's sum in row
     order into partial (chunks, C); with mode 1/2 it also writes the half bits of every element it reads into out.
-colsum_partials_v1_gelu: colsum_partials_v1 (mode 1/2) of inp * gelu'(pre), the float32 operations of
+colsum_partials_v1_gelu: colsum_partials_v1 (mode 1/2) of inp * gelu'(pre + gbias[c]), the float32 operations of
     gelu_backward_v1 (kernels/numba/gelu.py) in the same order.
 colsum_reduce_v1: colsum stage 2, one thread per column adds the chunks in order (deterministic: no atomics).
 layernorm_forward_half_v1: one thread per row (mean, variance from a second pass, write), out uint16 bits.
@@ -72,14 +74,15 @@ def bias_add_v1(inp, bias, res, out, has_res):
 
 # bias_gelu_forward_v1(_half): thread i owns elements i, i + stride, ...; pre may be inp (read before written).
 @cuda.jit
-def bias_gelu_forward_v1(inp, bias, pre, out, mode):
-    N, C = pre.shape
+def bias_gelu_forward_v1(inp, bias, pre, out, mode, has_pre):
+    N, C = out.shape
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, N * C, stride):
         r = i // C
         c = i - r * C
         x = inp[r, c] + bias[c]
-        pre[r, c] = x
+        if has_pre != 0:
+            pre[r, c] = x
         y = F_HALF * x * (F_ONE + math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x)))
         if mode == 0:
             out[r, c] = y
@@ -151,7 +154,7 @@ def colsum_partials_v1(inp, partial, out, mode):
 
 # colsum_partials_v1_gelu: colsum_partials_v1 of dfc = inp * gelu'(pre), gelu_backward_v1's float32 operations
 @cuda.jit
-def colsum_partials_v1_gelu(inp, pre, partial, out, mode):
+def colsum_partials_v1_gelu(inp, pre, gbias, partial, out, mode):
     N, C = inp.shape
     chunks = partial.shape[0]
     start, stride = cuda.grid(1), cuda.gridsize(1)
@@ -160,7 +163,7 @@ def colsum_partials_v1_gelu(inp, pre, partial, out, mode):
         c = j - k * C
         s = F_ZERO
         for r in range(k * ROWS_PER_CHUNK, min(k * ROWS_PER_CHUNK + ROWS_PER_CHUNK, N)):
-            x = pre[r, c]
+            x = pre[r, c] + gbias[c]
             t = math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x))
             dudx = GELU_SCALE * (F_ONE + F_THREE * GELU_CUBE * x * x)
             v = inp[r, c] * (F_HALF * (F_ONE + t) + F_HALF * x * (F_ONE - t * t) * dudx)
@@ -213,14 +216,14 @@ KERNELS = {"bias_add_v1": bias_add_v1,
            "colsum_reduce_v1": colsum_reduce_v1,
            "layernorm_forward_half_v1": layernorm_forward_half_v1}
 SIGNATURES = {"bias_add_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",                  # inp, bias, res, out, has_res
-              "bias_gelu_forward_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",         # inp, bias, pre, out, mode
-              "bias_gelu_forward_v1_half": f"void({_M}, {_V}, {_M}, {_U}, int64)",
+              "bias_gelu_forward_v1": f"void({_M}, {_V}, {_M}, {_M}, int64, int64)",  # inp, bias, pre, out, mode,
+              "bias_gelu_forward_v1_half": f"void({_M}, {_V}, {_M}, {_U}, int64, int64)",  # has_pre
               "split_heads_v1": f"void({_M}, {_V}, {_M3}, int64, int64, int64, int64)",   # inp, bias, out, col0,
               "split_heads_v1_half": f"void({_M}, {_V}, {_U3}, int64, int64, int64, int64)",  # nh, has_bias, mode
               "merge_heads_v1": f"void({_M3}, {_M}, int64, int64, int64)",            # inp, out, col0, nh, mode
               "merge_heads_v1_half": f"void({_M3}, {_U}, int64, int64, int64)",
               "colsum_partials_v1": f"void({_M}, {_M}, {_U}, int64)",                 # inp, partial, out, mode
-              "colsum_partials_v1_gelu": f"void({_M}, {_M}, {_M}, {_U}, int64)",      # inp, pre, partial, out, mode
+              "colsum_partials_v1_gelu": f"void({_M}, {_M}, {_V}, {_M}, {_U}, int64)",  # inp, pre, gbias, partial,
               "colsum_reduce_v1": f"void({_M}, {_V})",                                # partial, colsum
               "layernorm_forward_half_v1": f"void({_M}, {_V}, {_V}, {_U}, {_V}, {_V}, float32, int64)"}
 GPU_ONLY = set()
@@ -251,9 +254,11 @@ def bias_add(inp, bias, out, res=None, version="v1", threads=256):
 
 
 def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256):
-    """pre (N,C) = inp + bias[col] (pre may be inp); out (N,C) = gelu_tanh(pre): float32, or uint16 bits (half)."""
+    """pre (N,C) = inp + bias[col] (pre may be inp; None: not written); out (N,C) = gelu_tanh(pre): float32, or
+    uint16 bits (half)."""
     N, C, mode = check_bias_gelu("bias_gelu_forward", inp, bias, pre, out, half)
-    _launch("bias_gelu_forward", "bias_gelu_forward_v1", version, threads, N * C, (inp, bias, pre, out, mode))
+    args = (inp, bias, inp if pre is None else pre, out, mode, 0 if pre is None else 1)  # has_pre 0: inp never written
+    _launch("bias_gelu_forward", "bias_gelu_forward_v1", version, threads, N * C, args)
 
 
 def split_heads(inp, col0, out, B, T, nh, bias=None, half=None, version="v1", threads=256):
@@ -278,13 +283,13 @@ def colsum_chunks(N: int) -> int:
     return max(1, math.ceil(N / ROWS_PER_CHUNK))
 
 
-def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, gelu_of=None):
+def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, gelu_of=None, gelu_bias=None):
     """colsum (C,) = inp.sum(axis=0) for inp (N,C) float32, deterministic (two stages, fixed order); with out (N,C)
-    uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. gelu_of (N, C) float32, GELU's
-    input (needs out): inp is the gradient of GELU's output; the pass sums and converts inp * gelu'(gelu_of) instead,
-    with gelu_backward's bits."""
+    uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. gelu_of (N, C) and gelu_bias
+    (C,) float32, GELU's input gelu_of + gelu_bias[col] (needs out): inp is the gradient of GELU's output; the pass
+    sums and converts inp * gelu'(gelu_of + gelu_bias) instead, with gelu_backward's bits."""
     fn = "colsum_convert"
-    N, C, mode = check_colsum(fn, inp, colsum, out, half, gelu_of=gelu_of)
+    N, C, mode = check_colsum(fn, inp, colsum, out, half, gelu_of=gelu_of, gelu_bias=gelu_bias)
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
     if C == 0:
@@ -293,7 +298,7 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     partial = device_scratch((chunks, C), np.float32)             # scratch, every element written
     dummy = out if out is not None else device_scratch((1, 1), np.uint16)   # mode 0: never written
     if gelu_of is not None:
-        _launch(fn, "colsum_partials_v1_gelu", version, threads, chunks * C, (inp, gelu_of, partial, out, mode))
+        _launch(fn, "colsum_partials_v1_gelu", version, threads, chunks * C, (inp, gelu_of, gelu_bias, partial, out, mode))
     else:
         _launch(fn, "colsum_partials_v1", version, threads, chunks * C, (inp, partial, dummy, mode))
     _launch(fn, "colsum_reduce_v1", version, threads, C, (partial, colsum))

@@ -93,12 +93,17 @@ def bias_add(inp, bias, out, res=None, version="v1", threads=256):
 
 
 def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256):
-    """pre (N,C) = inp + bias[col] (pre may be inp); out (N,C) = gelu_tanh(pre): float32, or uint16 bits (half)."""
+    """pre (N,C) = inp + bias[col] (pre may be inp; None: not written); out (N,C) = gelu_tanh(pre): float32, or
+    uint16 bits (half)."""
     fn = "bias_gelu_forward"
     N, C, mode = check_bias_gelu(fn, inp, bias, pre, out, half, check=_check_cupy)
     threads = _setup(fn, version, threads)
     n = N * C
     if n == 0:
+        return
+    if pre is None:
+        args = (inp, bias, out, np.int64(n), np.int32(C))
+        _kernel(f"bias_gelu_forward_v1_nopre_{SUFFIX[mode]}")((_flat_grid(n, threads),), (threads,), args)
         return
     _kernel(f"bias_gelu_forward_v1_{SUFFIX[mode]}")(
         (_flat_grid(n, threads),), (threads,), (inp, bias, pre, out, np.int64(n), np.int32(C))
@@ -146,14 +151,15 @@ def colsum_chunking(N: int, C: int) -> tuple[int, int]:
     return max(1, -(-N // rows)), rows
 
 
-def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, gelu_of=None):
+def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, gelu_of=None, gelu_bias=None):
     """colsum (C,) = inp.sum(axis=0) for inp (N,C) float32, deterministic (two stages, fixed order); with out (N,C)
     uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. CuPy arrays.
-    gelu_of (N, C) float32, GELU's input (needs out): inp is the gradient of GELU's output, and the pass sums and
-    converts inp * gelu'(gelu_of) (gelu_backward's bits) instead: the fc layer's dfc without a float32 copy.
+    gelu_of (N, C) and gelu_bias (C,) float32, GELU's input gelu_of + gelu_bias[col] (needs out): inp is the gradient
+    of GELU's output, and the pass sums and converts inp * gelu'(gelu_of + gelu_bias) (gelu_backward's bits)
+    instead: the fc layer's dfc without a float32 copy.
     threads: the stage-2 block; stage 1 always runs 32 x 8 blocks."""
     fn = "colsum_convert"
-    N, C, mode = check_colsum(fn, inp, colsum, out, half, check=_check_cupy, gelu_of=gelu_of)
+    N, C, mode = check_colsum(fn, inp, colsum, out, half, check=_check_cupy, gelu_of=gelu_of, gelu_bias=gelu_bias)
     threads = _setup(fn, version, threads)
     if C == 0:
         return
@@ -169,7 +175,7 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     sizes = (np.int32(N), np.int32(C), np.int32(rows))
     name = "colsum_partials_v1" + ("_x4" if x4 else "")
     if gelu_of is not None:
-        _kernel(f"{name}_gelu_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, partial, out, *sizes))
+        _kernel(f"{name}_gelu_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, gelu_bias, partial, out, *sizes))
     elif mode == 0 and x4:
         _kernel(name)(grid1, block1, (inp, partial, partial, *sizes))  # out: never written (H = 0)
     elif mode == 0:
