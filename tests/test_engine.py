@@ -339,7 +339,7 @@ def test_engine_memory_of_flash_attention_is_linear_in_T():
     projection on both paths): the activations per block double when T doubles, and the difference to the cuBLAS
     path is exactly the probabilities minus lse."""
     cfg = GPTConfig(vocab_size=256, block_size=2048, n_layer=2, n_head=4, d_model=256)  # hs = 64
-    B, T, C, nh = 4, 1024, 256, 4
+    B, T, nh = 4, 1024, 4
     fl = engine.engine_memory(cfg, B, T, "bf16", "none", attention="flash")
     cb = engine.engine_memory(cfg, B, T, "bf16", "none", attention="cublas")
     assert engine.engine_memory(cfg, B, T, "bf16", "none") == fl  # the hip engine's default in half precision

@@ -271,7 +271,9 @@ class GPUEngine(Engine):
         else:
             dout_mm = self._mm_empty(dout.shape)
             pre, bias = gelu_in if gelu_in is not None else (None, None)
-            self.K.colsum_convert(dout, self.grads[name_b][l], out=dout_mm, half=self._half, gelu_of=pre, gelu_bias=bias)
+            self.K.colsum_convert(
+                dout, self.grads[name_b][l], out=dout_mm, half=self._half, gelu_of=pre, gelu_bias=bias
+            )
         shape = (dout.shape[0], in_features)
         dinp = self._mm_empty(shape) if out_mm else xp.empty(shape, xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
@@ -331,9 +333,9 @@ class GPUEngine(Engine):
         fp32 copy: the softmax backward reads the half one); merge_heads brings the heads back. Flash attention
         reads q, k, v where they are: split_heads as one head of 3C columns only adds the bias and rounds qkv to the
         matmul format, and the packed kernels write y straight into the attention projection's input (no merge, no
-        fp32 y). bias_add adds each
-        projection's bias and the residual in one pass; bias_gelu_forward adds the fc bias (fc is kept for the GELU
-        backward: with its bias in fp32 runs, without it in half runs, whose backward adds it again in its fused pass) and writes GELU's output in the matmul format."""
+        fp32 y). bias_add adds each projection's bias and the residual in one pass; bias_gelu_forward adds the fc
+        bias (fc is kept for the GELU backward: with its bias in fp32 runs, without it in half runs, whose backward
+        adds it again in its fused pass) and writes GELU's output in the matmul format."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
