@@ -91,6 +91,7 @@ SINGLE_BACKEND = {
     "adamw_step_v4": "v3 with hyper-parameters on the device (CUDA-graph replay)",
     "bias_add_res_v1": "bias + residual in one pass; Numba's bias_add_v1 takes has_res",
     "split_heads_bias_v1_*": "Numba's split_heads_v1 takes has_bias",
+    "split_heads_v1_x4_*": "one head of whole rows, four columns per thread (float4), HIP only; v1's values",
     "bias_gelu_forward_v1_nopre_*": "Numba's bias_gelu_forward_v1 takes has_pre",
     "block_sum": "lesson 00's warpSize demo, a HIP-only lesson",
     "crossentropy_backward_v4": "float4 loads (HIP only, lesson 05's tuning)",

@@ -141,6 +141,48 @@ SPLIT_ENTRY(f32, 0)
 SPLIT_ENTRY(bf16, 1)
 SPLIT_ENTRY(f16, 2)
 
+// x4: nh == 1, one head of hs columns per row (the engine's bias + rounding pass over qkv before flash attention):
+// out row b*T+t is hs contiguous values, four per thread (16-byte loads, 16- or 8-byte stores); the same float32
+// operations per element as split_heads_body. hs, ld, col0 multiples of 4, rows 16-byte aligned (the launcher).
+template <int H, bool BIAS>
+__device__ __forceinline__ void split_rows_x4_body(const float* __restrict__ inp, const float* __restrict__ bias,
+                                                   typename Out<H>::T* __restrict__ out, int N, int hs, int ld,
+                                                   int col0) {
+    for (int row = blockIdx.x * blockDim.y + threadIdx.y; row < N; row += gridDim.x * blockDim.y) {
+        const float* x = inp + (long long)row * ld + col0;
+        typename Out<H>::T* y = out + (long long)row * hs;
+        for (int c = 4 * threadIdx.x; c < hs; c += 4 * blockDim.x) {
+            float4 v = *reinterpret_cast<const float4*>(x + c);
+            if (BIAS) {
+                v.x += bias[c];
+                v.y += bias[c + 1];
+                v.z += bias[c + 2];
+                v.w += bias[c + 3];
+            }
+            if (H == 0)
+                *reinterpret_cast<float4*>(y + c) = v;
+            else
+                *reinterpret_cast<uint2*>(y + c) = make_uint2(pack_half2<H>(v.x, v.y), pack_half2<H>(v.z, v.w));
+        }
+    }
+}
+
+#define SPLIT_X4_ENTRY(SUFFIX, H)                                                                                   \
+    extern "C" __global__ void split_heads_v1_x4_##SUFFIX(const float* __restrict__ inp,                           \
+                                                          Out<H>::T* __restrict__ out, int N, int hs, int ld,      \
+                                                          int col0) {                                              \
+        split_rows_x4_body<H, false>(inp, nullptr, out, N, hs, ld, col0);                                           \
+    }                                                                                                               \
+    extern "C" __global__ void split_heads_bias_v1_x4_##SUFFIX(const float* __restrict__ inp,                      \
+                                                               const float* __restrict__ bias,                     \
+                                                               Out<H>::T* __restrict__ out, int N, int hs, int ld, \
+                                                               int col0) {                                         \
+        split_rows_x4_body<H, true>(inp, bias, out, N, hs, ld, col0);                                               \
+    }
+SPLIT_X4_ENTRY(f32, 0)
+SPLIT_X4_ENTRY(bf16, 1)
+SPLIT_X4_ENTRY(f16, 2)
+
 // ---- merge_heads: inp (B*nh, T, hs) -> out (N, ld) columns [col0, col0 + C) ----------------------------------------
 template <int H>
 __device__ __forceinline__ void merge_heads_body(const float* __restrict__ inp, typename Out<H>::T* __restrict__ out,

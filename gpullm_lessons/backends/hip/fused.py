@@ -124,6 +124,12 @@ def split_heads(inp, col0, out, B, T, nh, bias=None, half=None, version="v1", th
     threads = _setup(fn, version, threads)
     if N == 0 or hs == 0:
         return
+    if nh == 1 and hs % 4 == 0 and ld % 4 == 0 and col0 % 4 == 0 and inp.data.ptr % 16 == 0 and out.data.ptr % 16 == 0:
+        # one head of whole rows (the engine's qkv pass before flash): four columns per thread, the same values
+        kind = "split_heads_v1_x4" if bias is None else "split_heads_bias_v1_x4"
+        args = (inp, out) if bias is None else (inp, bias, out)
+        _heads_launch(f"{kind}_{SUFFIX[mode]}", args, N, hs // 4, threads, (N, hs, ld, col0))
+        return
     sizes = (N, T, nh, hs, ld, col0)
     if bias is None:
         _heads_launch(f"split_heads_v1_{SUFFIX[mode]}", (inp, out), N, nh * hs, threads, sizes)
