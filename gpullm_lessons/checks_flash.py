@@ -4,6 +4,8 @@
         out = softmax(q k^T / sqrt(hs), causal) v and lse = the log-sum-exp of each row of the scaled, masked scores.
     check_flash_attention_backward(fn)   fn(q, k, v, out, dout, lse, dq, dk, dv): the gradients of q, k, v, given the
         forward's out and lse; the same inputs twice must give the same bits, and in the simulator no float atomics.
+    check_flash_attention_forward_packed(fn)   fn(qkv, out, lse, nh): the forward on the engine's layout: q, k, v side
+        by side in each row of qkv (B, T, 3C), out (B, T, C) with the heads side by side, lse (B, nh, T), C = nh * hs.
 
 The oracle is lesson 01's reference attention (``reference.attention_forward`` / ``attention_backward`` on q, k, v
 merged into (B, T, 3C)), in float64; lse comes from the same masked scores. The cases (``CASES``) put T past one tile
@@ -26,7 +28,8 @@ from . import reference as ref
 from .opcheck import Case, Mistake, Op, Rules
 from .verdict import CheckResult, close, mistake_slack
 
-__all__ = ["check_flash_attention_forward", "check_flash_attention_backward", "reference", "CASES", "TILES"]
+__all__ = ["check_flash_attention_forward", "check_flash_attention_backward", "check_flash_attention_forward_packed",
+           "reference", "CASES", "TILES"]
 
 # (B, nh, T, hs) per case: one that fits in a tile, the same shapes again, T past one tile and one block of rows
 # (not a multiple of any tile), T = 1.
@@ -304,12 +307,97 @@ _BACKWARD = Op(
 _BACKWARD_RULES = Rules("check_flash_attention_backward", repeat=True, no_float_atomics=True)
 
 
+# ---- the forward on the engine's packed layout ----------------------------------------------------------------------
+# (B, nh, T, hs) per case: B and nh above 1 where the row and head offsets show, T past one tile and one block of rows
+PACKED_CASES = {
+    "small": ((2, 2, 7, 8), (2, 2, 7, 8), (2, 3, 37, 16), (1, 1, 1, 4)),
+    "large": ((2, 3, 67, 64), (2, 3, 67, 64), (2, 4, 1000, 64), (1, 1, 1, 64)),
+}
+
+
+def _make_packed(rng, dt, size, k):
+    B, nh, T, hs = PACKED_CASES[size][k]
+    C = nh * hs
+    c = Case(dt, {"B": B, "nh": nh, "T": T, "hs": hs, "C": C, "3C": 3 * C})
+    qkv = c.add_float("qkv", ("B", "T", "3C"), rng.standard_normal((B, T, 3 * C)) * rng.uniform(0.5, 1.5))
+    for i, name in enumerate(("q", "k", "v")):  # the heads' view, for the reference and the mistakes
+        c.x[name] = np.ascontiguousarray(_split(qkv[..., i * C : (i + 1) * C], nh))
+    c.add_output("out", ("B", "T", "C"))
+    c.add_output("lse", ("B", "nh", "T"))
+    c.scalars["nh"] = nh
+    return c
+
+
+def _expected_packed(c):
+    out, lse = _forward(c)
+    return {"out": _merge(out), "lse": lse}
+
+
+def _packed_with(c, column):
+    """{out, lse} when q, k, v of head h are read from the columns column(i, h, C, hs) .. + hs - 1 of each row of qkv
+    (i = 0 q, 1 k, 2 v) instead of i * C + h * hs."""
+    nh, hs, C = c.dims["nh"], c.dims["hs"], c.dims["C"]
+    qkv = c.x["qkv"]
+    wrong = Case(c.dtype, c.dims)
+    for i, name in enumerate(("q", "k", "v")):
+        wrong.x[name] = np.stack([qkv[..., column(i, h, C, hs) + np.arange(hs)] for h in range(nh)], axis=1)
+    out, lse = _forward(wrong)
+    return {"out": _merge(out), "lse": lse}
+
+
+def _in_heads(test):
+    """A pattern test of the heads layout applied to the packed out (B, T, C), seen as (B, nh, T, hs)."""
+    def packed_test(c, name, ours, expected, bad):
+        if name == "out":
+            nh = c.dims["nh"]
+            ours, expected = _split(ours, nh), _split(expected, nh)
+            bad = _split(bad, nh) if np.shape(bad) == np.shape(ours) else bad
+        return test(c, name, ours, expected, bad)
+    return packed_test
+
+
+_RIGHT = "q of head h at row t of sequence b starts at ((b T + t) 3C + h hs), k at + C, v at + 2C"
+_PACKED = Op(
+    "flash_attention_forward_packed", _make_packed, _expected_packed,
+    n_cases=4,
+    formula="the forward of check_flash_attention_forward, reading q, k, v of head h from the columns h*hs .. "
+            "h*hs + hs - 1 of the thirds [0, C), [C, 2C), [2C, 3C) of qkv's row (b, t), writing out[b, t, h*hs + j] "
+            "and lse[b, h, t]",
+    shape_hint="qkv is (B, T, 3C), out (B, T, C), lse (B, nh, T), C = nh * hs; nh is the last argument",
+    mistakes=[
+        Mistake("every head reads head 0's columns: head h's values are at columns h*hs .. h*hs + hs - 1 of each "
+                "third (" + _RIGHT + ")", lambda c: _packed_with(c, lambda i, h, C, hs: i * C)),
+        Mistake("k and v are read hs columns after q instead of C and 2C: a row holds all of q (C values), then all "
+                "of k, then all of v (" + _RIGHT + ")", lambda c: _packed_with(c, lambda i, h, C, hs: h * hs + i * hs)),
+        Mistake("k and v are swapped: k is the middle third of the row (columns C .. 2C - 1), v the last ("
+                + _RIGHT + ")", lambda c: _packed_with(c, lambda i, h, C, hs: (0, 2, 1)[i] * C + h * hs)),
+        Mistake("", test=_in_heads(_tile_test(
+            "causal tile skipping stops too early: a block of query rows t0 .. t1 needs every key tile that starts "
+            "at s0 <= t1, its LAST row; yours stops at tiles starting at s0 <= t0 (blocks of {BR} rows, tiles of "
+            "{BC} keys)", BR=True))),
+        Mistake("", test=_in_heads(_tile_test(
+            "your running output is not rescaled: " + _RESCALE + "(tiles of {BC} keys)", rescale_acc=False))),
+        Mistake("the 1/sqrt(hs) scale is missing: the scores are q[t] . k[s] / sqrt(hs)",
+                lambda c: {k: (_merge(v) if k == "out" else v) for k, v in _attention_with(c, scale=False).items()}),
+        Mistake("the causal mask is off by one: query t sees the keys s <= t; yours also takes s = t + 1",
+                lambda c: {k: (_merge(v) if k == "out" else v) for k, v in _attention_with(c, shift=1).items()}),
+    ])
+
+
 def check_flash_attention_forward(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
                                   quiet=False) -> CheckResult:
     """Check fn(q, k, v, out, lse) (q, k, v, out (B, nh, T, hs), lse (B, nh, T)): causal attention with scale
     1/sqrt(hs) and each row's log-sum-exp, against lesson 01's reference. arrays: "numba" (simulator or GPU),
     "cupy" or "numpy"; size None: small in the simulator, large on a GPU (CASES)."""
     return opcheck.run(_FORWARD, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+
+
+def check_flash_attention_forward_packed(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
+                                         quiet=False) -> CheckResult:
+    """Check fn(qkv, out, lse, nh): the forward of check_flash_attention_forward on the engine's layout (qkv (B, T,
+    3C) with q, k, v side by side in each row; out (B, T, C) with the heads side by side; lse (B, nh, T)), against
+    lesson 01's reference. Named mistakes: the column and row offsets of the layout, out in the heads layout."""
+    return opcheck.run(_PACKED, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
 
 
 def check_flash_attention_backward(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,

@@ -98,3 +98,66 @@ def test_bad_checker_arguments_are_refused():
         F.check_flash_attention_forward(42, arrays="numpy")
     with pytest.raises(ValueError, match="dtype"):
         F.check_flash_attention_forward(lambda *a: None, arrays="numpy", dtype="int8")
+
+
+# ---- the forward on the engine's packed layout (exercise 11.4) ------------------------------------------------------
+def packed_case(qkv, nh):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    c = opcheck.Case(np.dtype(np.float32), {"B": B, "nh": nh, "T": T, "hs": C // nh, "C": C, "3C": C3})
+    c.x["qkv"] = np.asarray(qkv, np.float64)
+    for i, name in enumerate(("q", "k", "v")):
+        c.x[name] = np.ascontiguousarray(F._split(c.x["qkv"][..., i * C : (i + 1) * C], nh))
+    return c
+
+
+def packed_answer(mistake_outputs=None):
+    def fn(qkv, out, lse, nh):
+        c = packed_case(qkv, nh)
+        right = F._expected_packed(c)
+        bad = mistake_outputs(c) if mistake_outputs else {}
+        out[...], lse[...] = bad.get("out", right["out"]), bad.get("lse", right["lse"])
+    return fn
+
+
+def test_the_right_packed_answer_passes():
+    for seed in (1, 2, 3):
+        r = F.check_flash_attention_forward_packed(packed_answer(), arrays="numpy", seed=seed, quiet=True)
+        assert r.status == "correct", r.message
+
+
+@pytest.mark.parametrize("i", range(len(outputs_mistakes(F._PACKED))))
+def test_each_packed_mistake_is_named(i):
+    m = outputs_mistakes(F._PACKED)[i]
+    r = F.check_flash_attention_forward_packed(packed_answer(m.outputs), arrays="numpy", seed=7, quiet=True)
+    assert r.status == "wrong" and r.hint.startswith(m.hint[:60]), (m.hint, r.message)
+
+
+def test_the_packed_cases_have_the_offsets_and_the_tiles_in_them():
+    """B and nh above 1 (a missing row or head offset shows), T past one tile of 8 and one block of 16 rows."""
+    for size in ("small", "large"):
+        shapes = F.PACKED_CASES[size]
+        assert any(B > 1 and nh > 1 and T > 16 for B, nh, T, hs in shapes)
+        assert shapes[0] == shapes[1]  # the same shape twice: a kernel that keeps state between calls fails
+
+
+def test_packed_answers_wrong_past_one_block_or_on_a_second_call_fail():
+    """A grid capped at one block of 16 rows leaves the rows after it unwritten; an answer that keeps state between
+    calls (right on the first call only) fails on the repeated shape."""
+    right = packed_answer()
+
+    def capped(qkv, out, lse, nh):
+        full_out, full_lse = np.full_like(out, np.nan), np.full_like(lse, np.nan)
+        right(qkv, full_out, full_lse, nh)
+        out[:, :16], lse[:, :, :16] = full_out[:, :16], full_lse[:, :, :16]
+
+    wrong(F.check_flash_attention_forward_packed(capped, arrays="numpy", seed=5, quiet=True), "out")
+    calls = []
+
+    def stateful(qkv, out, lse, nh):
+        right(qkv, out, lse, nh)
+        if calls:
+            out *= 1.01
+        calls.append(1)
+
+    wrong(F.check_flash_attention_forward_packed(stateful, arrays="numpy", seed=5, quiet=True), "out")

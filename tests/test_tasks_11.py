@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.checks_flash import check_flash_attention_backward, check_flash_attention_forward
+from gpullm_lessons.checks_flash import (
+    check_flash_attention_backward,
+    check_flash_attention_forward,
+    check_flash_attention_forward_packed,
+)
 
 from conftest import solution_namespace, wrong
 
@@ -155,3 +159,37 @@ def test_checker_rejects_the_answer_of_an_earlier_call():
 
     r = check_flash_attention_forward(stale, arrays="numpy", seed=2, quiet=True)
     wrong(r, "EARLIER call")
+
+
+# ---- 11.4 the forward on the engine's layout ------------------------------------------------------------------------
+def fwd_packed(ns_, seed=5):
+    return check_flash_attention_forward_packed(ns_["flash_forward_packed"], arrays="numba", seed=seed, quiet=True)
+
+
+def test_11_4_solution_passes(ns):
+    r = fwd_packed(ns)
+    assert r.status == "correct", r.message
+
+
+def test_11_4_stub_is_not_attempted():
+    stub = 'raise NotImplementedError("exercise: write this part")'
+    ns_ = solution_namespace(NAME, [("e11-t4-code", "    t_last = min(T, t0 + ROWS) - 1\n    for s0",
+                                     f"    {stub}\n    t_last = min(T, t0 + ROWS) - 1\n    for s0")])
+    r = fwd_packed(ns_)
+    assert r.status == "not attempted", r.message
+
+
+@pytest.mark.skipif(not SIM, reason="simulator sizes: the tile and block edges the edits hit")
+@pytest.mark.parametrize("edits,words", [
+    ([("qkv[b, t, h * hs + j]", "qkv[b, t, j]"), ("qkv[b, s, C + h * hs + j]", "qkv[b, s, C + j]"),
+      ("qkv[b, s, 2 * C + h * hs + j]", "qkv[b, s, 2 * C + j]")], ["head 0's columns"]),
+    ([("qkv[b, s, C + h * hs + j]", "qkv[b, s, hs + h * hs + j]"),
+      ("qkv[b, s, 2 * C + h * hs + j]", "qkv[b, s, 2 * hs + h * hs + j]")], ["hs columns after q"]),
+    ([("qkv[b, s, C + h * hs + j]", "qkv[b, s, 2 * C + h * hs + j] if s < T else numba.float32(0.0)\n"
+       "            vt[r, j] = qkv[b, s, C + h * hs + j]")], ["k and v are swapped"]),
+    ([("for s0 in range(0, t_last + 1, TILE):", "for s0 in range(0, t0 + 1, TILE):")],
+     ["tile skipping stops too early"]),
+])
+def test_11_4_wrong_kernels_fail_with_their_hint(edits, words):
+    ns_ = solution_namespace(NAME, [("e11-t4-code", old, new) for old, new in edits])
+    wrong(fwd_packed(ns_), *words)
