@@ -1,4 +1,4 @@
-"""Graded tasks 11.1-11.3 (flash attention): the solutions pass, plausible wrong answers fail with a hint naming them.
+"""Graded tasks 11.1-11.4 (flash attention): the solutions pass, plausible wrong answers fail with a hint naming them.
 
 A wrong answer is the solution with one edit (conftest.solution_namespace(..., edits=)); the edits that matter only
 show past one tile of keys or past one block of query rows (the simulator's third case has T = 37 with tiles of 8 keys
