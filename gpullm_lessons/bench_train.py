@@ -253,6 +253,16 @@ def gpu_time_group(name: str) -> str:
     return "other"
 
 
+def ops_in_group(result, group) -> dict:
+    """{our op: ms per step} of the gpu_time_profile result's ops in `group` (its distinct calls summed per op),
+    largest first."""
+    ms = {}
+    for r in result["rows"]:
+        if gpu_time_group(r["op"]) == group:
+            ms[r["op"]] = ms.get(r["op"], 0.0) + (r["ms"] or 0.0)
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+
 def grouped_gpu_time(result) -> list:
     """[(group, our ms, PyTorch's ms or None)] of a gpu_time_profile result, in GPU_TIME_GROUPS order, "other" last."""
     ours, theirs = {}, {}

@@ -549,6 +549,11 @@ def test_gpu_time_groups_put_our_ops_and_pytorchs_kernels_side_by_side():
               "total_ms": 3.0, "rows": [{"op": "gemm", "ms": 2.0, "calls": 3, "us_per_call": 1.0, "shapes": "[]"},
                                         {"op": "adamw_step", "ms": 1.0, "calls": 1, "us_per_call": 1.0, "shapes": "[]"}]}
     assert bt.grouped_gpu_time(result) == [("matrix products", 2.0, None), ("optimizer", 1.0, None)]
+    result["rows"] += [{"op": "gemm", "ms": 0.5, "calls": 1, "us_per_call": 1.0, "shapes": "[1]"},
+                       {"op": "grad_sumsq", "ms": 1.5, "calls": 1, "us_per_call": 1.0, "shapes": "[]"}]
+    assert list(bt.ops_in_group(result, "optimizer").items()) == [("grad_sumsq", 1.5), ("adamw_step", 1.0)]
+    assert bt.ops_in_group(result, "matrix products") == {"gemm": 2.5} and bt.ops_in_group(result, "embedding") == {}
+    del result["rows"][2:]
     result["torch"] = {"version": "x", "total_ms": 5.0, "kernels": {"sm90_xmma_gemm_a": 1.5, "sm90_xmma_gemm_b": 1.5,
                                                                     "direct_copy_kernel": 2.0}}
     assert bt.grouped_gpu_time(result) == [("matrix products", 2.0, 3.0), ("optimizer", 1.0, 0.0), ("other", 0.0, 2.0)]

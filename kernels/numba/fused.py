@@ -152,7 +152,7 @@ def colsum_partials_v1(inp, partial, out, mode):
         partial[k, c] = s
 
 
-# colsum_partials_v1_gelu: colsum_partials_v1 of dfc = inp * gelu'(pre), gelu_backward_v1's float32 operations
+# colsum_partials_v1_gelu: colsum_partials_v1 of dfc = inp * gelu'(pre + gbias[c]), gelu_backward_v1's float32 ops
 @cuda.jit
 def colsum_partials_v1_gelu(inp, pre, gbias, partial, out, mode):
     N, C = inp.shape
