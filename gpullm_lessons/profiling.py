@@ -64,6 +64,13 @@ METRICS = {
     "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum": "st_sectors",
     "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum": "st_requests",
     **{f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio": f"stall_{s}" for s in STALLS},
+    # how busy each pipe of the multiprocessor was (% of its peak while the SM was active): integer and compare/select
+    # (alu), float add/multiply/fma (fma), the tensor cores (tensor), special functions such as exp2 (xu)
+    "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active": "pipe_alu_pct",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "pipe_fma_pct",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "pipe_tensor_pct",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "pipe_xu_pct",
+    "smsp__inst_executed.sum": "instructions",
 }
 
 CORE_METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -127,7 +134,8 @@ def summarise(rows: list) -> list:
         line = {"op": op, "backend": backend, "version": version, "kernels": len(rs),
                 "duration_us": sum((r.get("duration_ns") or 0) for r in rs) / 1e3, "main_kernel": main["kernel"][:80]}
         for key in ("dram_pct_of_peak", "achieved_occupancy_pct", "theoretical_occupancy_pct", "registers_per_thread",
-                    "grid_size", "block_size", "sm_pct_of_peak"):
+                    "grid_size", "block_size", "sm_pct_of_peak", "pipe_alu_pct", "pipe_fma_pct", "pipe_tensor_pct",
+                    "pipe_xu_pct"):
             line[key] = main.get(key)
         for kind in ("ld", "st"):
             sec, req = main.get(f"{kind}_sectors"), main.get(f"{kind}_requests")

@@ -1,10 +1,11 @@
-"""Flash attention v2, v3 and v4, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
+"""Flash attention v2, v3, v4 and v5, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
 
 On a GPU: forward (out, lse) and backward (dq, dk, dv) against lesson 01's reference attention in float64 on the same
 half-rounded q, k, v, dout, at T = 1, 7 (one partial tile), 65 (past one block of 64 rows), 130 and 192 (past v4's
 block of 128 rows), 1000 (not a multiple of any tile), 1024, 4096, every compiled head size, bf16 and fp16, and
 B * nh = 192 heads; each output is written into a view of a larger buffer whose guard zones must stay untouched; the
-backward twice gives the same bits. The tolerance is shown to reject the plausible mistakes (no 1/sqrt(hs), the mask
+backward twice gives the same bits (v5's key blocks add into dq in turns: a wrong order shows as other bits on
+the second run). The tolerance is shown to reject the plausible mistakes (no 1/sqrt(hs), the mask
 off by one, dk and dv swapped) on the same inputs. Without a GPU: the argument errors (they need no device) and the
 launcher's block shapes against flash.cu.
 """
@@ -138,7 +139,7 @@ def test_flash_refuses_what_it_has_no_kernel_for():
     out = np.zeros((1, 1, 4, 64), np.float32)
     with pytest.raises(ValueError, match="half='fp8' is not one of bf16, fp16"):
         hflash.flash_attention_forward(q, q, q, out, lse, half="fp8")
-    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3, v4"):
+    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3, v4, v5"):
         hflash.flash_attention_forward(q, q, q, out, lse, version="v1")
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         hflash.flash_attention_forward(q, q, q, out, lse)
@@ -152,12 +153,19 @@ def test_launch_geometry_matches_the_kernels():
     from gpullm_lessons import hip
 
     text = hip.source_path("flash").read_text()
-    defs = {k: int(v) for k, v in re.findall(r"^#define (FLASH4?_\w+)\s+(\d+)", text, re.M)}
+    defs = {k: int(v) for k, v in re.findall(r"^#define (FLASH[45]?_\w+)\s+(\d+)", text, re.M)}
     old = (defs["FLASH_ROWS"], defs["FLASH_WARPS"])
     assert (hflash.ROWS, hflash.WARPS) == old
     assert hflash.GEOMETRY["v2"] == hflash.GEOMETRY["v3"] == {"forward": old, "dkdv": old, "dq": old}
     rows, warps, dkdv_warps = defs["FLASH4_ROWS"], defs["FLASH4_WARPS"], defs["FLASH4_DKDV_WARPS"]
     assert hflash.GEOMETRY["v4"] == {"forward": (rows, warps), "dkdv": (rows, dkdv_warps), "dq": (rows, warps)}
+    assert hflash.GEOMETRY["v5"] == {"forward": (rows, warps), "backward": (rows, dkdv_warps)}
+    assert hflash.V5_QUERY_TILE == defs["FLASH5_QT"]
+    # v5's dynamic shared memory, as FLASH5_SMEM counts it (two buffers of Q and dO tiles on NVIDIA)
+    pad, qt = defs["FLASH_PAD"], defs["FLASH5_QT"]
+    for hs in hflash.HEAD_SIZES:
+        want = 2 * 2 * qt * (hs + pad) * 2 + rows * (hs + pad) * 2 + rows * (qt + pad) * 2 + 2 * 2 * qt * 4
+        assert device.kind() == "rocm" or hflash._v5_smem(hs) == want, hs
     assert set(hflash.GEOMETRY) == set(hflash.VERSIONS)
     assert min(r for g in hflash.GEOMETRY.values() for r, _ in g.values()) == hflash.ROWS  # _check's grid bound
 
@@ -229,11 +237,12 @@ PACKED_SHAPES = [
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", hflash.PACKED)
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half):
-    """The packed launchers compute what v4 computes on the heads layout, to the bit: out is v4's float32 out rounded
-    to the half format, lse the same; dq, dk, dv are v4's from that rounded out. Every element of out and dqkv is
+def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version):
+    """The packed launchers compute what the same version computes on the heads layout, to the bit: out is its float32
+    out rounded to the half format, lse the same; dq, dk, dv are its dq, dk, dv from that rounded out. Every element of out and dqkv is
     written and nothing beside them; the backward gives the same bits twice; and the result is the reference's."""
     import cupy as cp
 
@@ -246,26 +255,26 @@ def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half):
     dout = cp.asarray(_pack(dob))
     obuf, out = _guarded_like(cp, (B, T, C), cp.uint16, 0xFFFF)
     lbuf, lse = _guarded(cp, (B, nh, T))
-    hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half)
+    hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half, version=version)
     gbuf, dqkv = _guarded(cp, (B, T, 3 * C))
-    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version)
     first = dqkv.get()
     dqkv.fill(np.nan)
-    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version)
     assert np.array_equal(first.view(np.uint32), dqkv.get().view(np.uint32)), "a second backward gave other bits"
     assert _guards_equal(obuf, 0xFFFF) and _guards_equal(lbuf, np.nan) and _guards_equal(gbuf, np.nan)
     assert np.isfinite(first).all(), f"dqkv: elements never written, seed {seed}"
     out_bits, lse_p = out.get(), lse.get()
     assert np.isfinite(_half_values(out_bits, half)).all(), f"out: elements never written, seed {seed}"
-    # v4 on the heads layout, same inputs
+    # the heads layout, same inputs
     heads = [cp.asarray(x) for x in (qb, kb, vb, dob)]
     out_h, lse_h = cp.empty(shape, cp.float32), cp.empty((B, nh, T), cp.float32)
-    hflash.flash_attention_forward(*heads[:3], out_h, lse_h, half=half, version="v4")
+    hflash.flash_attention_forward(*heads[:3], out_h, lse_h, half=half, version=version)
     assert np.array_equal(lse_p.view(np.uint32), lse_h.get().view(np.uint32)), f"lse differs, seed {seed}"
     assert np.array_equal(_unpack(out_bits, nh), _half_bits(out_h.get(), half)), f"out differs, seed {seed}"
     y = cp.asarray(_unpack(_half_values(out_bits, half), nh))  # the rounded out the packed backward reads
     grads = [cp.empty(shape, cp.float32) for _ in range(3)]
-    hflash.flash_attention_backward(*heads[:3], y, heads[3], lse_h, *grads, half=half, version="v4")
+    hflash.flash_attention_backward(*heads[:3], y, heads[3], lse_h, *grads, half=half, version=version)
     for i, (name, g) in enumerate(zip(("dq", "dk", "dv"), grads)):
         got = _unpack(first[:, :, i * C : (i + 1) * C], nh)
         assert np.array_equal(got.view(np.uint32), g.get().view(np.uint32)), f"{name} differs, seed {seed}"
@@ -289,6 +298,8 @@ def test_packed_launchers_refuse_bad_arguments():
         hip_backend.flash_attention_forward_packed(qkv, out, lse, 2)
     with pytest.raises(TypeError, match="qkv must be a CuPy array"):
         hip_backend.flash_attention_backward_packed(qkv, out, out, lse, np.zeros((1, 4, 384), np.float32), 2)
+    with pytest.raises(ValueError, match="version='v3' is not one of v4, v5"):
+        hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, version="v3")
 
 
 @needs_gpu

@@ -149,3 +149,21 @@ def test_the_kernel_table_shows_gpu_time_and_host_time_for_every_row():
     row = next(r for r in ok if r["backend"] == "numba" and r["timing"] == "graph")
     line = next(ln for ln in table.splitlines() if ln.startswith(f"{row['op']:<13}numba   {row['version']}"))
     assert f"{row['ms']:7.3f}g" in line and f"{1e3 * row['host_ms']:9.0f}" in line
+
+
+def test_pipe_counters_come_from_the_kernel_that_dominates():
+    """The pipes' busy fractions (integer/compare alu, fma, tensor cores, special functions) are read, and a
+    version's line takes them from its longest kernel, as its other counters."""
+    header = ["ID", "Kernel Name", "Grid Size", "gpu__time_duration.sum",
+              "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+              "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+              "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum"]
+    q = lambda r: ",".join(f'"{c}"' for c in r)  # noqa: E731
+    text = "\n".join([q(header), q(["", "", "", "nsecond", "%", "%", "%", "inst"]),
+                      q(["1", "bench_marker", "(1, 1, 1)", "2", "0", "0", "0", "1"]),
+                      q(["2", "delta(float*)", "(9, 1, 1)", "50", "80.5", "0", "3", "1,000"]),
+                      q(["3", "main(float*)", "(9, 1, 1)", "400", "11.25", "30.5", "10", "70,000"])])
+    kernels = profiling._attribute(profiling.parse_ncu_csv(text), [{"op": "f", "backend": "hip", "version": "v5"}])
+    assert kernels[1]["instructions"] == 70000.0 and kernels[0]["pipe_alu_pct"] == 80.5
+    (row,) = profiling.summarise(kernels)
+    assert (row["pipe_alu_pct"], row["pipe_tensor_pct"], row["pipe_xu_pct"]) == (11.25, 30.5, 10.0)

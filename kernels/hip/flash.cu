@@ -168,16 +168,50 @@ __device__ void flash_forward(const unsigned short* __restrict__ q, const unsign
 }
 
 // ---- backward: delta ------------------------------------------------------------------------------------------
-template <int H>
-__device__ void flash_delta(const float* __restrict__ out, const unsigned short* __restrict__ dout,
-                            float* __restrict__ delta, long long rows, int hs) {
-    const int lane = threadIdx.x % warpSize, warps = blockDim.x / warpSize;
-    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / warpSize; row < rows;
-         row += (long long)gridDim.x * warps) {
+// delta[row] = sum_j dout[row][j] out[row][j] over rows of hs contiguous elements (the heads layout (B*nh, T, hs), or
+// the packed layout's (B, T, C) rows cut into heads: row r = (b T + t) nh + h, delta (B, nh, T) as the dK dV and dQ
+// kernels read it). out is float32 (OutT float) or format H (OutT unsigned short). A row is shared by `lpr`
+// consecutive lanes (the largest power of two up to 8 that divides its hs / 8 chunks of 8 elements), each chunk one
+// 16-byte load of dout and one or two of out; every layout and format sums in the same order (the packed and heads
+// backward then see the same delta for the same numbers). The launchers keep rows below 2^31.
+template <int H> __device__ __forceinline__ void chunk8(float (&x)[8], const unsigned short* p) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = half_to_f32<H>((unsigned short)(w[i] & 0xFFFFu));
+        x[2 * i + 1] = half_to_f32<H>((unsigned short)(w[i] >> 16));
+    }
+}
+template <int H> __device__ __forceinline__ void chunk8(float (&x)[8], const float* p) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+template <int H, bool PACKED, typename OutT>
+__device__ void flash_delta(const OutT* __restrict__ out, const unsigned short* __restrict__ dout,
+                            float* __restrict__ delta, long long rows, int hs, int T, int nh) {
+    const int chunks = hs / 8, lpr = min(chunks & -chunks, 8), sub = threadIdx.x % lpr, per_block = blockDim.x / lpr;
+    // r0 is the same for the whole block, so every lane reaches row_sum's shuffles
+    for (long long r0 = (long long)blockIdx.x * per_block; r0 < rows; r0 += (long long)gridDim.x * per_block) {
+        const long long row = r0 + threadIdx.x / lpr;
         float acc = 0.0f;
-        for (int j = lane; j < hs; j += warpSize) acc += half_to_f32<H>(dout[row * hs + j]) * out[row * hs + j];
-        acc = warp_sum(acc);
-        if (lane == 0) delta[row] = acc;
+        if (row < rows)
+            for (int c = sub; c < chunks; c += lpr) {
+                float o[8], d[8];
+                chunk8<H>(o, out + row * hs + 8 * c);
+                chunk8<H>(d, dout + row * hs + 8 * c);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc += d[i] * o[i];
+            }
+        acc = row_sum(acc, lpr);
+        if (sub == 0 && row < rows) {
+            if (PACKED) {
+                const unsigned int r = (unsigned int)row, bt = r / (unsigned int)nh, b = bt / (unsigned int)T;
+                delta[((long long)b * nh + (r - bt * nh)) * T + (bt - b * T)] = acc;
+            } else {
+                delta[row] = acc;
+            }
+        }
     }
 }
 
@@ -726,7 +760,7 @@ __device__ __forceinline__ void store_tiles_ld(OutT* __restrict__ dst, const mma
         }
 }
 
-template <int H, int HS, typename OutT>
+template <int H, int HS, bool LEAN, typename OutT>
 __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                                  const unsigned short* __restrict__ v, OutT* __restrict__ out,
                                  float* __restrict__ lse, int T, float scale, int nh, int ld, int ld_out) {
@@ -790,50 +824,101 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
                 for (int rt = 0; rt < RT; rt++) mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
             }
         }
-        // the online merge of each row tile (a row tile wholly above the diagonal gets p = 0, alpha = 1: its m is
-        // finite from tile 0, where key 0 is visible to every row)
+        // LEAN (v5): the merge below; v4: the merge after it, every tile masked element by element, exp2f, the
+        // scale applied before the max, the rounding to 16 bits by hand
         float alpha[RT][MMA_QPL];
+        if (LEAN) {
+            // the online merge of each row tile, on the raw scores (m is a raw score; p = 2^(S sl2 - m sl2), one fma).
+            // Only a tile that crosses the diagonal for the warp's rows is masked: there a key past a row (or past T)
+            // gets S = -inf, p = 2^-inf = 0. A row tile wholly above the diagonal gets p = 0, alpha = 1: its m is finite
+            // from tile 0, where key 0 is visible to every row.
+            const bool diag = s0 + KT - 1 > tw;
 #pragma unroll
-        for (int rt = 0; rt < RT; rt++) {
-            float mt[MMA_QPL], ls[MMA_QPL];
+            for (int rt = 0; rt < RT; rt++) {
+                float mt[MMA_QPL], ls[MMA_QPL], ms[MMA_QPL];
 #pragma unroll
-            for (int qi = 0; qi < MMA_QPL; qi++) mt[qi] = FLASH_NEG_INF;
+                for (int qi = 0; qi < MMA_QPL; qi++) mt[qi] = FLASH_NEG_INF;
+                if (diag)
 #pragma unroll
-            for (int n = 0; n < KT / 16; n++)
+                    for (int n = 0; n < KT / 16; n++)
 #pragma unroll
-                for (int e = 0; e < MMA_SE; e++) {
-                    bool keep = s0 + 16 * n + mma_tile_col(e) <= tw + 16 * rt + mma_tile_row(e);
-                    s[rt][n].x[e] = keep ? s[rt][n].x[e] * sl2 : FLASH_NEG_INF;
-                    mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[rt][n].x[e]);
+                        for (int e = 0; e < MMA_SE; e++)
+                            if (s0 + 16 * n + mma_tile_col(e) > tw + 16 * rt + mma_tile_row(e)) s[rt][n].x[e] = FLASH_NEG_INF;
+#pragma unroll
+                for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++) mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[rt][n].x[e]);
+#pragma unroll
+                for (int qi = 0; qi < MMA_QPL; qi++) {
+                    float m_new = fmaxf(m[rt][qi], mma_row_max(mt[qi]));
+                    alpha[rt][qi] = m[rt][qi] == FLASH_NEG_INF ? 0.0f : exp2_fast((m[rt][qi] - m_new) * sl2);
+                    m[rt][qi] = m_new;
+                    ms[qi] = -m_new * sl2;
+                    ls[qi] = 0.0f;
                 }
 #pragma unroll
-            for (int qi = 0; qi < MMA_QPL; qi++) {
-                float m_new = fmaxf(m[rt][qi], mma_row_max(mt[qi]));
-                alpha[rt][qi] = m[rt][qi] == FLASH_NEG_INF ? 0.0f : exp2f(m[rt][qi] - m_new);
-                m[rt][qi] = m_new;
-                ls[qi] = 0.0f;
+                for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++) {
+                        float p = exp2_fast(fmaf(s[rt][n].x[e], sl2, ms[mma_tile_q(e)]));
+                        s[rt][n].x[e] = p;
+                        ls[mma_tile_q(e)] += p;
+                    }
+#pragma unroll
+                for (int qi = 0; qi < MMA_QPL; qi++) l[rt][qi] = alpha[rt][qi] * l[rt][qi] + mma_row_sum(ls[qi]);
+#pragma unroll
+                for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] *= alpha[rt][mma_tile_q(e)];
             }
+        } else {
+            // the online merge of each row tile (a row tile wholly above the diagonal gets p = 0, alpha = 1: its m is
+            // finite from tile 0, where key 0 is visible to every row)
 #pragma unroll
-            for (int n = 0; n < KT / 16; n++)
+            for (int rt = 0; rt < RT; rt++) {
+                float mt[MMA_QPL], ls[MMA_QPL];
 #pragma unroll
-                for (int e = 0; e < MMA_SE; e++) {
-                    float x = s[rt][n].x[e], p = x == FLASH_NEG_INF ? 0.0f : exp2f(x - m[rt][mma_tile_q(e)]);
-                    s[rt][n].x[e] = p;
-                    ls[mma_tile_q(e)] += p;
+                for (int qi = 0; qi < MMA_QPL; qi++) mt[qi] = FLASH_NEG_INF;
+#pragma unroll
+                for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++) {
+                        bool keep = s0 + 16 * n + mma_tile_col(e) <= tw + 16 * rt + mma_tile_row(e);
+                        s[rt][n].x[e] = keep ? s[rt][n].x[e] * sl2 : FLASH_NEG_INF;
+                        mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[rt][n].x[e]);
+                    }
+#pragma unroll
+                for (int qi = 0; qi < MMA_QPL; qi++) {
+                    float m_new = fmaxf(m[rt][qi], mma_row_max(mt[qi]));
+                    alpha[rt][qi] = m[rt][qi] == FLASH_NEG_INF ? 0.0f : exp2f(m[rt][qi] - m_new);
+                    m[rt][qi] = m_new;
+                    ls[qi] = 0.0f;
                 }
 #pragma unroll
-            for (int qi = 0; qi < MMA_QPL; qi++) l[rt][qi] = alpha[rt][qi] * l[rt][qi] + mma_row_sum(ls[qi]);
+                for (int n = 0; n < KT / 16; n++)
 #pragma unroll
-            for (int j = 0; j < HS / 16; j++)
+                    for (int e = 0; e < MMA_SE; e++) {
+                        float x = s[rt][n].x[e], p = x == FLASH_NEG_INF ? 0.0f : exp2f(x - m[rt][mma_tile_q(e)]);
+                        s[rt][n].x[e] = p;
+                        ls[mma_tile_q(e)] += p;
+                    }
 #pragma unroll
-                for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] *= alpha[rt][mma_tile_q(e)];
+                for (int qi = 0; qi < MMA_QPL; qi++) l[rt][qi] = alpha[rt][qi] * l[rt][qi] + mma_row_sum(ls[qi]);
+#pragma unroll
+                for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] *= alpha[rt][mma_tile_q(e)];
+            }
         }
         // O += P V, each V fragment used by both row tiles
 #pragma unroll
         for (int kk = 0; kk < KT / 16; kk++) {
             mma_packed<H> pk[RT];
 #pragma unroll
-            for (int rt = 0; rt < RT; rt++) mma_pack<H>(pk[rt], s[rt][kk], RoundTo<H>());
+            for (int rt = 0; rt < RT; rt++) {
+                if (LEAN) mma_pack_rn<H>(pk[rt], s[rt][kk]);
+                else mma_pack<H>(pk[rt], s[rt][kk], RoundTo<H>());
+            }
 #pragma unroll
             for (int j = 0; j < HS / 16; j++) {
                 mma_vfrag<H> vf;
@@ -854,7 +939,7 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 #pragma unroll
             for (int qi = 0; qi < MMA_QPL; qi++) {
                 int t = tw + 16 * rt + mma_lane_row(qi);
-                if (t < T) lse[head * T + t] = (m[rt][qi] + log2f(l[rt][qi])) * FLASH_LN2;
+                if (t < T) lse[head * T + t] = ((LEAN ? m[rt][qi] * sl2 : m[rt][qi]) + log2f(l[rt][qi])) * FLASH_LN2;
             }
     }
 }
@@ -1081,6 +1166,221 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
+// ---- v5: the backward in one kernel ------------------------------------------------------------------------------
+// v4's dK dV kernel also computes dQ, so S and dP are computed once instead of twice (five products per tile pair
+// instead of seven), as FlashAttention-2's backward does. A block owns 128 key rows (16 per warp, 8 warps) and walks
+// the query tiles of 64 rows from its first key on; per tile, after v4's dK dV work:
+//   - each warp writes its rounded dS^T (16 keys x 64 queries) to shared memory, beside K's 128 rows kept there;
+//   - the block multiplies dQ_tile = dS K (64 queries x HS), each warp one or two 16 x 16 output tiles, summing over
+//     the block's keys in order;
+//   - and adds it into dq. Several key blocks add into the same query rows; FlashAttention-2 uses float atomics
+//     there, whose order (and so the bits) changes from run to run. Here the key blocks of a head take turns in a
+//     fixed order: an int per (head, query tile), zeroed by the launcher, counts the key blocks that have added;
+//     block j waits until it reads j, then adds with atomicAdd (block 0 stores), whose result it never reads; the
+//     adds of one address are done at L2 one after the other, block j's after block j - 1's, so the sum has the
+//     same order, and the same bits, on every run. The block passes the turn on (a fence, then the counter + 1)
+//     after its next tile's products, by when its adds have long been sent; the counter is read before the products
+//     too, so the wait seldom costs anything. The wait relies on the GPU starting blocks in the order of their index
+//     (every block a block waits for has a smaller one: blockIdx.y is the key block), as FlashAttention-3's
+//     deterministic backward and CUTLASS's semaphores do.
+// Shared memory is dynamic (the launcher's FLASH5_SMEM bytes): Q and dO tiles (FLASH5_BUFS buffers: double-buffered
+// where copies are asynchronous, NVIDIA; one on AMD, whose copies return done and whose LDS holds 64 KiB), K, dS^T,
+// lse and delta.
+#if GPULLM_HIP
+#define FLASH5_BUFS 1
+#else
+#define FLASH5_BUFS 2
+#endif
+#define FLASH5_QT 64  // query rows per tile walked
+
+// one thread waits until the counter at s reaches value, then fences: what the blocks that counted wrote before
+// their turn passed is visible to it (and, after a __syncthreads, to its block)
+__device__ __forceinline__ void sem_wait(const int* s, int value) {
+    while (*reinterpret_cast<const volatile int*>(s) < value) {
+    }
+    __threadfence();
+}
+// one thread passes the turn on: the block's writes and adds, ordered before it by a __syncthreads, reach the GPU
+// before the counter moves
+__device__ __forceinline__ void pass_turn(int* s) {
+    __threadfence();
+    atomicAdd(s, 1);
+}
+
+template <int H, int HS>
+__device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                             const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
+                             float* __restrict__ dk, float* __restrict__ dv, int* __restrict__ sem, int T, float scale,
+                             int nh, int ld, int ld_do, int ld_grad) {
+    constexpr int LD = HS + FLASH_PAD, QT = FLASH5_QT, NB = FLASH5_BUFS, KR = FLASH4_ROWS, LDS = QT + FLASH_PAD;
+    constexpr int DQ_TILES = 4 * HS / 16, DQ_PER_WARP = (DQ_TILES + FLASH4_DKDV_WARPS - 1) / FLASH4_DKDV_WARPS;
+    static_assert(QT == 64 && 16 * FLASH4_DKDV_WARPS == KR && 2 * QT == KR, "8 warps of 16 keys, tiles of 64 queries");
+    extern __shared__ __align__(16) unsigned char flash_smem[];
+    typedef unsigned short RowH[LD];
+    typedef unsigned short RowS[LDS];
+    RowH* qd = reinterpret_cast<RowH*>(flash_smem);            // [NB][Q's QT rows, then dO's QT rows]
+    RowH* ks = qd + NB * 2 * QT;                                // K's 128 rows
+    RowS* dss = reinterpret_cast<RowS*>(ks + KR);               // dS^T: 128 keys x QT queries, format H
+    float* ld_s = reinterpret_cast<float*>(dss + KR);           // [NB][lse, delta][QT]
+    const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld), g0 = head_start<HS>(T, nh, ld_grad);
+    q += in0;
+    k += in0;
+    v += in0;
+    dout += head_start<HS>(T, nh, ld_do);
+    dq += g0;
+    dk += g0;
+    dv += g0;
+    lse += head * T;
+    delta += head * T;
+    const int nqt = (T + QT - 1) / QT;
+    sem += head * nqt;
+    const int warp = threadIdx.x / warpSize;
+    const int s_first = blockIdx.y * KR, sw = s_first + 16 * warp;  // key block 0 (the longest walk) first
+    const float sl2 = scale * FLASH_LOG2E;
+    const int ntiles = (T - s_first + QT - 1) / QT;  // s_first < T: the grid has ceil(T / 128) key blocks
+    // K's 128 rows into their place, V's staged in buffer 0 (2 QT = 128 rows)
+    copy_rows<HS, LD>(&ks[0][0], k, s_first, KR, T, ld);
+    copy_rows<HS, LD>(&qd[0][0], v, s_first, KR, T, ld);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads();
+    mma_rows<H> vf[HS / 16];
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) mma_rows_load<H>(vf[kk], &qd[16 * warp][16 * kk], LD);
+    __syncthreads();  // every warp holds its V rows: buffer 0 is free
+    auto issue = [&](int i) {  // query tile i (queries s_first + QT i ...) into buffer i % NB: Q, dO, lse, delta
+        const int tq0 = s_first + i * QT, bb = i % NB;
+        copy_rows<HS, LD>(&qd[bb * 2 * QT][0], q, tq0, QT, T, ld);
+        copy_rows<HS, LD>(&qd[bb * 2 * QT + QT][0], dout, tq0, QT, T, ld_do);
+        for (int x = threadIdx.x; x < 2 * QT; x += blockDim.x) {
+            int c = x % QT, ok = tq0 + c < T;
+            const float* src = x < QT ? lse : delta;
+            copy4_async(&ld_s[(bb * 2 + x / QT) * QT + c], ok ? src + tq0 + c : src, ok);
+        }
+        copy_commit();
+    };
+    issue(0);
+    mma_tile dkt[HS / 16], dvt[HS / 16];
+#pragma unroll
+    for (int j = 0; j < HS / 16; j++) {
+        zero_tile(dkt[j]);
+        zero_tile(dvt[j]);
+    }
+    int* posted = nullptr;  // the turn counter this block has added for and not yet passed on
+    for (int it = 0; it < ntiles; it++) {
+        const int t0 = s_first + it * QT, b = it % NB;
+        copy_wait<0>();
+        __syncthreads();  // tile it is in buffer b; with two buffers every warp is done with the other one
+        if (NB == 2 && it + 1 < ntiles) issue(it + 1);
+        const RowH* qs = qd + b * 2 * QT;
+        const RowH* ds = qs + QT;
+        const float* lse_s = ld_s + b * 2 * QT;
+        const float* del_s = lse_s + QT;
+        // thread 0 reads this tile's turn counter now, to know by the time of the adds whether it must wait
+        int seen = threadIdx.x == 0 && blockIdx.y > 0 ? *reinterpret_cast<const volatile int*>(sem + t0 / QT) : 0;
+        if (t0 + QT - 1 >= sw) {  // some query of the tile is at or after this warp's first key
+            mma_tile st[QT / 16], dpt[QT / 16];
+#pragma unroll
+            for (int n = 0; n < QT / 16; n++) {
+                zero_tile(st[n]);
+                zero_tile(dpt[n]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) {
+                mma_rows<H> kf;  // K's rows from shared memory (kept there for dQ)
+                mma_rows_load<H>(kf, &ks[16 * warp][16 * kk], LD);
+#pragma unroll
+                for (int n = 0; n < QT / 16; n++) {
+                    mma_rows_run<H>(st[n], kf, &qs[16 * n][16 * kk], LD);
+                    mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
+                }
+            }
+            if (t0 < sw + 15)  // the tile crosses the diagonal: mask (see v4's dK dV)
+#pragma unroll
+                for (int n = 0; n < QT / 16; n++)
+#pragma unroll
+                    for (int e = 0; e < MMA_SE; e++)
+                        if (t0 + 16 * n + mma_tile_col(e) < sw + mma_tile_row(e)) st[n].x[e] = FLASH_NEG_INF;
+#pragma unroll
+            for (int n = 0; n < QT / 16; n++)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) {
+                    const int c = 16 * n + mma_tile_col(e);
+                    float p = exp2_fast(fmaf(st[n].x[e], sl2, lse_s[c] * -FLASH_LOG2E));
+                    st[n].x[e] = p;
+                    dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
+                }
+#pragma unroll
+            for (int kk = 0; kk < QT / 16; kk++) {
+                mma_packed<H> pp, pd;
+                mma_pack_rn<H>(pp, st[kk]);
+                mma_pack_rn<H>(pd, dpt[kk]);
+                mma_packed_store<H>(&dss[16 * warp][16 * kk], pd, LDS);
+#pragma unroll
+                for (int j = 0; j < HS / 16; j++) {
+                    mma_packed_run<H>(dvt[j], pp, &ds[16 * kk][16 * j], LD);
+                    mma_packed_run<H>(dkt[j], pd, &qs[16 * kk][16 * j], LD);
+                }
+            }
+        }
+        if (threadIdx.x == 0 && posted) pass_turn(posted);  // the previous tile's (its adds came before the barrier above)
+        posted = nullptr;
+        __syncthreads();  // dS^T of every warp that has keys at or before the tile's queries is in shared memory
+        // dQ_tile = dS K over the key chunks (16 keys, one warp's) that reach the tile: output tile u of this warp is
+        // rows 16 (tile % 4), columns 16 (tile / 4), tile = warp + 8 u
+        const int nk = min(KR / 16, (t0 + QT - 1 - s_first) / 16 + 1);
+        const int r = warp % 4;
+        mma_tile acc[DQ_PER_WARP];
+#pragma unroll
+        for (int u = 0; u < DQ_PER_WARP; u++) zero_tile(acc[u]);
+        for (int c = 0; c < nk; c++) {
+            mma_packed<H> pk;
+            mma_packed_load_t<H>(pk, &dss[16 * c][16 * r], LDS);
+#pragma unroll
+            for (int u = 0; u < DQ_PER_WARP; u++) {
+                const int tile = warp + FLASH4_DKDV_WARPS * u;
+                if (tile < DQ_TILES) {
+                    mma_vfrag<H> kf;
+                    mma_vfrag_load<H>(kf, &ks[16 * c][16 * (tile / 4)], LD);
+                    mma_packed_mul<H>(acc[u], pk, kf);
+                }
+            }
+        }
+        // the fixed order: key block j adds to this query tile after blocks 0 .. j - 1 have (the counter was read
+        // before this tile's products: usually it has long reached j). Their adds were done at L2 before the counter
+        // moved (their fence); ours are sent after thread 0 has read it (the barrier), so they come after theirs.
+        int* turn = sem + t0 / QT;
+        if (threadIdx.x == 0 && seen < (int)blockIdx.y) sem_wait(turn, blockIdx.y);
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < DQ_PER_WARP; u++) {
+            const int tile = warp + FLASH4_DKDV_WARPS * u;
+            if (tile < DQ_TILES)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) {
+                    const int row = t0 + 16 * r + mma_tile_row(e);
+                    float* dst = dq + (long long)row * ld_grad + 16 * (tile / 4) + mma_tile_col(e);
+                    if (row < T) {
+                        if (blockIdx.y == 0) *dst = acc[u].x[e] * scale;  // the first block stores,
+                        else atomicAdd(dst, acc[u].x[e] * scale);         // the others add in turn (no result read)
+                    }
+                }
+        }
+        posted = turn;  // the turn passes after the next tile's products, when these adds have long been sent
+        if (NB == 1 && it + 1 < ntiles) issue(it + 1);
+    }
+    __syncthreads();  // every thread's adds of the last tile were sent
+    if (threadIdx.x == 0 && posted) pass_turn(posted);
+    store_tiles_ld<H, HS>(dk, dkt, sw, T, scale, ld_grad);
+    store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
+}
+
+// the shared memory flash_bwd_v5 takes (bytes), per head size: the launcher's FLASH5_SMEM
+#define FLASH5_SMEM(HS)                                                                                                \
+    (FLASH5_BUFS * 2 * FLASH5_QT * ((HS) + FLASH_PAD) * 2 + FLASH4_ROWS * ((HS) + FLASH_PAD) * 2 +                    \
+     FLASH4_ROWS * (FLASH5_QT + FLASH_PAD) * 2 + FLASH5_BUFS * 2 * FLASH5_QT * 4)
+
 // ---- entry points: one per format and head size -------------------------------------------------------------------
 #define FLASH_ENTRIES(HS, FMT, H)                                                                                     \
     extern "C" __global__ void flash_attention_forward_v2_hs##HS##_##FMT(                                            \
@@ -1120,7 +1420,7 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v4_hs##HS##_##FMT( \
         const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
         float scale) {                                                                                                \
-        flash_forward_v4<H, HS>(q, k, v, out, lse, T, scale, 1, HS, HS);                                                         \
+        flash_forward_v4<H, HS, false>(q, k, v, out, lse, T, scale, 1, HS, HS);                                                         \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
         flash_attention_backward_v4_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
@@ -1142,7 +1442,7 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
         flash_attention_forward_v4_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,    \
                                                       int T, int nh, float scale) {                                   \
         const int C = nh * HS;                                                                                        \
-        flash_forward_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                         \
+        flash_forward_v4<H, HS, false>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                         \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
         flash_attention_backward_v4_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,   \
@@ -1158,6 +1458,34 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
                                                           int nh, float scale) {                                      \
         const int C = nh * HS;                                                                                        \
         flash_dq_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);          \
+    }
+
+// v5: the forward (v4's with the lean merge) and the backward in one kernel, on the heads layout and on the packed
+// layout (as FLASH_ENTRIES_PACKED's). sem: an int per (head, query tile of 64), zeroed before the launch
+#define FLASH_ENTRIES_V5(HS, FMT, H)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v5_hs##HS##_##FMT( \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward_v4<H, HS, true>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
+        flash_attention_forward_v5_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,    \
+                                                      int T, int nh, float scale) {                                   \
+        const int C = nh * HS;                                                                                        \
+        flash_forward_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP) flash_attention_backward_v5_hs##HS##_##FMT( \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
+        const float* lse, const float* delta, float* dq, float* dk, float* dv, int* sem, int T, float scale) {       \
+        flash_bwd_v5<H, HS>(q, k, v, dout, lse, delta, dq, dk, dv, sem, T, scale, 1, HS, HS, HS);                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v5_packed_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,       \
+                                                       const float* lse, const float* delta, float* dqkv, int* sem,   \
+                                                       int T, int nh, float scale) {                                  \
+        const int C = nh * HS;                                                                                        \
+        flash_bwd_v5<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, dqkv + C, dqkv + 2 * C, sem, T, scale, \
+                            nh, 3 * C, C, 3 * C);                                                                     \
     }
 
 FLASH_ENTRIES(16, bf16, 1)
@@ -1184,39 +1512,31 @@ FLASH_ENTRIES_PACKED(16, f16, 2)
 FLASH_ENTRIES_PACKED(32, f16, 2)
 FLASH_ENTRIES_PACKED(48, f16, 2)
 FLASH_ENTRIES_PACKED(64, f16, 2)
+FLASH_ENTRIES_V5(16, bf16, 1)
+FLASH_ENTRIES_V5(32, bf16, 1)
+FLASH_ENTRIES_V5(48, bf16, 1)
+FLASH_ENTRIES_V5(64, bf16, 1)
+FLASH_ENTRIES_V5(16, f16, 2)
+FLASH_ENTRIES_V5(32, f16, 2)
+FLASH_ENTRIES_V5(48, f16, 2)
+FLASH_ENTRIES_V5(64, f16, 2)
 
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
                                                                   float* delta, long long rows, int hs) {
-    flash_delta<1>(out, dout, delta, rows, hs);
+    flash_delta<1, false>(out, dout, delta, rows, hs, 1, 1);
 }
 extern "C" __global__ void flash_attention_backward_v2_delta_f16(const float* out, const unsigned short* dout,
                                                                  float* delta, long long rows, int hs) {
-    flash_delta<2>(out, dout, delta, rows, hs);
+    flash_delta<2, false>(out, dout, delta, rows, hs, 1, 1);
 }
 
-// the packed layout's delta: out and dout (B, T, C) in format H, rows r = (b T + t) nh + h of HS contiguous elements;
-// delta (B, nh, T) float32 as the dK dV and dQ kernels read it
-template <int H>
-__device__ void flash_delta_packed(const unsigned short* __restrict__ out, const unsigned short* __restrict__ dout,
-                                   float* __restrict__ delta, long long rows, int hs, int T, int nh) {
-    const int lane = threadIdx.x % warpSize, warps = blockDim.x / warpSize;
-    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / warpSize; row < rows;
-         row += (long long)gridDim.x * warps) {
-        float acc = 0.0f;
-        for (int j = lane; j < hs; j += warpSize)
-            acc += half_to_f32<H>(dout[row * hs + j]) * half_to_f32<H>(out[row * hs + j]);
-        acc = warp_sum(acc);
-        const long long bt = row / nh, b = bt / T;
-        if (lane == 0) delta[(b * nh + row % nh) * T + bt % T] = acc;
-    }
-}
 extern "C" __global__ void flash_attention_backward_v4_packed_delta_bf16(const unsigned short* out,
                                                                       const unsigned short* dout, float* delta,
                                                                       long long rows, int hs, int T, int nh) {
-    flash_delta_packed<1>(out, dout, delta, rows, hs, T, nh);
+    flash_delta<1, true>(out, dout, delta, rows, hs, T, nh);
 }
 extern "C" __global__ void flash_attention_backward_v4_packed_delta_f16(const unsigned short* out,
                                                                      const unsigned short* dout, float* delta,
                                                                      long long rows, int hs, int T, int nh) {
-    flash_delta_packed<2>(out, dout, delta, rows, hs, T, nh);
+    flash_delta<2, true>(out, dout, delta, rows, hs, T, nh);
 }

@@ -48,6 +48,19 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// 2^x for softmax-style exponents: NVIDIA's ex2.approx.ftz (one MUFU instruction; results below 2^-126 flush to 0,
+// 2^-inf = 0), exp2f elsewhere. exp2f on NVIDIA is ex2.approx without ftz: the same value for every normal result,
+// plus the instructions that keep subnormal results.
+#if GPULLM_CUDA && defined(__CUDA_ARCH__)
+__device__ __forceinline__ float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+__device__ __forceinline__ float exp2_fast(float x) { return exp2f(x); }
+#endif
+
 // Make one warp's (wavefront's) shared-memory writes visible to its other lanes before they read them.
 #if GPULLM_HIP
 __device__ __forceinline__ void warp_sync() {
@@ -177,6 +190,23 @@ template <int H, typename Round>
 __device__ __forceinline__ void mma_pack(mma_packed<H>& pk, const mma_tile& t, Round round) {
     for (int e = 0; e < 4; e++) pk.x[e] = (short)round(t.x[e]);
 }
+// a left operand P[i][k] = p[k * ld + i] (stored transposed) into the registers mma_pack fills; and the reverse of
+// mma_pack's registers: P[i][k] to p[i * ld + k]
+template <int H> __device__ __forceinline__ void mma_packed_load_t(mma_packed<H>& pk, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % warpSize, i = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) pk.x[e] = (short)p[(k0 + e) * ld + i];
+}
+template <int H> __device__ __forceinline__ void mma_packed_store(unsigned short* p, const mma_packed<H>& pk, int ld) {
+    int lane = threadIdx.x % warpSize, i = lane % 16, k0 = 4 * (lane / 16);
+    for (int e = 0; e < 4; e++) p[i * ld + k0 + e] = (unsigned short)pk.x[e];
+}
+// mma_pack rounding to nearest even (gfx90a has no bfloat16 conversion: the bits by hand, NaN not special-cased)
+template <int H> __device__ __forceinline__ void mma_pack_rn(mma_packed<H>& pk, const mma_tile& t) {
+    for (int e = 0; e < 4; e++) {
+        unsigned int b = __float_as_uint(t.x[e]);
+        pk.x[e] = (short)(H == 1 ? (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16 : __half_as_ushort(__float2half_rn(t.x[e])));
+    }
+}
 // t += P V with V's 16 rows at p (tile^T = V^T P^T: V^T as the MFMA's A, P^T, which the lane already holds, as B)
 template <int H>
 __device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>& pk, const unsigned short* p, int ld) {
@@ -302,6 +332,29 @@ __device__ __forceinline__ void mma_pack(mma_packed<H>& pk, const mma_tile& t, R
     for (int i = 0; i < 4; i++)
         pk.r[i] = (unsigned int)round(t.x[2 * i]) | ((unsigned int)round(t.x[2 * i + 1]) << 16);
 }
+// a left operand P[i][k] = p[k * ld + i] (stored transposed) into the registers mma_pack fills: ldmatrix .trans of
+// the four 8x8 blocks; and the reverse of mma_pack's registers: P[i][k] to p[i * ld + k], two elements per store
+template <int H> __device__ __forceinline__ void mma_packed_load_t(mma_packed<H>& pk, const unsigned short* p, int ld) {
+    int lane = threadIdx.x % 32;
+    mma_ldmatrix_trans(pk.r, p + (lane % 8 + 8 * (lane / 16)) * ld + 8 * (lane / 8 % 2));
+}
+template <int H> __device__ __forceinline__ void mma_packed_store(unsigned short* p, const mma_packed<H>& pk, int ld) {
+    int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    for (int i = 0; i < 4; i++) *reinterpret_cast<unsigned int*>(p + (g + 8 * (i % 2)) * ld + 8 * (i / 2) + 2 * c) = pk.r[i];
+}
+// mma_pack rounding to nearest even with the hardware's conversion of two floats at once (cvt.rn.bf16x2.f32 /
+// cvt.rn.f16x2.f32): the bits of half.h's rounding for every number; a NaN becomes the hardware's NaN
+template <int H> __device__ __forceinline__ void mma_pack_rn(mma_packed<H>& pk, const mma_tile& t) {
+    for (int i = 0; i < 4; i++) {
+        if (H == 1) {
+            __nv_bfloat162 h = __floats2bfloat162_rn(t.x[2 * i], t.x[2 * i + 1]);
+            pk.r[i] = *reinterpret_cast<unsigned int*>(&h);
+        } else {
+            __half2 h = __floats2half2_rn(t.x[2 * i], t.x[2 * i + 1]);
+            pk.r[i] = *reinterpret_cast<unsigned int*>(&h);
+        }
+    }
+}
 // t += P V with V's 16 rows at p (row-major): ldmatrix .trans gives the col-major B operand
 template <int H>
 __device__ __forceinline__ void mma_packed_run(mma_tile& t, const mma_packed<H>& pk, const unsigned short* p, int ld) {
@@ -344,6 +397,9 @@ __device__ __forceinline__ void mma_packed_mul(mma_tile& t, const mma_packed<H>&
 //   mma_pack<H>(pk, t, round):  the tile as the left operand of the next product, each element rounded to format H
 //                                by round(float) -> bits (P, in the registers that held S);
 //   mma_packed_run(t, pk, p, ld): t += P V, V[k][j] = p[k * ld + j] in shared memory (V's rows).
+//   mma_pack_rn<H>(pk, t):      mma_pack rounding to nearest even (the hardware's conversion where there is one);
+//   mma_packed_store(p, pk, ld): the packed operand to shared memory, P[i][k] at p[i * ld + k];
+//   mma_packed_load_t(pk, p, ld): a packed (left) operand from shared memory stored transposed, P[i][k] = p[k * ld + i];
 //   mma_kfrag_load(b, p, ld); mma_rows_mul(t, f, b):     mma_rows_run split in two (one B fragment, several F);
 //   mma_vfrag_load(b, p, ld); mma_packed_mul(t, pk, b):  mma_packed_run split in two (one V fragment, several P).
 // Pointers into shared memory; rows 16-byte aligned (ld a multiple of 8).

@@ -3,16 +3,20 @@
 The same names as kernels/numba/flash.py; the inputs are half precision: q, k, v and dout are bfloat16 or float16
 bits (uint16, ``half="bf16"`` or ``"fp16"``), out, lse, dq, dk, dv float32; every product of two tiles runs on the
 matrix units (tensor cores, MFMA) with fp32 accumulation. Versions: v2 passes each product's result through shared
-memory (portable.h's load / run / store tiles) for the softmax; v3 keeps S, P, dP and dS in the
-registers the matrix units wrote (portable.h's register tiles); v4 (the default) is v3 reorganised as
-FlashAttention-2 (128 rows per block, two 16-row tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles
-walked double-buffered with asynchronous copies; GEOMETRY has each kernel's block). The head size must be one the source is compiled for
-(HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T), C-contiguous CuPy arrays.
+memory (portable.h's load / run / store tiles) for the softmax; v3 keeps S, P, dP and dS in the registers the matrix
+units wrote (portable.h's register tiles); v4 is v3 reorganised as FlashAttention-2 (128 rows per block, two 16-row
+tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-buffered with asynchronous copies);
+v5 (the default) is v4 with less work between the products (only the tiles on the diagonal masked, the
+exponential and the rounding to 16 bits one instruction each on NVIDIA) and the backward in one kernel: the dK dV
+kernel also computes dQ, and the key blocks of a head add their dQ into the same rows in a fixed order (turn
+counters), so S and dP are computed once and the bits are the same on every run. GEOMETRY has each kernel's block.
+The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
+C-contiguous CuPy arrays.
 
-The packed launchers (flash_attention_forward_packed / _backward_packed) run v4 on the engine's layout: q, k, v read
-straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
-projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes
-around the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
+The packed launchers (flash_attention_forward_packed / _backward_packed) run v5 (or v4) on the engine's layout: q, k,
+v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
+projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes around
+the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import numpy as np
 from gpullm_lessons.contracts import check_version
 from gpullm_lessons.contracts.flash import check_flash_args, scale_of
 
-VERSIONS = ("v2", "v3", "v4")
-DEFAULT = "v4"
+VERSIONS = ("v2", "v3", "v4", "v5")
+DEFAULT = "v5"
 HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
 HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
 _SUFFIX = {"bf16": "bf16", "fp16": "f16"}
@@ -37,10 +41,26 @@ GEOMETRY = {
     "v2": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
     "v3": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
     "v4": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
+    "v5": {"forward": (128, 4), "backward": (128, 8)},  # v5's backward is one kernel
 }
+PACKED = ("v4", "v5")  # the versions with entry points on the engine's packed layout
+V5_QUERY_TILE = 64  # flash.cu's FLASH5_QT: the query rows of the tiles v5's backward walks (one turn counter each)
 LAUNCHERS = ("flash_attention_forward_packed", "flash_attention_backward_packed")  # the engine's (backends/_collect.py)
 MAX_GRID_Y = 65535
 DELTA_BLOCKS = 4096  # the delta kernel's grid cap (grid-stride over rows)
+DELTA_THREADS = 256  # the delta kernel's block
+
+
+def _delta_launch(rows: int, hs: int):
+    """(grid, block) of the delta kernels: a row of hs elements is shared by flash.cu's lpr lanes (the largest power of
+    two up to 8 dividing its hs / 8 chunks of 16 bytes); the kernels index rows in 32 bits."""
+    if rows >= 2**31:
+        raise ValueError(
+            f"the flash backward's delta pass indexes rows in 32 bits: {rows} rows (B * nh * T) are too many"
+        )
+    chunks = hs // 8
+    lpr = min(chunks & -chunks, 8)
+    return (max(1, min(math.ceil(rows / (DELTA_THREADS // lpr)), DELTA_BLOCKS)),), (DELTA_THREADS,)
 
 
 def supports(hs: int, half) -> bool:
@@ -86,6 +106,40 @@ def _kernel(name):
         raise
 
 
+def _v5_smem(hs: int) -> int:
+    """Bytes of dynamic shared memory v5's backward takes (flash.cu's FLASH5_SMEM): Q and dO tiles in FLASH5_BUFS
+    buffers (two on NVIDIA, one on AMD), K's 128 rows, dS^T (128 x 64), lse and delta."""
+    from gpullm_lessons import device
+
+    bufs = 1 if device.kind() == "rocm" else 2
+    pad = 8
+    return (
+        bufs * 2 * V5_QUERY_TILE * (hs + pad) * 2
+        + 128 * (hs + pad) * 2
+        + 128 * (V5_QUERY_TILE + pad) * 2
+        + bufs * 2 * V5_QUERY_TILE * 4
+    )
+
+
+_SMEM_SET: dict = {}
+
+
+def _run_v5_backward(name, heads, T, hs, before, after):
+    """Launch one of v5's backward entry points over `heads` heads of T rows with the arguments before + (the turn
+    counters,) + after: the counters (an int per head and query tile) zeroed first, the dynamic shared memory allowed
+    past the 48 KiB default where it needs to be."""
+    import cupy as cp
+
+    kern = _kernel(name)
+    smem = _v5_smem(hs)
+    if smem > 48 * 1024 and _SMEM_SET.get(name) is not kern:
+        kern.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[name] = kern
+    turns = cp.zeros(heads * math.ceil(T / V5_QUERY_TILE), cp.int32)
+    grid, block = _launch("v5", "backward", heads, T)
+    kern(grid, block, tuple(before) + (turns,) + tuple(after), shared_mem=smem)
+
+
 def _launch(version, kernel, heads, T):
     """(grid, block) of one of `version`'s kernels ("forward", "dkdv", "dq") over `heads` heads of T rows."""
     from gpullm_lessons import hip
@@ -112,21 +166,25 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     dq, dk, dv is summed in a fixed order (no atomics): the same bits on every run."""
     import cupy as cp
 
-    from gpullm_lessons import hip
-
     fn = "flash_attention_backward"
     heads = [("q", q), ("k", k), ("v", v), ("dout", dout)]
     outs = [("out", out), ("dq", dq), ("dk", dk), ("dv", dv)]
     B, nh, T, hs = _check(fn, version, half, heads, [("lse", lse)], outs)
     if B * nh * T == 0:
         return
+    for name, a in (("out", out), ("dout", dout)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (the delta pass reads 16 bytes at a time)")
     rows = B * nh * T
     delta = cp.empty((B, nh, T), cp.float32)
-    warps = 256 // hip.warp_size()
-    _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(  # every version: one warp per row
-        (min(math.ceil(rows / warps), DELTA_BLOCKS),), (256,), (out, dout, delta, np.int64(rows), np.int32(hs))
+    _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(  # every version
+        *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs))
     )
     scale = scale_of(hs)
+    if version == "v5":
+        name = f"flash_attention_backward_v5_hs{hs}_{_SUFFIX[half]}"
+        _run_v5_backward(name, B * nh, T, hs, (q, k, v, dout, lse, delta, dq, dk, dv), (np.int32(T), scale))
+        return
     _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
         *_launch(version, "dkdv", B * nh, T), (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
     )
@@ -168,24 +226,27 @@ def _check_packed(fn, half, nh, pairs):
     return B, T, nh, hs
 
 
-def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16"):
-    """v4 on the engine's layout: out (B, T, C) uint16 in format `half` = y with its heads side by side, lse (B, nh, T)
-    float32, from qkv (B, T, 3C) uint16 (q, k, v side by side in each row, the bias already added); C = nh * hs."""
+def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAULT):
+    """The forward on the engine's layout (version v5 or v4): out (B, T, C) uint16 in format `half` = y with its heads
+    side by side, lse (B, nh, T) float32, from qkv (B, T, 3C) uint16 (q, k, v side by side in each row, the bias
+    already added); C = nh * hs."""
     fn = "flash_attention_forward_packed"
+    check_version(fn, version, PACKED)
     B, T, nh, hs = _check_packed(
         fn, half, nh, [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("lse", lse, 0, "float32")]
     )
     if B * T == 0:
         return
-    kern = _kernel(f"flash_attention_forward_v4_packed_hs{hs}_{_SUFFIX[half]}")
-    kern(*_launch("v4", "forward", B * nh, T), (qkv, out, lse, np.int32(T), np.int32(nh), scale_of(hs)))
+    kern = _kernel(f"flash_attention_forward_{version}_packed_hs{hs}_{_SUFFIX[half]}")
+    kern(*_launch(version, "forward", B * nh, T), (qkv, out, lse, np.int32(T), np.int32(nh), scale_of(hs)))
 
 
-def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16"):
+def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT):
     """dqkv (B, T, 3C) float32: dq, dk, dv side by side in each row, of out = flash_attention_forward_packed(qkv),
     from qkv, out and dout (B, T, C) uint16 in format `half`, and lse; summed in a fixed order (the same bits on every
-    run). Every element of dqkv is written."""
+    run). Every element of dqkv is written. version: v5 (one kernel) or v4 (dK dV, then dQ)."""
     fn = "flash_attention_backward_packed"
+    check_version(fn, version, PACKED)
     pairs = [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("dout", dout, 1, "uint16")]
     pairs += [("lse", lse, 0, "float32"), ("dqkv", dqkv, 3, "float32")]
     B, T, nh, hs = _check_packed(fn, half, nh, pairs)
@@ -193,17 +254,18 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16"):
         return
     import cupy as cp
 
-    from gpullm_lessons import hip
-
     rows = B * T * nh
     delta = cp.empty((B, nh, T), cp.float32)
-    warps = 256 // hip.warp_size()
     _kernel(f"flash_attention_backward_v4_packed_delta_{_SUFFIX[half]}")(
-        (min(math.ceil(rows / warps), DELTA_BLOCKS),),
-        (256,),
-        (out, dout, delta, np.int64(rows), np.int32(hs), np.int32(T), np.int32(nh)),
+        *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs), np.int32(T), np.int32(nh))
     )
-    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
     suffix = f"hs{hs}_{_SUFFIX[half]}"
+    if version == "v5":
+        args = (np.int32(T), np.int32(nh), scale_of(hs))
+        _run_v5_backward(
+            f"flash_attention_backward_v5_packed_{suffix}", B * nh, T, hs, (qkv, dout, lse, delta, dqkv), args
+        )
+        return
+    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
     _kernel(f"flash_attention_backward_v4_packed_dkdv_{suffix}")(*_launch("v4", "dkdv", B * nh, T), args)
     _kernel(f"flash_attention_backward_v4_packed_dq_{suffix}")(*_launch("v4", "dq", B * nh, T), args)
