@@ -4,8 +4,8 @@ On a GPU: forward (out, lse) and backward (dq, dk, dv) against lesson 01's refer
 half-rounded q, k, v, dout, at T = 1, 7 (one partial tile), 65 (past one block of 64 rows), 130 and 192 (past v4's
 block of 128 rows), 1000 (not a multiple of any tile), 1024, 4096, every compiled head size, bf16 and fp16, and
 B * nh = 192 heads; each output is written into a view of a larger buffer whose guard zones must stay untouched; the
-backward twice gives the same bits (v5's key blocks add into dq in turns: a wrong order shows as other bits on
-the second run). The tolerance is shown to reject the plausible mistakes (no 1/sqrt(hs), the mask
+backward twice gives the same bits (v5's one-kernel backward has its key blocks add into dq in turns: a wrong order
+shows as other bits on the second run). The tolerance is shown to reject the plausible mistakes (no 1/sqrt(hs), the mask
 off by one, dk and dv swapped) on the same inputs. Without a GPU: the argument errors (they need no device) and the
 launcher's block shapes against flash.cu.
 """
@@ -70,7 +70,7 @@ def _guards_intact(buf):
     return np.isnan(g[:GUARD]).all() and np.isnan(g[-GUARD:]).all()
 
 
-def run(shape, half, seed, version=hflash.DEFAULT):
+def run(shape, half, seed, version=hflash.DEFAULT, fused=False):
     import cupy as cp
 
     rng = np.random.default_rng(seed)
@@ -80,11 +80,11 @@ def run(shape, half, seed, version=hflash.DEFAULT):
     bufs, views = zip(*(_guarded(cp, s) for s in (shape, (B, nh, T), shape, shape, shape)))
     out, lse, dq, dk, dv = views
     hflash.flash_attention_forward(dq_, dk_, dv_, out, lse, half=half, version=version)
-    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half, version=version)
+    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half, version=version, fused=fused)
     first = [x.get() for x in (dq, dk, dv)]
     for x in (dq, dk, dv):
         x.fill(np.nan)
-    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half, version=version)
+    hflash.flash_attention_backward(dq_, dk_, dv_, out, ddo, lse, dq, dk, dv, half=half, version=version, fused=fused)
     again = [x.get() for x in (dq, dk, dv)]
     got = [out.get(), lse.get(), *first]
     return got, again, [_guards_intact(b) for b in bufs], (q, k, v, do)
@@ -111,8 +111,22 @@ SHAPES = [
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_flash_matches_the_reference(shape, half, version):
+    _matches_the_reference(shape, half, version, False)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_backward_matches_the_reference(shape, half):
+    """v5's one-kernel backward: the key blocks' dQ sums in turns are the reference's, and the same bits twice (at
+    T = 4096 a query tile's rows get the sums of 32 key blocks, in 192 heads at B * nh = 192)."""
+    _matches_the_reference(shape, half, "v5", True)
+
+
+def _matches_the_reference(shape, half, version, fused):
     seed = int(np.random.default_rng().integers(1 << 30))
-    got, again, guards, inputs = run(shape, half, seed, version)
+    got, again, guards, inputs = run(shape, half, seed, version, fused)
     want = oracle(*inputs)
     names = ("out", "lse", "dq", "dk", "dv")
     assert all(guards), f"an output's guard zone changed (a write outside it): {dict(zip(names, guards))}"
@@ -143,6 +157,8 @@ def test_flash_refuses_what_it_has_no_kernel_for():
         hflash.flash_attention_forward(q, q, q, out, lse, version="v1")
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         hflash.flash_attention_forward(q, q, q, out, lse)
+    with pytest.raises(ValueError, match="fused=True is v5's one-kernel backward; version='v4' has none"):
+        hflash.flash_attention_backward(q, q, q, out, q, lse, out, out, out, version="v4", fused=True)
     assert hflash.supports(64, "bf16") and hflash.supports(16, "fp16")
     assert not hflash.supports(128, "bf16") and not hflash.supports(24, "bf16") and not hflash.supports(64, None)
 
@@ -159,7 +175,7 @@ def test_launch_geometry_matches_the_kernels():
     assert hflash.GEOMETRY["v2"] == hflash.GEOMETRY["v3"] == {"forward": old, "dkdv": old, "dq": old}
     rows, warps, dkdv_warps = defs["FLASH4_ROWS"], defs["FLASH4_WARPS"], defs["FLASH4_DKDV_WARPS"]
     assert hflash.GEOMETRY["v4"] == {"forward": (rows, warps), "dkdv": (rows, dkdv_warps), "dq": (rows, warps)}
-    assert hflash.GEOMETRY["v5"] == {"forward": (rows, warps), "backward": (rows, dkdv_warps)}
+    assert hflash.GEOMETRY["v5"] == dict(hflash.GEOMETRY["v4"], fused=(rows, dkdv_warps))
     assert hflash.V5_QUERY_TILE == defs["FLASH5_QT"]
     # v5's dynamic shared memory, as FLASH5_SMEM counts it (two buffers of Q and dO tiles on NVIDIA)
     pad, qt = defs["FLASH_PAD"], defs["FLASH5_QT"]
@@ -177,9 +193,7 @@ def test_flash_names_a_head_size_without_a_kernel():
 
     q = cp.zeros((1, 1, 4, 128), cp.uint16)
     with pytest.raises(ValueError, match=r"head size hs = 128 has no kernel"):
-        hflash.flash_attention_forward(
-            q, q, q, cp.zeros((1, 1, 4, 128), cp.float32), cp.zeros((1, 1, 4), cp.float32)
-        )
+        hflash.flash_attention_forward(q, q, q, cp.zeros((1, 1, 4, 128), cp.float32), cp.zeros((1, 1, 4), cp.float32))
     with pytest.raises(TypeError, match="q must be uint16"):
         f = cp.zeros((1, 1, 4, 64), cp.float32)
         hflash.flash_attention_forward(f, f, f, f, cp.zeros((1, 1, 4), cp.float32))
@@ -237,10 +251,10 @@ PACKED_SHAPES = [
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", hflash.PACKED)
+@pytest.mark.parametrize("version, fused", [("v4", False), ("v5", False), ("v5", True)], ids=["v4", "v5", "v5-fused"])
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version):
+def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version, fused):
     """The packed launchers compute what the same version computes on the heads layout, to the bit: out is its float32
     out rounded to the half format, lse the same; dq, dk, dv are its dq, dk, dv from that rounded out. Every element of out and dqkv is
     written and nothing beside them; the backward gives the same bits twice; and the result is the reference's."""
@@ -257,10 +271,10 @@ def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version
     lbuf, lse = _guarded(cp, (B, nh, T))
     hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half, version=version)
     gbuf, dqkv = _guarded(cp, (B, T, 3 * C))
-    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version, fused=fused)
     first = dqkv.get()
     dqkv.fill(np.nan)
-    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version, fused=fused)
     assert np.array_equal(first.view(np.uint32), dqkv.get().view(np.uint32)), "a second backward gave other bits"
     assert _guards_equal(obuf, 0xFFFF) and _guards_equal(lbuf, np.nan) and _guards_equal(gbuf, np.nan)
     assert np.isfinite(first).all(), f"dqkv: elements never written, seed {seed}"
@@ -274,7 +288,7 @@ def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version
     assert np.array_equal(_unpack(out_bits, nh), _half_bits(out_h.get(), half)), f"out differs, seed {seed}"
     y = cp.asarray(_unpack(_half_values(out_bits, half), nh))  # the rounded out the packed backward reads
     grads = [cp.empty(shape, cp.float32) for _ in range(3)]
-    hflash.flash_attention_backward(*heads[:3], y, heads[3], lse_h, *grads, half=half, version=version)
+    hflash.flash_attention_backward(*heads[:3], y, heads[3], lse_h, *grads, half=half, version=version, fused=fused)
     for i, (name, g) in enumerate(zip(("dq", "dk", "dv"), grads)):
         got = _unpack(first[:, :, i * C : (i + 1) * C], nh)
         assert np.array_equal(got.view(np.uint32), g.get().view(np.uint32)), f"{name} differs, seed {seed}"
@@ -298,6 +312,10 @@ def test_packed_launchers_refuse_bad_arguments():
         hip_backend.flash_attention_forward_packed(qkv, out, lse, 2)
     with pytest.raises(TypeError, match="qkv must be a CuPy array"):
         hip_backend.flash_attention_backward_packed(qkv, out, out, lse, np.zeros((1, 4, 384), np.float32), 2)
+    ((label, kw),) = hip_backend.variants("flash_attention_backward")  # the kernel benchmark's extra row
+    assert label == "v5-fused" and kw == {"version": "v5", "fused": True}
+    with pytest.raises(TypeError, match="qkv must be a CuPy array"):
+        hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, **kw)
     with pytest.raises(ValueError, match="version='v3' is not one of v4, v5"):
         hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, version="v3")
 

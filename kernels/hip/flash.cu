@@ -717,6 +717,10 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 // the packed layout of the engine reads q, k, v straight out of the qkv product's (B, T, 3C) rows (ld = 3C, k and v
 // at columns C and 2C), writes y into the (B, T, C) rows the attention projection reads (in format H) and dq, dk, dv
 // into the (B, T, 3C) float32 rows of dqkv: no head split or merge pass.
+// v5 is these kernels with LEAN = true: less work per element of S between the products. Only the tiles that cross
+// the diagonal are masked (the masked scores become -inf, and 2^-inf = 0 needs no guard; rows and queries past T need
+// no mask, their Q and dO rows being zeros); the scale goes into the exponent's fma; the exponential is exp2_fast
+// (one ex2.approx.ftz on NVIDIA) and two roundings to format H one conversion (mma_pack_rn).
 #define FLASH4_ROWS 128        // rows a v4 block owns
 #define FLASH4_WARPS 4         // forward, dQ: warps per block (two 16-row tiles each)
 #define FLASH4_DKDV_WARPS 8    // dK dV: warps per block (16 key rows each)
@@ -947,7 +951,7 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 // dQ: a block owns 128 query rows (two 16-row tiles per warp) and walks the key tiles up to its last row, each in
 // two halves of 32 keys: S = Q K^T and dP = dO V^T in registers, P = 2^(S scale log2 e - lse log2 e),
 // dS = P (dP - delta), dQ += dS K; every K and V fragment feeds both row tiles.
-template <int H, int HS>
+template <int H, int HS, bool LEAN>
 __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                             const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
@@ -1031,22 +1035,50 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
                     }
                 }
             }
+            if (LEAN) {
+                // v5: only a half that crosses the diagonal is masked (S = -inf, p = 2^-inf = 0). Rows past T need
+                // no mask: their Q and dO rows are zeros and lse, delta 0, so p = 1 and dP = 0 give dS = 0 (and they
+                // are not stored)
+                if (s0 + c0 + KC - 1 > tw)
 #pragma unroll
-            for (int rt = 0; rt < RT; rt++)
+                    for (int rt = 0; rt < RT; rt++)
 #pragma unroll
-                for (int n = 0; n < KC / 16; n++)
+                        for (int n = 0; n < KC / 16; n++)
 #pragma unroll
-                    for (int e = 0; e < MMA_SE; e++) {
-                        int t = tw + 16 * rt + mma_tile_row(e), qi = mma_tile_q(e);
-                        bool keep = s0 + c0 + 16 * n + mma_tile_col(e) <= t && t < T;
-                        float p = keep ? exp2f(s[rt][n].x[e] * sl2 - lse_r[rt][qi]) : 0.0f;
-                        s[rt][n].x[e] = p * (dp[rt][n].x[e] - del_r[rt][qi]);  // dS
-                    }
+                            for (int e = 0; e < MMA_SE; e++)
+                                if (s0 + c0 + 16 * n + mma_tile_col(e) > tw + 16 * rt + mma_tile_row(e))
+                                    s[rt][n].x[e] = FLASH_NEG_INF;
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+                    for (int n = 0; n < KC / 16; n++)
+#pragma unroll
+                        for (int e = 0; e < MMA_SE; e++) {
+                            const int qi = mma_tile_q(e);
+                            float p = exp2_fast(fmaf(s[rt][n].x[e], sl2, -lse_r[rt][qi]));
+                            s[rt][n].x[e] = p * (dp[rt][n].x[e] - del_r[rt][qi]);  // dS
+                        }
+            } else {
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+                    for (int n = 0; n < KC / 16; n++)
+#pragma unroll
+                        for (int e = 0; e < MMA_SE; e++) {
+                            int t = tw + 16 * rt + mma_tile_row(e), qi = mma_tile_q(e);
+                            bool keep = s0 + c0 + 16 * n + mma_tile_col(e) <= t && t < T;
+                            float p = keep ? exp2f(s[rt][n].x[e] * sl2 - lse_r[rt][qi]) : 0.0f;
+                            s[rt][n].x[e] = p * (dp[rt][n].x[e] - del_r[rt][qi]);  // dS
+                        }
+            }
 #pragma unroll
             for (int kk = 0; kk < KC / 16; kk++) {
                 mma_packed<H> pk[RT];
 #pragma unroll
-                for (int rt = 0; rt < RT; rt++) mma_pack<H>(pk[rt], s[rt][kk], RoundTo<H>());
+                for (int rt = 0; rt < RT; rt++) {
+                    if (LEAN) mma_pack_rn<H>(pk[rt], s[rt][kk]);
+                    else mma_pack<H>(pk[rt], s[rt][kk], RoundTo<H>());
+                }
 #pragma unroll
                 for (int j = 0; j < HS / 16; j++) {
                     mma_vfrag<H> kt;
@@ -1064,7 +1096,7 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
 // dK, dV: a block owns 128 key rows (16 per warp, 8 warps) and walks the query tiles from its first key on, double-
 // buffered with their lse and delta; per tile v3's math: S^T = K Q^T and dP^T = V dO^T in registers, P^T,
 // dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in registers.
-template <int H, int HS>
+template <int H, int HS, bool LEAN>
 __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                               const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                               const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
@@ -1140,21 +1172,46 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
                 mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
             }
         }
+        if (LEAN) {
+            // v5: only a tile that crosses the diagonal is masked (S^T = -inf, p = 0). Queries past T need no mask:
+            // their Q and dO rows are zeros and lse, delta 0, so p = 1 meets dO = 0 (no dV) and dP = 0 gives dS = 0
+            if (t0 < sw + 15)
 #pragma unroll
-        for (int n = 0; n < QT / 16; n++)
+                for (int n = 0; n < QT / 16; n++)
 #pragma unroll
-            for (int e = 0; e < MMA_SE; e++) {
-                int c = 16 * n + mma_tile_col(e), tq = t0 + c;
-                bool keep = tq >= sw + mma_tile_row(e) && tq < T;
-                float p = keep ? exp2f(st[n].x[e] * sl2 - lse_s[c] * FLASH_LOG2E) : 0.0f;
-                st[n].x[e] = p;
-                dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
-            }
+                    for (int e = 0; e < MMA_SE; e++)
+                        if (t0 + 16 * n + mma_tile_col(e) < sw + mma_tile_row(e)) st[n].x[e] = FLASH_NEG_INF;
+#pragma unroll
+            for (int n = 0; n < QT / 16; n++)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) {
+                    const int c = 16 * n + mma_tile_col(e);
+                    float p = exp2_fast(fmaf(st[n].x[e], sl2, lse_s[c] * -FLASH_LOG2E));
+                    st[n].x[e] = p;
+                    dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < QT / 16; n++)
+#pragma unroll
+                for (int e = 0; e < MMA_SE; e++) {
+                    int c = 16 * n + mma_tile_col(e), tq = t0 + c;
+                    bool keep = tq >= sw + mma_tile_row(e) && tq < T;
+                    float p = keep ? exp2f(st[n].x[e] * sl2 - lse_s[c] * FLASH_LOG2E) : 0.0f;
+                    st[n].x[e] = p;
+                    dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
+                }
+        }
 #pragma unroll
         for (int kk = 0; kk < QT / 16; kk++) {
             mma_packed<H> pp, pd;
-            mma_pack<H>(pp, st[kk], RoundTo<H>());
-            mma_pack<H>(pd, dpt[kk], RoundTo<H>());
+            if (LEAN) {
+                mma_pack_rn<H>(pp, st[kk]);
+                mma_pack_rn<H>(pd, dpt[kk]);
+            } else {
+                mma_pack<H>(pp, st[kk], RoundTo<H>());
+                mma_pack<H>(pd, dpt[kk], RoundTo<H>());
+            }
 #pragma unroll
             for (int j = 0; j < HS / 16; j++) {
                 mma_packed_run<H>(dvt[j], pp, &ds[16 * kk][16 * j], LD);
@@ -1166,8 +1223,8 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
-// ---- v5: the backward in one kernel ------------------------------------------------------------------------------
-// v4's dK dV kernel also computes dQ, so S and dP are computed once instead of twice (five products per tile pair
+// ---- v5's backward in one kernel (fused=True; slower than the two on the H200, lesson 11) --------------------------
+// The LEAN dK dV kernel also computes dQ, so S and dP are computed once instead of twice (five products per tile pair
 // instead of seven), as FlashAttention-2's backward does. A block owns 128 key rows (16 per warp, 8 warps) and walks
 // the query tiles of 64 rows from its first key on; per tile, after v4's dK dV work:
 //   - each warp writes its rounded dS^T (16 keys x 64 queries) to shared memory, beside K's 128 rows kept there;
@@ -1208,11 +1265,11 @@ __device__ __forceinline__ void pass_turn(int* s) {
 }
 
 template <int H, int HS>
-__device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-                             const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-                             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
-                             float* __restrict__ dk, float* __restrict__ dv, int* __restrict__ sem, int T, float scale,
-                             int nh, int ld, int ld_do, int ld_grad) {
+__device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                                   const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
+                                   const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
+                                   float* __restrict__ dk, float* __restrict__ dv, int* __restrict__ sem, int T,
+                                   float scale, int nh, int ld, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, QT = FLASH5_QT, NB = FLASH5_BUFS, KR = FLASH4_ROWS, LDS = QT + FLASH_PAD;
     constexpr int DQ_TILES = 4 * HS / 16, DQ_PER_WARP = (DQ_TILES + FLASH4_DKDV_WARPS - 1) / FLASH4_DKDV_WARPS;
     static_assert(QT == 64 && 16 * FLASH4_DKDV_WARPS == KR && 2 * QT == KR, "8 warps of 16 keys, tiles of 64 queries");
@@ -1376,7 +1433,7 @@ __device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigne
     store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
-// the shared memory flash_bwd_v5 takes (bytes), per head size: the launcher's FLASH5_SMEM
+// the shared memory flash_bwd_fused_v5 takes (bytes), per head size: the launcher's FLASH5_SMEM
 #define FLASH5_SMEM(HS)                                                                                                \
     (FLASH5_BUFS * 2 * FLASH5_QT * ((HS) + FLASH_PAD) * 2 + FLASH4_ROWS * ((HS) + FLASH_PAD) * 2 +                    \
      FLASH4_ROWS * (FLASH5_QT + FLASH_PAD) * 2 + FLASH5_BUFS * 2 * FLASH5_QT * 4)
@@ -1427,12 +1484,12 @@ __device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigne
                                                         const unsigned short* v, const unsigned short* dout,          \
                                                         const float* lse, const float* delta, float* dk, float* dv,   \
                                                         int T, float scale) {                                         \
-        flash_dkdv_v4<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                                            \
+        flash_dkdv_v4<H, HS, false>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                                            \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_v4_dq_hs##HS##_##FMT( \
         const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
         const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v4<H, HS>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                                   \
+        flash_dq_v4<H, HS, false>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                                   \
     }
 
 // the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
@@ -1449,7 +1506,7 @@ __device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigne
                                                             const float* lse, const float* delta, float* dqkv, int T,  \
                                                             int nh, float scale) {                                    \
         const int C = nh * HS;                                                                                        \
-        flash_dkdv_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, 3 * C, \
+        flash_dkdv_v4<H, HS, false>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, 3 * C, \
                              C, 3 * C);                                                                               \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
@@ -1457,11 +1514,12 @@ __device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigne
                                                           const float* lse, const float* delta, float* dqkv, int T,    \
                                                           int nh, float scale) {                                      \
         const int C = nh * HS;                                                                                        \
-        flash_dq_v4<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);          \
+        flash_dq_v4<H, HS, false>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);          \
     }
 
-// v5: the forward (v4's with the lean merge) and the backward in one kernel, on the heads layout and on the packed
-// layout (as FLASH_ENTRIES_PACKED's). sem: an int per (head, query tile of 64), zeroed before the launch
+// v5: v4's kernels with the lean work between the products (LEAN), on the heads layout and on the packed layout (as
+// FLASH_ENTRIES_PACKED's); and the backward in one kernel (_fused_), sem: an int per (head, query tile of 64), zeroed
+// before the launch
 #define FLASH_ENTRIES_V5(HS, FMT, H)                                                                                  \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v5_hs##HS##_##FMT( \
         const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
@@ -1474,18 +1532,45 @@ __device__ void flash_bwd_v5(const unsigned short* __restrict__ q, const unsigne
         const int C = nh * HS;                                                                                        \
         flash_forward_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP) flash_attention_backward_v5_hs##HS##_##FMT( \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP) flash_attention_backward_v5_fused_hs##HS##_##FMT( \
         const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
         const float* lse, const float* delta, float* dq, float* dk, float* dv, int* sem, int T, float scale) {       \
-        flash_bwd_v5<H, HS>(q, k, v, dout, lse, delta, dq, dk, dv, sem, T, scale, 1, HS, HS, HS);                   \
+        flash_bwd_fused_v5<H, HS>(q, k, v, dout, lse, delta, dq, dk, dv, sem, T, scale, 1, HS, HS, HS);                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_v5_packed_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,       \
+        flash_attention_backward_v5_fused_packed_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,       \
                                                        const float* lse, const float* delta, float* dqkv, int* sem,   \
                                                        int T, int nh, float scale) {                                  \
         const int C = nh * HS;                                                                                        \
-        flash_bwd_v5<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, dqkv + C, dqkv + 2 * C, sem, T, scale, \
+        flash_bwd_fused_v5<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, dqkv + C, dqkv + 2 * C, sem, T, scale, \
                             nh, 3 * C, C, 3 * C);                                                                     \
+    } \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v5_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
+                                                     const unsigned short* v, const unsigned short* dout,             \
+                                                     const float* lse, const float* delta, float* dk, float* dv,      \
+                                                     int T, float scale) {                                            \
+        flash_dkdv_v4<H, HS, true>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_v5_dq_hs##HS##_##FMT( \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
+        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
+        flash_dq_v4<H, HS, true>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                             \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v5_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,   \
+                                                            const float* lse, const float* delta, float* dqkv, int T,  \
+                                                            int nh, float scale) {                                    \
+        const int C = nh * HS;                                                                                        \
+        flash_dkdv_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
+                                   3 * C, C, 3 * C);                                                                  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
+        flash_attention_backward_v5_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,     \
+                                                          const float* lse, const float* delta, float* dqkv, int T,    \
+                                                          int nh, float scale) {                                      \
+        const int C = nh * HS;                                                                                        \
+        flash_dq_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);    \
     }
 
 FLASH_ENTRIES(16, bf16, 1)

@@ -13,10 +13,17 @@ from .._collect import collect
 
 _LAUNCHERS, _OWNERS = collect("gpullm_lessons.backends.hip")
 globals().update(_LAUNCHERS)
-__all__ = sorted(_LAUNCHERS) + ["versions"]
+__all__ = sorted(_LAUNCHERS) + ["versions", "variants"]
 
 
 def versions(op: str) -> list:
     """Versions of `op`'s backward (e.g. 'softmax'; or its step: 'adamw'), in order."""
     mod = _OWNERS.get(f"{op}_backward") or _OWNERS.get(f"{op}_step")  # adamw: adamw_step
     return list(getattr(mod, "VERSIONS", ())) if mod is not None else []
+
+
+def variants(launcher: str) -> list:
+    """(label, keyword arguments) of a launcher's other ways to run beside its versions (a module's VARIANTS, e.g.
+    flash's one-kernel backward), which the kernel benchmark times as rows of their own."""
+    mod = _OWNERS.get(launcher)
+    return list(getattr(mod, "VARIANTS", {}).get(launcher, [])) if mod is not None else []

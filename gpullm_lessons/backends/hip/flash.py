@@ -6,10 +6,11 @@ matrix units (tensor cores, MFMA) with fp32 accumulation. Versions: v2 passes ea
 memory (portable.h's load / run / store tiles) for the softmax; v3 keeps S, P, dP and dS in the registers the matrix
 units wrote (portable.h's register tiles); v4 is v3 reorganised as FlashAttention-2 (128 rows per block, two 16-row
 tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-buffered with asynchronous copies);
-v5 (the default) is v4 with less work between the products (only the tiles on the diagonal masked, the
-exponential and the rounding to 16 bits one instruction each on NVIDIA) and the backward in one kernel: the dK dV
-kernel also computes dQ, and the key blocks of a head add their dQ into the same rows in a fixed order (turn
-counters), so S and dP are computed once and the bits are the same on every run. GEOMETRY has each kernel's block.
+v5 (the default) is v4 with less work between the products: only the tiles on the diagonal masked, the scale
+folded into the exponent's fma, the exponential and the rounding to 16 bits one instruction each on NVIDIA. v5 also
+has a backward in one kernel (fused=True): the dK dV kernel computes dQ too, and the key blocks of a head add their
+dQ into the same rows in a fixed order (turn counters), so S and dP are computed once and the bits are the same on
+every run; on the H200 it is slower than the two kernels (lesson 11). GEOMETRY has each kernel's block.
 The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
 C-contiguous CuPy arrays.
 
@@ -41,9 +42,11 @@ GEOMETRY = {
     "v2": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
     "v3": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
     "v4": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
-    "v5": {"forward": (128, 4), "backward": (128, 8)},  # v5's backward is one kernel
+    "v5": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4), "fused": (128, 8)},  # fused: one-kernel backward
 }
 PACKED = ("v4", "v5")  # the versions with entry points on the engine's packed layout
+# other ways to run beside the versions (bench kernels times them as rows of their own): v5's one-kernel backward
+VARIANTS = {"flash_attention_backward": [("v5-fused", {"version": "v5", "fused": True})]}
 V5_QUERY_TILE = 64  # flash.cu's FLASH5_QT: the query rows of the tiles v5's backward walks (one turn counter each)
 LAUNCHERS = ("flash_attention_forward_packed", "flash_attention_backward_packed")  # the engine's (backends/_collect.py)
 MAX_GRID_Y = 65535
@@ -136,8 +139,15 @@ def _run_v5_backward(name, heads, T, hs, before, after):
         kern.max_dynamic_shared_size_bytes = smem
         _SMEM_SET[name] = kern
     turns = cp.zeros(heads * math.ceil(T / V5_QUERY_TILE), cp.int32)
-    grid, block = _launch("v5", "backward", heads, T)
+    grid, block = _launch("v5", "fused", heads, T)
     kern(grid, block, tuple(before) + (turns,) + tuple(after), shared_mem=smem)
+
+
+def _check_fused(fn, version, fused):
+    if not isinstance(fused, bool):
+        raise TypeError(f"{fn}: fused must be True or False, got {fused!r}")
+    if fused and version != "v5":
+        raise ValueError(f"{fn}: fused=True is v5's one-kernel backward; version={version!r} has none")
 
 
 def _launch(version, kernel, heads, T):
@@ -160,18 +170,20 @@ def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
     kern(*_launch(version, "forward", B * nh, T), (q, k, v, out, lse, np.int32(T), scale_of(hs)))
 
 
-def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16"):
+def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16", fused=False):
     """dq, dk, dv (float32) of the causal attention out = flash_attention_forward(q, k, v), from the saved out and
     lse; q, k, v, dout uint16 half bits (B, nh, T, hs). The probabilities are recomputed from lse; each element of
-    dq, dk, dv is summed in a fixed order (no atomics): the same bits on every run."""
-    import cupy as cp
-
+    dq, dk, dv is summed in a fixed order: the same bits on every run. fused=True (v5 only): the backward in one
+    kernel, the key blocks adding their dQ in turns (slower than the two kernels on the H200, see lesson 11)."""
     fn = "flash_attention_backward"
+    _check_fused(fn, version, fused)
     heads = [("q", q), ("k", k), ("v", v), ("dout", dout)]
     outs = [("out", out), ("dq", dq), ("dk", dk), ("dv", dv)]
     B, nh, T, hs = _check(fn, version, half, heads, [("lse", lse)], outs)
     if B * nh * T == 0:
         return
+    import cupy as cp
+
     for name, a in (("out", out), ("dout", dout)):
         if a.data.ptr % 16:
             raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (the delta pass reads 16 bytes at a time)")
@@ -181,8 +193,8 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
         *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs))
     )
     scale = scale_of(hs)
-    if version == "v5":
-        name = f"flash_attention_backward_v5_hs{hs}_{_SUFFIX[half]}"
+    if fused:
+        name = f"flash_attention_backward_v5_fused_hs{hs}_{_SUFFIX[half]}"
         _run_v5_backward(name, B * nh, T, hs, (q, k, v, dout, lse, delta, dq, dk, dv), (np.int32(T), scale))
         return
     _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
@@ -241,12 +253,13 @@ def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAU
     kern(*_launch(version, "forward", B * nh, T), (qkv, out, lse, np.int32(T), np.int32(nh), scale_of(hs)))
 
 
-def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT):
+def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT, fused=False):
     """dqkv (B, T, 3C) float32: dq, dk, dv side by side in each row, of out = flash_attention_forward_packed(qkv),
     from qkv, out and dout (B, T, C) uint16 in format `half`, and lse; summed in a fixed order (the same bits on every
-    run). Every element of dqkv is written. version: v5 (one kernel) or v4 (dK dV, then dQ)."""
+    run). Every element of dqkv is written. version: v5 or v4 (dK dV, then dQ); fused=True: v5's one-kernel backward."""
     fn = "flash_attention_backward_packed"
     check_version(fn, version, PACKED)
+    _check_fused(fn, version, fused)
     pairs = [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("dout", dout, 1, "uint16")]
     pairs += [("lse", lse, 0, "float32"), ("dqkv", dqkv, 3, "float32")]
     B, T, nh, hs = _check_packed(fn, half, nh, pairs)
@@ -260,12 +273,12 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
         *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs), np.int32(T), np.int32(nh))
     )
     suffix = f"hs{hs}_{_SUFFIX[half]}"
-    if version == "v5":
+    if fused:
         args = (np.int32(T), np.int32(nh), scale_of(hs))
         _run_v5_backward(
-            f"flash_attention_backward_v5_packed_{suffix}", B * nh, T, hs, (qkv, dout, lse, delta, dqkv), args
+            f"flash_attention_backward_v5_fused_packed_{suffix}", B * nh, T, hs, (qkv, dout, lse, delta, dqkv), args
         )
         return
     args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
-    _kernel(f"flash_attention_backward_v4_packed_dkdv_{suffix}")(*_launch("v4", "dkdv", B * nh, T), args)
-    _kernel(f"flash_attention_backward_v4_packed_dq_{suffix}")(*_launch("v4", "dq", B * nh, T), args)
+    _kernel(f"flash_attention_backward_{version}_packed_dkdv_{suffix}")(*_launch(version, "dkdv", B * nh, T), args)
+    _kernel(f"flash_attention_backward_{version}_packed_dq_{suffix}")(*_launch(version, "dq", B * nh, T), args)
