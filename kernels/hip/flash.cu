@@ -1471,106 +1471,68 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
         flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
     }
 
-// v4's entry points declare their block size (__launch_bounds__): the compilers may then give a thread the registers
-// that size leaves (AMD's default assumes 1024 threads).
-#define FLASH_ENTRIES_V4(HS, FMT, H)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v4_hs##HS##_##FMT( \
+// v4's and v5's entry points (v5: LEAN) declare their block size (__launch_bounds__): the compilers may then give a
+// thread the registers that size leaves (AMD's default assumes 1024 threads).
+#define FLASH_ENTRIES_V4(HS, FMT, H, V, LEAN)                                                                         \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_##V##_hs##HS##_##FMT(\
         const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
         float scale) {                                                                                                \
-        flash_forward_v4<H, HS, false>(q, k, v, out, lse, T, scale, 1, HS, HS);                                                         \
+        flash_forward_v4<H, HS, LEAN>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_v4_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
+        flash_attention_backward_##V##_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,          \
                                                         const unsigned short* v, const unsigned short* dout,          \
                                                         const float* lse, const float* delta, float* dk, float* dv,   \
                                                         int T, float scale) {                                         \
-        flash_dkdv_v4<H, HS, false>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                                            \
+        flash_dkdv_v4<H, HS, LEAN>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_v4_dq_hs##HS##_##FMT( \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_##V##_dq_hs##HS##_##FMT(\
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
         const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v4<H, HS, false>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                                   \
+        flash_dq_v4<H, HS, LEAN>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                             \
     }
 
 // the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
 // C = nh HS; lse and delta (B, nh, T) as in the heads layout
-#define FLASH_ENTRIES_PACKED(HS, FMT, H)                                                                              \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
-        flash_attention_forward_v4_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,    \
-                                                      int T, int nh, float scale) {                                   \
+#define FLASH_ENTRIES_PACKED(HS, FMT, H, V, LEAN)                                                                     \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                             \
+        flash_attention_forward_##V##_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,\
+                                                         int T, int nh, float scale) {                                \
         const int C = nh * HS;                                                                                        \
-        flash_forward_v4<H, HS, false>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                         \
+        flash_forward_v4<H, HS, LEAN>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_v4_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,   \
-                                                            const float* lse, const float* delta, float* dqkv, int T,  \
-                                                            int nh, float scale) {                                    \
+        flash_attention_backward_##V##_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
+                                                               const float* lse, const float* delta, float* dqkv,     \
+                                                               int T, int nh, float scale) {                          \
         const int C = nh * HS;                                                                                        \
-        flash_dkdv_v4<H, HS, false>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, 3 * C, \
-                             C, 3 * C);                                                                               \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
-        flash_attention_backward_v4_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,     \
-                                                          const float* lse, const float* delta, float* dqkv, int T,    \
-                                                          int nh, float scale) {                                      \
-        const int C = nh * HS;                                                                                        \
-        flash_dq_v4<H, HS, false>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);          \
-    }
-
-// v5: v4's kernels with the lean work between the products (LEAN), on the heads layout and on the packed layout (as
-// FLASH_ENTRIES_PACKED's); and the backward in one kernel (_fused_), sem: an int per (head, query tile of 64), zeroed
-// before the launch
-#define FLASH_ENTRIES_V5(HS, FMT, H)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_v5_hs##HS##_##FMT( \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
-        float scale) {                                                                                                \
-        flash_forward_v4<H, HS, true>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
-        flash_attention_forward_v5_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,    \
-                                                      int T, int nh, float scale) {                                   \
-        const int C = nh * HS;                                                                                        \
-        flash_forward_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP) flash_attention_backward_v5_fused_hs##HS##_##FMT( \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
-        const float* lse, const float* delta, float* dq, float* dk, float* dv, int* sem, int T, float scale) {       \
-        flash_bwd_fused_v5<H, HS>(q, k, v, dout, lse, delta, dq, dk, dv, sem, T, scale, 1, HS, HS, HS);                   \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_v5_fused_packed_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,       \
-                                                       const float* lse, const float* delta, float* dqkv, int* sem,   \
-                                                       int T, int nh, float scale) {                                  \
-        const int C = nh * HS;                                                                                        \
-        flash_bwd_fused_v5<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, dqkv + C, dqkv + 2 * C, sem, T, scale, \
-                            nh, 3 * C, C, 3 * C);                                                                     \
-    } \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_v5_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
-                                                     const unsigned short* v, const unsigned short* dout,             \
-                                                     const float* lse, const float* delta, float* dk, float* dv,      \
-                                                     int T, float scale) {                                            \
-        flash_dkdv_v4<H, HS, true>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_v5_dq_hs##HS##_##FMT( \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
-        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v4<H, HS, true>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                             \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_v5_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,   \
-                                                            const float* lse, const float* delta, float* dqkv, int T,  \
-                                                            int nh, float scale) {                                    \
-        const int C = nh * HS;                                                                                        \
-        flash_dkdv_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
+        flash_dkdv_v4<H, HS, LEAN>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
                                    3 * C, C, 3 * C);                                                                  \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                            \
-        flash_attention_backward_v5_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,     \
-                                                          const float* lse, const float* delta, float* dqkv, int T,    \
-                                                          int nh, float scale) {                                      \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                             \
+        flash_attention_backward_##V##_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
+                                                             const float* lse, const float* delta, float* dqkv, int T,\
+                                                             int nh, float scale) {                                   \
         const int C = nh * HS;                                                                                        \
-        flash_dq_v4<H, HS, true>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);    \
+        flash_dq_v4<H, HS, LEAN>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);   \
+    }
+
+// v5's backward in one kernel, on both layouts; sem: an int per (head, query tile of 64), zeroed before the launch
+#define FLASH_ENTRIES_FUSED(HS, FMT, H)                                                                               \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v5_fused_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,            \
+                                                      const unsigned short* v, const unsigned short* dout,            \
+                                                      const float* lse, const float* delta, float* dq, float* dk,     \
+                                                      float* dv, int* sem, int T, float scale) {                      \
+        flash_bwd_fused_v5<H, HS>(q, k, v, dout, lse, delta, dq, dk, dv, sem, T, scale, 1, HS, HS, HS);               \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_v5_fused_packed_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
+                                                             const float* lse, const float* delta, float* dqkv,       \
+                                                             int* sem, int T, int nh, float scale) {                  \
+        const int C = nh * HS;                                                                                        \
+        flash_bwd_fused_v5<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, dqkv + C, dqkv + 2 * C, sem, T,  \
+                                  scale, nh, 3 * C, C, 3 * C);                                                        \
     }
 
 FLASH_ENTRIES(16, bf16, 1)
@@ -1581,30 +1543,46 @@ FLASH_ENTRIES(16, f16, 2)
 FLASH_ENTRIES(32, f16, 2)
 FLASH_ENTRIES(48, f16, 2)
 FLASH_ENTRIES(64, f16, 2)
-FLASH_ENTRIES_V4(16, bf16, 1)
-FLASH_ENTRIES_V4(32, bf16, 1)
-FLASH_ENTRIES_V4(48, bf16, 1)
-FLASH_ENTRIES_V4(64, bf16, 1)
-FLASH_ENTRIES_V4(16, f16, 2)
-FLASH_ENTRIES_V4(32, f16, 2)
-FLASH_ENTRIES_V4(48, f16, 2)
-FLASH_ENTRIES_V4(64, f16, 2)
-FLASH_ENTRIES_PACKED(16, bf16, 1)
-FLASH_ENTRIES_PACKED(32, bf16, 1)
-FLASH_ENTRIES_PACKED(48, bf16, 1)
-FLASH_ENTRIES_PACKED(64, bf16, 1)
-FLASH_ENTRIES_PACKED(16, f16, 2)
-FLASH_ENTRIES_PACKED(32, f16, 2)
-FLASH_ENTRIES_PACKED(48, f16, 2)
-FLASH_ENTRIES_PACKED(64, f16, 2)
-FLASH_ENTRIES_V5(16, bf16, 1)
-FLASH_ENTRIES_V5(32, bf16, 1)
-FLASH_ENTRIES_V5(48, bf16, 1)
-FLASH_ENTRIES_V5(64, bf16, 1)
-FLASH_ENTRIES_V5(16, f16, 2)
-FLASH_ENTRIES_V5(32, f16, 2)
-FLASH_ENTRIES_V5(48, f16, 2)
-FLASH_ENTRIES_V5(64, f16, 2)
+FLASH_ENTRIES_V4(16, bf16, 1, v4, false)
+FLASH_ENTRIES_V4(16, bf16, 1, v5, true)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v4, false)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v5, true)
+FLASH_ENTRIES_FUSED(16, bf16, 1)
+FLASH_ENTRIES_V4(32, bf16, 1, v4, false)
+FLASH_ENTRIES_V4(32, bf16, 1, v5, true)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v4, false)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v5, true)
+FLASH_ENTRIES_FUSED(32, bf16, 1)
+FLASH_ENTRIES_V4(48, bf16, 1, v4, false)
+FLASH_ENTRIES_V4(48, bf16, 1, v5, true)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v4, false)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v5, true)
+FLASH_ENTRIES_FUSED(48, bf16, 1)
+FLASH_ENTRIES_V4(64, bf16, 1, v4, false)
+FLASH_ENTRIES_V4(64, bf16, 1, v5, true)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v4, false)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v5, true)
+FLASH_ENTRIES_FUSED(64, bf16, 1)
+FLASH_ENTRIES_V4(16, f16, 2, v4, false)
+FLASH_ENTRIES_V4(16, f16, 2, v5, true)
+FLASH_ENTRIES_PACKED(16, f16, 2, v4, false)
+FLASH_ENTRIES_PACKED(16, f16, 2, v5, true)
+FLASH_ENTRIES_FUSED(16, f16, 2)
+FLASH_ENTRIES_V4(32, f16, 2, v4, false)
+FLASH_ENTRIES_V4(32, f16, 2, v5, true)
+FLASH_ENTRIES_PACKED(32, f16, 2, v4, false)
+FLASH_ENTRIES_PACKED(32, f16, 2, v5, true)
+FLASH_ENTRIES_FUSED(32, f16, 2)
+FLASH_ENTRIES_V4(48, f16, 2, v4, false)
+FLASH_ENTRIES_V4(48, f16, 2, v5, true)
+FLASH_ENTRIES_PACKED(48, f16, 2, v4, false)
+FLASH_ENTRIES_PACKED(48, f16, 2, v5, true)
+FLASH_ENTRIES_FUSED(48, f16, 2)
+FLASH_ENTRIES_V4(64, f16, 2, v4, false)
+FLASH_ENTRIES_V4(64, f16, 2, v5, true)
+FLASH_ENTRIES_PACKED(64, f16, 2, v4, false)
+FLASH_ENTRIES_PACKED(64, f16, 2, v5, true)
+FLASH_ENTRIES_FUSED(64, f16, 2)
 
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
                                                                   float* delta, long long rows, int hs) {
