@@ -1,70 +1,41 @@
 """gpullm_lessons.profiling: Nsight Compute's CSV read into per-version rows; the ceilings beside the datasheet."""
-
 import pytest
 
 from gpullm_lessons import bench, profiling
 
-HEADER = [
-    "ID",
-    "Kernel Name",
-    "Grid Size",
-    "gpu__time_duration.sum",
-    "dram__bytes_read.sum",
-    "dram__bytes_write.sum",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "launch__registers_per_thread",
-    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
-    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
-    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
-    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
-]
-UNITS = ["", "", "", "nsecond", "byte", "byte", "%", "register/thread", "sector", "", "inst", "inst"]
+HEADER = ['ID', 'Kernel Name', 'Grid Size', 'gpu__time_duration.sum', 'dram__bytes_read.sum',
+          'dram__bytes_write.sum', 'dram__throughput.avg.pct_of_peak_sustained_elapsed',
+          'launch__registers_per_thread', 'l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum',
+          'l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum',
+          'smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio',
+          'smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio']
+UNITS = ['', '', '', 'nsecond', 'byte', 'byte', '%', 'register/thread', 'sector', '', 'inst', 'inst']
 
 
 def _csv(rows):
     q = lambda r: ",".join(f'"{c}"' for c in r)  # noqa: E731
-    return "\n".join(["==PROF== Connected to process 1", q(HEADER), q(UNITS), *map(q, rows), "==PROF== Disconnected"])
+    return "\n".join(["==PROF== Connected to process 1", q(HEADER), q(UNITS), *map(q, rows),
+                      "==PROF== Disconnected"])
 
 
 def test_ncu_rows_are_attributed_to_the_version_after_each_marker():
-    text = _csv(
-        [
-            ["1", "bench_marker", "(1, 1, 1)", "2", "0", "0", "0", "16", "0", "0", "0", "0"],
-            [
-                "2",
-                "softmax_v1(float*)",
-                "(64, 1, 1)",
-                "1,200",
-                "4000",
-                "2000",
-                "45.5",
-                "32",
-                "800",
-                "100",
-                "9.5",
-                "0.5",
-            ],
-            ["3", "bench_marker", "(2, 1, 1)", "2", "0", "0", "0", "16", "0", "0", "0", "0"],
-            ["4", "partial(float*)", "(8, 1, 1)", "100", "10", "10", "5", "40", "4", "1", "1", "3"],
-            ["5", "finish(float*)", "(8, 1, 1)", "300", "20", "20", "60", "24", "16", "4", "2", "7"],
-        ]
-    )
-    labels = [
-        {"op": "softmax", "backend": "hip", "version": "v1"},
-        {"op": "softmax", "backend": "hip", "version": "v2"},
-    ]
+    text = _csv([
+        ["1", "bench_marker", "(1, 1, 1)", "2", "0", "0", "0", "16", "0", "0", "0", "0"],
+        ["2", "softmax_v1(float*)", "(64, 1, 1)", "1,200", "4000", "2000", "45.5", "32", "800", "100", "9.5", "0.5"],
+        ["3", "bench_marker", "(2, 1, 1)", "2", "0", "0", "0", "16", "0", "0", "0", "0"],
+        ["4", "partial(float*)", "(8, 1, 1)", "100", "10", "10", "5", "40", "4", "1", "1", "3"],
+        ["5", "finish(float*)", "(8, 1, 1)", "300", "20", "20", "60", "24", "16", "4", "2", "7"],
+    ])
+    labels = [{"op": "softmax", "backend": "hip", "version": "v1"}, {"op": "softmax", "backend": "hip", "version": "v2"}]
     kernels = profiling._attribute(profiling.parse_ncu_csv(text), labels)
-    assert [(k["version"], k["kernel"].split("(")[0]) for k in kernels] == [
-        ("v1", "softmax_v1"),
-        ("v2", "partial"),
-        ("v2", "finish"),
-    ]
-    assert kernels[0]["duration_ns"] == 1200.0  # thousands separators read as numbers
+    assert [(k["version"], k["kernel"].split("(")[0]) for k in kernels] == [("v1", "softmax_v1"), ("v2", "partial"),
+                                                                             ("v2", "finish")]
+    assert kernels[0]["duration_ns"] == 1200.0               # thousands separators read as numbers
     rows = {r["version"]: r for r in profiling.summarise(kernels)}
     assert rows["v1"]["ld_sectors_per_request"] == 8.0
     assert rows["v1"]["top_stalls"][0] == ("long_scoreboard", 9.5)
     assert rows["v2"]["kernels"] == 2 and rows["v2"]["duration_us"] == pytest.approx(0.4)
-    assert rows["v2"]["main_kernel"].startswith("finish")  # the longer kernel speaks for the version
+    assert rows["v2"]["main_kernel"].startswith("finish")    # the longer kernel speaks for the version
     assert rows["v2"]["dram_bytes"] == 60
     assert rows["v2"]["top_stalls"][0] == ("barrier", 7.0)
     table = profiling.format_ncu({"card": "card", "date": "d", "rows": list(rows.values())})
@@ -92,64 +63,24 @@ def _ncu(rows):
 
 
 def test_counters_put_the_dram_bytes_beside_the_benchmarks_minimum():
-    ncu = _ncu(
-        [
-            {
-                "op": "softmax",
-                "backend": "hip",
-                "version": "v3",
-                "kernels": 1,
-                "duration_us": 68.0,
-                "dram_bytes": 190e6,
-                "dram_pct_of_peak": 58.0,
-                "achieved_occupancy_pct": 93.0,
-                "registers_per_thread": 16.0,
-                "ld_sectors_per_request": 4.0,
-                "grid_size": 16384.0,
-                "top_stalls": [["long_scoreboard", 17.0]],
-            },
-            {
-                "op": "softmax",
-                "backend": "hip",
-                "version": "v4",
-                "kernels": 1,
-                "duration_us": 79.0,
-                "dram_bytes": 320e6,
-                "dram_pct_of_peak": 84.0,
-                "achieved_occupancy_pct": 90.0,
-                "registers_per_thread": 21.0,
-                "ld_sectors_per_request": 4.0,
-                "grid_size": 2048.0,
-                "top_stalls": [],
-            },
-            {
-                "op": "layernorm",
-                "backend": "hip",
-                "version": "v5",
-                "kernels": 2,
-                "duration_us": 53.0,
-                "dram_bytes": 1e6,
-                "top_stalls": [],
-            },
-            {
-                "op": "softmax",
-                "backend": "torch",
-                "version": "2.11",
-                "kernels": 2,
-                "duration_us": 91.0,
-                "dram_bytes": 360e6,
-                "top_stalls": [],
-            },  # no benchmark row: no ratio, not a guess
-        ]
-    )
-    kernels = {
-        "rows": [{"op": "softmax", "backend": "hip", "version": v, "bytes": 200e6} for v in ("v3", "v4")]
-        + [{"op": "softmax", "backend": "numba", "version": "v4", "bytes": 1.0}]
-    }
+    ncu = _ncu([
+        {"op": "softmax", "backend": "hip", "version": "v3", "kernels": 1, "duration_us": 68.0, "dram_bytes": 190e6,
+         "dram_pct_of_peak": 58.0, "achieved_occupancy_pct": 93.0, "registers_per_thread": 16.0,
+         "ld_sectors_per_request": 4.0, "grid_size": 16384.0, "top_stalls": [["long_scoreboard", 17.0]]},
+        {"op": "softmax", "backend": "hip", "version": "v4", "kernels": 1, "duration_us": 79.0, "dram_bytes": 320e6,
+         "dram_pct_of_peak": 84.0, "achieved_occupancy_pct": 90.0, "registers_per_thread": 21.0,
+         "ld_sectors_per_request": 4.0, "grid_size": 2048.0, "top_stalls": []},
+        {"op": "layernorm", "backend": "hip", "version": "v5", "kernels": 2, "duration_us": 53.0, "dram_bytes": 1e6,
+         "top_stalls": []},
+        {"op": "softmax", "backend": "torch", "version": "2.11", "kernels": 2, "duration_us": 91.0,
+         "dram_bytes": 360e6, "top_stalls": []},                       # no benchmark row: no ratio, not a guess
+    ])
+    kernels = {"rows": [{"op": "softmax", "backend": "hip", "version": v, "bytes": 200e6} for v in ("v3", "v4")]
+               + [{"op": "softmax", "backend": "numba", "version": "v4", "bytes": 1.0}]}
     rows = {(r["backend"], r["version"]): r for r in profiling.counters(ncu, kernels, "softmax")}
-    assert set(rows) == {("hip", "v3"), ("hip", "v4"), ("torch", "2.11")}  # layernorm left out
+    assert set(rows) == {("hip", "v3"), ("hip", "v4"), ("torch", "2.11")}        # layernorm left out
     assert rows[("hip", "v3")]["moved"] == pytest.approx(0.95)
-    assert rows[("hip", "v4")]["moved"] == pytest.approx(1.6)  # its own row, not numba's
+    assert rows[("hip", "v4")]["moved"] == pytest.approx(1.6)                     # its own row, not numba's
     assert rows[("torch", "2.11")]["moved"] is None
     assert rows[("hip", "v3")]["top_stall"] == "long_scoreboard" and rows[("hip", "v4")]["top_stall"] is None
     table = profiling.format_counters(ncu, kernels, "softmax")
@@ -159,58 +90,47 @@ def test_counters_put_the_dram_bytes_beside_the_benchmarks_minimum():
 
 def test_the_stored_counters_cover_every_version_of_the_four_ops():
     from gpullm_lessons import stored
-
     ncu, kernels = stored.load("ncu_h200"), bench.stored_kernels()
     for op in ("softmax", "layernorm", "crossentropy", "adamw"):
         rows = profiling.counters(ncu, kernels, op)
         ours = [r for r in rows if r["backend"] != "torch"]
-        bench_versions = {
-            (r["backend"], r["version"]) for r in kernels["rows"] if r["op"] == op and r["backend"] != "torch"
-        }
+        bench_versions = {(r["backend"], r["version"]) for r in kernels["rows"] if r["op"] == op and r["backend"] != "torch"}
         assert {(r["backend"], r["version"]) for r in ours} == bench_versions, op
         assert all(r["moved"] and 0.5 < r["moved"] < 5 for r in ours), op
 
 
-@pytest.mark.parametrize(
-    "name, family",
-    [
-        ("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm (cuBLAS)"),
-        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm (cuBLAS)"),
-        ("cupy_add__float32_float32_float32", "CuPy elementwise / reduction"),
-        ("layernorm_backward_v5_w4_k3", "layernorm_backward_v5_w4_k3"),
-        (
-            "void at::native::vectorized_elementwise_kernel<4, at::native::Foo>(int, float*)",
-            "void at::native::vectorized_elementwise_kernel",
-        ),
-    ],
-)
+@pytest.mark.parametrize("name, family", [
+    ("nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm (cuBLAS)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm (cuBLAS)"),
+    ("cupy_add__float32_float32_float32", "CuPy elementwise / reduction"),
+    ("layernorm_backward_v5_w4_k3", "layernorm_backward_v5_w4_k3"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::Foo>(int, float*)",
+     "void at::native::vectorized_elementwise_kernel"),
+])
 def test_kernel_families(name, family):
     assert profiling.kernel_family(name) == family
 
 
 def test_a_step_spans_from_its_first_call_to_its_last_gpu_work():
-    ev = [
-        {"kind": "phase", "name": "step", "ts": 0.0, "dur": 100.0},
-        {"kind": "runtime", "name": "cudaLaunchKernel", "ts": 5.0, "dur": 1.0},
-        {"kind": "kernel", "name": "k", "ts": 7.0, "dur": 10.0},
-        {"kind": "memcpy", "name": "m", "ts": 20.0, "dur": 3.0},
-        {"kind": "runtime", "name": "cudaDeviceSynchronize", "ts": 90.0, "dur": 2.0},
-    ]
+    ev = [{"kind": "phase", "name": "step", "ts": 0.0, "dur": 100.0},
+          {"kind": "runtime", "name": "cudaLaunchKernel", "ts": 5.0, "dur": 1.0},
+          {"kind": "kernel", "name": "k", "ts": 7.0, "dur": 10.0},
+          {"kind": "memcpy", "name": "m", "ts": 20.0, "dur": 3.0},
+          {"kind": "runtime", "name": "cudaDeviceSynchronize", "ts": 90.0, "dur": 2.0}]
     assert profiling.step_span(ev) == pytest.approx(18.0)
     assert profiling.step_span([e for e in ev if e["kind"] != "kernel" and e["kind"] != "memcpy"]) == 0.0
 
 
 def test_the_stored_timelines_show_the_graph_step_without_launch_gaps():
     from gpullm_lessons import stored, viz
-
     for name in ("timeline_course_h200", "timeline_gpt2_h200"):
         t = stored.load(name)
         fams = profiling.kernel_families(t, "graph")
         assert sum(n for _, n, _ in fams) == t["graph"]["kernels"]
         assert fams[0][0] == "gemm (cuBLAS)"
         eager, graph = t["eager"], t["graph"]
-        assert abs(eager["gpu_busy_us"] - graph["gpu_busy_us"]) < 0.05 * graph["gpu_busy_us"]  # same kernels
-        assert graph["span_us"] < eager["span_us"]  # the graph removes the GPU's waiting
+        assert abs(eager["gpu_busy_us"] - graph["gpu_busy_us"]) < 0.05 * graph["gpu_busy_us"]   # same kernels
+        assert graph["span_us"] < eager["span_us"]                       # the graph removes the GPU's waiting
         assert graph["span_us"] == pytest.approx(profiling.step_span(graph["events"]))
         text = profiling.format_timeline(t) + "\n" + profiling.format_kernel_families(t)
         assert all(len(line) <= 100 for line in text.splitlines())
@@ -223,7 +143,7 @@ def test_the_kernel_table_shows_gpu_time_and_host_time_for_every_row():
     ok = [r for r in result["rows"] if "error" not in r]
     assert ok and all("host_ms" in r and r["host_ms"] > 0 for r in ok)
     numba = [r for r in ok if r["backend"] == "numba"]
-    assert numba and sum(r["timing"] == "graph" for r in numba) >= len(numba) - 1  # Numba captured like CuPy
+    assert numba and sum(r["timing"] == "graph" for r in numba) >= len(numba) - 1   # Numba captured like CuPy
     table = bench.format_kernels(result)
     assert "host us" in table and all(len(line) <= 100 for line in table.splitlines())
     row = next(r for r in ok if r["backend"] == "numba" and r["timing"] == "graph")
