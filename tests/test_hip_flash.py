@@ -120,7 +120,7 @@ def test_flash_matches_the_reference(shape, half, version):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fused_backward_matches_the_reference(shape, half):
     """v5's one-kernel backward: the key blocks' dQ sums in turns are the reference's, and the same bits twice (at
-    T = 4096 the last query tiles' rows get the sums of 32 key blocks, in 192 heads at B * nh = 192)."""
+    T = 4096 the last query tiles' rows get the sums of 32 key blocks; at B * nh = 192, 192 heads take turns at once)."""
     _matches_the_reference(shape, half, "v5", True)
 
 
