@@ -225,7 +225,7 @@ def _flash_cases(small: bool, randn) -> list:
         Case("flash_bwd", label, bwd_args, (8 * T * hs + T) * heads * 4, 5 * causal * 2, bound="compute",
              torch=_torch_sdpa_backward(), launcher="flash_attention_backward", family="flash_attention",
              backends=("numba",)),
-        # bf16 inputs: HIP's versions (backends/hip/flash.py's VERSIONS: v2 to v5, and its VARIANTS) on the matrix units beside
+        # bf16 inputs: HIP's versions (flash.py's VERSIONS, v2 to v5, and VARIANTS) on the matrix units beside
         # PyTorch's flash kernel (SDPA on bf16 tensors)
         Case("flash_fwd_bf16", label, fwd_bf16, hbytes, 2 * causal * 2, bound="compute_bf16",
              torch=_torch_sdpa_forward_bf16, launcher="flash_attention_forward", family="flash_attention",
@@ -428,6 +428,27 @@ def kernel_row(result: dict, op: str, backend: str, version=None):
     rows = [r for r in result["rows"] if r["op"] == op and r["backend"] == backend and "error" not in r
             and (version is None or r["version"] == version)]
     return min(rows, key=lambda r: r["ms"]) if rows else None
+
+
+def format_version_table(result: dict, ops, versions, before: str, after: str) -> str:
+    """The HIP rows of `versions` and PyTorch's per op of a kernel_results / stored result, ms, TFLOP/s and the share
+    of the bf16 matmul rate; under each op, how much faster `after` is than `before` and its time against PyTorch's.
+    A version the result lacks is left out."""
+    lines = [f"{result_source(result)}; bf16 matmul rate {result['ceilings']['matmul_bf16']['TFLOP/s']:.0f} TFLOP/s",
+             f"{'op':<16}{'kernel':<10}{'ms':>8}{'TFLOP/s':>9}{'% of rate':>11}"]
+    for op in ops:
+        rows = {v: kernel_row(result, op, "hip", v) for v in versions}
+        rows["PyTorch"] = kernel_row(result, op, "torch")
+        for name, r in rows.items():
+            if r:
+                lines.append(f"{op:<16}{name:<10}{r['ms']:8.3f}{r['TFLOP/s']:9.0f}"
+                             f"{100 * r['fraction_of_ceiling']:10.0f}%")
+        b, a, pt = rows.get(before), rows.get(after), rows["PyTorch"]
+        if b and a and pt:
+            lines.append(f"  {op}: {before} -> {after} {b['ms'] / a['ms']:.2f}x faster; {after} takes "
+                         f"{a['ms'] / pt['ms']:.2f}x PyTorch's time")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def result_source(result: dict) -> str:

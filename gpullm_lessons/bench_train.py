@@ -263,6 +263,26 @@ def ops_in_group(result, group) -> dict:
     return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
 
 
+def format_gpu_time_change(old, new, labels=("before", "now")) -> str:
+    """Two gpu_time_profile results of the same step side by side (with_torch): per result our total and PyTorch's,
+    and our attention op by op; then each group's ms in both, beside PyTorch's (new's run)."""
+    from . import stored
+
+    lines = []
+    for label, prof in zip(labels, (old, new)):
+        att = ops_in_group(prof, "attention")
+        lines.append(f"{label} ({stored.describe(prof)}): our kernels {prof['total_ms']:.1f} ms per step, PyTorch's "
+                     f"{prof['torch']['total_ms']:.1f}; attention {sum(att.values()):.2f} ms: "
+                     + ", ".join(f"{op} {ms:.2f}" for op, ms in att.items()))
+    lines += ["", f"{'group':<24}{labels[0]:>8}{labels[1]:>8}{'PyTorch':>9}"]
+    before = {g: ours for g, ours, _ in grouped_gpu_time(old)}
+    now = {g: (ours, theirs or 0.0) for g, ours, theirs in grouped_gpu_time(new)}
+    for group in list(now) + [g for g in before if g not in now]:  # a group only the old step had: 0 now
+        ours, theirs = now.get(group, (0.0, 0.0))
+        lines.append(f"{group:<24}{before.get(group, 0.0):8.2f}{ours:8.2f}{theirs:9.2f}")
+    return "\n".join(lines)
+
+
 def grouped_gpu_time(result) -> list:
     """[(group, our ms, PyTorch's ms or None)] of a gpu_time_profile result, in GPU_TIME_GROUPS order, "other" last."""
     ours, theirs = {}, {}

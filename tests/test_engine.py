@@ -559,6 +559,18 @@ def test_gpu_time_groups_put_our_ops_and_pytorchs_kernels_side_by_side():
     assert bt.grouped_gpu_time(result) == [("matrix products", 2.0, 3.0), ("optimizer", 1.0, 0.0), ("other", 0.0, 2.0)]
     text = bt.format_gpu_time(result)
     assert "beside PyTorch x eager" in text and "matrix products" in text
+    # two profiles of the step side by side: the totals, our attention op by op, each group in both
+    new = dict(result, total_ms=2.5, rows=[{"op": "gemm", "ms": 1.5, "calls": 3, "us_per_call": 1.0, "shapes": "[]"},
+                                           {"op": "flash_attention_forward_packed", "ms": 0.75, "calls": 1,
+                                            "us_per_call": 1.0, "shapes": "[]"},
+                                           {"op": "split_heads", "ms": 0.25, "calls": 1, "us_per_call": 1.0,
+                                            "shapes": "[]"}])
+    lines = bt.format_gpu_time_change(result, new, ("v4", "v5")).splitlines()
+    assert lines[0].startswith("v4 (") and "our kernels 3.0 ms per step, PyTorch's 5.0; attention 0.00 ms" in lines[0]
+    assert "attention 1.00 ms: flash_attention_forward_packed 0.75, split_heads 0.25" in lines[1]
+    table = {ln.split("  ")[0]: ln.split()[-3:] for ln in lines[3:]}
+    assert table["matrix products"] == ["2.00", "1.50", "3.00"] and table["attention"] == ["0.00", "1.00", "0.00"]
+    assert table["optimizer"] == ["1.00", "0.00", "0.00"]  # only the old step had it
 
 
 def test_gpu_time_profile_records_each_distinct_call_with_its_count():

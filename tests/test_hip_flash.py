@@ -177,11 +177,11 @@ def test_launch_geometry_matches_the_kernels():
     assert hflash.GEOMETRY["v4"] == {"forward": (rows, warps), "dkdv": (rows, dkdv_warps), "dq": (rows, warps)}
     assert hflash.GEOMETRY["v5"] == dict(hflash.GEOMETRY["v4"], fused=(rows, dkdv_warps))
     assert hflash.V5_QUERY_TILE == defs["FLASH5_QT"]
-    # v5's dynamic shared memory, as FLASH5_SMEM counts it (two buffers of Q and dO tiles on NVIDIA)
+    # v5's one-kernel backward's dynamic shared memory (two buffers of Q and dO tiles on NVIDIA)
     pad, qt = defs["FLASH_PAD"], defs["FLASH5_QT"]
     for hs in hflash.HEAD_SIZES:
         want = 2 * 2 * qt * (hs + pad) * 2 + rows * (hs + pad) * 2 + rows * (qt + pad) * 2 + 2 * 2 * qt * 4
-        assert device.kind() == "rocm" or hflash._v5_smem(hs) == want, hs
+        assert device.kind() == "rocm" or hflash._fused_smem(hs) == want, hs
     assert set(hflash.GEOMETRY) == set(hflash.VERSIONS)
     assert min(r for g in hflash.GEOMETRY.values() for r, _ in g.values()) == hflash.ROWS  # _check's grid bound
 

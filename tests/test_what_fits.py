@@ -51,3 +51,21 @@ def test_kernel_row_picks_the_fastest_error_free_row_of_an_op_backend_and_versio
     assert bench.kernel_row(result, "f", "hip", "v4") is None  # only an error row
     assert bench.kernel_row(result, "f", "torch")["ms"] == 0.3
     assert bench.kernel_row(result, "h", "hip") is None
+
+
+def test_version_table_lists_the_versions_and_compares_two_with_pytorch():
+    from gpullm_lessons import bench
+
+    def row(version, ms, backend="hip"):
+        return {"op": "f", "backend": backend, "version": version, "ms": ms, "TFLOP/s": 100 / ms,
+                "fraction_of_ceiling": 0.1 / ms}
+
+    result = {"card": "a card", "date": "d", "ceilings": {"matmul_bf16": {"TFLOP/s": 800.0}},
+              "rows": [row("v3", 0.4), row("v4", 0.2), row("2.11", 0.05, "torch")]}
+    text = bench.format_version_table(result, ["f"], ("v3", "v4", "v5"), "v3", "v4")
+    lines = text.splitlines()
+    assert "bf16 matmul rate 800 TFLOP/s" in lines[0] and "the course's stored run on a card, d" in lines[0]
+    assert [ln.split()[1] for ln in lines[2:5]] == ["v3", "v4", "PyTorch"]  # v5 has no row: left out
+    assert "f: v3 -> v4 2.00x faster; v4 takes 4.00x PyTorch's time" in text
+    # no comparison line when one side is missing
+    assert "faster" not in bench.format_version_table(result, ["f"], ("v3", "v4"), "v4", "v5")

@@ -1240,7 +1240,7 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
 //     too, so the wait seldom costs anything. The wait relies on the GPU starting blocks in the order of their index
 //     (every block a block waits for has a smaller one: blockIdx.y is the key block), as FlashAttention-3's
 //     deterministic backward and CUTLASS's semaphores do.
-// Shared memory is dynamic (the launcher's FLASH5_SMEM bytes): Q and dO tiles (FLASH5_BUFS buffers: double-buffered
+// Shared memory is dynamic (the bytes backends/hip/flash.py's _fused_smem counts): Q and dO tiles (FLASH5_BUFS buffers: double-buffered
 // where copies are asynchronous, NVIDIA; one on AMD, whose copies return done and whose LDS holds 64 KiB), K, dS^T,
 // lse and delta.
 #if GPULLM_HIP
@@ -1432,11 +1432,6 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
     store_tiles_ld<H, HS>(dk, dkt, sw, T, scale, ld_grad);
     store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
-
-// the shared memory flash_bwd_fused_v5 takes (bytes), per head size: the launcher's FLASH5_SMEM
-#define FLASH5_SMEM(HS)                                                                                                \
-    (FLASH5_BUFS * 2 * FLASH5_QT * ((HS) + FLASH_PAD) * 2 + FLASH4_ROWS * ((HS) + FLASH_PAD) * 2 +                    \
-     FLASH4_ROWS * (FLASH5_QT + FLASH_PAD) * 2 + FLASH5_BUFS * 2 * FLASH5_QT * 4)
 
 // ---- entry points: one per format and head size -------------------------------------------------------------------
 #define FLASH_ENTRIES(HS, FMT, H)                                                                                     \

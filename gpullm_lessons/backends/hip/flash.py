@@ -109,9 +109,9 @@ def _kernel(name):
         raise
 
 
-def _v5_smem(hs: int) -> int:
-    """Bytes of dynamic shared memory v5's backward takes (flash.cu's FLASH5_SMEM): Q and dO tiles in FLASH5_BUFS
-    buffers (two on NVIDIA, one on AMD), K's 128 rows, dS^T (128 x 64), lse and delta."""
+def _fused_smem(hs: int) -> int:
+    """Bytes of dynamic shared memory v5's one-kernel backward takes (flash_bwd_fused_v5's layout): Q and dO tiles in
+    FLASH5_BUFS buffers (two on NVIDIA, one on AMD), K's 128 rows, dS^T (128 x 64), lse and delta."""
     from gpullm_lessons import device
 
     bufs = 1 if device.kind() == "rocm" else 2
@@ -127,14 +127,14 @@ def _v5_smem(hs: int) -> int:
 _SMEM_SET: dict = {}
 
 
-def _run_v5_backward(name, heads, T, hs, before, after):
+def _run_fused_backward(name, heads, T, hs, before, after):
     """Launch one of v5's backward entry points over `heads` heads of T rows with the arguments before + (the turn
     counters,) + after: the counters (an int per head and query tile) zeroed first, the dynamic shared memory allowed
     past the 48 KiB default where it needs to be."""
     import cupy as cp
 
     kern = _kernel(name)
-    smem = _v5_smem(hs)
+    smem = _fused_smem(hs)
     if smem > 48 * 1024 and _SMEM_SET.get(name) is not kern:
         kern.max_dynamic_shared_size_bytes = smem
         _SMEM_SET[name] = kern
@@ -195,7 +195,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     scale = scale_of(hs)
     if fused:
         name = f"flash_attention_backward_v5_fused_hs{hs}_{_SUFFIX[half]}"
-        _run_v5_backward(name, B * nh, T, hs, (q, k, v, dout, lse, delta, dq, dk, dv), (np.int32(T), scale))
+        _run_fused_backward(name, B * nh, T, hs, (q, k, v, dout, lse, delta, dq, dk, dv), (np.int32(T), scale))
         return
     _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
         *_launch(version, "dkdv", B * nh, T), (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
@@ -275,7 +275,7 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
     suffix = f"hs{hs}_{_SUFFIX[half]}"
     if fused:
         args = (np.int32(T), np.int32(nh), scale_of(hs))
-        _run_v5_backward(
+        _run_fused_backward(
             f"flash_attention_backward_v5_fused_packed_{suffix}", B * nh, T, hs, (qkv, dout, lse, delta, dqkv), args
         )
         return
