@@ -225,7 +225,7 @@ def _flash_cases(small: bool, randn) -> list:
         Case("flash_bwd", label, bwd_args, (8 * T * hs + T) * heads * 4, 5 * causal * 2, bound="compute",
              torch=_torch_sdpa_backward(), launcher="flash_attention_backward", family="flash_attention",
              backends=("numba",)),
-        # bf16 inputs: HIP's versions (flash.py's VERSIONS, v2 to v5, and VARIANTS) on the matrix units beside
+        # bf16 inputs: HIP's versions (flash.py's VERSIONS, v2 to v6, and VARIANTS) on the matrix units beside
         # PyTorch's flash kernel (SDPA on bf16 tensors)
         Case("flash_fwd_bf16", label, fwd_bf16, hbytes, 2 * causal * 2, bound="compute_bf16",
              torch=_torch_sdpa_forward_bf16, launcher="flash_attention_forward", family="flash_attention",

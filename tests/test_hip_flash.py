@@ -1,4 +1,4 @@
-"""Flash attention v2, v3, v4 and v5, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
+"""Flash attention v2 to v6, the HIP kernels on the matrix units (kernels/hip/flash.cu, backends/hip/flash.py).
 
 On a GPU: forward (out, lse) and backward (dq, dk, dv) against lesson 01's reference attention in float64 on the same
 half-rounded q, k, v, dout, at T = 1, 7 (one partial tile), 65 (past one block of 64 rows), 130 and 192 (past v4's
@@ -153,12 +153,14 @@ def test_flash_refuses_what_it_has_no_kernel_for():
     out = np.zeros((1, 1, 4, 64), np.float32)
     with pytest.raises(ValueError, match="half='fp8' is not one of bf16, fp16"):
         hflash.flash_attention_forward(q, q, q, out, lse, half="fp8")
-    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3, v4, v5"):
+    with pytest.raises(ValueError, match="version='v1' is not one of v2, v3, v4, v5, v6"):
         hflash.flash_attention_forward(q, q, q, out, lse, version="v1")
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         hflash.flash_attention_forward(q, q, q, out, lse)
     with pytest.raises(ValueError, match="fused=True is v5's one-kernel backward; version='v4' has none"):
         hflash.flash_attention_backward(q, q, q, out, q, lse, out, out, out, version="v4", fused=True)
+    with pytest.raises(ValueError, match="fused=True is v5's one-kernel backward; version='v6' has none"):
+        hflash.flash_attention_backward(q, q, q, out, q, lse, out, out, out, fused=True)  # the default is v6
     assert hflash.supports(64, "bf16") and hflash.supports(16, "fp16")
     assert not hflash.supports(128, "bf16") and not hflash.supports(24, "bf16") and not hflash.supports(64, None)
 
@@ -176,6 +178,7 @@ def test_launch_geometry_matches_the_kernels():
     rows, warps, dkdv_warps = defs["FLASH4_ROWS"], defs["FLASH4_WARPS"], defs["FLASH4_DKDV_WARPS"]
     assert hflash.GEOMETRY["v4"] == {"forward": (rows, warps), "dkdv": (rows, dkdv_warps), "dq": (rows, warps)}
     assert hflash.GEOMETRY["v5"] == dict(hflash.GEOMETRY["v4"], fused=(rows, dkdv_warps))
+    assert hflash.GEOMETRY["v6"] == hflash.GEOMETRY["v4"]
     assert hflash.V5_QUERY_TILE == defs["FLASH5_QT"]
     # v5's one-kernel backward's dynamic shared memory (two buffers of Q and dO tiles on NVIDIA)
     pad, qt = defs["FLASH_PAD"], defs["FLASH5_QT"]
@@ -251,7 +254,9 @@ PACKED_SHAPES = [
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("version, fused", [("v4", False), ("v5", False), ("v5", True)], ids=["v4", "v5", "v5-fused"])
+@pytest.mark.parametrize(
+    "version, fused", [("v4", False), ("v5", False), ("v5", True), ("v6", False)], ids=["v4", "v5", "v5-fused", "v6"]
+)
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version, fused):
@@ -316,7 +321,7 @@ def test_packed_launchers_refuse_bad_arguments():
     assert label == "v5-fused" and kw == {"version": "v5", "fused": True}
     with pytest.raises(TypeError, match="qkv must be a CuPy array"):
         hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, **kw)
-    with pytest.raises(ValueError, match="version='v3' is not one of v4, v5"):
+    with pytest.raises(ValueError, match="version='v3' is not one of v4, v5, v6"):
         hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, version="v3")
 
 

@@ -110,6 +110,7 @@ SINGLE_BACKEND = {
     "flash_attention_*_v3_*": "lesson 11's v3: v2 with the softmax in the matrix units' registers, one entry per hs x format",
     "flash_attention_*_v4_*": "lesson 11's v4: v3 as FlashAttention-2 (128-row blocks, double-buffered tiles), per hs x format",
     "flash_attention_*_v5_*": "lesson 11's v5: the backward in one kernel, dQ added by the key blocks in turns, per hs x format",
+    "flash_attention_*_v6_*": "lesson 11's v6: v5 with fewer instructions around the products, per hs x format",
 }
 
 

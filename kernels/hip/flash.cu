@@ -717,10 +717,21 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 // the packed layout of the engine reads q, k, v straight out of the qkv product's (B, T, 3C) rows (ld = 3C, k and v
 // at columns C and 2C), writes y into the (B, T, C) rows the attention projection reads (in format H) and dq, dk, dv
 // into the (B, T, 3C) float32 rows of dqkv: no head split or merge pass.
-// v5 is these kernels with LEAN = true: less work per element of S between the products. Only the tiles that cross
-// the diagonal are masked (the masked scores become -inf, and 2^-inf = 0 needs no guard; rows and queries past T need
-// no mask, their Q and dO rows being zeros); the scale goes into the exponent's fma; the exponential is exp2_fast
-// (one ex2.approx.ftz on NVIDIA) and two roundings to format H one conversion (mma_pack_rn).
+// The template argument LV picks the version: v4 (LV = 0), v5 (1), v6 (2).
+// v5 (LEAN): less work per element of S between the products. Only the tiles that cross the diagonal are masked (the
+// masked scores become -inf, and 2^-inf = 0 needs no guard; rows and queries past T need no mask, their Q and dO rows
+// being zeros); the scale goes into the exponent's fma; the exponential is exp2_fast (one ex2.approx.ftz on NVIDIA)
+// and two roundings to format H one conversion (mma_pack_rn).
+// v6 (FAST) is v5 with fewer instructions around the products; Nsight Compute showed v5's warps issuing an
+// instruction on only 27-41% of cycles, mostly waiting on the result of the instruction before (two warps per
+// scheduler hide little), so:
+//   - copy_rows unrolled for the block's thread count: v5's loop over the block's threads cost ~28 instructions per
+//     16-byte copy (a division, 64-bit address math and a branch each time), a fifth of the forward's instructions;
+//   - results stored two neighbouring columns at a time (a float2, or two 16-bit values in one 32-bit store);
+//   - the products of a tile ordered k-step outer, so that the products issued back to back add into different
+//     accumulators; a row's max and sum as trees (tile_reduce) instead of one chain of dependent operations;
+//   - the forward's O times 1 / l (one reciprocal per row) instead of a division per element.
+// v6's l is summed in another order than v5's, so its bits differ from v5's (not its accuracy).
 #define FLASH4_ROWS 128        // rows a v4 block owns
 #define FLASH4_WARPS 4         // forward, dQ: warps per block (two 16-row tiles each)
 #define FLASH4_DKDV_WARPS 8    // dK dV: warps per block (16 key rows each)
@@ -729,10 +740,26 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 
 // rows [r0, r0 + nrows) of a (T, HS) head into shared memory (row stride LD elements) with asynchronous 16-byte
 // copies; rows past T become zeros. Every thread of the block calls it; copy_commit / copy_wait are the caller's.
-template <int HS, int LD>
+// NT > 0 (v6): the block's threads (blockDim.x), known when compiled: each thread's copies are then unrolled, rows
+// NT / chunks apart, from one address (nrows is a constant at every call); NT = 0: a loop over the block's threads
+template <int HS, int LD, int NT>
 __device__ __forceinline__ void copy_rows(unsigned short* dst, const unsigned short* __restrict__ src, int r0,
                                           int nrows, int T, int ld) {
     constexpr int chunks = HS / 8;  // 8 halves = 16 bytes
+    if (NT > 0 && NT % chunks == 0) {
+        constexpr int step = NT >= chunks ? NT / chunks : 1;
+        const int r = threadIdx.x / chunks, c = threadIdx.x % chunks * 8;
+        const unsigned short* s = src + (long long)(r0 + r) * ld + c;
+        const long long sstep = (long long)step * ld;
+#pragma unroll
+        for (int k = 0; k < nrows / step; k++) {
+            bool ok = r0 + r + k * step < T;
+            copy16_async(dst + (r + k * step) * LD + c, ok ? s + k * sstep : src, ok);
+        }
+        if (nrows % step == 0 || r + nrows / step * step >= nrows) return;
+        bool ok = r0 + r + nrows / step * step < T;
+        copy16_async(dst + (r + nrows / step * step) * LD + c, ok ? s + nrows / step * sstep : src, ok);
+    } else
     for (int i = threadIdx.x; i < nrows * chunks; i += blockDim.x) {
         int r = i / chunks, c = (i % chunks) * 8;
         bool ok = r0 + r < T;
@@ -752,9 +779,24 @@ template <int H> __device__ __forceinline__ void put(unsigned short* p, float x)
 
 // rows [row0, row0 + 16) of a head from a warp's HS / 16 register tiles, times mul, rows ld apart (rows past T left
 // alone); v4's twin of store_tiles
-template <int H, int HS, typename OutT>
+template <int H> __device__ __forceinline__ void put2(float* p, float x, float y) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+}
+template <int H> __device__ __forceinline__ void put2(unsigned short* p, float x, float y) {
+    *reinterpret_cast<unsigned int*>(p) = f32_to_half_bits<H>(x) | ((unsigned int)f32_to_half_bits<H>(y) << 16);
+}
+template <int H, int HS, bool PAIRS, typename OutT>
 __device__ __forceinline__ void store_tiles_ld(OutT* __restrict__ dst, const mma_tile (&t)[HS / 16], int row0, int T,
                                                float mul, int ld) {
+    if (PAIRS) {  // v6: two neighbouring columns (elements e, e + 1 of a lane) in one store
+#pragma unroll
+        for (int j = 0; j < HS / 16; j++)
+#pragma unroll
+            for (int e = 0; e < MMA_SE; e += 2) {
+                int row = row0 + mma_tile_row(e);
+                if (row < T) put2<H>(dst + (long long)row * ld + 16 * j + mma_tile_col(e), t[j].x[e] * mul, t[j].x[e + 1] * mul);
+            }
+    } else
 #pragma unroll
     for (int j = 0; j < HS / 16; j++)
 #pragma unroll
@@ -764,11 +806,37 @@ __device__ __forceinline__ void store_tiles_ld(OutT* __restrict__ dst, const mma
         }
 }
 
-template <int H, int HS, bool LEAN, typename OutT>
+// the max (MAX) or sum of row qi's elements of a lane's N register tiles, as a tree (no chain of N MMA_SE / MMA_QPL
+// dependent operations): each tile's pairs first, then the tiles pairwise
+template <bool MAX, int N>
+__device__ __forceinline__ float tile_reduce(const mma_tile (&t)[N], int qi) {
+    float part[N];
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        float a[MMA_SE / MMA_QPL];
+        int c = 0;
+#pragma unroll
+        for (int e = 0; e < MMA_SE; e++)
+            if (mma_tile_q(e) == qi) a[c++] = t[n].x[e];
+#pragma unroll
+        for (int w = 1; w < MMA_SE / MMA_QPL; w *= 2)
+#pragma unroll
+            for (int i = 0; i + w < MMA_SE / MMA_QPL; i += 2 * w) a[i] = MAX ? fmaxf(a[i], a[i + w]) : a[i] + a[i + w];
+        part[n] = a[0];
+    }
+#pragma unroll
+    for (int w = 1; w < N; w *= 2)
+#pragma unroll
+        for (int i = 0; i + w < N; i += 2 * w) part[i] = MAX ? fmaxf(part[i], part[i + w]) : part[i] + part[i + w];
+    return part[0];
+}
+
+template <int H, int HS, int LV, typename OutT>
 __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                                  const unsigned short* __restrict__ v, OutT* __restrict__ out,
                                  float* __restrict__ lse, int T, float scale, int nh, int ld, int ld_out) {
-    constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, RT = FLASH4_RT;
+    constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, RT = FLASH4_RT, NT = LV >= 2 ? FLASH4_WARPS * MMA_WARP : 0;
+    constexpr bool LEAN = LV >= 1, FAST = LV >= 2;
     static_assert(2 * KT == FLASH4_ROWS, "Q's rows are staged in one buffer of K and V rows");
     __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
     const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld);
@@ -783,9 +851,9 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
     const int t_last = min(T, t0 + FLASH4_ROWS) - 1, ntiles = t_last / KT + 1;
 
     // Q's 128 rows staged in buffer 1, key tile 0 in buffer 0: one group of copies
-    copy_rows<HS, LD>(&kv[1][0][0], q, t0, FLASH4_ROWS, T, ld);
-    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T, ld);
-    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T, ld);
+    copy_rows<HS, LD, NT>(&kv[1][0][0], q, t0, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD, NT>(&kv[0][0][0], k, 0, KT, T, ld);
+    copy_rows<HS, LD, NT>(&kv[0][KT][0], v, 0, KT, T, ld);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -808,14 +876,29 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
         copy_wait<0>();   // this thread's copies of tile it have landed
         __syncthreads();  // everyone's have; every warp is done with buffer 1 - b (tile it - 1, or Q's staging)
         if (it + 1 < ntiles) {
-            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T, ld);
-            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T, ld);
+            copy_rows<HS, LD, NT>(&kv[1 - b][0][0], k, s0 + KT, KT, T, ld);
+            copy_rows<HS, LD, NT>(&kv[1 - b][KT][0], v, s0 + KT, KT, T, ld);
             copy_commit();
         }
         if (s0 > tw + 16 * RT - 1) continue;  // the whole tile is above the diagonal for this warp's rows
         const unsigned short(*ks)[LD] = kv[b];
         const unsigned short(*vs)[LD] = kv[b] + KT;
         mma_tile s[RT][KT / 16];  // S = Q K^T: 16 RT rows x 64 keys, each K fragment used by both row tiles
+        if (FAST) {
+#pragma unroll
+            for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++) zero_tile(s[rt][n]);
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++)
+#pragma unroll
+                for (int n = 0; n < KT / 16; n++) {
+                    mma_kfrag<H> kf;
+                    mma_kfrag_load<H>(kf, &ks[16 * n][16 * kk], LD);
+#pragma unroll
+                    for (int rt = 0; rt < RT; rt++) mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
+                }
+        } else
 #pragma unroll
         for (int n = 0; n < KT / 16; n++) {
 #pragma unroll
@@ -848,10 +931,14 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 #pragma unroll
                         for (int e = 0; e < MMA_SE; e++)
                             if (s0 + 16 * n + mma_tile_col(e) > tw + 16 * rt + mma_tile_row(e)) s[rt][n].x[e] = FLASH_NEG_INF;
+                if (FAST)
 #pragma unroll
-                for (int n = 0; n < KT / 16; n++)
+                    for (int qi = 0; qi < MMA_QPL; qi++) mt[qi] = tile_reduce<true, KT / 16>(s[rt], qi);
+                else
 #pragma unroll
-                    for (int e = 0; e < MMA_SE; e++) mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[rt][n].x[e]);
+                    for (int n = 0; n < KT / 16; n++)
+#pragma unroll
+                        for (int e = 0; e < MMA_SE; e++) mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[rt][n].x[e]);
 #pragma unroll
                 for (int qi = 0; qi < MMA_QPL; qi++) {
                     float m_new = fmaxf(m[rt][qi], mma_row_max(mt[qi]));
@@ -866,8 +953,11 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
                     for (int e = 0; e < MMA_SE; e++) {
                         float p = exp2_fast(fmaf(s[rt][n].x[e], sl2, ms[mma_tile_q(e)]));
                         s[rt][n].x[e] = p;
-                        ls[mma_tile_q(e)] += p;
+                        if (!FAST) ls[mma_tile_q(e)] += p;
                     }
+                if (FAST)
+#pragma unroll
+                    for (int qi = 0; qi < MMA_QPL; qi++) ls[qi] = tile_reduce<false, KT / 16>(s[rt], qi);
 #pragma unroll
                 for (int qi = 0; qi < MMA_QPL; qi++) l[rt][qi] = alpha[rt][qi] * l[rt][qi] + mma_row_sum(ls[qi]);
 #pragma unroll
@@ -937,8 +1027,11 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 #pragma unroll
         for (int j = 0; j < HS / 16; j++)
 #pragma unroll
-            for (int e = 0; e < MMA_SE; e++) o[rt][j].x[e] /= l[rt][mma_tile_q(e)];
-        store_tiles_ld<H, HS>(out, o[rt], tw + 16 * rt, T, 1.0f, ld_out);
+            for (int e = 0; e < MMA_SE; e++) {
+                if (FAST) o[rt][j].x[e] *= 1.0f / l[rt][mma_tile_q(e)];
+                else o[rt][j].x[e] /= l[rt][mma_tile_q(e)];
+            }
+        store_tiles_ld<H, HS, FAST>(out, o[rt], tw + 16 * rt, T, 1.0f, ld_out);
         if (mma_row_leader())
 #pragma unroll
             for (int qi = 0; qi < MMA_QPL; qi++) {
@@ -951,12 +1044,14 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 // dQ: a block owns 128 query rows (two 16-row tiles per warp) and walks the key tiles up to its last row, each in
 // two halves of 32 keys: S = Q K^T and dP = dO V^T in registers, P = 2^(S scale log2 e - lse log2 e),
 // dS = P (dP - delta), dQ += dS K; every K and V fragment feeds both row tiles.
-template <int H, int HS, bool LEAN>
+template <int H, int HS, int LV>
 __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                             const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
                             int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, KC = FLASH4_KC, RT = FLASH4_RT;
+    constexpr int NT = LV >= 2 ? FLASH4_WARPS * MMA_WARP : 0;
+    constexpr bool LEAN = LV >= 1, FAST = LV >= 2;
     static_assert(2 * KT == FLASH4_ROWS, "Q's and dO's rows are staged in the two buffers of K and V rows");
     __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
     const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld);
@@ -979,8 +1074,8 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
             del_r[rt][qi] = t < T ? delta[head * T + t] : 0.0f;
         }
     // Q's 128 rows staged in buffer 0, dO's in buffer 1
-    copy_rows<HS, LD>(&kv[0][0][0], q, t0, FLASH4_ROWS, T, ld);
-    copy_rows<HS, LD>(&kv[1][0][0], dout, t0, FLASH4_ROWS, T, ld_do);
+    copy_rows<HS, LD, NT>(&kv[0][0][0], q, t0, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD, NT>(&kv[1][0][0], dout, t0, FLASH4_ROWS, T, ld_do);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -993,8 +1088,8 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
             mma_rows_load<H>(df[rt][kk], &kv[1][16 * (RT * warp + rt)][16 * kk], LD);
         }
     __syncthreads();  // every warp holds its rows: the staging buffers are free
-    copy_rows<HS, LD>(&kv[0][0][0], k, 0, KT, T, ld);
-    copy_rows<HS, LD>(&kv[0][KT][0], v, 0, KT, T, ld);
+    copy_rows<HS, LD, NT>(&kv[0][0][0], k, 0, KT, T, ld);
+    copy_rows<HS, LD, NT>(&kv[0][KT][0], v, 0, KT, T, ld);
     copy_commit();
     mma_tile dqt[RT][HS / 16];
 #pragma unroll
@@ -1006,8 +1101,8 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         copy_wait<0>();
         __syncthreads();  // tile it is in buffer b; every warp is done with buffer 1 - b
         if (it + 1 < ntiles) {
-            copy_rows<HS, LD>(&kv[1 - b][0][0], k, s0 + KT, KT, T, ld);
-            copy_rows<HS, LD>(&kv[1 - b][KT][0], v, s0 + KT, KT, T, ld);
+            copy_rows<HS, LD, NT>(&kv[1 - b][0][0], k, s0 + KT, KT, T, ld);
+            copy_rows<HS, LD, NT>(&kv[1 - b][KT][0], v, s0 + KT, KT, T, ld);
             copy_commit();
         }
         const unsigned short(*ks)[LD] = kv[b];
@@ -1016,6 +1111,28 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         for (int c0 = 0; c0 < KT; c0 += KC) {
             if (s0 + c0 > tw + 16 * RT - 1) break;  // this half and the next are above the diagonal for the warp's rows
             mma_tile s[RT][KC / 16], dp[RT][KC / 16];
+            if (FAST) {
+#pragma unroll
+                for (int n = 0; n < KC / 16; n++)
+#pragma unroll
+                    for (int rt = 0; rt < RT; rt++) {
+                        zero_tile(s[rt][n]);
+                        zero_tile(dp[rt][n]);
+                    }
+#pragma unroll
+                for (int kk = 0; kk < HS / 16; kk++)
+#pragma unroll
+                    for (int n = 0; n < KC / 16; n++) {
+                        mma_kfrag<H> kf, vf;
+                        mma_kfrag_load<H>(kf, &ks[c0 + 16 * n][16 * kk], LD);
+                        mma_kfrag_load<H>(vf, &vs[c0 + 16 * n][16 * kk], LD);
+#pragma unroll
+                        for (int rt = 0; rt < RT; rt++) {
+                            mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
+                            mma_rows_mul<H>(dp[rt][n], df[rt][kk], vf);
+                        }
+                    }
+            } else
 #pragma unroll
             for (int n = 0; n < KC / 16; n++) {
 #pragma unroll
@@ -1090,18 +1207,19 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         }
     }
 #pragma unroll
-    for (int rt = 0; rt < RT; rt++) store_tiles_ld<H, HS>(dq, dqt[rt], tw + 16 * rt, T, scale, ld_grad);
+    for (int rt = 0; rt < RT; rt++) store_tiles_ld<H, HS, FAST>(dq, dqt[rt], tw + 16 * rt, T, scale, ld_grad);
 }
 
 // dK, dV: a block owns 128 key rows (16 per warp, 8 warps) and walks the query tiles from its first key on, double-
 // buffered with their lse and delta; per tile v3's math: S^T = K Q^T and dP^T = V dO^T in registers, P^T,
 // dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in registers.
-template <int H, int HS, bool LEAN>
+template <int H, int HS, int LV>
 __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                               const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                               const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
                               float* __restrict__ dv, int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
-    constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE;
+    constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE, NT = LV >= 2 ? FLASH4_DKDV_WARPS * MMA_WARP : 0;
+    constexpr bool LEAN = LV >= 1, FAST = LV >= 2;
     static_assert(2 * QT == FLASH4_ROWS && 16 * FLASH4_DKDV_WARPS == FLASH4_ROWS,
                   "K's and V's rows are staged in the two buffers of Q and dO rows, 16 per warp");
     __shared__ __align__(16) unsigned short qd[2][2 * QT][LD];  // [buffer][Q's QT rows, then dO's QT rows]
@@ -1120,8 +1238,8 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     const float sl2 = scale * FLASH_LOG2E;
     const int ntiles = (T - s_first + QT - 1) / QT;  // s_first < T: the grid has ceil(T / 128) key blocks
     // K's 128 rows staged in buffer 0, V's in buffer 1
-    copy_rows<HS, LD>(&qd[0][0][0], k, s_first, FLASH4_ROWS, T, ld);
-    copy_rows<HS, LD>(&qd[1][0][0], v, s_first, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD, NT>(&qd[0][0][0], k, s_first, FLASH4_ROWS, T, ld);
+    copy_rows<HS, LD, NT>(&qd[1][0][0], v, s_first, FLASH4_ROWS, T, ld);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -1135,9 +1253,9 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     // query tile i (queries s_first + QT i ...) into buffer i % 2: Q, dO, lse, delta (zeros past T)
     auto issue = [&](int i) {
         const int tq0 = s_first + i * QT, bb = i % 2;
-        copy_rows<HS, LD>(&qd[bb][0][0], q, tq0, QT, T, ld);
-        copy_rows<HS, LD>(&qd[bb][QT][0], dout, tq0, QT, T, ld_do);
-        for (int x = threadIdx.x; x < 2 * QT; x += blockDim.x) {
+        copy_rows<HS, LD, NT>(&qd[bb][0][0], q, tq0, QT, T, ld);
+        copy_rows<HS, LD, NT>(&qd[bb][QT][0], dout, tq0, QT, T, ld_do);
+        for (int x = threadIdx.x; x < 2 * QT; x += NT > 0 ? NT : blockDim.x) {  // v6: one pass
             int c = x % QT, ok = tq0 + c < T;
             const float* src = x < QT ? lse : delta;
             copy4_async(&ld_s[bb][x / QT][c], ok ? src + tq0 + c : src, ok);
@@ -1162,6 +1280,20 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
         const float* lse_s = ld_s[b][0];
         const float* del_s = ld_s[b][1];
         mma_tile st[QT / 16], dpt[QT / 16];
+        if (FAST) {
+#pragma unroll
+            for (int n = 0; n < QT / 16; n++) {
+                zero_tile(st[n]);
+                zero_tile(dpt[n]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++)
+#pragma unroll
+                for (int n = 0; n < QT / 16; n++) {
+                    mma_rows_run<H>(st[n], kf[kk], &qs[16 * n][16 * kk], LD);
+                    mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
+                }
+        } else
 #pragma unroll
         for (int n = 0; n < QT / 16; n++) {
             zero_tile(st[n]);
@@ -1219,8 +1351,8 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
             }
         }
     }
-    store_tiles_ld<H, HS>(dk, dkt, sw, T, scale, ld_grad);
-    store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
+    store_tiles_ld<H, HS, FAST>(dk, dkt, sw, T, scale, ld_grad);
+    store_tiles_ld<H, HS, FAST>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
 // ---- v5's backward in one kernel (fused=True; slower than the two on the H200, lesson 11) --------------------------
@@ -1297,8 +1429,8 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
     const float sl2 = scale * FLASH_LOG2E;
     const int ntiles = (T - s_first + QT - 1) / QT;  // s_first < T: the grid has ceil(T / 128) key blocks
     // K's 128 rows into their place, V's staged in buffer 0 (2 QT = 128 rows)
-    copy_rows<HS, LD>(&ks[0][0], k, s_first, KR, T, ld);
-    copy_rows<HS, LD>(&qd[0][0], v, s_first, KR, T, ld);
+    copy_rows<HS, LD, 0>(&ks[0][0], k, s_first, KR, T, ld);
+    copy_rows<HS, LD, 0>(&qd[0][0], v, s_first, KR, T, ld);
     copy_commit();
     copy_wait<0>();
     __syncthreads();
@@ -1308,8 +1440,8 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
     __syncthreads();  // every warp holds its V rows: buffer 0 is free
     auto issue = [&](int i) {  // query tile i (queries s_first + QT i ...) into buffer i % NB: Q, dO, lse, delta
         const int tq0 = s_first + i * QT, bb = i % NB;
-        copy_rows<HS, LD>(&qd[bb * 2 * QT][0], q, tq0, QT, T, ld);
-        copy_rows<HS, LD>(&qd[bb * 2 * QT + QT][0], dout, tq0, QT, T, ld_do);
+        copy_rows<HS, LD, 0>(&qd[bb * 2 * QT][0], q, tq0, QT, T, ld);
+        copy_rows<HS, LD, 0>(&qd[bb * 2 * QT + QT][0], dout, tq0, QT, T, ld_do);
         for (int x = threadIdx.x; x < 2 * QT; x += blockDim.x) {
             int c = x % QT, ok = tq0 + c < T;
             const float* src = x < QT ? lse : delta;
@@ -1429,8 +1561,8 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
     }
     __syncthreads();  // every thread's adds of the last tile were sent
     if (threadIdx.x == 0 && posted) pass_turn(posted);
-    store_tiles_ld<H, HS>(dk, dkt, sw, T, scale, ld_grad);
-    store_tiles_ld<H, HS>(dv, dvt, sw, T, 1.0f, ld_grad);
+    store_tiles_ld<H, HS, false>(dk, dkt, sw, T, scale, ld_grad);
+    store_tiles_ld<H, HS, false>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
 // ---- entry points: one per format and head size -------------------------------------------------------------------
@@ -1466,50 +1598,50 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
         flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
     }
 
-// v4's and v5's entry points (v5: LEAN) declare their block size (__launch_bounds__): the compilers may then give a
+// v4's, v5's and v6's entry points (LV = 0, 1, 2) declare their block size (__launch_bounds__): the compilers may then give a
 // thread the registers that size leaves (AMD's default assumes 1024 threads).
-#define FLASH_ENTRIES_V4(HS, FMT, H, V, LEAN)                                                                         \
+#define FLASH_ENTRIES_V4(HS, FMT, H, V, LV)                                                                         \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_##V##_hs##HS##_##FMT(\
         const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
         float scale) {                                                                                                \
-        flash_forward_v4<H, HS, LEAN>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
+        flash_forward_v4<H, HS, LV>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
         flash_attention_backward_##V##_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,          \
                                                         const unsigned short* v, const unsigned short* dout,          \
                                                         const float* lse, const float* delta, float* dk, float* dv,   \
                                                         int T, float scale) {                                         \
-        flash_dkdv_v4<H, HS, LEAN>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
+        flash_dkdv_v4<H, HS, LV>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_##V##_dq_hs##HS##_##FMT(\
         const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
         const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v4<H, HS, LEAN>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                             \
+        flash_dq_v4<H, HS, LV>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                             \
     }
 
 // the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
 // C = nh HS; lse and delta (B, nh, T) as in the heads layout
-#define FLASH_ENTRIES_PACKED(HS, FMT, H, V, LEAN)                                                                     \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                             \
+#define FLASH_ENTRIES_PACKED(HS, FMT, H, V, LV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                            \
         flash_attention_forward_##V##_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,\
                                                          int T, int nh, float scale) {                                \
         const int C = nh * HS;                                                                                        \
-        flash_forward_v4<H, HS, LEAN>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
+        flash_forward_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                      \
         flash_attention_backward_##V##_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
                                                                const float* lse, const float* delta, float* dqkv,     \
                                                                int T, int nh, float scale) {                          \
         const int C = nh * HS;                                                                                        \
-        flash_dkdv_v4<H, HS, LEAN>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
+        flash_dkdv_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
                                    3 * C, C, 3 * C);                                                                  \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                             \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                             \
         flash_attention_backward_##V##_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
                                                              const float* lse, const float* delta, float* dqkv, int T,\
                                                              int nh, float scale) {                                   \
         const int C = nh * HS;                                                                                        \
-        flash_dq_v4<H, HS, LEAN>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);   \
+        flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);   \
     }
 
 // v5's backward in one kernel, on both layouts; sem: an int per (head, query tile of 64), zeroed before the launch
@@ -1538,45 +1670,61 @@ FLASH_ENTRIES(16, f16, 2)
 FLASH_ENTRIES(32, f16, 2)
 FLASH_ENTRIES(48, f16, 2)
 FLASH_ENTRIES(64, f16, 2)
-FLASH_ENTRIES_V4(16, bf16, 1, v4, false)
-FLASH_ENTRIES_V4(16, bf16, 1, v5, true)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v4, false)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v5, true)
+FLASH_ENTRIES_V4(16, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(16, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(16, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v6, 2)
 FLASH_ENTRIES_FUSED(16, bf16, 1)
-FLASH_ENTRIES_V4(32, bf16, 1, v4, false)
-FLASH_ENTRIES_V4(32, bf16, 1, v5, true)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v4, false)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v5, true)
+FLASH_ENTRIES_V4(32, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(32, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(32, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v6, 2)
 FLASH_ENTRIES_FUSED(32, bf16, 1)
-FLASH_ENTRIES_V4(48, bf16, 1, v4, false)
-FLASH_ENTRIES_V4(48, bf16, 1, v5, true)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v4, false)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v5, true)
+FLASH_ENTRIES_V4(48, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(48, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(48, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v6, 2)
 FLASH_ENTRIES_FUSED(48, bf16, 1)
-FLASH_ENTRIES_V4(64, bf16, 1, v4, false)
-FLASH_ENTRIES_V4(64, bf16, 1, v5, true)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v4, false)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v5, true)
+FLASH_ENTRIES_V4(64, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(64, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(64, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v6, 2)
 FLASH_ENTRIES_FUSED(64, bf16, 1)
-FLASH_ENTRIES_V4(16, f16, 2, v4, false)
-FLASH_ENTRIES_V4(16, f16, 2, v5, true)
-FLASH_ENTRIES_PACKED(16, f16, 2, v4, false)
-FLASH_ENTRIES_PACKED(16, f16, 2, v5, true)
+FLASH_ENTRIES_V4(16, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(16, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(16, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(16, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(16, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(16, f16, 2, v6, 2)
 FLASH_ENTRIES_FUSED(16, f16, 2)
-FLASH_ENTRIES_V4(32, f16, 2, v4, false)
-FLASH_ENTRIES_V4(32, f16, 2, v5, true)
-FLASH_ENTRIES_PACKED(32, f16, 2, v4, false)
-FLASH_ENTRIES_PACKED(32, f16, 2, v5, true)
+FLASH_ENTRIES_V4(32, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(32, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(32, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(32, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(32, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(32, f16, 2, v6, 2)
 FLASH_ENTRIES_FUSED(32, f16, 2)
-FLASH_ENTRIES_V4(48, f16, 2, v4, false)
-FLASH_ENTRIES_V4(48, f16, 2, v5, true)
-FLASH_ENTRIES_PACKED(48, f16, 2, v4, false)
-FLASH_ENTRIES_PACKED(48, f16, 2, v5, true)
+FLASH_ENTRIES_V4(48, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(48, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(48, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(48, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(48, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(48, f16, 2, v6, 2)
 FLASH_ENTRIES_FUSED(48, f16, 2)
-FLASH_ENTRIES_V4(64, f16, 2, v4, false)
-FLASH_ENTRIES_V4(64, f16, 2, v5, true)
-FLASH_ENTRIES_PACKED(64, f16, 2, v4, false)
-FLASH_ENTRIES_PACKED(64, f16, 2, v5, true)
+FLASH_ENTRIES_V4(64, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(64, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(64, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(64, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(64, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(64, f16, 2, v6, 2)
 FLASH_ENTRIES_FUSED(64, f16, 2)
 
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,

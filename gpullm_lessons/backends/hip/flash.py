@@ -6,15 +6,16 @@ matrix units (tensor cores, MFMA) with fp32 accumulation. Versions: v2 passes ea
 memory (portable.h's load / run / store tiles) for the softmax; v3 keeps S, P, dP and dS in the registers the matrix
 units wrote (portable.h's register tiles); v4 is v3 reorganised as FlashAttention-2 (128 rows per block, two 16-row
 tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-buffered with asynchronous copies);
-v5 (the default) is v4 with less work between the products: only the tiles on the diagonal masked, the scale
-folded into the exponent's fma, the exponential and the rounding to 16 bits one instruction each on NVIDIA. v5 also
-has a backward in one kernel (fused=True): the dK dV kernel computes dQ too, and the key blocks of a head add their
+v5 is v4 with less work between the products: only the tiles on the diagonal masked, the scale folded into the
+exponent's fma, the exponential and the rounding to 16 bits one instruction each on NVIDIA; v6 (the default) is v5
+with fewer instructions around the products (copies unrolled, results stored in pairs, independent products issued
+back to back, row max and sum as trees, one reciprocal per row). v5 also has a backward in one kernel (fused=True): the dK dV kernel computes dQ too, and the key blocks of a head add their
 dQ into the same rows in a fixed order (turn counters), so S and dP are computed once and the bits are the same on
 every run; on the H200 it is slower than the two kernels (lesson 11). GEOMETRY has each kernel's block.
 The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
 C-contiguous CuPy arrays.
 
-The packed launchers (flash_attention_forward_packed / _backward_packed) run v5 (or v4) on the engine's layout: q, k,
+The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4) on the engine's layout: q, k,
 v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
 projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes around
 the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
@@ -29,8 +30,8 @@ import numpy as np
 from gpullm_lessons.contracts import check_version
 from gpullm_lessons.contracts.flash import check_flash_args, scale_of
 
-VERSIONS = ("v2", "v3", "v4", "v5")
-DEFAULT = "v5"
+VERSIONS = ("v2", "v3", "v4", "v5", "v6")
+DEFAULT = "v6"
 HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
 HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
 _SUFFIX = {"bf16": "bf16", "fp16": "f16"}
@@ -43,8 +44,9 @@ GEOMETRY = {
     "v3": {"forward": (ROWS, WARPS), "dkdv": (ROWS, WARPS), "dq": (ROWS, WARPS)},
     "v4": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
     "v5": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4), "fused": (128, 8)},  # fused: one-kernel backward
+    "v6": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
 }
-PACKED = ("v4", "v5")  # the versions with entry points on the engine's packed layout
+PACKED = ("v4", "v5", "v6")  # the versions with entry points on the engine's packed layout
 # other ways to run beside the versions (bench kernels times them as rows of their own): v5's one-kernel backward
 VARIANTS = {"flash_attention_backward": [("v5-fused", {"version": "v5", "fused": True})]}
 V5_QUERY_TILE = 64  # flash.cu's FLASH5_QT: the query rows of the tiles v5's backward walks (one turn counter each)
@@ -239,7 +241,7 @@ def _check_packed(fn, half, nh, pairs):
 
 
 def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAULT):
-    """The forward on the engine's layout (version v5 or v4): out (B, T, C) uint16 in format `half` = y with its heads
+    """The forward on the engine's layout (version v6, v5 or v4): out (B, T, C) uint16 in format `half` = y with its heads
     side by side, lse (B, nh, T) float32, from qkv (B, T, 3C) uint16 (q, k, v side by side in each row, the bias
     already added); C = nh * hs."""
     fn = "flash_attention_forward_packed"
@@ -256,7 +258,8 @@ def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAU
 def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT, fused=False):
     """dqkv (B, T, 3C) float32: dq, dk, dv side by side in each row, of out = flash_attention_forward_packed(qkv),
     from qkv, out and dout (B, T, C) uint16 in format `half`, and lse; summed in a fixed order (the same bits on every
-    run). Every element of dqkv is written. version: v5 or v4 (dK dV, then dQ); fused=True: v5's one-kernel backward."""
+    run). Every element of dqkv is written. version: v6, v5 or v4 (dK dV, then dQ); fused=True: v5's one-kernel backward
+    (with version="v5")."""
     fn = "flash_attention_backward_packed"
     check_version(fn, version, PACKED)
     _check_fused(fn, version, fused)
