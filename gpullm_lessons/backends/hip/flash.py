@@ -9,14 +9,15 @@ tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-
 v5 is v4 with less work between the products: only the tiles on the diagonal masked, the scale folded into the
 exponent's fma, the exponential and the rounding to 16 bits one instruction each on NVIDIA; v6 (the default) is v5
 with fewer instructions around the products (copies unrolled, results stored in pairs, independent products issued
-back to back, row max and sum as trees, one reciprocal per row). v5 also has a backward in one kernel (fused=True): the dK dV kernel computes dQ too, and the key blocks of a head add their
-dQ into the same rows in a fixed order (turn counters), so S and dP are computed once and the bits are the same on
-every run; on the H200 it is slower than the two kernels (lesson 11). GEOMETRY has each kernel's block.
+back to back, row max and sum as trees, one reciprocal per row). v5 also has a backward in one kernel (fused=True):
+the dK dV kernel computes dQ too, and the key blocks of a head add their dQ into the same rows in a fixed order (turn
+counters), so S and dP are computed once and the bits are the same on every run; on the H200 it is slower than the
+two kernels (lesson 11). GEOMETRY has each kernel's block.
 The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
 C-contiguous CuPy arrays.
 
-The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4) on the engine's layout: q, k,
-v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
+The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4) on the engine's layout: q,
+k, v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
 projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes around
 the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
 """
