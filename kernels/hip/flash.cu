@@ -1044,16 +1044,23 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 // dQ: a block owns 128 query rows (two 16-row tiles per warp) and walks the key tiles up to its last row, each in
 // two halves of 32 keys: S = Q K^T and dP = dO V^T in registers, P = 2^(S scale log2 e - lse log2 e),
 // dS = P (dP - delta), dQ += dS K; every K and V fragment feeds both row tiles.
-template <int H, int HS, int LV>
+// v6 (FAST) runs before the dK dV kernel and computes delta itself (no delta pass): each thread of the first 128 takes
+// one of the block's rows, delta = sum over the row of dO O, dO from the rows staged in shared memory and O (format H
+// on the packed layout, float32 on the heads layout: `out`, rows ld_out apart) from global memory, 8 elements at a
+// time in the same order on both layouts; the block keeps it for its warps and writes it for the dK dV kernel.
+// v4 and v5 read the delta pass's (out is not read).
+template <int H, int HS, int LV, typename OT>
 __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-                            const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-                            const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
-                            int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
+                            const unsigned short* __restrict__ v, const OT* __restrict__ out,
+                            const unsigned short* __restrict__ dout, const float* __restrict__ lse,
+                            float* __restrict__ delta, float* __restrict__ dq, int T, float scale, int nh, int ld,
+                            int ld_out, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, KC = FLASH4_KC, RT = FLASH4_RT;
     constexpr int NT = LV >= 2 ? FLASH4_WARPS * MMA_WARP : 0;
     constexpr bool LEAN = LV >= 1, FAST = LV >= 2;
     static_assert(2 * KT == FLASH4_ROWS, "Q's and dO's rows are staged in the two buffers of K and V rows");
     __shared__ __align__(16) unsigned short kv[2][2 * KT][LD];  // [buffer][K's KT rows, then V's KT rows]
+    __shared__ float del_s[FAST ? FLASH4_ROWS : 1];              // v6: the block's delta
     const long long head = blockIdx.x, in0 = head_start<HS>(T, nh, ld);
     q += in0;
     k += in0;
@@ -1071,7 +1078,7 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         for (int qi = 0; qi < MMA_QPL; qi++) {
             int t = tw + 16 * rt + mma_lane_row(qi);
             lse_r[rt][qi] = t < T ? lse[head * T + t] * FLASH_LOG2E : 0.0f;
-            del_r[rt][qi] = t < T ? delta[head * T + t] : 0.0f;
+            if (!FAST) del_r[rt][qi] = t < T ? delta[head * T + t] : 0.0f;
         }
     // Q's 128 rows staged in buffer 0, dO's in buffer 1
     copy_rows<HS, LD, NT>(&kv[0][0][0], q, t0, FLASH4_ROWS, T, ld);
@@ -1079,6 +1086,30 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
     copy_commit();
     copy_wait<0>();
     __syncthreads();
+    if (FAST) {
+        const int r = threadIdx.x, t = t0 + r;
+        if (r < FLASH4_ROWS) {
+            float acc = 0.0f;
+            if (t < T) {
+                const OT* orow = out + head_start<HS>(T, nh, ld_out) + (long long)t * ld_out;
+#pragma unroll
+                for (int c = 0; c < HS / 8; c++) {
+                    float o[8], d[8];
+                    chunk8<H>(o, orow + 8 * c);
+                    chunk8<H>(d, &kv[1][r][8 * c]);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc += d[i] * o[i];
+                }
+                delta[head * T + t] = acc;
+            }
+            del_s[r] = acc;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+            for (int qi = 0; qi < MMA_QPL; qi++) del_r[rt][qi] = del_s[16 * (RT * warp + rt) + mma_lane_row(qi)];
+    }
     mma_rows<H> qf[RT][HS / 16], df[RT][HS / 16];
 #pragma unroll
     for (int rt = 0; rt < RT; rt++)
@@ -1614,9 +1645,9 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
         flash_dkdv_v4<H, HS, LV>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_##V##_dq_hs##HS##_##FMT(\
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,        \
-        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v4<H, HS, LV>(q, k, v, dout, lse, delta, dq, T, scale, 1, HS, HS, HS);                             \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const float* out,                  \
+        const unsigned short* dout, const float* lse, float* delta, float* dq, int T, float scale) {                  \
+        flash_dq_v4<H, HS, LV>(q, k, v, out, dout, lse, delta, dq, T, scale, 1, HS, HS, HS, HS);                      \
     }
 
 // the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
@@ -1637,11 +1668,12 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
                                    3 * C, C, 3 * C);                                                                  \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                             \
-        flash_attention_backward_##V##_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
-                                                             const float* lse, const float* delta, float* dqkv, int T,\
-                                                             int nh, float scale) {                                   \
+        flash_attention_backward_##V##_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* out, \
+                                                             const unsigned short* dout, const float* lse,            \
+                                                             float* delta, float* dqkv, int T, int nh, float scale) { \
         const int C = nh * HS;                                                                                        \
-        flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, 3 * C);   \
+        flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, C,     \
+                               3 * C);                                                                                \
     }
 
 // v5's backward in one kernel, on both layouts; sem: an int per (head, query tile of 64), zeroed before the launch

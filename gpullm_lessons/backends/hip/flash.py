@@ -48,6 +48,7 @@ GEOMETRY = {
     "v6": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
 }
 PACKED = ("v4", "v5", "v6")  # the versions with entry points on the engine's packed layout
+DQ_DELTA = ("v6",)  # versions whose dQ kernel computes delta itself (it runs first; no delta pass)
 # other ways to run beside the versions (bench kernels times them as rows of their own): v5's one-kernel backward
 VARIANTS = {"flash_attention_backward": [("v5-fused", {"version": "v5", "fused": True})]}
 V5_QUERY_TILE = 64  # flash.cu's FLASH5_QT: the query rows of the tiles v5's backward walks (one turn counter each)
@@ -189,13 +190,21 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
 
     for name, a in (("out", out), ("dout", dout)):
         if a.data.ptr % 16:
-            raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (the delta pass reads 16 bytes at a time)")
+            raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (delta is summed from 16-byte loads)")
     rows = B * nh * T
     delta = cp.empty((B, nh, T), cp.float32)
-    _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(  # every version
-        *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs))
-    )
     scale = scale_of(hs)
+    dq_call = (
+        _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}"),
+        _launch(version, "dq", B * nh, T),
+        (q, k, v, out, dout, lse, delta, dq, np.int32(T), scale),
+    )
+    if version in DQ_DELTA:  # the dQ kernel computes delta (and writes it for the dK dV kernel)
+        dq_call[0](*dq_call[1], dq_call[2])
+    else:
+        _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(
+            *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs))
+        )
     if fused:
         name = f"flash_attention_backward_v5_fused_hs{hs}_{_SUFFIX[half]}"
         _run_fused_backward(name, B * nh, T, hs, (q, k, v, dout, lse, delta, dq, dk, dv), (np.int32(T), scale))
@@ -203,9 +212,8 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
         *_launch(version, "dkdv", B * nh, T), (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
     )
-    _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}")(
-        *_launch(version, "dq", B * nh, T), (q, k, v, dout, lse, delta, dq, np.int32(T), scale)
-    )
+    if version not in DQ_DELTA:
+        dq_call[0](*dq_call[1], dq_call[2])
 
 
 def _check_packed(fn, half, nh, pairs):
@@ -259,8 +267,8 @@ def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAU
 def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT, fused=False):
     """dqkv (B, T, 3C) float32: dq, dk, dv side by side in each row, of out = flash_attention_forward_packed(qkv),
     from qkv, out and dout (B, T, C) uint16 in format `half`, and lse; summed in a fixed order (the same bits on every
-    run). Every element of dqkv is written. version: v6, v5 or v4 (dK dV, then dQ); fused=True: v5's one-kernel backward
-    (with version="v5")."""
+    run). Every element of dqkv is written. version: v6 (dQ computing delta, then dK dV), v5 or v4 (the delta pass, dK
+    dV, then dQ); fused=True: v5's one-kernel backward (with version="v5")."""
     fn = "flash_attention_backward_packed"
     check_version(fn, version, PACKED)
     _check_fused(fn, version, fused)
@@ -273,16 +281,22 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
 
     rows = B * T * nh
     delta = cp.empty((B, nh, T), cp.float32)
+    suffix = f"hs{hs}_{_SUFFIX[half]}"
+    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
+    dq = _kernel(f"flash_attention_backward_{version}_packed_dq_{suffix}")
+    dq_args = (qkv, out) + args[1:]
+    if version in DQ_DELTA:  # dQ first: it computes delta
+        dq(*_launch(version, "dq", B * nh, T), dq_args)
+        _kernel(f"flash_attention_backward_{version}_packed_dkdv_{suffix}")(*_launch(version, "dkdv", B * nh, T), args)
+        return
     _kernel(f"flash_attention_backward_v4_packed_delta_{_SUFFIX[half]}")(
         *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs), np.int32(T), np.int32(nh))
     )
-    suffix = f"hs{hs}_{_SUFFIX[half]}"
     if fused:
         args = (np.int32(T), np.int32(nh), scale_of(hs))
         _run_fused_backward(
             f"flash_attention_backward_v5_fused_packed_{suffix}", B * nh, T, hs, (qkv, dout, lse, delta, dqkv), args
         )
         return
-    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
     _kernel(f"flash_attention_backward_{version}_packed_dkdv_{suffix}")(*_launch(version, "dkdv", B * nh, T), args)
-    _kernel(f"flash_attention_backward_{version}_packed_dq_{suffix}")(*_launch(version, "dq", B * nh, T), args)
+    dq(*_launch(version, "dq", B * nh, T), dq_args)
