@@ -610,9 +610,30 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
+        result = {**result, **run_metadata(args.what, argv if argv is not None else sys.argv[1:])}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def run_metadata(what: str, argv) -> dict:
+    """What a stored result needs to say how it was made: the command (without --json and its path) and, for the
+    runs of the training step with flash attention, the flash kernels' version and layout (the engine runs the packed
+    launchers at their default version)."""
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = True
+        elif not a.startswith("--json="):
+            args.append(a)
+    meta = {"command": " ".join(["python -m gpullm_lessons.bench", *args])}
+    if what in ("train", "gputime", "long", "profile", "timeline") and not any("cublas" in a for a in args):
+        from .backends.hip import flash
+
+        meta.update(flash_version=flash.DEFAULT, flash_layout="packed")
+    return meta
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ fits a memory budget, found by bisection, checked against the model itself witho
 
 import pytest
 
-from gpullm_lessons import bench_train as bt
+from gpullm_lessons import bench, bench_train as bt
 from gpullm_lessons.engine import engine_memory
 from gpullm_lessons.params import GPTConfig
 
@@ -69,3 +69,21 @@ def test_version_table_lists_the_versions_and_compares_two_with_pytorch():
     assert "f: v3 -> v4 2.00x faster; v4 takes 4.00x PyTorch's time" in text
     # no comparison line when one side is missing
     assert "faster" not in bench.format_version_table(result, ["f"], ("v3", "v4"), "v4", "v5")
+
+
+def test_run_metadata_names_the_command_and_the_flash_version_of_step_runs():
+    """A stored result says how it was made: the command without --json and its path, and for the training-step runs
+    (flash attention by default) the flash version the engine's packed launchers ran; not for a cuBLAS-path run."""
+    from gpullm_lessons.backends.hip import flash
+
+    meta = bench.run_metadata("gputime", ["gputime", "--presets", "gpt2", "--json", "x.json"])
+    assert meta == {
+        "command": "python -m gpullm_lessons.bench gputime --presets gpt2",
+        "flash_version": flash.DEFAULT,
+        "flash_layout": "packed",
+    }
+    meta = bench.run_metadata("train", ["train", "--json=y.json", "--attention", "cublas", "--compile"])
+    assert meta == {"command": "python -m gpullm_lessons.bench train --attention cublas --compile"}
+    assert bench.run_metadata("kernels", ["kernels", "--ops", "flash_fwd_bf16"]) == {
+        "command": "python -m gpullm_lessons.bench kernels --ops flash_fwd_bf16"
+    }
