@@ -71,6 +71,8 @@ METRICS = {
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "pipe_tensor_pct",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "pipe_xu_pct",
     "smsp__inst_executed.sum": "instructions",
+    # the share of cycles on which a scheduler issued an instruction: low with few warps and long dependency chains
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_active_pct",
 }
 
 CORE_METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -135,7 +137,7 @@ def summarise(rows: list) -> list:
                 "duration_us": sum((r.get("duration_ns") or 0) for r in rs) / 1e3, "main_kernel": main["kernel"][:80]}
         for key in ("dram_pct_of_peak", "achieved_occupancy_pct", "theoretical_occupancy_pct", "registers_per_thread",
                     "grid_size", "block_size", "sm_pct_of_peak", "pipe_alu_pct", "pipe_fma_pct", "pipe_tensor_pct",
-                    "pipe_xu_pct"):
+                    "pipe_xu_pct", "issue_active_pct", "instructions"):
             line[key] = main.get(key)
         for kind in ("ld", "st"):
             sec, req = main.get(f"{kind}_sectors"), main.get(f"{kind}_requests")
@@ -194,6 +196,26 @@ def format_ncu(result: dict) -> str:
         lines.append(f"{r['op']:<13}{r['backend']:<8}{str(r['version'])[:8]:<9}{r['duration_us']:8.1f}"
                      f"{(r.get('dram_pct_of_peak') or 0):8.0f}{(spr or 0):9.1f}"
                      f"{(r.get('achieved_occupancy_pct') or 0):7.0f}{int(r.get('registers_per_thread') or 0):6d}  {stall}")
+    return "\n".join(lines)
+
+
+def format_pipes(result: dict, op: str) -> str:
+    """Where the main kernel of each version of `op` spends its issue slots (≤ 100 characters a line): how often a
+    scheduler issued, how busy the tensor cores, the integer (alu), float (fma) and special-function (xu) pipes were,
+    the achieved occupancy (% of the multiprocessor's warp slots), the instructions, and the largest stall (cycles per
+    issued instruction)."""
+    lines = [f"Nsight Compute on {result['card']} ({result['date']}), {op}: the main kernel of each version",
+             f"{'version':<10}{'us':>8}{'issue %':>8}{'tensor %':>9}{'alu %':>7}{'fma %':>7}{'xu %':>6}{'occ %':>6}"
+             f"{'M instr':>8}  top stall"]
+    for r in result["rows"]:
+        if r["op"] != op:
+            continue
+        pct = lambda k, w: f"{r[k]:{w}.0f}" if r.get(k) is not None else f"{'-':>{w}}"  # noqa: E731
+        instr = f"{r['instructions'] / 1e6:8.1f}" if r.get("instructions") else f"{'-':>8}"
+        stall = ", ".join(f"{k} {v:.1f}" for k, v in r["top_stalls"][:1])
+        lines.append(f"{str(r['version'])[:9]:<10}{r['duration_us']:8.1f}{pct('issue_active_pct', 8)}"
+                     f"{pct('pipe_tensor_pct', 9)}{pct('pipe_alu_pct', 7)}{pct('pipe_fma_pct', 7)}{pct('pipe_xu_pct', 6)}"
+                     f"{pct('achieved_occupancy_pct', 6)}{instr}  {stall}")
     return "\n".join(lines)
 
 

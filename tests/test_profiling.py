@@ -178,3 +178,19 @@ def test_pipe_counters_come_from_the_kernel_that_dominates():
     assert kernels[1]["instructions"] == 70000.0 and kernels[0]["pipe_alu_pct"] == 80.5
     (row,) = profiling.summarise(kernels)
     assert (row["pipe_alu_pct"], row["pipe_tensor_pct"], row["pipe_xu_pct"]) == (11.25, 30.5, 10.0)
+    assert row["instructions"] == 70000.0 and row["issue_active_pct"] is None  # not in this CSV
+
+
+def test_format_pipes_shows_each_version_of_one_op():
+    """format_pipes: one line per version of the op asked for (other ops left out), the counters it has, '-' for one
+    the toolkit did not give, and the largest stall."""
+    row = {"op": "f", "backend": "hip", "duration_us": 120.5, "issue_active_pct": 44.1, "pipe_tensor_pct": 29.6,
+           "pipe_alu_pct": 25.0, "pipe_fma_pct": 16.1, "pipe_xu_pct": 25.9, "achieved_occupancy_pct": 12.1,
+           "instructions": 58.9e6, "top_stalls": [("wait", 1.76), ("selected", 1.0)]}
+    result = {"card": "GPU", "date": "2026-01-01",
+              "rows": [dict(row, version="v5"), dict(row, version="v6", pipe_xu_pct=None), dict(row, op="g", version="v9")]}
+    lines = profiling.format_pipes(result, "f").splitlines()
+    assert len(lines) == 4 and "GPU (2026-01-01)" in lines[0]
+    v5, v6 = lines[2].split(), lines[3].split()
+    assert v5[:9] == ["v5", "120.5", "44", "30", "25", "16", "26", "12", "58.9"] and v5[9:] == ["wait", "1.8"]
+    assert v6[6] == "-" and not any("v9" in ln for ln in lines)
