@@ -204,7 +204,8 @@ def format_pipes(result: dict, op: str) -> str:
     scheduler issued, how busy the tensor cores, the integer (alu), float (fma) and special-function (xu) pipes were,
     the achieved occupancy (% of the multiprocessor's warp slots), the instructions, and the largest stall (cycles per
     issued instruction)."""
-    lines = [f"Nsight Compute on {result['card']} ({result['date']}), {op}: the main kernel of each version",
+    lines = [f"Nsight Compute on {result['card']} ({result['date']}), {op}: us of all a version's kernels, the rest "
+             "of its longest",
              f"{'version':<10}{'us':>8}{'issue %':>8}{'tensor %':>9}{'alu %':>7}{'fma %':>7}{'xu %':>6}{'occ %':>6}"
              f"{'M instr':>8}  top stall"]
     for r in result["rows"]:
