@@ -204,8 +204,7 @@ def format_pipes(result: dict, op: str) -> str:
     scheduler issued, how busy the tensor cores, the integer (alu), float (fma) and special-function (xu) pipes were,
     the achieved occupancy (% of the multiprocessor's warp slots), the instructions, and the largest stall (cycles per
     issued instruction)."""
-    lines = [f"Nsight Compute on {result['card']} ({result['date']}), {op}: us of all a version's kernels, the rest "
-             "of its longest",
+    lines = [f"Nsight Compute, {result['card']} ({result['date']}), {op}; us: all kernels, the rest: the longest",
              f"{'version':<10}{'us':>8}{'issue %':>8}{'tensor %':>9}{'alu %':>7}{'fma %':>7}{'xu %':>6}{'occ %':>6}"
              f"{'M instr':>8}  top stall"]
     for r in result["rows"]:
@@ -214,7 +213,8 @@ def format_pipes(result: dict, op: str) -> str:
         pct = lambda k, w: f"{r[k]:{w}.0f}" if r.get(k) is not None else f"{'-':>{w}}"  # noqa: E731
         instr = f"{r['instructions'] / 1e6:8.1f}" if r.get("instructions") else f"{'-':>8}"
         stall = ", ".join(f"{k} {v:.1f}" for k, v in r["top_stalls"][:1])
-        lines.append(f"{str(r['version'])[:9]:<10}{r['duration_us']:8.1f}{pct('issue_active_pct', 8)}"
+        label = "PyTorch" if r.get("backend") == "torch" else str(r["version"])[:9]
+        lines.append(f"{label:<10}{r['duration_us']:8.1f}{pct('issue_active_pct', 8)}"
                      f"{pct('pipe_tensor_pct', 9)}{pct('pipe_alu_pct', 7)}{pct('pipe_fma_pct', 7)}{pct('pipe_xu_pct', 6)}"
                      f"{pct('achieved_occupancy_pct', 6)}{instr}  {stall}")
     return "\n".join(lines)

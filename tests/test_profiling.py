@@ -188,9 +188,11 @@ def test_format_pipes_shows_each_version_of_one_op():
            "pipe_alu_pct": 25.0, "pipe_fma_pct": 16.1, "pipe_xu_pct": 25.9, "achieved_occupancy_pct": 12.1,
            "instructions": 58.9e6, "top_stalls": [("wait", 1.76), ("selected", 1.0)]}
     result = {"card": "GPU", "date": "2026-01-01",
-              "rows": [dict(row, version="v5"), dict(row, version="v6", pipe_xu_pct=None), dict(row, op="g", version="v9")]}
+              "rows": [dict(row, version="v5"), dict(row, version="v6", pipe_xu_pct=None), dict(row, op="g", version="v9"),
+                       dict(row, backend="torch", version="2.11.0+cu130")]}
     lines = profiling.format_pipes(result, "f").splitlines()
-    assert len(lines) == 4 and "GPU (2026-01-01)" in lines[0]
+    assert len(lines) == 5 and "GPU (2026-01-01)" in lines[0] and lines[4].startswith("PyTorch ")
+    assert max(map(len, lines)) <= 100
     v5, v6 = lines[2].split(), lines[3].split()
     assert v5[:9] == ["v5", "120.5", "44", "30", "25", "16", "26", "12", "58.9"] and v5[9:] == ["wait", "1.8"]
     assert v6[6] == "-" and not any("v9" in ln for ln in lines)

@@ -884,32 +884,17 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
         const unsigned short(*ks)[LD] = kv[b];
         const unsigned short(*vs)[LD] = kv[b] + KT;
         mma_tile s[RT][KT / 16];  // S = Q K^T: 16 RT rows x 64 keys, each K fragment used by both row tiles
-        if (FAST) {
 #pragma unroll
-            for (int n = 0; n < KT / 16; n++)
-#pragma unroll
-                for (int rt = 0; rt < RT; rt++) zero_tile(s[rt][n]);
-#pragma unroll
-            for (int kk = 0; kk < HS / 16; kk++)
-#pragma unroll
-                for (int n = 0; n < KT / 16; n++) {
-                    mma_kfrag<H> kf;
-                    mma_kfrag_load<H>(kf, &ks[16 * n][16 * kk], LD);
-#pragma unroll
-                    for (int rt = 0; rt < RT; rt++) mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
-                }
-        } else
-#pragma unroll
-        for (int n = 0; n < KT / 16; n++) {
+        for (int n = 0; n < KT / 16; n++)
 #pragma unroll
             for (int rt = 0; rt < RT; rt++) zero_tile(s[rt][n]);
 #pragma unroll
-            for (int kk = 0; kk < HS / 16; kk++) {
-                mma_kfrag<H> kf;
-                mma_kfrag_load<H>(kf, &ks[16 * n][16 * kk], LD);
+        for (int i = 0; i < KT / 16 * (HS / 16); i++) {  // v6: k-step outer; v4, v5: key block n outer
+            const int n = FAST ? i % (KT / 16) : i / (HS / 16), kk = FAST ? i / (KT / 16) : i % (HS / 16);
+            mma_kfrag<H> kf;
+            mma_kfrag_load<H>(kf, &ks[16 * n][16 * kk], LD);
 #pragma unroll
-                for (int rt = 0; rt < RT; rt++) mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
-            }
+            for (int rt = 0; rt < RT; rt++) mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
         }
         // LEAN (v5): the merge below; v4: the merge after it, every tile masked element by element, exp2f, the
         // scale applied before the max, the rounding to 16 bits by hand
@@ -1142,45 +1127,23 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
         for (int c0 = 0; c0 < KT; c0 += KC) {
             if (s0 + c0 > tw + 16 * RT - 1) break;  // this half and the next are above the diagonal for the warp's rows
             mma_tile s[RT][KC / 16], dp[RT][KC / 16];
-            if (FAST) {
 #pragma unroll
-                for (int n = 0; n < KC / 16; n++)
-#pragma unroll
-                    for (int rt = 0; rt < RT; rt++) {
-                        zero_tile(s[rt][n]);
-                        zero_tile(dp[rt][n]);
-                    }
-#pragma unroll
-                for (int kk = 0; kk < HS / 16; kk++)
-#pragma unroll
-                    for (int n = 0; n < KC / 16; n++) {
-                        mma_kfrag<H> kf, vf;
-                        mma_kfrag_load<H>(kf, &ks[c0 + 16 * n][16 * kk], LD);
-                        mma_kfrag_load<H>(vf, &vs[c0 + 16 * n][16 * kk], LD);
-#pragma unroll
-                        for (int rt = 0; rt < RT; rt++) {
-                            mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
-                            mma_rows_mul<H>(dp[rt][n], df[rt][kk], vf);
-                        }
-                    }
-            } else
-#pragma unroll
-            for (int n = 0; n < KC / 16; n++) {
+            for (int n = 0; n < KC / 16; n++)
 #pragma unroll
                 for (int rt = 0; rt < RT; rt++) {
                     zero_tile(s[rt][n]);
                     zero_tile(dp[rt][n]);
                 }
 #pragma unroll
-                for (int kk = 0; kk < HS / 16; kk++) {
-                    mma_kfrag<H> kf, vf;
-                    mma_kfrag_load<H>(kf, &ks[c0 + 16 * n][16 * kk], LD);
-                    mma_kfrag_load<H>(vf, &vs[c0 + 16 * n][16 * kk], LD);
+            for (int i = 0; i < KC / 16 * (HS / 16); i++) {  // v6: k-step outer; v4, v5: key block n outer
+                const int n = FAST ? i % (KC / 16) : i / (HS / 16), kk = FAST ? i / (KC / 16) : i % (HS / 16);
+                mma_kfrag<H> kf, vf;
+                mma_kfrag_load<H>(kf, &ks[c0 + 16 * n][16 * kk], LD);
+                mma_kfrag_load<H>(vf, &vs[c0 + 16 * n][16 * kk], LD);
 #pragma unroll
-                    for (int rt = 0; rt < RT; rt++) {
-                        mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
-                        mma_rows_mul<H>(dp[rt][n], df[rt][kk], vf);
-                    }
+                for (int rt = 0; rt < RT; rt++) {
+                    mma_rows_mul<H>(s[rt][n], qf[rt][kk], kf);
+                    mma_rows_mul<H>(dp[rt][n], df[rt][kk], vf);
                 }
             }
             if (LEAN) {
@@ -1311,29 +1274,16 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
         const float* lse_s = ld_s[b][0];
         const float* del_s = ld_s[b][1];
         mma_tile st[QT / 16], dpt[QT / 16];
-        if (FAST) {
-#pragma unroll
-            for (int n = 0; n < QT / 16; n++) {
-                zero_tile(st[n]);
-                zero_tile(dpt[n]);
-            }
-#pragma unroll
-            for (int kk = 0; kk < HS / 16; kk++)
-#pragma unroll
-                for (int n = 0; n < QT / 16; n++) {
-                    mma_rows_run<H>(st[n], kf[kk], &qs[16 * n][16 * kk], LD);
-                    mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
-                }
-        } else
 #pragma unroll
         for (int n = 0; n < QT / 16; n++) {
             zero_tile(st[n]);
             zero_tile(dpt[n]);
+        }
 #pragma unroll
-            for (int kk = 0; kk < HS / 16; kk++) {
-                mma_rows_run<H>(st[n], kf[kk], &qs[16 * n][16 * kk], LD);
-                mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
-            }
+        for (int i = 0; i < QT / 16 * (HS / 16); i++) {  // v6: k-step outer; v4, v5: query block n outer
+            const int n = FAST ? i % (QT / 16) : i / (HS / 16), kk = FAST ? i / (QT / 16) : i % (HS / 16);
+            mma_rows_run<H>(st[n], kf[kk], &qs[16 * n][16 * kk], LD);
+            mma_rows_run<H>(dpt[n], vf[kk], &ds[16 * n][16 * kk], LD);
         }
         if (LEAN) {
             // v5: only a tile that crosses the diagonal is masked (S^T = -inf, p = 0). Queries past T need no mask:
