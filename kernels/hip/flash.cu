@@ -730,7 +730,8 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 //   - results stored two neighbouring columns at a time (a float2, or two 16-bit values in one 32-bit store);
 //   - the products of a tile ordered k-step outer, so that the products issued back to back add into different
 //     accumulators; a row's max and sum as trees (tile_reduce) instead of one chain of dependent operations;
-//   - the forward's O times 1 / l (one reciprocal per row) instead of a division per element.
+//   - the forward's O times 1 / l (one reciprocal per row) instead of a division per element;
+//   - the backward's delta computed by the dQ kernel, which runs first (flash_dq_v4): no delta pass.
 // v6's l is summed in another order than v5's, so its bits differ from v5's (not its accuracy).
 #define FLASH4_ROWS 128        // rows a v4 block owns
 #define FLASH4_WARPS 4         // forward, dQ: warps per block (two 16-row tiles each)
