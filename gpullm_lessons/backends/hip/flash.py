@@ -9,10 +9,10 @@ tiles per warp in the forward and dQ, 8 warps in dK dV, the tiles walked double-
 v5 is v4 with less work between the products: only the tiles on the diagonal masked, the scale folded into the
 exponent's fma, the exponential and the rounding to 16 bits one instruction each on NVIDIA; v6 (the default) is v5
 with fewer instructions around the products (copies unrolled, results stored in pairs, independent products issued
-back to back, row max and sum as trees, one reciprocal per row). v5 also has a backward in one kernel (fused=True):
-the dK dV kernel computes dQ too, and the key blocks of a head add their dQ into the same rows in a fixed order (turn
-counters), so S and dP are computed once and the bits are the same on every run; on the H200 it is slower than the
-two kernels (lesson 11). GEOMETRY has each kernel's block.
+back to back, row max and sum as trees, one reciprocal per row, the backward's delta inside the dQ kernel). v5 also
+has a backward in one kernel (fused=True): the dK dV kernel computes dQ too, and the key blocks of a head add their
+dQ into the same rows in a fixed order (turn counters), so S and dP are computed once and the bits are the same on
+every run; on the H200 it is slower than the two kernels (lesson 11). GEOMETRY has each kernel's block.
 The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
 C-contiguous CuPy arrays.
 
@@ -194,13 +194,10 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     rows = B * nh * T
     delta = cp.empty((B, nh, T), cp.float32)
     scale = scale_of(hs)
-    dq_call = (
-        _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}"),
-        _launch(version, "dq", B * nh, T),
-        (q, k, v, out, dout, lse, delta, dq, np.int32(T), scale),
-    )
+    dq_kernel = _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}")
+    dq_launch, dq_args = _launch(version, "dq", B * nh, T), (q, k, v, out, dout, lse, delta, dq, np.int32(T), scale)
     if version in DQ_DELTA:  # the dQ kernel computes delta (and writes it for the dK dV kernel)
-        dq_call[0](*dq_call[1], dq_call[2])
+        dq_kernel(*dq_launch, dq_args)
     else:
         _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(
             *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs))
@@ -213,7 +210,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
         *_launch(version, "dkdv", B * nh, T), (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
     )
     if version not in DQ_DELTA:
-        dq_call[0](*dq_call[1], dq_call[2])
+        dq_kernel(*dq_launch, dq_args)
 
 
 def _check_packed(fn, half, nh, pairs):
