@@ -36,8 +36,6 @@ def test_flash_and_checkpointing_fit_more_layers_and_nothing_fits_a_tiny_budget(
 
 
 def test_kernel_row_picks_the_fastest_error_free_row_of_an_op_backend_and_version():
-    from gpullm_lessons import bench
-
     rows = [
         {"op": "f", "backend": "hip", "version": "v2", "ms": 2.0},
         {"op": "f", "backend": "hip", "version": "v3", "ms": 1.0},
@@ -54,8 +52,6 @@ def test_kernel_row_picks_the_fastest_error_free_row_of_an_op_backend_and_versio
 
 
 def test_version_table_lists_the_versions_and_compares_two_with_pytorch():
-    from gpullm_lessons import bench
-
     def row(version, ms, backend="hip"):
         return {"op": "f", "backend": backend, "version": version, "ms": ms, "TFLOP/s": 100 / ms,
                 "fraction_of_ceiling": 0.1 / ms}
