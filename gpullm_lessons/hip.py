@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from . import device
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -141,6 +143,98 @@ def kernel_from_source(text: str, function: str, options: tuple = ()):
         names = re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)', text)
         raise LookupError(f"no kernel named {function!r} in your source (extern \"C\" __global__ entry points: "
                           f"{', '.join(names) or 'none'}): {e}") from e
+
+
+# ---- entry points' parameters: the launchers take each kernel's argument list from its source -----------------------
+
+def expand_macros(code: str) -> str:
+    """Function-like macros (``#define NAME(a, b) body``, continued with backslashes) expanded where a line invokes
+    one: parameters substituted as whole words outside string literals (a parameter C leaves ``extern "C"`` alone),
+    ``##`` pasted. Enough for the entry-point macros of kernels/hip (not a C preprocessor)."""
+    code = code.replace("\\\n", " ")
+    macros, lines = {}, []
+    for line in code.split("\n"):
+        m = re.match(r"\s*#\s*define\s+(\w+)\(([^)]*)\)(.*)", line)
+        if m:
+            macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",")], m.group(3))
+        else:
+            lines.append(line)
+    out = []
+    for line in lines:
+        m = re.match(r"\s*(\w+)\((.*)\)\s*;?\s*$", line)
+        if m and m.group(1) in macros:
+            params, body = macros[m.group(1)]
+            args = dict(zip(params, (a.strip() for a in m.group(2).split(","))))
+            body = re.sub(r'"[^"\n]*"|\b\w+\b', lambda w: args.get(w.group(0), w.group(0)), body)
+            line = re.sub(r"\s*##\s*", "", body)
+        out.append(line)
+    return "\n".join(out)
+
+
+_SIGNATURE = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+"
+                        r"(?:__launch_bounds__\s*\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)")
+# the C type of a parameter -> the NumPy dtype its argument must have (pointers: the array's dtype; scalars: the
+# NumPy scalar type CuPy passes with that width). A type not listed here is not checked.
+PARAM_DTYPES = {"unsigned short*": "uint16", "float*": "float32", "int*": "int32", "unsigned int*": "uint32",
+                "int": "int32", "unsigned int": "uint32", "long long": "int64", "float": "float32"}
+
+
+def signatures(text: str) -> dict:
+    """``{entry point: ((C type, parameter name), ...)}`` of every ``__global__`` function of a source, after its
+    entry-point macros are expanded; the type without ``const`` / ``__restrict__`` (``"unsigned short*"``)."""
+    code = expand_macros(_blank_comments(text))
+    out = {}
+    for m in _SIGNATURE.finditer(code):
+        params = []
+        for p in filter(None, (p.strip() for p in m.group(2).split(","))):
+            p = re.sub(r"\b(?:const|__restrict__|__restrict)\b", " ", p).replace("*", " * ")
+            words = p.split()
+            params.append((" ".join(words[:-1]).replace(" *", "*"), words[-1]))
+        out[m.group(1)] = tuple(params)
+    return out
+
+
+_SIGS: dict = {}
+
+
+def signature(name: str, function: str) -> tuple:
+    """The parameters of entry point `function` of ``kernels/hip/<name>.cu``: ((C type, name), ...), read from the
+    source (cached; re-read when the file changes, as ``kernel`` recompiles)."""
+    hit = _SIGS.get(name)
+    now = time.monotonic()
+    if hit is None or (now - hit[2] >= RECHECK_S and hit[0] != _stamp(name)):
+        hit = (_stamp(name), signatures(source_path(name).read_text()), now)
+        _SIGS[name] = hit
+    try:
+        return hit[1][function]
+    except KeyError:
+        raise LookupError(f"{name}.cu has no entry point {function!r}") from None
+
+
+def _dtype_name(value) -> str:
+    dtype = getattr(value, "dtype", None)
+    return str(dtype) if dtype is not None else type(value).__name__
+
+
+def launch_args(name: str, function: str, values: dict) -> tuple:
+    """The argument tuple of entry point `function` of ``kernels/hip/<name>.cu``: one value per parameter, in the
+    source's order, taken from `values` by the parameter's name, each checked against its C type (PARAM_DTYPES).
+    A launcher that builds its arguments here cannot pass a kernel an argument it does not take, miss one or shift
+    the rest: the source is the one place the list is written. Values the kernel does not take are left out."""
+    args = []
+    for ctype, pname in signature(name, function):
+        if pname not in values:
+            raise TypeError(f"{function} ({name}.cu) takes {ctype} {pname}, which its launcher does not provide "
+                            f"(it provides {', '.join(sorted(values))})")
+        value, want = values[pname], PARAM_DTYPES.get(ctype)
+        pointer = ctype.endswith("*")
+        is_array = hasattr(value, "dtype") and not isinstance(value, np.generic)
+        if want is not None and (pointer != is_array or _dtype_name(value) != want):
+            got = f"{'an array of ' if is_array else 'a '}{_dtype_name(value)}"
+            raise TypeError(f"{function} ({name}.cu): parameter {ctype} {pname} needs "
+                            f"{'an array of ' if pointer else 'a '}{want}, got {got}")
+        args.append(value)
+    return tuple(args)
 
 
 # ---- the device: properties, warp size, occupancy (what the launchers size their grids by) -------------------------

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from gpullm_lessons.hip import expand_macros
+
 ROOT = Path(__file__).resolve().parents[1]
 NUMBA = ROOT / "kernels" / "numba"
 HIP = ROOT / "kernels" / "hip"
@@ -144,30 +146,6 @@ _GLOBAL = re.compile(
     r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
     r"(\w+)\s*\("
 )
-
-
-def expand_macros(code: str) -> str:
-    """Function-like macros (#define NAME(a, b) body, continued with backslashes) expanded where a line invokes one:
-    parameters substituted as whole words outside string literals (a parameter C leaves extern "C" alone), ## pasted.
-    Enough for the entry-point macros of kernels/hip."""
-    code = code.replace("\\\n", " ")
-    macros, lines = {}, []
-    for line in code.split("\n"):
-        m = re.match(r"\s*#\s*define\s+(\w+)\(([^)]*)\)(.*)", line)
-        if m:
-            macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",")], m.group(3))
-        else:
-            lines.append(line)
-    out = []
-    for line in lines:
-        m = re.match(r"\s*(\w+)\((.*)\)\s*;?\s*$", line)
-        if m and m.group(1) in macros:
-            params, body = macros[m.group(1)]
-            args = dict(zip(params, (a.strip() for a in m.group(2).split(","))))
-            body = re.sub(r'"[^"\n]*"|\b\w+\b', lambda w: args.get(w.group(0), w.group(0)), body)
-            line = re.sub(r"\s*##\s*", "", body)
-        out.append(line)
-    return "\n".join(out)
 
 
 def hip_entries(source: str) -> list[str]:

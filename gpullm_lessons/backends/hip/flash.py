@@ -131,20 +131,47 @@ def _fused_smem(hs: int) -> int:
 _SMEM_SET: dict = {}
 
 
-def _run_fused_backward(name, heads, T, hs, before, after):
-    """Launch one of v5's backward entry points over `heads` heads of T rows with the arguments before + (the turn
-    counters,) + after: the counters (an int per head and query tile) zeroed first, the dynamic shared memory allowed
-    past the 48 KiB default where it needs to be."""
+def _run(function, values, version, role, heads, T, hs):
+    """Launch flash.cu's entry point `function` with its arguments taken by name from `values` (hip.launch_args: the
+    kernel's own parameter list, read from flash.cu, is the one place the order is written). role: "delta" (grid-stride
+    over rows), "fused" (v5's one-kernel backward: turn counters zeroed first, dynamic shared memory past the 48 KiB
+    default where it needs it) or the GEOMETRY kernel ("forward", "dkdv", "dq") of `version`."""
+    from gpullm_lessons import hip
+
+    kern = _kernel(function)
+    if role == "delta":
+        kern(*_delta_launch(heads * T, hs), hip.launch_args("flash", function, values))
+        return
+    if role != "fused":
+        kern(*_launch(version, role, heads, T), hip.launch_args("flash", function, values))
+        return
     import cupy as cp
 
-    kern = _kernel(name)
     smem = _fused_smem(hs)
-    if smem > 48 * 1024 and _SMEM_SET.get(name) is not kern:
+    if smem > 48 * 1024 and _SMEM_SET.get(function) is not kern:
         kern.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[name] = kern
-    turns = cp.zeros(heads * math.ceil(T / V5_QUERY_TILE), cp.int32)
-    grid, block = _launch("v5", "fused", heads, T)
-    kern(grid, block, tuple(before) + (turns,) + tuple(after), shared_mem=smem)
+        _SMEM_SET[function] = kern
+    values = dict(values, sem=cp.zeros(heads * math.ceil(T / V5_QUERY_TILE), cp.int32))
+    kern(*_launch("v5", "fused", heads, T), hip.launch_args("flash", function, values), shared_mem=smem)
+
+
+def backward_plan(version, half, hs, packed=False, fused=False) -> list:
+    """The kernels one backward launches, in order: [(entry point, role)] (role as _run's). v6: dQ first (it computes
+    delta and writes it for dK dV), then dK dV; v2-v5: the delta pass, dK dV, then dQ; fused (v5): the delta pass and
+    the one-kernel backward."""
+    sfx, layout = _SUFFIX[half], "_packed" if packed else ""
+    name = f"flash_attention_backward_{version}{layout}_{{}}_hs{hs}_{sfx}".format
+    delta = f"flash_attention_backward_{'v4_packed' if packed else 'v2'}_delta_{sfx}"
+    if version in DQ_DELTA:
+        return [(name("dq"), "dq"), (name("dkdv"), "dkdv")]
+    if fused:
+        return [(delta, "delta"), (f"flash_attention_backward_v5_fused{layout}_hs{hs}_{sfx}", "fused")]
+    return [(delta, "delta"), (name("dkdv"), "dkdv"), (name("dq"), "dq")]
+
+
+def forward_entry(version, half, hs, packed=False) -> str:
+    """The forward's entry point in flash.cu."""
+    return f"flash_attention_forward_{version}{'_packed' if packed else ''}_hs{hs}_{_SUFFIX[half]}"
 
 
 def _check_fused(fn, version, fused):
@@ -170,8 +197,8 @@ def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
     B, nh, T, hs = _check(fn, version, half, [("q", q), ("k", k), ("v", v)], [("lse", lse)], [("out", out)])
     if B * nh * T == 0:
         return
-    kern = _kernel(f"flash_attention_forward_{version}_hs{hs}_{_SUFFIX[half]}")
-    kern(*_launch(version, "forward", B * nh, T), (q, k, v, out, lse, np.int32(T), scale_of(hs)))
+    values = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "T": np.int32(T), "scale": scale_of(hs)}
+    _run(forward_entry(version, half, hs), values, version, "forward", B * nh, T, hs)
 
 
 def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16", fused=False):
@@ -191,26 +218,24 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
     for name, a in (("out", out), ("dout", dout)):
         if a.data.ptr % 16:
             raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (delta is summed from 16-byte loads)")
-    rows = B * nh * T
-    delta = cp.empty((B, nh, T), cp.float32)
-    scale = scale_of(hs)
-    dq_kernel = _kernel(f"flash_attention_backward_{version}_dq_hs{hs}_{_SUFFIX[half]}")
-    dq_launch, dq_args = _launch(version, "dq", B * nh, T), (q, k, v, out, dout, lse, delta, dq, np.int32(T), scale)
-    if version in DQ_DELTA:  # the dQ kernel computes delta (and writes it for the dK dV kernel)
-        dq_kernel(*dq_launch, dq_args)
-    else:
-        _kernel(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}")(
-            *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs))
-        )
-    if fused:
-        name = f"flash_attention_backward_v5_fused_hs{hs}_{_SUFFIX[half]}"
-        _run_fused_backward(name, B * nh, T, hs, (q, k, v, dout, lse, delta, dq, dk, dv), (np.int32(T), scale))
-        return
-    _kernel(f"flash_attention_backward_{version}_dkdv_hs{hs}_{_SUFFIX[half]}")(
-        *_launch(version, "dkdv", B * nh, T), (q, k, v, dout, lse, delta, dk, dv, np.int32(T), scale)
-    )
-    if version not in DQ_DELTA:
-        dq_kernel(*dq_launch, dq_args)
+    values = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "dout": dout,
+        "lse": lse,
+        "delta": cp.empty((B, nh, T), cp.float32),
+        "dq": dq,
+        "dk": dk,
+        "dv": dv,
+        "T": np.int32(T),
+        "scale": scale_of(hs),
+        "rows": np.int64(B * nh * T),
+        "hs": np.int32(hs),
+    }
+    for function, role in backward_plan(version, half, hs, fused=fused):
+        _run(function, values, version, role, B * nh, T, hs)
 
 
 def _check_packed(fn, half, nh, pairs):
@@ -257,8 +282,8 @@ def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAU
     )
     if B * T == 0:
         return
-    kern = _kernel(f"flash_attention_forward_{version}_packed_hs{hs}_{_SUFFIX[half]}")
-    kern(*_launch(version, "forward", B * nh, T), (qkv, out, lse, np.int32(T), np.int32(nh), scale_of(hs)))
+    values = {"qkv": qkv, "out": out, "lse": lse, "T": np.int32(T), "nh": np.int32(nh), "scale": scale_of(hs)}
+    _run(forward_entry(version, half, hs, packed=True), values, version, "forward", B * nh, T, hs)
 
 
 def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT, fused=False):
@@ -276,24 +301,18 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
         return
     import cupy as cp
 
-    rows = B * T * nh
-    delta = cp.empty((B, nh, T), cp.float32)
-    suffix = f"hs{hs}_{_SUFFIX[half]}"
-    args = (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), scale_of(hs))
-    dq = _kernel(f"flash_attention_backward_{version}_packed_dq_{suffix}")
-    dq_args = (qkv, out) + args[1:]
-    if version in DQ_DELTA:  # dQ first: it computes delta
-        dq(*_launch(version, "dq", B * nh, T), dq_args)
-        _kernel(f"flash_attention_backward_{version}_packed_dkdv_{suffix}")(*_launch(version, "dkdv", B * nh, T), args)
-        return
-    _kernel(f"flash_attention_backward_v4_packed_delta_{_SUFFIX[half]}")(
-        *_delta_launch(rows, hs), (out, dout, delta, np.int64(rows), np.int32(hs), np.int32(T), np.int32(nh))
-    )
-    if fused:
-        args = (np.int32(T), np.int32(nh), scale_of(hs))
-        _run_fused_backward(
-            f"flash_attention_backward_v5_fused_packed_{suffix}", B * nh, T, hs, (qkv, dout, lse, delta, dqkv), args
-        )
-        return
-    _kernel(f"flash_attention_backward_{version}_packed_dkdv_{suffix}")(*_launch(version, "dkdv", B * nh, T), args)
-    dq(*_launch(version, "dq", B * nh, T), dq_args)
+    values = {
+        "qkv": qkv,
+        "out": out,
+        "dout": dout,
+        "lse": lse,
+        "delta": cp.empty((B, nh, T), cp.float32),
+        "dqkv": dqkv,
+        "T": np.int32(T),
+        "nh": np.int32(nh),
+        "scale": scale_of(hs),
+        "rows": np.int64(B * T * nh),
+        "hs": np.int32(hs),
+    }
+    for function, role in backward_plan(version, half, hs, packed=True, fused=fused):
+        _run(function, values, version, role, B * nh, T, hs)

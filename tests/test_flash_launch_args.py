@@ -1,0 +1,176 @@
+"""Each flash launcher's argument lists come from flash.cu itself (hip.launch_args), checked without a GPU.
+
+The launchers of backends/hip/flash.py hand each kernel a dict of named values; hip.launch_args orders them by the
+entry point's parameter list as flash.cu declares it and checks each against its C type. Here every launcher runs
+on the CPU for every version, head size, format, layout and the fused backward, with NumPy stand-ins for the CuPy
+arrays and a recorder in place of the compiled kernel: each recorded call must hand the kernel exactly its parameters,
+in order, with the right dtypes. Then a source whose parameters disagree with the launcher (one added, one renamed,
+one of another type) is planted and must be refused by name before anything launches.
+"""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import hip
+from gpullm_lessons.backends.hip import flash as hflash
+
+FLASH = hip.signatures(hip.source_path("flash").read_text())
+
+
+class Dev(np.ndarray):
+    """A NumPy array that passes for a CuPy one where the launchers look: .data.ptr (16-byte aligned)."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=0)
+
+
+def dev(shape, dtype):
+    return np.zeros(shape, dtype).view(Dev)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The launchers with a recorder for every kernel: [(entry point, grid, block, args, kwargs)]."""
+    calls = []
+
+    def kernel(name):
+        return lambda grid, block, args, **kw: calls.append((name, grid, block, args, kw))
+
+    fake_cupy = types.SimpleNamespace(
+        empty=lambda shape, dtype: dev(shape, dtype), zeros=lambda n, dtype: dev(n, dtype), float32=np.float32,
+        int32=np.int32,
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(hflash, "_kernel", kernel)
+    monkeypatch.setattr(hip, "warp_size", lambda device_id=0: 32)
+    shapes = lambda fn, version, half, heads, rows, outs: (2, 3, 70, heads[0][1].shape[-1])  # noqa: E731
+    monkeypatch.setattr(hflash, "_check", shapes)
+    monkeypatch.setattr(hflash, "_check_packed", lambda fn, half, nh, pairs: (2, 70, nh, pairs[0][1].shape[2] // 3 // nh))
+    return calls
+
+
+def run_heads(version, half, hs, fused=False):
+    B, nh, T = 2, 3, 70
+    q, k, v, dout = (dev((B, nh, T, hs), np.uint16) for _ in range(4))
+    out, dq, dk, dv = (dev((B, nh, T, hs), np.float32) for _ in range(4))
+    lse = dev((B, nh, T), np.float32)
+    hflash.flash_attention_forward(q, k, v, out, lse, version=version, half=half)
+    hflash.flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=version, half=half, fused=fused)
+    return {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def run_packed(version, half, hs, fused=False):
+    B, T, nh = 2, 70, 3
+    C = nh * hs
+    qkv, out, dout = dev((B, T, 3 * C), np.uint16), dev((B, T, C), np.uint16), dev((B, T, C), np.uint16)
+    lse, dqkv = dev((B, nh, T), np.float32), dev((B, T, 3 * C), np.float32)
+    hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half, version=version)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version, fused=fused)
+    return {"qkv": qkv, "out": out, "dout": dout, "lse": lse, "dqkv": dqkv}
+
+
+CASES = [(v, False, False) for v in hflash.VERSIONS] + [(v, True, False) for v in hflash.PACKED]
+CASES += [("v5", False, True), ("v5", True, True)]
+
+
+@pytest.mark.parametrize("version, packed, fused", CASES)
+@pytest.mark.parametrize("half", hflash.HALF_FORMATS)
+@pytest.mark.parametrize("hs", hflash.HEAD_SIZES)
+def test_every_launch_hands_its_kernel_exactly_the_declared_parameters(recorded, version, packed, fused, half, hs):
+    arrays = (run_packed if packed else run_heads)(version, half, hs, fused)
+    names = [c[0] for c in recorded]
+    assert names[0] == hflash.forward_entry(version, half, hs, packed)
+    assert names[1:] == [f for f, _ in hflash.backward_plan(version, half, hs, packed, fused)]
+    for name, _, _, args, _ in recorded:
+        params = FLASH[name]  # flash.cu's own list, parsed independently of the launcher's cache
+        assert len(args) == len(params), (name, params)
+        for (ctype, pname), arg in zip(params, args):
+            if pname in arrays:  # the caller's own array, not a copy or another one
+                assert arg is arrays[pname], (name, pname)
+            want = hip.PARAM_DTYPES[ctype]
+            assert str(arg.dtype) == want, (name, ctype, pname, arg.dtype)
+            assert ctype.endswith("*") == (not isinstance(arg, np.generic)), (name, ctype, pname)
+
+
+def test_the_backwards_run_in_each_versions_order(recorded):
+    run_heads("v2", "bf16", 64)
+    assert [c[0] for c in recorded[1:]] == [
+        "flash_attention_backward_v2_delta_bf16",
+        "flash_attention_backward_v2_dkdv_hs64_bf16",
+        "flash_attention_backward_v2_dq_hs64_bf16",
+    ]
+    recorded.clear()
+    run_heads("v6", "fp16", 32)
+    assert [c[0] for c in recorded[1:]] == ["flash_attention_backward_v6_dq_hs32_f16",
+                                            "flash_attention_backward_v6_dkdv_hs32_f16"]
+    # v2's dQ takes no `out` (v4's and later do): the bug of passing v6's list to v2 cannot come back
+    v2, v6 = FLASH["flash_attention_backward_v2_dq_hs32_f16"], FLASH["flash_attention_backward_v6_dq_hs32_f16"]
+    assert "out" not in [p for _, p in v2] and "out" in [p for _, p in v6]
+
+
+def test_every_flash_entry_point_is_reached_by_a_launcher():
+    """No entry point of flash.cu that the tests above never hand arguments to (a new version without a launcher)."""
+    reached = set()
+    for version, packed, fused in CASES:
+        for half in hflash.HALF_FORMATS:
+            for hs in hflash.HEAD_SIZES:
+                reached.add(hflash.forward_entry(version, half, hs, packed))
+                reached.update(f for f, _ in hflash.backward_plan(version, half, hs, packed, fused))
+    assert set(FLASH) == reached, sorted(set(FLASH) ^ reached)
+
+
+def plant(monkeypatch, entry, old, new):
+    """flash.cu with one parameter of `entry`'s macro changed, as the launcher would read it."""
+    text = hip.source_path("flash").read_text()
+    assert text.count(old) >= 1, old
+    planted = hip.signatures(text.replace(old, new))
+    assert planted[entry] != FLASH[entry]
+    monkeypatch.setattr(hip, "signature", lambda name, function: planted[function])
+
+
+@pytest.mark.parametrize(
+    "old, new, words",
+    [
+        # v2's dQ given an `out` parameter (what v6's change did to v4-v6): its launcher passes exactly that now, so
+        # the planted mismatch is a parameter the launcher has no value for
+        ("const float* delta, float* dq, int T, float scale) {                                        \\\n"
+         "        flash_dq<H, HS>",
+         "const float* delta, float* dq_acc, int T, float scale) {                                    \\\n"
+         "        flash_dq<H, HS>", ["takes float* dq_acc", "does not provide"]),
+        # a parameter of another type than the launcher's array: float32 where the kernel reads 16-bit bits
+        ("const float* lse, const float* delta, float* dq, int T, float scale) {                                        \\\n"
+         "        flash_dq<H, HS>",
+         "const unsigned short* lse, const float* delta, float* dq, int T, float scale) {                               \\\n"
+         "        flash_dq<H, HS>", ["unsigned short* lse", "needs an array of uint16", "float32"]),
+        # a scalar of another width: T as long long
+        ("float* dq, int T, float scale) {                                        \\\n        flash_dq<H, HS>",
+         "float* dq, long long T, float scale) {                                  \\\n        flash_dq<H, HS>",
+         ["long long T", "needs a int64", "int32"]),
+    ],
+    ids=["missing", "dtype", "width"],
+)
+def test_a_planted_mismatch_is_refused_by_name(recorded, monkeypatch, old, new, words):
+    plant(monkeypatch, "flash_attention_backward_v2_dq_hs64_bf16", old, new)
+    with pytest.raises(TypeError) as e:
+        run_heads("v2", "bf16", 64)
+    assert "flash_attention_backward_v2_dq_hs64_bf16" in str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert all("_dq_" not in c[0] for c in recorded)  # refused before it launched
+
+
+def test_signatures_parse_every_kernel_source():
+    """Every entry point of every .cu file has a parameter list the parser reads, with known types (a type it cannot
+    check would let a mismatch through)."""
+    for path in hip.sources():
+        sigs = hip.signatures(path.read_text())
+        assert sigs, path.name
+        for name, params in sigs.items():
+            assert all(p.isidentifier() for _, p in params), (path.name, name, params)
+            unknown = {t for t, _ in params} - set(hip.PARAM_DTYPES)
+            if path.stem == "flash":
+                assert not unknown, (name, unknown)
