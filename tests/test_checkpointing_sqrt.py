@@ -11,6 +11,7 @@ import pytest
 
 from gpullm_lessons import checkpointing as ck
 from gpullm_lessons import engine, train
+from gpullm_lessons.arrays import to_numpy
 from gpullm_lessons.params import GPTConfig, init_params
 from gpullm_lessons.reference import gpt as reference_gpt
 
@@ -146,7 +147,7 @@ def test_numba_engine_sqrt_gradients_equal_none_and_the_reference():
     def grads(eng):
         _, loss = eng.forward(x, y)
         eng.backward()
-        return loss, {k: np.array(eng.grads[k]) for k in eng.grads.names}
+        return loss, {k: to_numpy(eng.grads[k]) for k in eng.grads.names}
 
     loss_ref, g_ref = grads(engine.build(cfg, "numpy"))
     _, g_none = grads(engine.build(cfg, "numba", policy="none"))

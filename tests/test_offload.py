@@ -15,12 +15,19 @@ import json
 import numpy as np
 import pytest
 
-from gpullm_lessons import engine
+from gpullm_lessons import device, engine
 from gpullm_lessons.engine.offload import HostOptimizer, adamw_host
 from gpullm_lessons.params import GPTConfig, num_params
 from test_engine import SMALL, TOY, batch
 
 HP = {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 0.5}
+# Bit for bit holds where the Numba kernel's float32 arithmetic is NumPy's: in the simulator. On a GPU the kernel's
+# fused multiply-adds round differently from the CPU loop, and the engine's buffers are CuPy arrays; there
+# test_gpu_offloaded_step_matches_the_resident_step_and_frees_the_moments compares within a tolerance instead.
+SIMULATOR_BITS = pytest.mark.skipif(
+    device.has_gpu(),
+    reason="bit-for-bit against the CPU update holds in the simulator only (a GPU fuses multiply-adds)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +40,7 @@ def states_equal(a, b):
     return {k: np.array_equal(sa[k], sb[k]) for k in ("params", "m", "v")}
 
 
+@SIMULATOR_BITS
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_offloaded_engine_trains_bit_for_bit_as_the_gpu_update(precision, batches):
     resident = engine.build(TOY, "numba", precision=precision)
@@ -47,6 +55,7 @@ def test_offloaded_engine_trains_bit_for_bit_as_the_gpu_update(precision, batche
         assert np.array_equal(resident.half, off.half)  # the half copy rewritten from the new weights
 
 
+@SIMULATOR_BITS
 def test_offload_gradients_arrive_whole_without_hooks_and_after_accumulation(batches):
     """A hand-written step (forward, backward, optimizer_step: no hooks) and two micro-batches (the hooks fire in the
     last one) give the resident engine's result; the hooks of an earlier step do not leak into a later one."""
@@ -62,6 +71,7 @@ def test_offload_gradients_arrive_whole_without_hooks_and_after_accumulation(bat
     assert all(states_equal(resident, off).values())
 
 
+@SIMULATOR_BITS
 def test_offload_chunks_split_tensors_and_hold_several():
     """The update in chunks of 37 elements (tensor boundaries inside chunks, chunk boundaries inside tensors, decay
     and no-decay tensors) equals one chunk over everything and the Numba kernel's own update."""
@@ -102,6 +112,7 @@ def test_adamw_host_uses_each_tensors_decay_flag():
     assert np.array_equal(p[:4], np.ones(4, np.float32)) and np.all(p[4:] == f(0.5))
 
 
+@SIMULATOR_BITS
 def test_a_checkpoint_moves_between_offloaded_and_resident_engines(batches):
     (x, y), (x2, y2) = batches
     off = engine.build(TOY, "numba", offload_optimizer=True)
