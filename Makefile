@@ -56,6 +56,7 @@ RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/v
 RUFF_FORMATTED += gpullm_lessons/classroom.py tests/test_class.py
 RUFF_FORMATTED += tests/test_checkpointing_sqrt.py
 RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
+RUFF_FORMATTED += gpullm_lessons/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_int8.py tests/test_offload.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests
@@ -74,11 +75,11 @@ browser-test: $(SETUP)
 notebooks: $(SETUP)
 	$(PYTEST) -q $(NBVAL) notebooks solutions
 
-## gpu-test    the GPU suite on a lab server: GPU-marked tests and the notebooks at GPU sizes (fails without a GPU)
+## gpu-test    the whole GPU suite on a lab server, in one run: every test (GPU-marked included), every lesson and
+##              every solution at GPU sizes, in parallel processes over the one GPU (fails without a GPU); writes
+##              runs/gpu-test/summary.json and one line per failure (ARGS="--workers 8" or ARGS="-- -k flash")
 gpu-test: $(SETUP)
-	$(PY) -m gpullm_lessons doctor
-	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make gpu-test')"
-	$(PYTEST) -q -rs -m "not browser" $(NBVAL) tests notebooks solutions
+	$(PY) -m gpullm_lessons.gpu_suite $(ARGS)
 
 ## sanitize    NVIDIA GPU: the kernel tests under compute-sanitizer (memcheck, racecheck), one test file per part
 ##              (ARGS="--tools initcheck --files tests/test_hip_flash.py" to choose; logs in runs/sanitize/)

@@ -8,6 +8,7 @@ in order, with the right dtypes. Then a source whose parameters disagree with th
 one of another type) is planted and must be refused by name before anything launches.
 """
 
+import re
 import sys
 import types
 
@@ -18,6 +19,23 @@ from gpullm_lessons import hip
 from gpullm_lessons.backends.hip import flash as hflash
 
 FLASH = hip.signatures(hip.source_path("flash").read_text())
+
+
+def part_blocks(text: str) -> dict:
+    """{part_options(version, half): the entry points inside its `#if FLASH_PART(V, H)` block; None: those outside
+    every block (compiled in every part)}, read from flash.cu's text."""
+    first = text.index("#if FLASH_PART(")
+    prefix = text[:first]  # every macro the blocks use is defined above them
+    before = set(hip.signatures(prefix))
+    out = {}
+    for m in re.finditer(r"#if FLASH_PART\((\d), (\d)\)[^\n]*\n(.*?)#endif", text[first:], re.S):
+        key = (f"-DFLASH_PART_V={m.group(1)}", f"-DFLASH_PART_H={m.group(2)}")
+        out[key] = set(hip.signatures(prefix + m.group(3))) - before
+    out[None] = set(hip.signatures(text)) - set().union(*out.values())
+    return out
+
+
+PART_BLOCKS = part_blocks(hip.source_path("flash").read_text())
 
 
 class Dev(np.ndarray):
@@ -37,11 +55,14 @@ def recorded(monkeypatch):
     """The launchers with a recorder for every kernel: [(entry point, grid, block, args, kwargs)]."""
     calls = []
 
-    def kernel(name):
+    def kernel(name, version, half):
+        assert name in PART_BLOCKS[hflash.part_options(version, half)] | PART_BLOCKS[None], (name, version, half)
         return lambda grid, block, args, **kw: calls.append((name, grid, block, args, kw))
 
     fake_cupy = types.SimpleNamespace(
-        empty=lambda shape, dtype: dev(shape, dtype), zeros=lambda n, dtype: dev(n, dtype), float32=np.float32,
+        empty=lambda shape, dtype: dev(shape, dtype),
+        zeros=lambda n, dtype: dev(n, dtype),
+        float32=np.float32,
         int32=np.int32,
     )
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
@@ -49,7 +70,9 @@ def recorded(monkeypatch):
     monkeypatch.setattr(hip, "warp_size", lambda device_id=0: 32)
     shapes = lambda fn, version, half, heads, rows, outs: (2, 3, 70, heads[0][1].shape[-1])  # noqa: E731
     monkeypatch.setattr(hflash, "_check", shapes)
-    monkeypatch.setattr(hflash, "_check_packed", lambda fn, half, nh, pairs: (2, 70, nh, pairs[0][1].shape[2] // 3 // nh))
+    monkeypatch.setattr(
+        hflash, "_check_packed", lambda fn, half, nh, pairs: (2, 70, nh, pairs[0][1].shape[2] // 3 // nh)
+    )
     return calls
 
 
@@ -105,8 +128,10 @@ def test_the_backwards_run_in_each_versions_order(recorded):
     ]
     recorded.clear()
     run_heads("v6", "fp16", 32)
-    assert [c[0] for c in recorded[1:]] == ["flash_attention_backward_v6_dq_hs32_f16",
-                                            "flash_attention_backward_v6_dkdv_hs32_f16"]
+    assert [c[0] for c in recorded[1:]] == [
+        "flash_attention_backward_v6_dq_hs32_f16",
+        "flash_attention_backward_v6_dkdv_hs32_f16",
+    ]
     # v2's dQ takes no `out` (v4's and later do): the bug of passing v6's list to v2 cannot come back
     v2, v6 = FLASH["flash_attention_backward_v2_dq_hs32_f16"], FLASH["flash_attention_backward_v6_dq_hs32_f16"]
     assert "out" not in [p for _, p in v2] and "out" in [p for _, p in v6]
@@ -137,19 +162,27 @@ def plant(monkeypatch, entry, old, new):
     [
         # v2's dQ given an `out` parameter (what v6's change did to v4-v6): its launcher passes exactly that now, so
         # the planted mismatch is a parameter the launcher has no value for
-        ("const float* delta, float* dq, int T, float scale) {                                        \\\n"
-         "        flash_dq<H, HS>",
-         "const float* delta, float* dq_acc, int T, float scale) {                                    \\\n"
-         "        flash_dq<H, HS>", ["takes float* dq_acc", "does not provide"]),
+        (
+            "const float* delta, float* dq, int T, float scale) {                                        \\\n"
+            "        flash_dq<H, HS>",
+            "const float* delta, float* dq_acc, int T, float scale) {                                    \\\n"
+            "        flash_dq<H, HS>",
+            ["takes float* dq_acc", "does not provide"],
+        ),
         # a parameter of another type than the launcher's array: float32 where the kernel reads 16-bit bits
-        ("const float* lse, const float* delta, float* dq, int T, float scale) {                                        \\\n"
-         "        flash_dq<H, HS>",
-         "const unsigned short* lse, const float* delta, float* dq, int T, float scale) {                               \\\n"
-         "        flash_dq<H, HS>", ["unsigned short* lse", "needs an array of uint16", "float32"]),
+        (
+            "const float* lse, const float* delta, float* dq, int T, float scale) {                                        \\\n"
+            "        flash_dq<H, HS>",
+            "const unsigned short* lse, const float* delta, float* dq, int T, float scale) {                               \\\n"
+            "        flash_dq<H, HS>",
+            ["unsigned short* lse", "needs an array of uint16", "float32"],
+        ),
         # a scalar of another width: T as long long
-        ("float* dq, int T, float scale) {                                        \\\n        flash_dq<H, HS>",
-         "float* dq, long long T, float scale) {                                  \\\n        flash_dq<H, HS>",
-         ["long long T", "needs a int64", "int32"]),
+        (
+            "float* dq, int T, float scale) {                                        \\\n        flash_dq<H, HS>",
+            "float* dq, long long T, float scale) {                                  \\\n        flash_dq<H, HS>",
+            ["long long T", "needs a int64", "int32"],
+        ),
     ],
     ids=["missing", "dtype", "width"],
 )
@@ -161,6 +194,19 @@ def test_a_planted_mismatch_is_refused_by_name(recorded, monkeypatch, old, new, 
     for w in words:
         assert w in str(e.value), (w, str(e.value))
     assert all("_dq_" not in c[0] for c in recorded)  # refused before it launched
+
+
+def test_each_part_holds_its_versions_entry_points_and_no_other():
+    """The launchers compile one FLASH_PART block of flash.cu per version and format: every entry point is in exactly
+    one block or outside all (the delta passes), and the blocks split 2 formats x 4 parts (v2 with v3)."""
+    blocks = {k: v for k, v in PART_BLOCKS.items() if k}
+    assert len(blocks) == 8 and sorted(PART_BLOCKS[None]) == sorted(n for n in FLASH if "_delta_" in n)
+    seen = [n for v in PART_BLOCKS.values() for n in v]
+    assert sorted(seen) == sorted(FLASH)  # each once
+    for (pv, ph), names in blocks.items():
+        versions = {re.search(r"_(v\d)_", n).group(1) for n in names}
+        assert {hflash.PARTS[v] for v in versions} == {int(pv.split("=")[1])}, (pv, versions)
+        assert {n.rsplit("_", 1)[1] for n in names} == {"bf16" if ph.endswith("1") else "f16"}
 
 
 def test_signatures_parse_every_kernel_source():

@@ -1645,70 +1645,94 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
                                   scale, nh, 3 * C, C, 3 * C);                                                        \
     }
 
+// The entry points by part: a launcher compiles only the part it runs (-DFLASH_PART_V=2|4|5|6 -DFLASH_PART_H=1|2,
+// backends/hip/flash.py), so a process running v6 in bf16 compiles an eighth of the entry points; without them every
+// part is compiled (the compile checks). The delta kernels below are in every part.
+#if defined(FLASH_PART_V) && defined(FLASH_PART_H)
+#define FLASH_PART(V, H) (FLASH_PART_V == (V) && FLASH_PART_H == (H))
+#else
+#define FLASH_PART(V, H) 1
+#endif
+#if FLASH_PART(2, 1)  // v2 and v3, bf16
 FLASH_ENTRIES(16, bf16, 1)
 FLASH_ENTRIES(32, bf16, 1)
 FLASH_ENTRIES(48, bf16, 1)
 FLASH_ENTRIES(64, bf16, 1)
+#endif
+#if FLASH_PART(4, 1)  // v4, bf16
+FLASH_ENTRIES_V4(16, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(32, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(48, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(64, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v4, 0)
+#endif
+#if FLASH_PART(5, 1)  // v5, bf16
+FLASH_ENTRIES_V4(16, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v5, 1)
+FLASH_ENTRIES_FUSED(16, bf16, 1)
+FLASH_ENTRIES_V4(32, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v5, 1)
+FLASH_ENTRIES_FUSED(32, bf16, 1)
+FLASH_ENTRIES_V4(48, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v5, 1)
+FLASH_ENTRIES_FUSED(48, bf16, 1)
+FLASH_ENTRIES_V4(64, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v5, 1)
+FLASH_ENTRIES_FUSED(64, bf16, 1)
+#endif
+#if FLASH_PART(6, 1)  // v6, bf16
+FLASH_ENTRIES_V4(16, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v6, 2)
+FLASH_ENTRIES_V4(32, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v6, 2)
+FLASH_ENTRIES_V4(48, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v6, 2)
+FLASH_ENTRIES_V4(64, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v6, 2)
+#endif
+#if FLASH_PART(2, 2)  // v2 and v3, f16
 FLASH_ENTRIES(16, f16, 2)
 FLASH_ENTRIES(32, f16, 2)
 FLASH_ENTRIES(48, f16, 2)
 FLASH_ENTRIES(64, f16, 2)
-FLASH_ENTRIES_V4(16, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(16, bf16, 1, v5, 1)
-FLASH_ENTRIES_V4(16, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v6, 2)
-FLASH_ENTRIES_FUSED(16, bf16, 1)
-FLASH_ENTRIES_V4(32, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(32, bf16, 1, v5, 1)
-FLASH_ENTRIES_V4(32, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v6, 2)
-FLASH_ENTRIES_FUSED(32, bf16, 1)
-FLASH_ENTRIES_V4(48, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(48, bf16, 1, v5, 1)
-FLASH_ENTRIES_V4(48, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v6, 2)
-FLASH_ENTRIES_FUSED(48, bf16, 1)
-FLASH_ENTRIES_V4(64, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(64, bf16, 1, v5, 1)
-FLASH_ENTRIES_V4(64, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v6, 2)
-FLASH_ENTRIES_FUSED(64, bf16, 1)
+#endif
+#if FLASH_PART(4, 2)  // v4, f16
 FLASH_ENTRIES_V4(16, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(16, f16, 2, v5, 1)
-FLASH_ENTRIES_V4(16, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(16, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(16, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(16, f16, 2, v6, 2)
-FLASH_ENTRIES_FUSED(16, f16, 2)
 FLASH_ENTRIES_V4(32, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(32, f16, 2, v5, 1)
-FLASH_ENTRIES_V4(32, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(32, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(32, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(32, f16, 2, v6, 2)
-FLASH_ENTRIES_FUSED(32, f16, 2)
 FLASH_ENTRIES_V4(48, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(48, f16, 2, v5, 1)
-FLASH_ENTRIES_V4(48, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(48, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(48, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(48, f16, 2, v6, 2)
-FLASH_ENTRIES_FUSED(48, f16, 2)
 FLASH_ENTRIES_V4(64, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(64, f16, 2, v5, 1)
-FLASH_ENTRIES_V4(64, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(64, f16, 2, v4, 0)
+#endif
+#if FLASH_PART(5, 2)  // v5, f16
+FLASH_ENTRIES_V4(16, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(16, f16, 2, v5, 1)
+FLASH_ENTRIES_FUSED(16, f16, 2)
+FLASH_ENTRIES_V4(32, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(32, f16, 2, v5, 1)
+FLASH_ENTRIES_FUSED(32, f16, 2)
+FLASH_ENTRIES_V4(48, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(48, f16, 2, v5, 1)
+FLASH_ENTRIES_FUSED(48, f16, 2)
+FLASH_ENTRIES_V4(64, f16, 2, v5, 1)
 FLASH_ENTRIES_PACKED(64, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(64, f16, 2, v6, 2)
 FLASH_ENTRIES_FUSED(64, f16, 2)
+#endif
+#if FLASH_PART(6, 2)  // v6, f16
+FLASH_ENTRIES_V4(16, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(16, f16, 2, v6, 2)
+FLASH_ENTRIES_V4(32, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(32, f16, 2, v6, 2)
+FLASH_ENTRIES_V4(48, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(48, f16, 2, v6, 2)
+FLASH_ENTRIES_V4(64, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(64, f16, 2, v6, 2)
+#endif
 
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
                                                                   float* delta, long long rows, int hs) {

@@ -96,12 +96,22 @@ def _check(fn, version, half, heads, rows, outs):
     return B, nh, T, hs
 
 
-def _kernel(name):
-    """flash.cu's entry point `name`; a CUDA install without the crt/ headers that <mma.h> includes is named."""
+PARTS = {"v2": 2, "v3": 2, "v4": 4, "v5": 5, "v6": 6}  # flash.cu's FLASH_PART blocks (v2 and v3 share one)
+
+
+def part_options(version, half) -> tuple:
+    """The compile options that keep only `version`'s part of flash.cu in `half` (its FLASH_PART guards): each
+    process compiles the entry points it launches, not all 212."""
+    return (f"-DFLASH_PART_V={PARTS[version]}", f"-DFLASH_PART_H={1 if half == 'bf16' else 2}")
+
+
+def _kernel(name, version, half):
+    """flash.cu's entry point `name`, from the module of `version`'s part in `half`; a CUDA install without the crt/
+    headers that <mma.h> includes is named."""
     from gpullm_lessons import hip
 
     try:
-        return hip.kernel("flash", name)
+        return hip.kernel("flash", name, part_options(version, half))
     except Exception as e:  # noqa: BLE001 - CuPy's CompileException; anything else is raised as it is
         if "crt/mma.h" in str(e):
             raise RuntimeError(
@@ -131,14 +141,14 @@ def _fused_smem(hs: int) -> int:
 _SMEM_SET: dict = {}
 
 
-def _run(function, values, version, role, heads, T, hs):
+def _run(function, values, version, half, role, heads, T, hs):
     """Launch flash.cu's entry point `function` with its arguments taken by name from `values` (hip.launch_args: the
     kernel's own parameter list, read from flash.cu, is the one place the order is written). role: "delta" (grid-stride
     over rows), "fused" (v5's one-kernel backward: turn counters zeroed first, dynamic shared memory past the 48 KiB
     default where it needs it) or the GEOMETRY kernel ("forward", "dkdv", "dq") of `version`."""
     from gpullm_lessons import hip
 
-    kern = _kernel(function)
+    kern = _kernel(function, version, half)
     if role == "delta":
         kern(*_delta_launch(heads * T, hs), hip.launch_args("flash", function, values))
         return
@@ -198,7 +208,7 @@ def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
     if B * nh * T == 0:
         return
     values = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "T": np.int32(T), "scale": scale_of(hs)}
-    _run(forward_entry(version, half, hs), values, version, "forward", B * nh, T, hs)
+    _run(forward_entry(version, half, hs), values, version, half, "forward", B * nh, T, hs)
 
 
 def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16", fused=False):
@@ -235,7 +245,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAUL
         "hs": np.int32(hs),
     }
     for function, role in backward_plan(version, half, hs, fused=fused):
-        _run(function, values, version, role, B * nh, T, hs)
+        _run(function, values, version, half, role, B * nh, T, hs)
 
 
 def _check_packed(fn, half, nh, pairs):
@@ -283,7 +293,7 @@ def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAU
     if B * T == 0:
         return
     values = {"qkv": qkv, "out": out, "lse": lse, "T": np.int32(T), "nh": np.int32(nh), "scale": scale_of(hs)}
-    _run(forward_entry(version, half, hs, packed=True), values, version, "forward", B * nh, T, hs)
+    _run(forward_entry(version, half, hs, packed=True), values, version, half, "forward", B * nh, T, hs)
 
 
 def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", version=DEFAULT, fused=False):
@@ -315,4 +325,4 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
         "hs": np.int32(hs),
     }
     for function, role in backward_plan(version, half, hs, packed=True, fused=fused):
-        _run(function, values, version, role, B * nh, T, hs)
+        _run(function, values, version, half, role, B * nh, T, hs)

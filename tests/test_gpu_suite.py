@@ -1,0 +1,200 @@
+"""`make gpu-test` (gpullm_lessons/gpu_suite.py): the scheduling units, the summary, and sticky CUDA errors contained.
+
+A broken CUDA context (after an illegal address) fails every later call in its process. Without a GPU that is
+played by a stand-in: a test "breaks" its process (a module global that every later test of that process trips
+over, with CUDA's own message) and the suite runs on 2 pytest-xdist workers. Under the plugin: one failure (the
+breaking test), every other test passes, and the tests after the break ran in another process. Without the plugin the
+same files fail many times: the stand-in is one the plugin must beat. On a GPU the same with a real illegal access.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpullm_lessons import gpu_suite
+
+ROOT = Path(__file__).resolve().parents[1]
+N_AFTER = 40
+
+
+def test_units_split_tests_but_keep_notebooks_and_mpi_files_whole():
+    assert (
+        gpu_suite.unit_of("tests/test_hip_flash.py::test_flash[1x1-v2]")
+        == "tests/test_hip_flash.py::test_flash[1x1-v2]"
+    )
+    assert gpu_suite.unit_of("notebooks/03_softmax_backward.ipynb::Cell 4") == "notebooks/03_softmax_backward.ipynb"
+    assert gpu_suite.unit_of("solutions/11_flash_attention.ipynb::Cell 0") == "solutions/11_flash_attention.ipynb"
+    assert gpu_suite.unit_of("tests/test_comm.py::test_ring[2]") == "tests/test_comm.py"
+    assert [gpu_suite.part_of(n) for n in ("tests/a.py::t", "notebooks/x.ipynb::Cell 1", "solutions/y.ipynb")] == [
+        "tests",
+        "notebooks",
+        "solutions",
+    ]
+    assert gpu_suite.STICKY.search(
+        "CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access was encountered"
+    )
+    assert not gpu_suite.STICKY.search("CUDARuntimeError: cudaErrorMemoryAllocation: out of memory")  # not sticky
+
+
+STAND_IN = """
+import os
+import pytest
+
+BROKEN = []  # this process's "CUDA context": broken once a test breaks it
+
+
+def _launch():
+    if BROKEN:
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+
+def test_a_fine():
+    _launch()
+
+
+def test_b_breaks_the_context():
+    BROKEN.append(os.getpid())
+    (Path := __import__("pathlib").Path)("broken_pid").write_text(str(os.getpid()))
+    _launch()
+
+
+@pytest.mark.parametrize("i", range({n}))
+def test_c_after(i):
+    _launch()
+    __import__("pathlib").Path(f"ran_{{i}}").write_text(str(os.getpid()))
+"""
+
+
+def run_suite(tmp_path, plugin: bool):
+    (tmp_path / "test_stand_in.py").write_text(STAND_IN.format(n=N_AFTER))
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "2",
+        "--dist",
+        "loadscope",
+        "--no-loadscope-reorder",
+        "test_stand_in.py",
+    ]
+    if plugin:
+        args[3:3] = ["-p", "gpullm_lessons.gpu_suite"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPULLM_STICKY_DIR=str(tmp_path / "notes"))
+    (tmp_path / "notes").mkdir()
+    r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    return r, r.stdout + r.stderr
+
+
+def test_a_sticky_error_costs_one_failure_and_the_rest_run_in_a_fresh_process(tmp_path):
+    r, out = run_suite(tmp_path, plugin=True)
+    assert r.returncode == 1, out
+    assert "1 failed" in out and f"{N_AFTER + 1} passed" in out, out
+    assert "FAILED test_stand_in.py::test_b_breaks_the_context" in out, out
+    broken = (tmp_path / "broken_pid").read_text()
+    pids = {(tmp_path / f"ran_{i}").read_text() for i in range(N_AFTER)}
+    assert len(pids) >= 2 and broken not in pids, (broken, pids)  # nothing ran after the break in that process
+
+
+def test_without_the_plugin_the_same_break_fails_many(tmp_path):
+    r, out = run_suite(tmp_path, plugin=False)
+    failed = int(out.split(" failed")[0].split()[-1])
+    assert r.returncode == 1 and failed > 5, out
+
+
+def test_the_summary_counts_each_part_and_names_each_failure(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        textwrap.dedent("""
+        import pytest
+        def test_ok(): pass
+        def test_bad(): assert 1 == 2, "one is not two"
+        @pytest.mark.skip(reason="no")
+        def test_skip(): pass
+    """)
+    )
+    script = textwrap.dedent("""
+        import json, pytest
+        from gpullm_lessons import gpu_suite
+        c = gpu_suite.Collector()
+        pytest.main(["-q", "-p", "no:cacheprovider", "tests"], plugins=[c])
+        print("SUMMARY" + json.dumps(gpu_suite.summarise(c, ["tests"], {"card": "stand-in"})))
+    """)
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    s = json.loads(r.stdout.split("SUMMARY", 1)[1])
+    assert s["parts"]["tests"] | {"test_minutes": 0} == {"passed": 1, "failed": 1, "skipped": 1, "test_minutes": 0}
+    assert s["failures"] == [{"nodeid": "tests/test_x.py::test_bad", "message": "AssertionError: one is not two"}]
+    assert s["green"] is False and s["card"] == "stand-in"
+
+
+def test_the_stored_summaries_are_whole_green_runs_within_nine_minutes():
+    """gpullm_lessons/results/gpu_test_<card>.json: what the README quotes. Each is a whole run (every part), green,
+    within 9 minutes, of a commit of this repository."""
+    stored = sorted((ROOT / "gpullm_lessons" / "results").glob("gpu_test_*.json"))
+    if not stored:
+        pytest.skip("no stored gpu-test summary yet")
+    for path in stored:
+        s = json.loads(path.read_text())
+        assert set(s["parts"]) == set(gpu_suite.PARTS), path.name
+        assert s["green"] and not s["failures"] and s["minutes"] <= 9, (path.name, s["minutes"], s["failures"][:3])
+        assert len(s["commit"]) == 40 and s["card"] and s["date"], path.name
+
+
+@pytest.mark.gpu
+def test_a_real_illegal_access_costs_one_failure(tmp_path):
+    (tmp_path / "test_planted.py").write_text(
+        textwrap.dedent(f"""
+        import cupy as cp
+        import pytest
+
+        BAD = cp.RawKernel(r'extern "C" __global__ void bad(float* p) {{ p[1ll << 40] = 1.0f; }}', "bad")
+
+        def test_a_illegal_access():
+            x = cp.zeros(4, cp.float32)
+            BAD((1,), (1,), (x,))
+            cp.cuda.runtime.deviceSynchronize()
+
+        @pytest.mark.parametrize("i", range({N_AFTER}))
+        def test_b_after(i):
+            assert float(cp.arange(10, dtype=cp.float32).sum()) == 45.0
+    """)
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "gpullm_lessons.gpu_suite",
+            "-n",
+            "2",
+            "--dist",
+            "loadscope",
+            "test_planted.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    out = r.stdout + r.stderr
+    assert "1 failed" in out and f"{N_AFTER} passed" in out, out
