@@ -278,6 +278,8 @@ def _commit(root: Path) -> dict:
         r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else ""
 
+    if os.environ.get("GPULLM_COMMIT"):  # a copy of the tree without its git history (a container build, a rsync)
+        return {"commit": os.environ["GPULLM_COMMIT"], "dirty": os.environ.get("GPULLM_DIRTY", "0") == "1"}
     return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "-uno"))}
 
 
