@@ -561,7 +561,8 @@ def test_gpu_hip_split_one_head_x4_is_v1(threads, half, with_bias):
     rng = np.random.default_rng()
     B, T, hs, col0, ld = 3, 67, 1156, 8, 1180
     inp, bias = rand(rng, B * T, ld), rand(rng, hs)
-    want = inp[:, col0:col0 + hs] + (bias if with_bias else np.float32(0))
+    # no bias: a copy (adding 0.0 would turn an input's -0.0 into +0.0, which the kernel rightly keeps as -0.0)
+    want = inp[:, col0:col0 + hs] + bias if with_bias else inp[:, col0:col0 + hs].copy()
 
     def call(offset):
         buf = cp.zeros(B * T * ld + 4, cp.float32)
