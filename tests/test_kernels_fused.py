@@ -193,7 +193,7 @@ def test_split_heads(half, with_bias, which):
     inp, bias = rand(rng, B * T, ld), rand(rng, C)
     out = empty_out((B * nh, T, hs), half)
     nb.split_heads(inp, which * C, out, B, T, nh, bias=bias if with_bias else None, half=half, threads=32)
-    part = inp[:, which * C:(which + 1) * C] + (bias if with_bias else np.float32(0))
+    part = inp[:, which * C:(which + 1) * C] + bias if with_bias else inp[:, which * C:(which + 1) * C].copy()
     assert_out(out, heads(part, B, T, nh), half, rtol=0)
 
 
@@ -535,7 +535,7 @@ def test_gpu_split_and_merge_at_engine_size(half):
         for i in range(3):
             out = empty_out((B * nh, T, hs), half, "cupy")
             mod.split_heads(d_qkv, i * C, out, B, T, nh, bias=cp.asarray(bias) if i == 0 else None, half=half)
-            part = qkv[:, i * C:(i + 1) * C] + (bias if i == 0 else np.float32(0))
+            part = qkv[:, i * C:(i + 1) * C] + bias if i == 0 else qkv[:, i * C:(i + 1) * C].copy()
             assert_out(out, heads(part, B, T, nh), half, rtol=0)
         y = rand(rng, B * nh, T, hs)
         before = to_half(rand(rng, B * T, 3 * C), half)
