@@ -722,7 +722,9 @@ _ROW_MAX = Op(
     mistakes=[
         Mistake("rows whose values are all negative came out as 0: threads that have no element (or a tree "
                  "that starts from 0) contributed 0. For a max the neutral start is -inf (a row of negative "
-                 "numbers has a negative max)", lambda c: {"m": np.maximum(c.x["x"].max(axis=1), 0.0)}),
+                 "numbers has a negative max). If yours starts from -inf: a thread read a shared slot before its "
+                 "owner wrote it (a missing cuda.syncthreads() barrier; a GPU's unwritten shared memory often "
+                 "reads as 0)", lambda c: {"m": np.maximum(c.x["x"].max(axis=1), 0.0)}),
         Mistake("m is the row sum: the tree must take the larger of the two values at each step, not add them",
                  lambda c: {"m": c.x["x"].sum(axis=1)}),
         Mistake("m is the max of |x|: compare the values themselves (a row of negative numbers has a negative max)",
