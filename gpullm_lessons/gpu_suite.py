@@ -215,6 +215,8 @@ class Collector:
             row["outcome"], row["message"] = "failed", _first_line(report)
         elif report.skipped and row["outcome"] == "passed":
             row["outcome"] = "skipped"
+            longrepr = getattr(report, "longrepr", None)
+            row["message"] = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)[:200]
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -227,10 +229,15 @@ class Collector:
 
 
 def _first_line(report) -> str:
+    """The failure in one line: the exception's message, or (a bare `AssertionError:`) the first `E` line under it."""
     crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-    if crash is not None and getattr(crash, "message", ""):
-        return crash.message.strip().splitlines()[0][:300]
     lines = [ln.strip() for ln in (report.longreprtext or "").splitlines() if ln.strip()]
+    if crash is not None and getattr(crash, "message", "").strip():
+        said = [ln.strip() for ln in crash.message.splitlines() if ln.strip()]
+        first = said[0]
+        if first.rstrip(":").endswith("Error") and len(said) > 1:  # a bare `AssertionError:`: the line that says more
+            first = f"{first.rstrip(':')}: {said[1]}"
+        return first[:300]
     errors = [ln for ln in lines if re.search(r"Error|Exception|assert", ln)]
     return ((errors or lines or ["failed"])[-1])[:300]
 
@@ -247,6 +254,11 @@ def summarise(collector: Collector, parts, meta: dict) -> dict:
     out["failures"] = [
         {"nodeid": k, "message": r["message"]} for k, r in collector.rows.items() if r["outcome"] == "failed"
     ]
+    reasons: dict = {}
+    for r in collector.rows.values():
+        if r["outcome"] == "skipped":
+            reasons[r["message"]] = reasons.get(r["message"], 0) + 1
+    out["skipped_because"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))  # why, and how many tests
     out["reruns"] = collector.reruns
     out["green"] = not out["failures"] and all(out["parts"][p]["passed"] for p in parts)
     return out
@@ -304,7 +316,8 @@ def main(argv=None) -> int:
     meta = {
         "what": "make gpu-test",
         **_card(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.date.today().isoformat(),
+        "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **_commit(root),
         "workers": args.workers,
         "command": " ".join(["python -m gpullm_lessons.gpu_suite", *(argv or sys.argv[1:])]),
