@@ -41,7 +41,6 @@ from typing import Callable, Optional
 
 from . import grading
 
-COURSE_EXERCISES = grading.REPO_ROOT / "exercises"  # beside the gpullm_lessons package, as solutions/ is
 GRADEBOOK = "gradebook"  # the default --out folder, inside ROOT
 NO_NOTEBOOKS = "no notebooks"
 MISSING = "missing"
@@ -52,7 +51,7 @@ STATUS_ORDER = grading.STATUSES + (grading.NOT_RUN, TIMED_OUT, UNREADABLE, MISSI
 SUMMARY_STATUSES = ("correct", "wrong", "not attempted", "error")  # always shown in the summary
 # how the grader words a notebook it stopped (grading._grade_notebook and its runner's give_up)
 _STOPPED = ("timeout after", "a cell ran past")
-_HINT = " hint: "  # a verdict's message is "...; seed S) hint: what is probably wrong", on one line
+_HINT = grading.HINT
 
 
 class ClassError(Exception):
@@ -75,16 +74,12 @@ class StartResult:
 
 
 def course_exercises() -> Path:
-    """The installed course's exercise notebooks (``exercises/`` beside the package), or a ClassError naming where
-    they were looked for."""
-    if not COURSE_EXERCISES.is_dir() or not any(COURSE_EXERCISES.glob("*.ipynb")):
-        raise ClassError(
-            f"the course's exercise notebooks are not where the installed package expects them: "
-            f"{COURSE_EXERCISES} has no *.ipynb (the package is at {grading.REPO_ROOT / 'gpullm_lessons'}). "
-            "Install the course from its folder (pip install -e /path/to/gpullm-lessons), "
-            "or name the exercises with --exercises DIR"
-        )
-    return COURSE_EXERCISES
+    """The installed course's exercise notebooks (grading.course_exercises), or a ClassError naming where they were
+    looked for."""
+    try:
+        return grading.course_exercises()
+    except grading.CourseNotFound as e:
+        raise ClassError(f"{e}; or name the exercises with --exercises DIR") from None
 
 
 def start(directory, update: bool = False, source=None) -> StartResult:
@@ -143,7 +138,10 @@ def start_main(argv=None) -> int:
         "--update", action="store_true", help="copy only the exercises DIR does not have yet; keep every other one"
     )
     parser.add_argument(
-        "--exercises", metavar="DIR", default=None, help=f"copy these notebooks instead (default: {COURSE_EXERCISES})"
+        "--exercises",
+        metavar="DIR",
+        default=None,
+        help="copy these notebooks instead (default: the course's exercise notebooks as installed)",
     )
     try:
         args = parser.parse_args(argv)
@@ -344,12 +342,12 @@ def grade_class(
     progress: Optional[Callable[[str], None]] = None,
 ) -> Gradebook:
     """Grade every learner's folder under ``root`` against the instructor's notebooks (default: the course's
-    solutions/), ``workers`` notebooks at a time, each under ``timeout`` seconds. ``notebooks``: file-name
+    exercise notebooks as installed, course_exercises()), ``workers`` notebooks at a time, each under ``timeout`` seconds. ``notebooks``: file-name
     patterns (fnmatch) of the notebooks to grade (default: all). Raises ClassError for a folder missing or empty,
     or patterns that match no instructor notebook. Nothing about a learner's notebooks raises: each gets a row."""
     root = Path(root)
     learners = learner_dirs(root, out)
-    source = Path(solutions) if solutions is not None else grading.DEFAULT_SOLUTIONS
+    source = Path(solutions) if solutions is not None else course_exercises()
     if not source.is_dir():
         raise ClassError(f"no such directory: {source} (the instructor's notebooks)")
     names = [p.name for p in sorted(source.glob("*.ipynb"))]
@@ -488,7 +486,10 @@ def grade_main(argv=None) -> int:
         help="grade only the notebooks whose file name matches PATTERN (e.g. '03_*'; repeat for several)",
     )
     parser.add_argument(
-        "--solutions", metavar="DIR", default=None, help="the instructor's notebooks (default: the course's solutions/)"
+        "--solutions",
+        metavar="DIR",
+        default=None,
+        help="the instructor's notebooks (default: the course's exercise notebooks as installed)",
     )
     parser.add_argument("--kernel", default="python3", metavar="NAME", help="Jupyter kernel (default: python3)")
     try:

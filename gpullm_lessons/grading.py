@@ -2,14 +2,16 @@
 
 What counts
 -----------
-The list of tasks comes from the instructor's notebooks (``solutions/``), never from the notebook being graded:
-every top-level call ``check_xxx(...)`` in a code cell of the instructor's notebook is a task, labelled by its
+The list of tasks comes from the course's own exercise notebooks as installed with the package
+(``course_exercises``: generated from ``solutions/``, the same checker calls without the answers; or the
+instructor's ``--solutions DIR``), never from the notebook being graded, however the course was installed: every
+top-level call ``check_xxx(...)`` in a code cell of that notebook is a task, labelled by its
 ``task="..."`` keyword (or ``xxx``), with the difficulty its markdown gives it (a line ``### Task 03.2 · core —
 title``: ``warm-up``, ``core`` or ``stretch``).
 
 A verdict counts only if the grader's own checker call produced it. The grader runs the learner's notebook top to
 bottom in a fresh kernel (cells made only of checker calls are skipped: the grader makes those calls itself), then,
-for each task, executes the instructor's checker call in that kernel with ``seed=`` set to a secret random number
+for each task, executes the course's checker call in that kernel with ``seed=`` set to a secret random number
 drawn after the learner's cells ran and the checker looked up by name in its module (``gpullm_lessons.checks`` ...),
 not in the notebook. Its verdict comes back on the cell's output tagged with a one-time token. Whatever the
 notebook printed, recorded (``record``) or defined (extra ``check_*`` calls, invented task labels) is ignored.
@@ -47,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,9 +63,10 @@ STATUSES = ("correct", "wrong", "not attempted", "error", "skipped", "compiled")
 # both vendors and linted, not run. Both are listed but left out of the total.
 UNSCORED = ("skipped", "compiled")
 NOT_RUN = "not run"
+HINT = " hint: "  # a verdict's message is "...; seed S) hint: what is probably wrong", on one line
 LEVELS = ("warm-up", "core", "stretch")
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the folder that holds the gpullm_lessons package
-DEFAULT_SOLUTIONS = REPO_ROOT / "solutions"
+PACKAGED_EXERCISES = "course_exercises"  # the exercises/ folder as a wheel ships it (pyproject's package-dir)
 TASK_LINE_RE = re.compile(r"^#+\s*Task\s+(?P<id>\d+\.\d+)\s*[·:\-]\s*(?P<level>warm-up|core|stretch)\b\s*[—–:-]*\s*"
                           r"(?P<title>.*)$", re.MULTILINE)
 TASK_ID_RE = re.compile(r"^\s*(\d+\.\d+)\b")
@@ -262,11 +266,14 @@ def checker_only_cells(nb) -> set[int]:
 
 
 def exercise_cell_ids(nb) -> set[str]:
-    """Ids of the instructor's cells that hold a solution region (what --strict takes from the learner)."""
-    from .exercises import BEGIN_RE
+    """Ids of the cells that hold an exercise (what --strict takes from the learner): in an instructor's notebook
+    the cells with a solution region, in the course's exercise notebooks the cells where one was cut out."""
+    from .exercises import BEGIN_RE, RAISE_LINE
+
     ids = set()
     for cell in nb.cells:
-        if cell.cell_type == "code" and any(BEGIN_RE.match(line) for line in cell.source.split("\n")):
+        lines = cell.source.split("\n") if cell.cell_type == "code" else []
+        if any(BEGIN_RE.match(line) or line.strip() == RAISE_LINE for line in lines):
             ids.add(cell.get("id"))
     return ids - {None}
 
@@ -399,9 +406,13 @@ class Report:
         lv_w = max(len(s) for s in LEVELS + ("level",))
         header = f"{'notebook':<{nb_w}}  {'task':<{task_w}}  {'level':<{lv_w}}  {'status':<{st_w}}  pts  message"
         lines = [header, "-" * len(header)]
+        indent = " " * (nb_w + task_w + lv_w + st_w + 13)  # under the message column
         for t in self.tasks:
+            message, _, hint = t.message.partition(HINT)
             lines.append(f"{_fit(t.notebook, nb_w):<{nb_w}}  {_fit(t.task, task_w):<{task_w}}  {t.level:<{lv_w}}  "
-                         f"{t.status:<{st_w}}  {t.points:>3}  {_fit(t.message, 100)}".rstrip())
+                         f"{t.status:<{st_w}}  {t.points:>3}  {_fit(message, 100)}".rstrip())
+            if hint:  # the hint whole, under its message: it says what is probably wrong
+                lines += textwrap.wrap("hint: " + hint, 100, initial_indent=indent, subsequent_indent=indent + "  ")
         lines.append("")
         for n in self.notebooks:
             note = f"  [{n.failure}]" if n.failure else ""
@@ -620,12 +631,35 @@ def _grade_notebook(nb_path: Path, tasks: list[Task], workdir: Path, timeout: fl
     return results, NotebookResult(name, score, total, stop_reason, round(time.monotonic() - start, 2), errors)
 
 
+class CourseNotFound(FileNotFoundError):
+    """The course's own exercise notebooks are not installed where the package looks: said, with the fix."""
+
+
+def course_exercises() -> Path:
+    """The course's exercise notebooks as installed with the package: the task list of every grade (their checker
+    calls are the solutions' own: exercises/ is generated from solutions/, without the answers) and what ``start``
+    copies. A wheel, the container and a shared install carry them inside the package (``course_exercises/``); a
+    checkout has them in ``exercises/`` beside the package. Never the folder being graded. CourseNotFound names both
+    places when neither has them."""
+    import importlib.resources
+
+    packaged = Path(str(importlib.resources.files("gpullm_lessons"))) / PACKAGED_EXERCISES
+    if any(packaged.glob("*.ipynb")):
+        return packaged
+    checkout = REPO_ROOT / "exercises"
+    if (REPO_ROOT / "pyproject.toml").is_file() and any(checkout.glob("*.ipynb")):
+        return checkout
+    raise CourseNotFound(
+        f"the course's exercise notebooks are missing from this installation: neither {packaged} nor {checkout} "
+        "holds any *.ipynb. Reinstall the course (pip install gpullm-lessons from its wheel, or pip install -e . in "
+        "its folder), or name the instructor's notebooks with --solutions DIR"
+    )
+
+
 def _instructor_dir(directory: Path, solutions) -> Path:
-    if solutions is not None:
-        return Path(solutions)
-    # an instructor's folder (named solutions/) is its own source; anything else is graded against the course's
-    return directory if directory.resolve().name == "solutions" or not DEFAULT_SOLUTIONS.is_dir() \
-        else DEFAULT_SOLUTIONS
+    """Where the task list comes from: --solutions DIR, else the course's installed exercises (never ``directory``,
+    the notebooks being graded)."""
+    return Path(solutions) if solutions is not None else course_exercises()
 
 
 def grade(directory="exercises", timeout: float = 600, kernel_name: str = "python3", workers: int = 1,
@@ -633,8 +667,9 @@ def grade(directory="exercises", timeout: float = 600, kernel_name: str = "pytho
           solutions=None, strict: bool = False, notebooks=None) -> Report:
     """Grade every notebook of ``directory`` against the instructor's notebooks of the same name.
 
-    solutions: the instructor's folder (default: ``directory`` itself when it is named ``solutions``, else the
-    course's solutions/). A notebook the instructor's folder lacks is listed with no task; one
+    solutions: the instructor's folder (default: the course's exercise notebooks as installed with the package,
+    ``course_exercises()``: the solutions' checker calls without the answers). A notebook that folder lacks is listed
+    with no task; one
     the learner lacks costs its tasks. timeout: wall-clock seconds per notebook (kernel start included); on expiry
     the notebook's subprocess and kernel are killed. cell_timeout: seconds per cell before it is interrupted
     (default: timeout / 2). workers: notebooks graded at once. strict: run the instructor's notebook with only
@@ -871,7 +906,7 @@ def main(argv=None) -> int:
     parser.add_argument("directory", nargs="?", default="exercises", help="folder of notebooks (default: exercises)")
     parser.add_argument("--solutions", metavar="DIR", default=None,
                         help="the instructor's notebooks: the tasks and the checker calls (default: the course's "
-                             "solutions/)")
+                             "exercise notebooks as installed with the package)")
     parser.add_argument("--strict", action="store_true",
                         help="run the instructor's notebook with only the learner's exercise cells")
     parser.add_argument("--notebooks", metavar="PATTERN", action="append", default=None,
@@ -902,7 +937,7 @@ def main(argv=None) -> int:
         report = grade(directory, timeout=args.timeout, kernel_name=args.kernel, workers=args.workers,
                        progress=lambda line: print(line, file=sys.stderr, flush=True), solutions=args.solutions,
                        strict=args.strict, notebooks=args.notebooks)
-    except ValueError as e:
+    except (ValueError, CourseNotFound) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.notebooks and not report.notebooks:

@@ -341,6 +341,11 @@ def main(argv=None) -> int:
     parser.add_argument("--solutions", default="solutions")
     parser.add_argument("--notebooks", default="notebooks")
     args = parser.parse_args(argv)
+    if not any(Path(args.solutions).glob("*.ipynb")):
+        print(f"error: no solution notebooks (*.ipynb) in {Path(args.solutions).resolve()}: leaks compares the "
+              "instructor's solutions/ with the lessons; run it in the course's folder (a checkout) or name them "
+              "with --solutions DIR --notebooks DIR", file=sys.stderr)
+        return 2
     rows = scan(args.solutions, args.notebooks)
     for row in rows:
         flag = "LEAK " if row.score > LEAK_THRESHOLD else "     "

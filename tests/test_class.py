@@ -20,7 +20,7 @@ import nbformat
 import pytest
 from test_grading import needs_kernel
 
-from gpullm_lessons import classroom
+from gpullm_lessons import classroom, grading
 from gpullm_lessons.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,9 +137,10 @@ def test_start_names_what_is_wrong(source, tmp_path, monkeypatch):
         assert rc == 2 and needle in err, (argv, err)
     # the course's exercises are found beside the package; an install without them is named, with the fix
     assert classroom.course_exercises() == ROOT / "exercises"
-    monkeypatch.setattr(classroom, "COURSE_EXERCISES", tmp_path / "site-packages" / "exercises")
+    monkeypatch.setattr(grading, "REPO_ROOT", tmp_path / "site-packages")  # neither a checkout nor the packaged copy
     rc, _, err = run_cli("start", str(tmp_path / "me"))
     assert rc == 2 and str(tmp_path / "site-packages" / "exercises") in err and "--exercises DIR" in err
+    assert grading.PACKAGED_EXERCISES in err
     assert not (tmp_path / "me").exists()
 
 

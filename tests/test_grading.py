@@ -201,6 +201,17 @@ def test_verdicts_need_exactly_one_token_line():
 
 
 # ---------------------------------------------------------------------------------------------- report
+def test_the_table_shows_each_hint_whole_under_its_message():
+    """A long message is cut to the column; its hint (what is probably wrong) is never cut: it follows, wrapped."""
+    hint = ("m is the max of the first 24 columns only (n = 150): a row longer than the block needs each thread to "
+            "visit the columns t, t + blockDim.x, t + 2*blockDim.x, ... before the tree")
+    message = "row_max: wrong - m at [0] (case 1 of 4: N=3, n=150): yours 0.1, expected 0.9 " + "x" * 60 + "; seed 7)"
+    row = TaskResult("03_s.ipynb", "03.1 row max", "wrong", 0, message + grading.HINT + hint, "check_row_max", "core")
+    text = Report([row], [grading.NotebookResult("03_s.ipynb", 0, 1, None, 1.0)], "exercises").format()
+    assert " ".join(text.split()).count(" ".join(("hint: " + hint).split())) == 1
+    assert all(len(line) <= 200 for line in text.splitlines())
+
+
 def test_report_table_json_levels_and_unscored_statuses(tmp_path):
     rows = [TaskResult("01_a.ipynb", "double", "correct", 1, "ok", "check_double", "warm-up"),
             TaskResult("01_a.ipynb", "03.2 softmax backward (Numba)", "wrong", 0, "max err 0.5", "check_x", "core"),
@@ -277,11 +288,32 @@ def course(tmp_path_factory):
     return root
 
 
+@needs_kernel
+def test_the_task_list_never_comes_from_the_graded_folder(tmp_path):
+    """Without --solutions the tasks are the course's (its exercise notebooks as installed), whatever the graded
+    folder is called: a learner's folder named solutions/ whose notebook lost its checker cells still owes every
+    task, and the grader makes each checker call itself (the exercise's functions are not written: not attempted)."""
+    import nbformat
+
+    folder = tmp_path / "solutions"
+    folder.mkdir()
+    nb = nbformat.read(str(grading.course_exercises() / "01_numpy_reference_gradients.ipynb"), as_version=4)
+    nb.cells = [c for c in nb.cells if "check_" not in c.source]
+    nbformat.write(nb, str(folder / "01_numpy_reference_gradients.ipynb"))
+    assert grading._instructor_dir(folder, None) == grading.course_exercises()
+    want = [t.label for t in grading.find_tasks(grading.course_exercises() / "01_numpy_reference_gradients.ipynb")]
+    assert len(want) == 3 and grading.find_tasks(folder / "01_numpy_reference_gradients.ipynb") == []
+    report = grade(folder, timeout=120, notebooks=["01_*"])
+    assert [(t.task, t.status) for t in report.tasks] == [(label, "not attempted") for label in want]
+    assert (report.score, report.total) == (0, 3)
+
+
 @pytest.mark.slow
 @needs_kernel
 def test_solution_scores_100_through_the_cli(course, tmp_path, capsys):
     out = tmp_path / "report.json"
-    assert grading.main(["grade", str(course / "solutions"), "--json", str(out), "--timeout", "120"]) == 0
+    argv = ["grade", str(course / "solutions"), "--solutions", str(course / "solutions"), "--json", str(out)]
+    assert grading.main(argv + ["--timeout", "120"]) == 0
     captured = capsys.readouterr()
     assert captured.out.rstrip().splitlines()[-1] == "score: 2/2 (100%)"
     data = json.loads(out.read_text())

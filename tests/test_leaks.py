@@ -95,3 +95,12 @@ def test_a_variant_is_not_flagged(tmp_path):
 ])
 def test_tokens_drop_comments_and_normalise_names(text, expected):
     assert leaks.tokens(text) == expected
+
+
+def test_outside_a_checkout_it_says_so_instead_of_printing_nothing(tmp_path, capsys, monkeypatch):
+    from gpullm_lessons import leaks
+
+    monkeypatch.chdir(tmp_path)
+    assert leaks.main([]) == 2
+    err = capsys.readouterr().err
+    assert "no solution notebooks" in err and str(tmp_path / "solutions") in err and "--solutions DIR" in err

@@ -50,9 +50,20 @@ def test_every_package_folder_is_listed_and_shipped(wheel):
                 for p in (ROOT / "kernels").rglob("__init__.py")}
     assert on_disk - listed == set(), f"package folders missing from pyproject's packages: {sorted(on_disk - listed)}"
     names = set(zipfile.ZipFile(wheel).namelist())
-    for pkg in sorted(listed):
+    for pkg in sorted(listed - DATA_ONLY):
         folder = pkg.replace("gpullm_lessons.kernels", "gpullm_lessons/kernels").replace(".", "/")
         assert f"{folder}/__init__.py" in names, f"{pkg} is not in the wheel"
+
+
+DATA_ONLY = {"gpullm_lessons.course_exercises"}  # folders of data the wheel carries, no Python
+
+
+def test_wheel_ships_the_exercises_byte_for_byte(wheel):
+    """The grader's task list and `start`'s copies in an installed course: exercises/ as it is in the checkout."""
+    z = zipfile.ZipFile(wheel)
+    shipped = {n.rsplit("/", 1)[1]: z.read(n) for n in z.namelist() if n.startswith("gpullm_lessons/course_exercises/")}
+    here = {p.name: p.read_bytes() for p in (ROOT / "exercises").glob("*.ipynb")}
+    assert here and shipped == here, sorted(set(here) ^ set(shipped))
 
 
 def test_installed_package_finds_its_kernels(wheel, tmp_path):
