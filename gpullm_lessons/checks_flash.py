@@ -226,6 +226,13 @@ _RESCALE = ("when a tile raises a row's max from m to m', everything accumulated
             "adding the tile (acc = alpha * acc + sum_s exp(S - m') v[s]). ")
 _FORWARD = Op(
     "flash_attention_forward", lambda rng, dt, size, k: _make(rng, dt, size, k, False), _expected_forward,
+    # the course's own implementations: an answer that is, wraps or calls one is not correct (borrowed.py)
+    own=(
+        "gpullm_lessons.kernels.numba.flash:flash_attention_forward_v1",
+        "gpullm_lessons.kernels.numba.flash:flash_attention_forward",
+        "gpullm_lessons.checks_flash:reference",
+        "gpullm_lessons.reference.attention:attention_forward",
+    ),
     n_cases=4,
     formula="out[t] = sum_{s <= t} softmax_s(q[t] . k[s] / sqrt(hs)) v[s]; lse[t] = log sum_{s <= t} "
             "exp(q[t] . k[s] / sqrt(hs)): per key tile m' = max(m, tile max), alpha = exp(m - m'), "
@@ -290,6 +297,13 @@ def _only(names, **wrong):
 
 _BACKWARD = Op(
     "flash_attention_backward", lambda rng, dt, size, k: _make(rng, dt, size, k, True), _expected_backward,
+    # the course's own implementations: an answer that is, wraps or calls one is not correct (borrowed.py)
+    own=(
+        "gpullm_lessons.kernels.numba.flash:flash_attention_backward_v1_dq",
+        "gpullm_lessons.kernels.numba.flash:flash_attention_backward",
+        "gpullm_lessons.checks_flash:reference",
+        "gpullm_lessons.reference.attention:attention_backward",
+    ),
     n_cases=4,
     formula="P[t, s] = exp(q[t] . k[s] / sqrt(hs) - lse[t]) for s <= t; delta[t] = dout[t] . out[t]; dv[s] = sum_t "
             "P[t, s] dout[t]; dS = P (dout[t] . v[s] - delta[t]); dq[t] = sum_s dS k[s] / sqrt(hs); dk[s] = sum_t "
@@ -367,6 +381,13 @@ def _in_heads(test):
 _RIGHT = "q of head h at row t of sequence b starts at ((b T + t) 3C + h hs), k at + C, v at + 2C"
 _PACKED = Op(
     "flash_attention_forward_packed", _make_packed, _expected_packed,
+    # the course's own implementations: an answer that is, wraps or calls one is not correct (borrowed.py)
+    own=(
+        "gpullm_lessons.kernels.numba.flash:flash_attention_forward_v1",
+        "gpullm_lessons.kernels.numba.flash:flash_attention_forward",
+        "gpullm_lessons.checks_flash:reference",
+        "gpullm_lessons.reference.attention:attention_forward",
+    ),
     n_cases=4,
     formula="the forward of check_flash_attention_forward, reading q, k, v of head h from the columns h*hs .. "
             "h*hs + hs - 1 of the thirds [0, C), [C, 2C), [2C, 3C) of qkv's row (b, t), writing out[b, t, h*hs + j] "

@@ -1,0 +1,108 @@
+"""Borrowed answers (gpullm_lessons/borrowed.py): a graded answer that is, aliases, wraps or calls the course's own
+implementation of its task is wrong, with a verdict that names what it borrowed; a right answer that uses the course's
+other helpers (11.3 launches the course's delta and dK/dV kernels around its own dQ kernel) stays correct.
+
+Each borrowed answer is the solution notebook with one edit (conftest.solution_namespace), graded as the grader does
+(a task label given); the same call without a label (the course's own tests of its kernels) is not judged so.
+"""
+
+import numpy as np
+import pytest
+from conftest import solution_namespace
+
+from gpullm_lessons import borrowed, device
+from gpullm_lessons.checks_flash import check_flash_attention_backward, check_flash_attention_forward
+from gpullm_lessons.checks_scale import check_bucket_assignment, check_quantize_blockwise
+
+numba_ok = pytest.mark.skipif(not device.numba_available(), reason="needs Numba (GPU or simulator)")
+FLASH = "gpullm_lessons.kernels.numba.flash"
+
+DQ_CALL = "    flash_dq_kernel[grid, ROWS](q, k, v, dout, lse, delta, dq, scale)"
+FWD_CALL = "        flash_forward_kernel[(math.ceil(T / ROWS), B * nh), ROWS](q, k, v, out, lse, numba.float32(1 / math.sqrt(hs)))"
+
+
+def borrowed_11_3():
+    """11.3's borrowed answers: the course's dQ kernel aliased at the top of the cell, or launched by the launcher."""
+    alias = ("e11-t3-code", "@cuda.jit\ndef flash_dq_kernel(", "flash_dq_kernel = flash.flash_attention_backward_v1_dq\n"
+             "@cuda.jit\ndef my_unused_dq_kernel(")  # fmt: skip
+    launch = ("e11-t3-code", DQ_CALL, DQ_CALL.replace("flash_dq_kernel", "flash.flash_attention_backward_v1_dq"))
+    whole = ("e11-t3-code", DQ_CALL, "    flash.flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv)")
+    return {"alias": alias, "launch": launch, "whole": whole}
+
+
+@numba_ok
+@pytest.mark.parametrize("how", ["alias", "launch", "whole"])
+def test_11_3_borrowed_dq_is_wrong_and_named(how):
+    ns = solution_namespace("11_flash_attention", [borrowed_11_3()[how]])
+    r = check_flash_attention_backward(ns["flash_backward"], arrays="numba", task="11.3", seed=1, quiet=True)
+    assert r.status == "wrong" and "course's own implementation" in r.message, r.message
+    assert f"{FLASH}.flash_attention_backward" in r.message
+    # the course's own tests run its kernels through the checker without a task label: not judged as borrowed
+    plain = check_flash_attention_backward(ns["flash_backward"], arrays="numba", seed=1, quiet=True)
+    assert plain.status == "correct", plain.message
+
+
+@numba_ok
+def test_11_2_borrowed_forward_kernel_is_wrong():
+    edit = ("e11-t2-code", FWD_CALL, FWD_CALL.replace("flash_forward_kernel", "flash.flash_attention_forward_v1"))
+    ns = solution_namespace("11_flash_attention", [edit])
+    r = check_flash_attention_forward(ns["flash_forward"], arrays="numba", task="11.2", seed=1, quiet=True)
+    assert r.status == "wrong" and f"{FLASH}.flash_attention_forward_v1" in r.message, r.message
+
+
+@numba_ok
+def test_the_solutions_using_other_course_kernels_stay_correct():
+    ns = solution_namespace("11_flash_attention")
+    r = check_flash_attention_backward(ns["flash_backward"], arrays="numba", task="11.3", seed=1, quiet=True)
+    assert r.status == "correct", r.message  # it launches flash_attention_backward_v1_delta and _dkdv: allowed
+    r = check_flash_attention_forward(ns["flash_forward"], arrays="numba", task="11.2", seed=1, quiet=True)
+    assert r.status == "correct", r.message
+
+
+def test_12_2_and_12_3_borrowed_answers_are_wrong_right_ones_correct():
+    from gpullm_lessons import quant
+    from gpullm_lessons.parallel import buckets
+
+    ns = solution_namespace("12_memory")
+    assert check_quantize_blockwise(ns["quantize"], ns["dequantize"], task="12.2", quiet=True).status == "correct"
+    assert check_bucket_assignment(ns["assign_buckets"], task="12.3", quiet=True).status == "correct"
+    answers = [
+        (quant.quantize_blockwise, ns["dequantize"]),  # aliased
+        (lambda x, block: quant.quantize_blockwise(x, block), ns["dequantize"]),  # wrapped
+        (ns["quantize"], lambda q, s, block: quant.dequantize_blockwise(q, s, block)),  # the inverse borrowed
+    ]
+    for q, dq in answers:
+        r = check_quantize_blockwise(q, dq, task="12.2", quiet=True)
+        assert r.status == "wrong" and "gpullm_lessons.quant." in r.message, r.message
+
+    def helper(sizes, limit):
+        return buckets.assign_buckets(sizes, limit)
+
+    for fn in (buckets.assign_buckets, lambda sizes, limit: helper(sizes, limit)):  # aliased; two calls deep
+        r = check_bucket_assignment(fn, task="12.3", quiet=True)
+        assert r.status == "wrong" and "assign_buckets" in r.message and "hint" in r.message, r.message
+
+
+def test_what_the_detector_follows_and_what_it_leaves():
+    from gpullm_lessons import quant
+
+    own = ["gpullm_lessons.quant:quantize_blockwise"]
+
+    def inner_import(x, block):
+        from gpullm_lessons.quant import quantize_blockwise as qb
+
+        return qb(x, block)
+
+    def quantize_blockwise(x, block):  # the learner's own function with the course's name
+        return np.rint(x), np.ones(1)
+
+    def uses_own_name(x, block):
+        return quantize_blockwise(x, block)
+
+    def uses_other_helpers(x, block):
+        return quant.dequantize_blockwise(*quant.quantize_blockwise.__name__, block)  # reads an attribute only
+
+    assert borrowed.uses_own([inner_import], own) == "gpullm_lessons.quant.quantize_blockwise"
+    assert borrowed.uses_own([uses_own_name], own) is None
+    assert borrowed.uses_own([lambda x, b: quant.dequantize_blockwise(x, b)], own) is None
+    assert borrowed.uses_own([uses_other_helpers], own) == "gpullm_lessons.quant.quantize_blockwise"  # static: named
