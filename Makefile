@@ -56,7 +56,8 @@ RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/v
 RUFF_FORMATTED += gpullm_lessons/classroom.py tests/test_class.py
 RUFF_FORMATTED += tests/test_checkpointing_sqrt.py
 RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
-RUFF_FORMATTED += gpullm_lessons/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py
+RUFF_FORMATTED += gpullm_lessons/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py gpullm_lessons/borrowed.py \
+	tests/test_borrowed.py tests/test_wheel_class.py
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_int8.py tests/test_offload.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests

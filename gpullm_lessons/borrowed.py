@@ -106,31 +106,40 @@ def _referenced(code, g: dict, cells: dict) -> list:
     (``flash.flash_attention_backward_v1_dq``, ``gpullm_lessons.quant.quantize_blockwise``), and what it imports in
     its body (``from gpullm_lessons.quant import quantize_blockwise``). A name the learner gave their own function
     that happens to match a course function's is not taken for it: only what the code actually reaches."""
-    out, instrs = [], list(dis.get_instructions(code))
+    out, instrs, bound = [], list(dis.get_instructions(code)), {}  # bound: locals an import in the body set
     for i, ins in enumerate(instrs):
         value, found = None, False
         if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str) and ins.argval in g:
             value, found = g[ins.argval], True
         elif ins.opname in ("LOAD_DEREF", "LOAD_CLOSURE") and ins.argval in cells:  # a name of the enclosing function
             value, found = cells[ins.argval], True
+        elif ins.opname.startswith("LOAD_FAST") and ins.argval in bound:
+            value, found = bound[ins.argval], True
         elif ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
             try:
-                value, found = importlib.import_module(ins.argval), True
+                module = importlib.import_module(ins.argval)
             except Exception:  # noqa: BLE001 - an import that fails here fails in the learner's code too
                 continue
-            chain = [ins.argval]
-            for nxt in instrs[i + 1 :]:
-                if nxt.opname != "IMPORT_FROM":
-                    if nxt.opname.startswith("STORE"):
+            nxt = instrs[i + 1] if i + 1 < len(instrs) else None
+            if nxt is not None and nxt.opname.startswith("STORE"):  # import a.b: binds a
+                bound[nxt.argval] = importlib.import_module(ins.argval.split(".")[0])
+                out.append(module)
+            for k, imp in enumerate(instrs[i + 1 :], start=i + 1):  # from a.b import c [as d], e ...
+                if imp.opname != "IMPORT_FROM":
+                    if imp.opname.startswith("STORE"):
                         continue
                     break
-                sub = getattr(value, nxt.argval, None)
+                sub = getattr(module, imp.argval, None)
                 if sub is None:
                     try:
-                        sub = importlib.import_module(".".join(chain + [nxt.argval]))
+                        sub = importlib.import_module(f"{ins.argval}.{imp.argval}")
                     except Exception:  # noqa: BLE001
-                        sub = None
+                        continue
                 out.append(sub)
+                store = instrs[k + 1] if k + 1 < len(instrs) else None
+                if store is not None and store.opname.startswith("STORE"):
+                    bound[store.argval] = sub
+            continue
         if not found:
             continue
         out.append(value)
@@ -153,6 +162,43 @@ def _filled(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+_KERNEL_MODULES = (
+    "adamw",
+    "attention",
+    "convert",
+    "crossentropy",
+    "encoder",
+    "flash",
+    "fused",
+    "gelu",
+    "layernorm",
+    "linear",
+    "softmax",
+    "transpose",
+    "vector_add",
+)  # kernels/numba/<module>.py
+_REFERENCE_MODULES = ("attention", "crossentropy", "encoder", "gelu", "layernorm", "linear", "residual", "softmax")
+
+
+@functools.lru_cache(maxsize=None)
+def course_implementations(op: str) -> tuple:
+    """The course's own implementations of op `op` (an op checker's name, e.g. "gelu_backward"): its NumPy reference
+    (gpullm_lessons.reference.<module>.<op>) and its Numba launcher and kernel versions (kernels/numba: `op` and
+    `op_v<N>...`), as "module:attr" strings."""
+    found = []
+    for mod in _REFERENCE_MODULES:
+        name = f"gpullm_lessons.reference.{mod}"
+        if hasattr(importlib.import_module(name), op):
+            found.append(f"{name}:{op}")
+    for mod in _KERNEL_MODULES:
+        name = f"gpullm_lessons.kernels.numba.{mod}"
+        module = importlib.import_module(name)
+        for attr in sorted(vars(module)):
+            if (attr == op or attr.startswith(op + "_v")) and callable(getattr(module, attr)):
+                found.append(f"{name}:{attr}")
+    return tuple(found)
 
 
 def uses_own(fns, own: Iterable[str]) -> Optional[str]:

@@ -104,7 +104,8 @@ class Op:
     accumulates: bool = False  # outputs must be zeroed first: "all NaN" is that op's own mistake, not rebinding
     terms: Optional[Callable] = None  # case -> {output: size of the terms it is computed from}, see verdict.compare
     parts: Optional[dict] = None      # {output: blocks along the last axis judged separately}, see verdict.compare
-    own: tuple = ()  # the course's own implementations of the task ("module:attr"): an answer using one is wrong
+    own: tuple = ()  # the course's own implementations of the task ("module:attr"), else found by the op's name
+    #                  (borrowed.course_implementations): an answer that is, wraps or calls one is wrong
 
 
 def awkward_size(rng, lo, hi, avoid=()) -> int:
@@ -897,7 +898,8 @@ def run(op: Op, fn, *, rules: Optional[Rules] = None, arrays="numpy", dtype=np.f
     dt, size = validate(op.name, fn, arrays, dtype, size, seed)   # size None: "large" on a GPU
     from . import borrowed
 
-    taken = borrowed.borrowed_verdict(op.name, [fn], op.own, task=task, seed=seed, quiet=quiet, check=rules.checker)
+    own = op.own or borrowed.course_implementations(op.name)
+    taken = borrowed.borrowed_verdict(op.name, [fn], own, task=task, seed=seed, quiet=quiet, check=rules.checker)
     if taken is not None:
         return taken
     stub = unfinished_kernel(inspect.unwrap(fn))

@@ -106,3 +106,22 @@ def test_what_the_detector_follows_and_what_it_leaves():
     assert borrowed.uses_own([uses_own_name], own) is None
     assert borrowed.uses_own([lambda x, b: quant.dequantize_blockwise(x, b)], own) is None
     assert borrowed.uses_own([uses_other_helpers], own) == "gpullm_lessons.quant.quantize_blockwise"  # static: named
+
+
+def test_lesson_01_answers_taken_from_the_reference_are_wrong():
+    """01.1: the NumPy reference of lesson 01 (gpullm_lessons.reference) holds the answer; wrapping it is borrowing.
+    The ops' own implementations are found by name (the reference, the Numba launcher and its versions)."""
+    from gpullm_lessons.checks import check_gelu_backward
+
+    assert "gpullm_lessons.reference.gelu:gelu_backward" in borrowed.course_implementations("gelu_backward")
+    assert "gpullm_lessons.kernels.numba.gelu:gelu_backward_v1" in borrowed.course_implementations("gelu_backward")
+
+    def gelu_backward(dout, inp, dinp):
+        from gpullm_lessons.reference import gelu
+
+        dinp[...] = gelu.gelu_backward(dout, gelu.gelu_forward(inp)[1])
+
+    r = check_gelu_backward(gelu_backward, task="01.1", quiet=True)
+    assert r.status == "wrong" and "gpullm_lessons.reference.gelu.gelu_backward" in r.message, r.message
+    ns = solution_namespace("01_numpy_reference_gradients")
+    assert check_gelu_backward(ns["gelu_backward"], task="01.1", quiet=True).status == "correct"
