@@ -20,6 +20,7 @@ import dis
 import functools
 import importlib
 import inspect
+import re
 import types
 from typing import Iterable, Optional
 
@@ -185,8 +186,8 @@ _REFERENCE_MODULES = ("attention", "crossentropy", "encoder", "gelu", "layernorm
 @functools.lru_cache(maxsize=None)
 def course_implementations(op: str) -> tuple:
     """The course's own implementations of op `op` (an op checker's name, e.g. "gelu_backward"): its NumPy reference
-    (gpullm_lessons.reference.<module>.<op>) and its Numba launcher and kernel versions (kernels/numba: `op` and
-    `op_v<N>...`), as "module:attr" strings."""
+    (gpullm_lessons.reference.<module>.<op>) and its Numba launcher and whole kernel versions (kernels/numba: `op`
+    and `op_v<N>`; not the stage kernels `op_v<N>_<part>`, which an exercise may give), as "module:attr" strings."""
     found = []
     for mod in _REFERENCE_MODULES:
         name = f"gpullm_lessons.reference.{mod}"
@@ -196,7 +197,8 @@ def course_implementations(op: str) -> tuple:
         name = f"gpullm_lessons.kernels.numba.{mod}"
         module = importlib.import_module(name)
         for attr in sorted(vars(module)):
-            if (attr == op or attr.startswith(op + "_v")) and callable(getattr(module, attr)):
+            # whole versions only: a stage kernel (`layernorm_backward_v1_dparams`) may be what an exercise gives
+            if (attr == op or re.fullmatch(re.escape(op) + r"_v\d+", attr)) and callable(getattr(module, attr)):
                 found.append(f"{name}:{attr}")
     return tuple(found)
 
