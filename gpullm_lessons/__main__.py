@@ -1,4 +1,4 @@
-"""`python -m gpullm_lessons <command>`: doctor | start | grade | exercises | leaks | train."""
+"""`python -m gpullm_lessons <command>`: doctor | start | submit | grade | exercises | leaks | train."""
 from __future__ import annotations
 
 import sys
@@ -9,10 +9,14 @@ commands:
   doctor                 check this machine: Python, numpy pin, numba, simulator, GPU, CuPy, compilers
   start DIR [--update]   copy the exercise notebooks into DIR, your own folder (never over a notebook there;
                          --update adds only the exercises DIR does not have yet)
+  submit [DIR] [--to DROPBOX]
+                         hand in: copy your notebooks into the class's drop box, with the time (--name NAME;
+                         the drop box defaults to $GPULLM_DROPBOX)
   grade [DIR]            run each exercise notebook in DIR (default: exercises) and print a score table
   grade --class ROOT     instructors: grade every learner's folder under ROOT into a gradebook (CSV, JSON) and
                          print where the class is stuck (--out DIR, --workers N, --timeout S, --strict,
-                         --notebooks PATTERN; see grade --class ROOT --help)
+                         --notebooks PATTERN; --dropbox --deadline TIME: the latest hand-in of each learner;
+                         see grade --class ROOT --help)
   exercises [--check]    regenerate exercises/ from solutions/ (or check that it is up to date)
   leaks                  instructors: how much of each solution region its lesson or exercise text shows
   train [args]           train the GPT on the default corpus (same as python -m gpullm_lessons.train)
@@ -31,6 +35,9 @@ def main(argv=None) -> int:
     if cmd == "start":
         from . import classroom
         return classroom.start_main(rest)
+    if cmd == "submit":
+        from . import handin
+        return handin.main(rest)
     if cmd == "grade" and any(a == "--class" or a.startswith("--class=") for a in rest):
         from . import classroom
         return classroom.grade_main(rest)

@@ -293,6 +293,35 @@ class Gradebook:
         return paths
 
 
+def _from_dropbox(dropbox, deadline_text):
+    """(hand-ins per learner, a class folder whose learner folders are their latest hand-ins, linked)."""
+    import tempfile
+
+    from . import handin
+
+    try:
+        deadline = handin.parse_deadline(deadline_text) if deadline_text else None
+        handins = handin.latest(dropbox, deadline)
+    except handin.HandInError as e:
+        raise ClassError(str(e)) from None
+    root = Path(tempfile.mkdtemp(prefix="gpullm-handins-"))
+    for learner, h in handins.items():
+        if h["folder"] is None:
+            (root / learner).mkdir()  # a folder with no notebooks: every task "no notebooks"
+        else:
+            (root / learner).symlink_to(Path(h["folder"]).resolve(), target_is_directory=True)
+    return handins, root
+
+
+def _write_handins(path: Path, handins: dict, deadline_text) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["learner", "handins", "graded_handin_time", "late", "deadline"])
+        for learner, h in handins.items():
+            w.writerow([learner, h["handins"], h["time"] or "", "yes" if h["late"] else "no", deadline_text or ""])
+    return path
+
+
 def learner_dirs(root, out=None) -> list[Path]:
     """The learners' folders under ``root``: every subfolder but hidden ones, ones starting with "_" and ``out``
     (default ``root/gradebook``). Raises ClassError when ``root`` is missing or has no learner folder."""
@@ -492,25 +521,40 @@ def grade_main(argv=None) -> int:
         help="the instructor's notebooks (default: the course's exercise notebooks as installed)",
     )
     parser.add_argument("--kernel", default="python3", metavar="NAME", help="Jupyter kernel (default: python3)")
+    parser.add_argument(
+        "--dropbox",
+        action="store_true",
+        help="ROOT is a drop box (python -m gpullm_lessons submit): grade each learner's latest hand-in; the "
+        "gradebook goes to ./gradebook unless --out says otherwise, with handins.csv",
+    )
+    parser.add_argument(
+        "--deadline", default=None, metavar="TIME", help="with --dropbox: hand-ins after TIME (ISO) are marked late"
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code in (0, None) else 2
+    if args.deadline and not args.dropbox:
+        print("error: --deadline needs --dropbox (the times are those of the hand-ins)", file=sys.stderr)
+        return 2
     bad = grading.run_options_error(args.timeout, args.workers)
     if bad:
         print(f"error: {bad}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path(args.root) / GRADEBOOK
+    out = Path(args.out) if args.out else (Path(GRADEBOOK) if args.dropbox else Path(args.root) / GRADEBOOK)
     start_time = time.monotonic()
+    handins, class_root = None, args.root
     try:
-        learner_dirs(args.root, out)  # a missing or empty class is said at once
+        if args.dropbox:
+            handins, class_root = _from_dropbox(args.root, args.deadline)
+        learner_dirs(class_root, out)  # a missing or empty class is said at once
         probe = out.resolve()  # and a gradebook that cannot be written, before an hour of grading (nothing made yet)
         while not probe.exists():
             probe = probe.parent
         if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
             raise ClassError(f"cannot write the gradebook to {out}: {probe} is not a folder you can write to")
         book = grade_class(
-            args.root,
+            class_root,
             out=out,
             timeout=args.timeout,
             workers=args.workers,
@@ -523,9 +567,24 @@ def grade_main(argv=None) -> int:
     except ClassError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if handins is not None:
+            shutil.rmtree(class_root, ignore_errors=True)  # the links to the hand-ins, not the hand-ins
+    if handins is not None:
+        book.root = str(args.root)
     print(book.format())
+    if handins is not None:
+        late = [name for name, h in handins.items() if h["late"]]
+        none = [name for name, h in handins.items() if h["folder"] is None]
+        print(
+            f"\nhand-ins: {len(handins) - len(none)} of {len(handins)} learners"
+            + (f"; late: {', '.join(late)}" if late else "")
+            + (f"; none: {', '.join(none)}" if none else "")
+        )
     try:
         paths = book.write(out)
+        if handins is not None:
+            paths.append(_write_handins(out / "handins.csv", handins, args.deadline))
     except OSError as e:
         print(f"error: cannot write the gradebook to {out}: {e.strerror or e}", file=sys.stderr)
         return 1
