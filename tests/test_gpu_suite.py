@@ -70,28 +70,20 @@ def test_c_after(i):
 """
 
 
-def run_suite(tmp_path, plugin: bool):
-    (tmp_path / "test_stand_in.py").write_text(STAND_IN.format(n=N_AFTER))
-    args = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-n",
-        "2",
-        "--dist",
-        "loadscope",
-        "--no-loadscope-reorder",
-        "test_stand_in.py",
-    ]
-    if plugin:
-        args[3:3] = ["-p", "gpullm_lessons.gpu_suite"]
+def run_two_workers(tmp_path, test_file: str, plugin: bool = True):
+    """pytest on 2 xdist workers over `test_file` in tmp_path, with the gpu_suite plugin or without: (result, output)."""
+    plugin_args = ["-p", "gpullm_lessons.gpu_suite"] if plugin else []
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args, "-n", "2", "--dist",
+            "loadscope", "--no-loadscope-reorder", test_file]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), GPULLM_STICKY_DIR=str(tmp_path / "notes"))
-    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes").mkdir(exist_ok=True)
     r = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     return r, r.stdout + r.stderr
+
+
+def run_suite(tmp_path, plugin: bool):
+    (tmp_path / "test_stand_in.py").write_text(STAND_IN.format(n=N_AFTER))
+    return run_two_workers(tmp_path, "test_stand_in.py", plugin)
 
 
 def test_a_sticky_error_costs_one_failure_and_the_rest_run_in_a_fresh_process(tmp_path):
@@ -197,27 +189,5 @@ def test_a_real_illegal_access_costs_one_failure(tmp_path):
             assert float(cp.arange(10, dtype=cp.float32).sum()) == 45.0
     """)
     )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "gpullm_lessons.gpu_suite",
-            "-n",
-            "2",
-            "--dist",
-            "loadscope",
-            "test_planted.py",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    out = r.stdout + r.stderr
+    _, out = run_two_workers(tmp_path, "test_planted.py")
     assert "1 failed" in out and f"{N_AFTER} passed" in out, out
