@@ -74,9 +74,16 @@ def test_templates_keep_the_lab_settings_on_top():
         start = next(i for i, s in enumerate(lines) if s.startswith("# ---- what a lab changes"))
         end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("# ----"))
         block = "\n".join(lines[start:end])
-        for directive in ("#SBATCH --partition=", "#SBATCH --gpus-per-node=", "#SBATCH --time=", "##SBATCH --account="):
+        for directive in ("#SBATCH --partition=", "#SBATCH --gpus-per-node=", "##SBATCH --gres=gpu:", "#SBATCH --time=",
+                          "##SBATCH --account=", "#SBATCH --cpus-per-task="):  # fmt: skip
             assert directive in block, f"{name}: no {directive} in the lab's block"
         assert subprocess.run(["bash", "-n", str(TEMPLATES / name)]).returncode == 0
+        text = "\n".join(lines)
+        # a shared install may be read-only: the job works in the folder it was submitted from
+        assert "# module load " in text and 'cd "$SLURM_SUBMIT_DIR"' in text, name
+        assert 'cd "${COURSE_DIR' not in text, f"{name}: works in the course's folder"
+    srun = (TEMPLATES / "train-2gpu.sbatch").read_text()
+    assert '--cpus-per-task="${SLURM_CPUS_PER_TASK' in srun  # Slurm 22.05+: a step does not inherit it
 
 
 def for_this_cluster(name: str, dest: Path, partition: str) -> Path:
@@ -295,9 +302,18 @@ def test_the_templates_train_like_one_process(cluster, one_process):
     np.testing.assert_allclose(losses(cluster.root / "two"), one_process, rtol=1e-5)
 
     one = for_this_cluster("train.sbatch", cluster.root, cluster.partition)
-    job, rc, log = cluster.sbatch(one, TINY + ["--out", cluster.root / "one"])
+    before = course_files()
+    job, rc, log = cluster.sbatch(one, TINY)  # no --out: the run's default folder, under the submit folder
     assert rc == 0 and cluster.job_state(job)["JobState"] == "COMPLETED", log[-3000:]
-    assert list(losses(cluster.root / "one")) == list(one_process)  # the same one-rank run: the same numbers
+    assert f"training in {cluster.root}" in log, log[-3000:]
+    (run,) = (cluster.root / "runs").glob("*/log.jsonl")
+    assert list(losses(run.parent)) == list(one_process)  # the same one-rank run: the same numbers
+    assert course_files() == before  # nothing written in the course's folder (a shared install may be read-only)
+
+
+def course_files() -> set:
+    """What the course's folder holds at its top and in runs/ (where a job that worked there would write)."""
+    return {p.name for p in ROOT.iterdir()} | {f"runs/{p.name}" for p in (ROOT / "runs").glob("*")}
 
 
 SHOW_RANK = (
@@ -428,31 +444,46 @@ def test_the_nccl_id_travels_through_pmix(cluster):
 
 
 def test_the_jupyter_template_serves_what_it_prints(cluster):
+    """JupyterLab rooted at the submit folder, on the node's 127.0.0.1, reached through the printed ssh -J tunnel;
+    the token in a file only its owner reads, not in the job's log; the idle server ends its job by itself."""
     script = for_this_cluster("jupyter.sbatch", cluster.root, cluster.partition)
     out = cluster.root / "jupyter.out"
-    env = dict(cluster.env, LOGIN_HOST="login.example.org", JUPYTER_RUNTIME_DIR=str(cluster.root / "jupyter-rt"))
+    env = dict(cluster.env, LOGIN_HOST="login.example.org", JUPYTER_RUNTIME_DIR=str(cluster.root / "jupyter-rt"),
+               IDLE_SHUTDOWN="5")  # fmt: skip
+    before = course_files()
     p = cluster.run(["sbatch", "--parsable", "-o", str(out), str(script), "--allow-root"], env=env)  # CI: root
     job = p.stdout.strip()
     assert job.isdigit(), p.stderr
     try:
-        deadline, m = time.time() + 30, None
+        deadline, m, text = time.time() + 30, None, ""
         while m is None and time.time() < deadline and cluster.job_state(job).get("JobState") in ("PENDING", "RUNNING"):
             time.sleep(0.5)
             text = out.read_text() if out.exists() else ""
-            m = re.search(r"ssh -N -L (\d+):(\S+):(\d+) (\S+)@login\.example\.org", text)
+            m = re.search(r"ssh -N -J (\S+)@login\.example\.org -L (\d+):localhost:(\d+) (\S+)@(\S+)", text)
         assert m, f"no ssh command in the job's output:\n{text}"
-        port, node, port2, user = m.groups()
-        assert port == port2 and node == socket.gethostname() and user
-        url = re.search(r"open (http://localhost:(\d+)/lab\?token=(\w+))", text)
-        assert url and url.group(2) == port, text
-        # what the tunnel reaches from the login node: NODE:PORT, with the printed token
-        status, deadline = None, time.time() + 60
-        while status != 200 and time.time() < deadline and cluster.job_state(job).get("JobState") == "RUNNING":
+        user, port, port2, user2, node = m.groups()
+        assert port == port2 and user == user2 and node == socket.gethostname()
+        url_file = cluster.root / f"jupyter-{job}.url"
+        assert url_file.stat().st_mode & 0o077 == 0, oct(url_file.stat().st_mode)  # its owner's alone
+        url = re.fullmatch(r"http://localhost:(\d+)/lab\?token=(\w+)\n", url_file.read_text())
+        assert url and url.group(1) == port and url.group(2) not in text  # the token is not in the log
+        # what the tunnel reaches on the node: 127.0.0.1:PORT, with the token, rooted at the submit folder
+        listing, deadline = None, time.time() + 60
+        while listing is None and time.time() < deadline and cluster.job_state(job).get("JobState") == "RUNNING":
             try:
-                with urllib.request.urlopen(f"http://{node}:{port}/api/status?token={url.group(3)}", timeout=5) as r:
-                    status = r.status
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/api/contents?token={url.group(2)}", timeout=5
+                ) as r:
+                    listing = json.loads(r.read())
             except OSError:
                 time.sleep(1)
-        assert status == 200, out.read_text()[-3000:]
+        assert listing is not None, out.read_text()[-3000:]
+        assert "slurm.conf" in {item["name"] for item in listing["content"]}  # the cluster's folder: submitted there
+        # idle: no request after this one; the server stops itself (checked once a minute) and the job ends
+        deadline = time.time() + 150
+        while cluster.job_state(job).get("JobState") in ("PENDING", "RUNNING") and time.time() < deadline:
+            time.sleep(2)
+        assert cluster.job_state(job).get("JobState") == "COMPLETED", out.read_text()[-3000:]
+        assert course_files() == before
     finally:
         cluster.run(["scancel", job])
