@@ -689,10 +689,15 @@ def hip_compile_only(name, source, entries, *, task=None, quiet=False) -> "Check
         return verdict.verdict(name, task, "error", f"{name}: error - {why}", quiet=quiet, arrays="cupy")
     ok, report = hip.grade_source(text, entries)
     if ok:
-        return verdict.verdict(name, task, "compiled", f"{name}: compiled - {report}; not run: no GPU (it is run and "
-                               f"checked on a GPU server)", quiet=quiet, arrays="cupy")
+        return verdict.verdict(name, task, "compiled", f"{name}: compiled - {report}; {NOT_RUN_HIP}", quiet=quiet,
+                               arrays="cupy")
     return verdict.verdict(name, task, "wrong", f"{name}: wrong - your kernel source does not pass the checks without "
                            f"a GPU", report, quiet=quiet, arrays="cupy")
+
+
+# what a HIP task's verdict says without a GPU: it was compiled and linted, not run, and what a GPU run checks
+NOT_RUN_HIP = ("not run: no GPU (compiled and linted only; on a GPU server the same checker runs it on fresh random "
+               "inputs against the reference, past the launch's capped grid, with guard zones around every output)")
 
 
 def unfinished_kernel(fn) -> Optional[str]:
