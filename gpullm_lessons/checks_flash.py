@@ -17,17 +17,14 @@ running sum that is not, a key-tile loop that stops at the block's first query r
 1/sqrt(hs), an unnormalised output, a wrong log-sum-exp), so the hint names the step and the tile width.
 
 Lesson 11's timing tables show a version's time only after its outputs matched the reference: ``checked(result)``
-keeps the rows of a live kernel-benchmark result that the benchmark validated itself, runs every other version once
-more on inputs of the benchmark's shape, compares out and lse (forward) or dq, dk and dv (backward) with
-``reference`` on the same inputs (``TIMED_TOLERANCE``), and puts "wrong (max err ...)" in place of the time of a
-version that does not match; in a stored result it does the same for the rows ``NOT_VALID`` lists. ``format_checks``
-prints what was compared.
+keeps the rows of a live kernel-benchmark result that the benchmark validated itself before timing them (a wrong
+version is already a row with "wrong (max err ...)" and no time) and takes the time off any other; in a stored
+result it does the same for the rows ``NOT_VALID`` lists. ``format_checks`` prints what was compared.
 """
 
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 
@@ -37,7 +34,7 @@ from .opcheck import Case, Mistake, Op, Rules
 from .verdict import CheckResult, close, mistake_slack
 
 __all__ = ["check_flash_attention_forward", "check_flash_attention_backward", "check_flash_attention_forward_packed",
-           "reference", "CASES", "TILES", "checked", "format_checks", "version_error", "TIMED_TOLERANCE", "NOT_VALID"]
+           "reference", "CASES", "TILES", "checked", "format_checks", "NOT_VALID"]
 
 # (B, nh, T, hs) per case: one that fits in a tile, the same shapes again, T past one tile and one block of rows
 # (not a multiple of any tile), T = 1.
@@ -439,12 +436,8 @@ def check_flash_attention_backward(fn, *, arrays="numba", dtype=np.float32, size
 
 
 # ---- the kernel benchmark's rows, checked before a table shows them (lesson 11) -------------------------------------
-# Every version a lesson times is first run on one set of inputs at the benchmark's shape and compared with lesson
-# 01's reference attention (float64) on the same inputs: a version whose outputs are wrong gets no time.
-TIMED_TOLERANCE = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 1e-4}
-"""max |error| / max(max |expected|, 0.1) of each output (as in tests/test_hip_flash.py): bf16 and fp16 inputs with P
-and dS rounded to the same format for the products, fp32 everything in fp32."""
-
+# Every version a lesson times was first run by the benchmark itself on its own inputs and compared with the
+# reference (bench.case_rows: validate, then time); a table shows a time only for a row that passed.
 NOT_VALID = {
     # (card, date) of a stored run -> {(op, version): why}. Rows of a stored run that timed a wrong launch: v2's and
     # v3's backward launched their dQ kernel with the newer versions' argument list, one pointer (out) longer, so it
@@ -453,103 +446,15 @@ NOT_VALID = {
                                     for v in ("v2", "v3")},
 }
 
-_REFERENCE_CACHE: dict = {}
 
-
-def _fmt_of(op: str) -> str:
-    """The input format of a benchmark case: flash_fwd / flash_bwd in fp32, flash_*_bf16 in bf16."""
-    return op.rsplit("_", 1)[1] if op.endswith(("_bf16", "_fp16")) else "fp32"
-
-
-def parse_shape(label: str) -> tuple:
-    """(B, nh, T, hs) of a benchmark row's shape label, "B4 nh12 T1024 hs64"."""
-    dims = {name: int(n) for name, n in re.findall(r"([A-Za-z]+)(\d+)", label)}
-    return dims["B"], dims["nh"], dims["T"], dims["hs"]
-
-
-def timed_inputs(shape, fmt="bf16", seed=0) -> dict:
-    """One set of inputs of the benchmark's kind at `shape` (standard normal, rounded to `fmt`) and what lesson 01's
-    reference says for them: {"given": q, k, v, dout as the kernels take them (uint16 bits in bf16 / fp16, or
-    float32), "expected": the reference's out, lse, dq, dk, dv in float64 on the same values}. The last one is
-    cached (per shape, fmt, seed)."""
-    key = (tuple(shape), fmt, seed)
-    if key not in _REFERENCE_CACHE:
-        rng = np.random.default_rng(seed)
-        if fmt == "fp32":
-            raw = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
-            given, values = raw, [a.astype(np.float64) for a in raw]
-        else:
-            import ml_dtypes
-
-            half = ml_dtypes.bfloat16 if fmt == "bf16" else np.float16
-            raw = [rng.standard_normal(shape).astype(half) for _ in range(4)]
-            given, values = [a.view(np.uint16) for a in raw], [a.astype(np.float64) for a in raw]
-        expected = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(*values)))
-        _REFERENCE_CACHE.clear()  # one shape at a time: the float64 reference of GPT-2's head shape is large
-        _REFERENCE_CACHE[key] = {"given": dict(zip(("q", "k", "v", "dout"), given)), "expected": expected}
-    return _REFERENCE_CACHE[key]
-
-
-def rel_error(got, want) -> float:
-    """max |got - want| / max(max |want|, 0.1); inf when got has a NaN or an infinity (an element never written, or a
-    wrong launch)."""
-    got = np.asarray(got, np.float64)
-    if got.shape != want.shape or not np.isfinite(got).all():
-        return math.inf
-    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 0.1))
-
-
-def version_error(op: str, call, shape, seed=0, xp=None) -> tuple:
-    """Run one version of a benchmark case once and compare it with the reference on the same inputs: the forward's
-    out and lse (op flash_fwd*: call(q, k, v, out, lse)), or the backward's dq, dk, dv (flash_bwd*: call(q, k, v,
-    out, dout, lse, dq, dk, dv), given the reference's out and lse). xp: the array module of the call (CuPy on a GPU).
-    Returns (the largest relative error, the output it is in); an exception counts as wrong (inf, its message)."""
-    if xp is None:
-        import cupy as xp
-    data = timed_inputs(shape, _fmt_of(op), seed)
-    g, want = {n: xp.asarray(a) for n, a in data["given"].items()}, data["expected"]
-    B, nh, T, hs = shape
-    out_ref, lse_ref = (xp.asarray(want[n].astype(np.float32)) for n in ("out", "lse"))
-    fill = lambda s: xp.full(s, np.nan, np.float32)  # noqa: E731 - an element never written stays NaN
-    if "fwd" in op:
-        outs = {"out": fill(shape), "lse": fill((B, nh, T))}
-        args = (g["q"], g["k"], g["v"], outs["out"], outs["lse"])
-    else:
-        outs = {n: fill(shape) for n in ("dq", "dk", "dv")}
-        args = (g["q"], g["k"], g["v"], out_ref, g["dout"], lse_ref, outs["dq"], outs["dk"], outs["dv"])
-    try:
-        call(*args)
-        got = {n: (a.get() if hasattr(a, "get") else np.asarray(a)) for n, a in outs.items()}
-    except Exception as e:  # noqa: BLE001 - a version that fails is wrong, not a crash of the table
-        return math.inf, f"{type(e).__name__}: {e}"[:80]
-    errors = {n: rel_error(a, want[n]) for n, a in got.items()}
-    name = max(errors, key=errors.get)
-    return errors[name], name
-
-
-def _launch(backend: str, op: str, version: str):
-    """The call the kernel benchmark makes for a row: the backend's launcher with version= or a variant's keywords."""
-    import importlib
-
-    mod = importlib.import_module(f"gpullm_lessons.backends.{backend}")
-    launcher = "flash_attention_forward" if "fwd" in op else "flash_attention_backward"
-    fn = getattr(mod, launcher)
-    kw = dict(getattr(mod, "variants", lambda name: [])(launcher)).get(version, {"version": version})
-    if backend == "hip" and _fmt_of(op) == "fp16":
-        kw = dict(kw, half="fp16")  # the HIP launchers take bf16 unless told
-    return lambda *args: fn(*args, **kw)
-
-
-def checked(result: dict, seed=0, xp=None) -> dict:
+def checked(result: dict) -> dict:
     """A kernel_results / stored result (or a stored Nsight Compute run) whose rows a table may show as times.
 
-    Live (measured now): every row of the course's versions (backends numba and hip) must have matched lesson 01's
-    reference attention on the same inputs. A row the benchmark validated itself ("validation" ok) is kept; a row it
-    found wrong (an "error" and no time) is kept as it is; any other row is run once more on inputs of the row's
-    shape and compared with the reference here (version_error), and replaced, when above TIMED_TOLERANCE, by a row
-    without a time whose "error" says "wrong (max err ...)". Stored: rows that NOT_VALID lists for the run's card and
-    date are replaced the same way (a row without "ms", as Nsight Compute's, is dropped). result["checks"] lists what
-    was compared and what has no time (format_checks)."""
+    Live (measured now): a row of the course's versions (backends numba and hip) keeps its time only when the
+    benchmark validated it against the reference before timing it ("validation" ok); a row the benchmark found wrong
+    has no time already and keeps its "error"; any other row loses its time ("not validated"). Stored: the rows that
+    NOT_VALID lists for the run's card and date lose theirs the same way (a row without "ms", as Nsight Compute's, is
+    dropped). result["checks"] lists what was compared and what has no time (format_checks)."""
     live = bool(result.get("live"))
     bad = NOT_VALID.get((result.get("card"), result.get("date")), {}) if not live else {}
     rows, checks = [], []
@@ -563,15 +468,7 @@ def checked(result: dict, seed=0, xp=None) -> dict:
             elif v.get("ok"):
                 checks.append((r["op"], version, f"correct (max err {v['max_err']:.1e}, tol {v['tol']:g})"))
             else:
-                err, where = version_error(r["op"], _launch(r["backend"], r["op"], version), parse_shape(r["shape"]),
-                                           seed, xp)
-                tol = TIMED_TOLERANCE[_fmt_of(r["op"])]
-                if err <= tol:
-                    checks.append((r["op"], version, f"correct (max err {err:.1e} in {where}, tol {tol:g})"))
-                elif math.isfinite(err):
-                    why = f"wrong (max err {err:.1e} in {where}, tol {tol:g})"
-                else:
-                    why = f"wrong ({where})" if " " in where else f"wrong (max err inf in {where}: a NaN or an inf)"
+                why = "not validated: the benchmark did not compare it with the reference, so no time is shown"
         if why is None:
             rows.append(r)
             continue
