@@ -111,9 +111,10 @@ class Case:
         return self.launcher or f"{self.op}_backward"
 
 
-def _cases(small: bool, xp=None) -> list:
+def _cases(small: bool, xp=None, flash_shape=None) -> list:
     """The benchmark's cases. xp: the array module the inputs are made with (default CuPy; NumPy lets the tests
-    check the cases' references and outputs without a GPU)."""
+    check the cases' references and outputs without a GPU). flash_shape: (B, nh, T, hs) of the flash cases in place
+    of their benchmark shape (validate: a version checked at another sequence length)."""
     if xp is None:
         import cupy as xp
     cp = xp
@@ -189,7 +190,7 @@ def _cases(small: bool, xp=None) -> list:
                       (7 * Ba * Ta * C + 2 * Ba * nh * Ta * Ta) * 4, 8 * Ba * nh * Ta * Ta * hs, bound="compute",
                       outputs={"dqkv": 3}, reference=_ref_attention, tol=1e-4))
 
-    cases += _flash_cases(small, randn, cp)
+    cases += _flash_cases(small, randn, cp, flash_shape)
 
     # AdamW step over one flat fp32 buffer (GPT-2 124M: ~124M parameters). Bytes per parameter that the fused kernel
     # moves: reads p, g, m, v (16) + writes p, m, v (12) + writes the zeroed g (4) = 32. PyTorch's fused AdamW
@@ -206,7 +207,7 @@ def _cases(small: bool, xp=None) -> list:
     return cases
 
 
-def _flash_cases(small: bool, randn, cp=None) -> list:
+def _flash_cases(small: bool, randn, cp=None, shape=None) -> list:
     """Flash attention forward and backward (lesson 11) at GPT-2's head shape, float32, causal. Bytes: the minimum,
     every input read once and every output written once (the (T, T) scores never stored); FLOPs: the causal half of
     the products, 2 of them (T x T x hs, 2 FLOPs per multiply-add) in the forward, 5 in the backward (S recomputed,
@@ -215,7 +216,7 @@ def _flash_cases(small: bool, randn, cp=None) -> list:
     if cp is None:
         import cupy as cp
 
-    B, nh, T, hs = (1, 12, 256, 64) if small else (4, 12, 1024, 64)
+    B, nh, T, hs = shape or ((1, 12, 256, 64) if small else (4, 12, 1024, 64))
     heads, f32 = B * nh, cp.float32
     shape = (B, nh, T, hs)
 
@@ -604,6 +605,33 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
                                "the largest |error| of an output over its largest |value|; a row above tol is "
                                "'wrong', untimed",
             "rows": rows}
+
+
+def validate(ops, versions=None, flash_shape=None, seed=0) -> list:
+    """Validate only: run each kernel version of the cases `ops` once on fresh inputs and compare its outputs with
+    the NumPy reference, as bench_kernels does before it times a version (case_rows), without timing anything.
+    versions: only these (e.g. ["v2"]; None: every version of every backend here, PyTorch's op left out).
+    flash_shape: (B, nh, T, hs) for the flash cases (e.g. a T that is not a multiple of any tile). Returns the rows
+    ({"op", "shape", "backend", "version", "status": "ok" | "wrong", "validation"}, "error" when wrong)."""
+    known = {c.op for c in _cases(True, np)}
+    unknown = [op for op in ops if op not in known]
+    if unknown:
+        raise ValueError(f"no benchmark case {', '.join(map(repr, unknown))}; the cases are {', '.join(sorted(known))}")
+    device.require_gpu("validating kernel versions")
+    import cupy as cp
+
+    rng, rows = np.random.default_rng(seed), []
+    for case in _cases(False, flash_shape=flash_shape):
+        if case.op not in ops:
+            continue
+        args = case.make(rng)
+        runs = [r for r in case_runs(case, args) if r[0] != "torch" and (versions is None or r[1] in versions)]
+        if not runs:
+            raise ValueError(f"{case.op}: no version {versions} runs here")
+        rows += case_rows(case, args, runs, lambda run, backend: {}, recover=_recover)
+        del args
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
 
 
 _CEILING = {"compute": "matmul_fp32", "compute_bf16": "matmul_bf16"}

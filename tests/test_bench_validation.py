@@ -290,3 +290,23 @@ def test_stored_kernel_and_train_results_were_validated_before_timing():
     assert not found, "stored results with rows timed without validation (re-measure with `python -m " \
                       "gpullm_lessons.bench kernels|train --json ...`): " + \
                       ", ".join(f"{name} ({n} rows)" for name, n in found.items())
+
+
+def test_validate_builds_the_flash_cases_at_the_shape_asked_for():
+    at = {c.op: c for c in bench._cases(True, np, flash_shape=(1, 2, 1000, 64))}
+    assert at["flash_bwd_bf16"].shape == "B1 nh2 T1000 hs64" and at["flash_fwd"].shape == "B1 nh2 T1000 hs64"
+    args = at["flash_fwd_bf16"].make(np.random.default_rng(0))
+    assert args[0].shape == (1, 2, 1000, 64) and args[4].shape == (1, 2, 1000)
+    assert {c.op: c for c in bench._cases(True, np)}["flash_fwd"].shape == "B1 nh12 T256 hs64"   # default unchanged
+    with pytest.raises(ValueError, match="no benchmark case 'flash_fw'"):
+        bench.validate(["flash_fw"], versions=["v2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("gpullm_lessons").device.has_gpu(), reason="needs a GPU")
+def test_validate_runs_each_version_once_and_says_ok_or_wrong():
+    rows = bench.validate(["flash_fwd_bf16", "flash_bwd_bf16"], versions=["v2", "v4"], flash_shape=(1, 2, 1000, 64))
+    assert [(r["op"], r["version"]) for r in rows] == [(op, v) for op in ("flash_fwd_bf16", "flash_bwd_bf16")
+                                                       for v in ("v2", "v4")]
+    assert all(r["status"] == "ok" and r["validation"]["max_err"] < r["validation"]["tol"] for r in rows), rows
+    assert not any("ms" in r for r in rows)                                              # validated, not timed

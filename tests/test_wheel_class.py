@@ -43,12 +43,19 @@ def venv(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True, timeout=120)
     py = tmp / "venv" / "bin" / "python"
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+                               capture_output=True, text=True, check=True, env=_env()).stdout.strip())  # fmt: skip
+    # without PYTHONPATH: where it names the checkout (a GPU machine's setup does), pip would find the checkout's
+    # metadata, say the course is already installed and install nothing
     p = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(whl)],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+                       capture_output=True, text=True, timeout=600, env=_env())  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
-    # the dependencies from this environment (after the venv's own site-packages, so the wheel's package wins)
-    (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # the dependencies from this environment, after the venv's own site-packages so that the wheel's package wins:
+    # every folder of this process's sys.path except the checkout and what lies inside it (PYTHONPATH's folders
+    # first, as here, then site-packages)
+    deps = [e for e in sys.path if e and os.path.isdir(e) and not Path(e).resolve().is_relative_to(ROOT)]
+    (site / "zz_dependencies.pth").write_text(
+        "\n".join(dict.fromkeys(deps + [sysconfig.get_paths()["purelib"]])) + "\n"
+    )
     where = subprocess.run([str(py), "-c", "import gpullm_lessons; print(gpullm_lessons.__file__)"],
                            capture_output=True, text=True, cwd=tmp, env=_env())  # fmt: skip
     assert where.returncode == 0 and where.stdout.startswith(str(site)), (where.stdout, where.stderr)
