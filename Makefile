@@ -83,7 +83,7 @@ gpu-test: $(SETUP)
 	$(PY) -m gpullm_lessons.gpu_suite $(ARGS)
 
 ## sanitize    NVIDIA GPU: the kernel tests under compute-sanitizer (memcheck, racecheck), one test file per part
-##              (ARGS="--tools initcheck --files tests/test_hip_flash.py" to choose; logs in runs/sanitize/)
+##              (ARGS="--tools initcheck --files tests/test_hip_flash.py"; --jobs, --chunk, --shard, --out: see sanitize.py)
 sanitize: $(SETUP)
 	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make sanitize')"
 	$(PY) -m gpullm_lessons.sanitize $(ARGS)
