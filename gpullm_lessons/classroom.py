@@ -520,7 +520,12 @@ def grade_main(argv=None) -> int:
         default=None,
         help="the instructor's notebooks (default: the course's exercise notebooks as installed)",
     )
-    parser.add_argument("--kernel", default="python3", metavar="NAME", help="Jupyter kernel (default: python3)")
+    parser.add_argument(
+        "--kernel",
+        default="python3",
+        metavar="NAME",
+        help="Jupyter kernel (default: python3, the Python that runs the grader)",
+    )
     parser.add_argument(
         "--dropbox",
         action="store_true",

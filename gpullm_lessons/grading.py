@@ -752,10 +752,31 @@ def _kernel_manager(kernel_name: str, workdir: Path):
     the same port, and one dies or hangs at startup ("Address already in use")."""
     from jupyter_client.manager import AsyncKernelManager
 
+    own = {"kernel_spec_manager": _own_python_specs()} if kernel_name == OWN_KERNEL else {}
     if os.name == "nt":
-        return AsyncKernelManager(kernel_name=kernel_name)
+        return AsyncKernelManager(kernel_name=kernel_name, **own)
     folder = tempfile.mkdtemp(prefix="k", dir=workdir)  # short: a socket path is limited to about 100 bytes
-    return AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(folder, "ipc"))
+    return AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(folder, "ipc"), **own)
+
+
+OWN_KERNEL = "python3"
+"""The default kernel: the Python that runs the grader (the course's own installation), not whatever kernel spec of
+that name Jupyter finds first (a user's ~/.local/share/jupyter/kernels/python3 may start another Python, with
+another copy of the course or none). Name any other kernel with --kernel to use its spec."""
+
+
+def _own_python_specs():
+    """A kernel spec manager whose "python3" is ipykernel's kernel on this interpreter (sys.executable)."""
+    from ipykernel.kernelspec import get_kernel_dict
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+
+    class OwnPython(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            if kernel_name == OWN_KERNEL:
+                return KernelSpec(resource_dir="", **get_kernel_dict())
+            return super().get_kernel_spec(kernel_name)
+
+    return OwnPython()
 
 
 def _run(nb_path: str, log_path: str, plan_path: str, kernel_name: str = "python3",
@@ -916,7 +937,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="wall-clock seconds per notebook (default: 600)")
     parser.add_argument("--workers", type=int, default=1, metavar="N", help="notebooks graded at once (default: 1)")
-    parser.add_argument("--kernel", default="python3", metavar="NAME", help="Jupyter kernel (default: python3)")
+    parser.add_argument("--kernel", default=OWN_KERNEL, metavar="NAME",
+                        help="Jupyter kernel (default: python3, the Python that runs the grader)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed the usage and the problem

@@ -164,7 +164,12 @@ def collect(file: str, select: str = "", timeout: float = 600.0) -> list:
         raise SanitizeError(f"collecting the GPU tests of {file}: still running after {timeout:.0f} s") from None
     ids = [f"{file}::{m.group(2)}" for m in map(_NODEID.match, r.stdout.splitlines()) if m]
     if r.returncode != 0 or not ids:  # 5: nothing collected (no GPU test, or --select left none)
-        last = ([ln.strip() for ln in (r.stdout + r.stderr).splitlines() if ln.strip()] or ["no output"])[-1]
+        # pytest's own last line is on stdout (stderr may end with a library's warning)
+        last = (
+            [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+            or [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+            or ["no output"]
+        )[-1]
         raise SanitizeError(
             f"collecting the GPU tests of {file} failed: {last} (see `python -m pytest --collect-only -m gpu {file}`)"
         )

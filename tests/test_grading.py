@@ -8,6 +8,7 @@ kernel).
 import ast
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -477,3 +478,25 @@ def test_missing_and_unknown_notebooks(course, tmp_path):
     assert statuses(report, "99_mine.ipynb") == {}
     assert report.notebook("99_mine.ipynb").failure.startswith("not a course notebook")
     assert (report.score, report.total) == (0, 2)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_the_default_kernel_is_the_graders_own_python_whatever_spec_is_installed(course, tmp_path, monkeypatch):
+    """A user's "python3" kernel spec that starts another program (another Python, another copy of the course) is
+    not used by default: the notebooks run on the Python that runs the grader. Named with --kernel, it is used."""
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({"argv": [sys.executable, "-c", "raise SystemExit(3)",
+                                                           "{connection_file}"],
+                                                  "display_name": "not the course", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    from jupyter_client.kernelspec import KernelSpecManager
+    assert KernelSpecManager().get_kernel_spec("python3").display_name == "not the course"    # what Jupyter finds
+    report = grade(course / "solutions", timeout=120, solutions=course / "solutions", notebooks=["01_*"])
+    assert [t.status for t in report.tasks] == ["correct", "correct"]
+    (tmp_path / "jupyter" / "kernels" / "other").mkdir()
+    (tmp_path / "jupyter" / "kernels" / "other" / "kernel.json").write_text((spec / "kernel.json").read_text())
+    report = grade(course / "solutions", timeout=60, solutions=course / "solutions", notebooks=["01_*"],
+                   kernel_name="other")
+    assert "correct" not in [t.status for t in report.tasks]                        # a named kernel is that kernel

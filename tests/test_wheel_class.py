@@ -62,14 +62,19 @@ def venv(tmp_path_factory):
     return py
 
 
-def _env():
+def _env(py=None):
+    """The environment of a command run with `py`: the wheel's venv gets no PYTHONPATH (which may name the checkout);
+    this test's own python (the checkout's side) keeps it (on a machine where the checkout is importable only
+    through PYTHONPATH)."""
+    if py is not None and Path(py) == Path(sys.executable):
+        return dict(os.environ, GPULLM_DEVICE="sim")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     return dict(env, GPULLM_DEVICE="sim")
 
 
 def cli(py, cwd, *argv):
     return subprocess.run([str(py), "-m", "gpullm_lessons", *argv], cwd=cwd, capture_output=True, text=True,
-                          env=_env(), timeout=900)  # fmt: skip
+                          env=_env(py), timeout=900)  # fmt: skip
 
 
 def make_class(py, root: Path):
