@@ -44,7 +44,7 @@ train: $(SETUP)
 # cell too and also checks what a learner sees (figures, widgets, stderr); running them twice would cost CI minutes.
 # Without Chromium the browser test skips and the lessons run under nbval (CI sets GPULLM_REQUIRE_BROWSER=1: fails).
 test: lint
-	$(PYTEST) -q $(XDIST) $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
+	$(PYTEST) -q --durations=25 $(XDIST) $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
 
 ## lint        ruff: the linter over the package, kernels and tests; the formatter's check over RUFF_FORMATTED
 # (the modules formatted with `ruff format` so far; a module joins the list when it is next reworked, so that a

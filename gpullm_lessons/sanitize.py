@@ -29,6 +29,8 @@ Fitting a run into a machine lent for a few minutes at a time:
                the chunk ("tests/test_hip_flash.py [2/5]"), and so does its log (test_hip_flash.2of5.memcheck.log).
   --shard I/N  only the parts whose index (in the list of files x tools x chunks) is I-1 modulo N: the N shards
                together are the whole run, one shard per call.
+  --deadline S the whole run's seconds: a part not started by then is "not run", a running one is stopped
+               ("timeout"), and the summary is still written.
   --out DIR    DIR/summary.json (DIR relative to the checkout, as --logs): card, driver, date, commit, settings and
                each part's status (card, driver and commit as `make gpu-test` finds them, gpu_suite.py), with the
                shard and the whole run's part list (all_parts, parts_total), so that shards can be put together:
@@ -143,7 +145,9 @@ def command(sanitizer: str, tool: str, file: str, python: str = sys.executable, 
     cmd = [sanitizer, "--tool", tool, "--report-api-errors", "no", "--target-processes", "all"]
     if tool == "racecheck":
         cmd += ["--racecheck-report", "hazard"]
-    cmd += [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-x", *(list(nodeids) or [file])]
+    # --durations: the slowest tests of the part, in its log (for choosing --chunk and --shard)
+    cmd += [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", "-m", "gpu", "-x"]
+    cmd += list(nodeids) or [file]
     return cmd + (["-k", select] if select else [])
 
 

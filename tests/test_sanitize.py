@@ -90,6 +90,7 @@ def test_the_command_runs_the_gpu_tests_of_one_file_with_api_probes_not_counted(
         "-q",
         "-p",
         "no:cacheprovider",
+        "--durations=10",
         "-m",
         "gpu",
         "-x",
@@ -213,9 +214,9 @@ def test_chunks_pass_the_gpu_tests_node_ids_a_few_at_a_time(tmp_path, monkeypatc
     for f in (tmp_path / "runs").glob("*.args"):
         argv = f.read_text().splitlines()
         pytest_args = argv[argv.index("pytest") :]
-        assert pytest_args[:7] == ["pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-x"]
+        assert pytest_args[:8] == ["pytest", "-q", "-p", "no:cacheprovider", "--durations=10", "-m", "gpu", "-x"]
         assert str(test_file) not in argv  # the ids, not the file
-        runs.append((argv[1], pytest_args[7:]))
+        runs.append((argv[1], pytest_args[8:]))
     want = [ids[0:2], ids[2:4], ids[4:5]]
     assert sorted(runs) == sorted((tool, chunk) for tool in ("memcheck", "racecheck") for chunk in want)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
