@@ -806,6 +806,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=("flash", "cublas"), default=None,
                     help="`train` / `gputime`: the engine's attention path in half precision (default flash where it "
                          "runs)")
+    ap.add_argument("--flash-version", choices=("v4", "v5", "v6"), default=None,
+                    help="`train` / `gputime`: the version of the flash kernels the engine's flash path runs "
+                         "(default v6)")
     ap.add_argument("--compile", action="store_true", help="`train`: also PyTorch through torch.compile")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
@@ -836,7 +839,8 @@ def main(argv=None) -> int:
             from . import bench_train as bt
             presets = tuple(args.presets.split(","))
             versions = {**({"scores": args.scores} if args.scores else {}),
-                        **({"attention": args.attention} if args.attention else {})}
+                        **({"attention": args.attention} if args.attention else {}),
+                        **({"flash": args.flash_version} if args.flash_version else {})}
             if args.what == "gputime":
                 import importlib.util
                 result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0],

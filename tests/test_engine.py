@@ -319,6 +319,19 @@ def test_gpu_flash_attention_agrees_with_the_cublas_path(precision, gpu_batches,
     assert rel.max() < 2e-2, rel
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", ["v4", "v5"])
+def test_gpu_each_flash_version_the_engine_can_run_gives_the_default_s_gradients(version, gpu_batches):
+    """versions={"flash": v}: the engine's flash path on another version of the packed kernels (bench train
+    --flash-version): the same gradients as the default v6 within bf16's rounding."""
+    x, y = gpu_batches[0]
+    _, g6 = grads_of(engine.build(SMALL, "hip", precision="bf16"), x, y)
+    eng = engine.build(SMALL, "hip", precision="bf16", versions={"flash": version})
+    assert eng.ver["flash"] == version and eng.ver["attention"] == "flash"
+    _, g = grads_of(eng, x, y)
+    assert max_rel(g, g6) < 3e-2
+
+
 def test_flash_attention_is_refused_by_name_where_it_cannot_run():
     from gpullm_lessons.engine.gpu import flash_unsupported
 
@@ -331,6 +344,8 @@ def test_flash_attention_is_refused_by_name_where_it_cannot_run():
         engine.build(TOY, "numba", precision="bf16", versions={"attention": "flash"})
     with pytest.raises(engine.EngineError, match="attention must be 'flash' or 'cublas'"):
         engine.build(TOY, "numba", versions={"attention": "sdpa"})
+    with pytest.raises(engine.EngineError, match="flash must be one of v4, v5, v6, got 'v2'"):
+        engine.build(TOY, "numba", versions={"flash": "v2"})  # v2 and v3 have no kernels on the packed layout
     assert engine.build(TOY, "numba", precision="bf16").ver["attention"] == "cublas"  # the default
 
 

@@ -26,6 +26,7 @@ _NUMBA_VERSIONS = {
     "convert": "v1",
     "scores": "half",
     "attention": "cublas",
+    "flash": "v6",
 }
 
 
@@ -54,7 +55,8 @@ class GPUEngine(Engine):
     # "attention": "flash" (kernels/hip/flash.cu, lesson 11: the (T, T) scores never in memory, activations linear in
     # T; the hip default in half precision at the head sizes flash.cu is compiled for) or "cublas" (four batched
     # products around the causal-softmax kernels, lesson 05's path; the numba backend's, fp32's and the fallback
-    # where flash cannot run)
+    # where flash cannot run); "flash": the version of flash.cu's kernels on the engine's packed layout (v4, v5 or v6)
+    # that the flash path runs
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -109,6 +111,10 @@ class GPUEngine(Engine):
                 raise EngineError(f"versions: attention='flash' cannot run here: {why_not}")
             if why_not:  # the default where flash cannot run (fp32, a head size without a kernel): the cuBLAS path
                 self.ver["attention"] = "cublas"
+        from ..backends.hip.flash import PACKED
+
+        if self.ver["flash"] not in PACKED:
+            raise EngineError(f"versions: flash must be one of {', '.join(PACKED)}, got {self.ver['flash']!r}")
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
             self.ver["adamw"] = "v2"  # v3 reads float4: the buffer length must be a multiple of 4
         if optimizer_state in ("bf16", "int8") and not (versions and "adamw" in versions):
@@ -350,7 +356,9 @@ class GPUEngine(Engine):
             self.K.split_heads(qkv, 0, qkv_mm, B, T, 1, bias=qkvb, half=half)
             del qkv
             att = {"lse": xp.empty((B, nh, T), xp.float32)}
-            self.K.flash_attention_forward_packed(qkv_mm, atty_mm.reshape(B, T, C), att["lse"], nh, half=half)
+            self.K.flash_attention_forward_packed(
+                qkv_mm, atty_mm.reshape(B, T, C), att["lse"], nh, half=half, version=self.ver["flash"]
+            )
             heads = {"qkv_mm": qkv_mm}
         else:
             q, k, v = (self._mm_empty((B * nh, T, hs)) for _ in range(3))
@@ -441,7 +449,9 @@ class GPUEngine(Engine):
             dy = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C, out_mm=True)  # (B*T, C)
             dqkv = xp.empty((B * T, 3 * C), xp.float32)  # every element written: dq, dk, dv side by side
             y, dqkv3 = c["atty_mm"].reshape(B, T, C), dqkv.reshape(B, T, 3 * C)
-            self.K.flash_attention_backward_packed(c["qkv_mm"], y, dy.reshape(B, T, C), c["lse"], dqkv3, nh, half=half)
+            self.K.flash_attention_backward_packed(
+                c["qkv_mm"], y, dy.reshape(B, T, C), c["lse"], dqkv3, nh, half=half, version=self.ver["flash"]
+            )
             del dy
         else:
             datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
