@@ -46,7 +46,7 @@ train: $(SETUP)
 test: lint
 	$(PYTEST) -q --durations=25 $(XDIST) $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
 
-## lint        ruff: the linter over the package, kernels and tests; the formatter's check over RUFF_FORMATTED
+## lint        ruff: the linter over the package, kernels, tests and lab/; the formatter's check over RUFF_FORMATTED
 # (the modules formatted with `ruff format` so far; a module joins the list when it is next reworked, so that a
 # formatting-only diff never hides a change of the code the lessons print)
 RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/viz gpullm_lessons/contracts \
@@ -59,8 +59,9 @@ RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
 RUFF_FORMATTED += gpullm_lessons/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py gpullm_lessons/borrowed.py \
 	tests/test_borrowed.py tests/test_wheel_class.py
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_int8.py tests/test_offload.py
+RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
 lint: $(SETUP)
-	$(PY) -m ruff check gpullm_lessons kernels tests
+	$(PY) -m ruff check gpullm_lessons kernels tests lab
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)
 
 ## unit        unit tests only (fast; no browser)

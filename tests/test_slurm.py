@@ -6,7 +6,9 @@ a temporary folder, as root), the batch templates of lab/slurm/ submitted with s
 - the launcher inside an sbatch job starts its ranks with srun, and they train like one process too;
 - a rank that dies mid-run fails the job (state FAILED, srun naming the task) instead of leaving rank 0 waiting;
 - srun without a PMI is the training job's named error; with PMIx the NCCL id made on rank 0 reaches rank 1;
-- the JupyterLab template serves the address the ssh command it prints leads to.
+- the JupyterLab template serves the address the ssh command it prints leads to;
+- the JupyterHub batch script (lab/jupyterhub/learner-server.sbatch), as the hub's SlurmSpawner renders it for a
+  learner, makes the learner's folder on their first spawn and runs the server in it.
 
 Needs Debian's slurm-wlm and munge (apt-get install slurm-wlm munge) and root (slurmd starts the tasks): skips
 without them, fails instead on CI (GPULLM_REQUIRE_SLURM=1, set by .ci/run). Every daemon is stopped by its PID at the
@@ -14,8 +16,10 @@ end, also when a test fails. One at a time (tests/conftest.py ONE_AT_A_TIME): th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -27,6 +31,7 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -86,9 +91,9 @@ def test_templates_keep_the_lab_settings_on_top():
     assert '--cpus-per-task="${SLURM_CPUS_PER_TASK' in srun  # Slurm 22.05+: a step does not inherit it
 
 
-def for_this_cluster(name: str, dest: Path, partition: str) -> Path:
+def for_this_cluster(name: str, dest: Path, partition: str, templates: Path = TEMPLATES) -> Path:
     """lab/slurm/<name> with its lab block set for the test cluster: our partition, no GPUs, one CPU per task."""
-    text = (TEMPLATES / name).read_text()
+    text = (templates / name).read_text()
     edits = [
         (r"^#SBATCH --partition=.*$", f"#SBATCH --partition={partition}"),
         (r"^#SBATCH --gpus-per-node=.*\n", ""),
@@ -487,3 +492,41 @@ def test_the_jupyter_template_serves_what_it_prints(cluster):
         assert course_files() == before
     finally:
         cluster.run(["scancel", job])
+
+
+def test_the_hubs_batch_script_runs_in_the_learners_folder(cluster):
+    """lab/jupyterhub/learner-server.sbatch rendered by the hub's SlurmSpawner for a learner (tests/test_jupyterhub.py
+    starts the hub itself), its lab block made this cluster's, a probe in place of the server: the first job makes
+    the learner's folder with `python -m gpullm_lessons start` and runs there; the next leaves the folder as it is."""
+    from test_jupyterhub import hub_module
+
+    hub = hub_module()
+    from jupyterhub.objects import Hub
+
+    script = for_this_cluster("learner-server.sbatch", cluster.root, cluster.partition, ROOT / "lab" / "jupyterhub")
+    me = pwd.getpwuid(os.getuid()).pw_name  # the job runs as the learner: here, whoever runs the tests
+    home = cluster.root / "home-of-learner"
+    home.mkdir()
+    spawner = hub.CourseSlurmSpawner(
+        user=SimpleNamespace(name=me, url=f"/user/{me}/", escaped_name=me),
+        hub=Hub(),
+        batch_script_file=str(script),
+        req_homedir=str(home),
+        course_python=sys.executable,
+    )
+    probe = cluster.root / "probe.py"
+    probe.write_text('import os\nprint("server runs in", os.getcwd())\n')
+    rendered = cluster.root / "rendered.sbatch"
+    rendered.write_text(asyncio.run(spawner.render_batch_script(cmd=f"{sys.executable} {probe}")))
+    folder = home / "gpullm-work"
+    before = course_files()
+    job, rc, log = cluster.sbatch(rendered)
+    assert rc == 0 and cluster.job_state(job)["JobState"] == "COMPLETED", log[-3000:]
+    assert f"server runs in {folder}\n" in log, log[-3000:]
+    exercises = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+    assert sorted(p.name for p in folder.iterdir()) == exercises, log[-3000:]  # made by `start`
+    (folder / exercises[0]).write_text("the learner's work")
+    job, rc, log = cluster.sbatch(rendered)  # the next spawn: the folder is theirs, never copied over again
+    assert rc == 0 and f"server runs in {folder}\n" in log, log[-3000:]
+    assert (folder / exercises[0]).read_text() == "the learner's work"
+    assert course_files() == before
