@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -593,9 +594,9 @@ def _forward_hint(got_out, t, P, l, x64, B, T, nh, L):
     return None
 
 
-def _first_wrong_cache(cache, t, keys):
+def _first_wrong_cache(cache, t, keys, tol=TOL):
     for key in keys:
-        d = _diff(_host(cache[key]), t[key], TOL)
+        d = _diff(_host(cache[key]), t[key], tol)
         if d is not None:
             return key, d
     return None, None
@@ -1028,14 +1029,38 @@ def _batches(rng, cfg, B, n):
 
 
 def _model_layers(P, cfg, x):
-    """Each block's output (B*T, C), float64, for tokens x (B, T): the reference stream."""
+    """Each block's tensors (block_model_forward: "out" and every cache entry), float64, for tokens x (B, T): the
+    reference stream."""
     B, T = x.shape
     h = (P["wte"][x] + P["wpe"][:T]).reshape(B * T, cfg.d_model)
-    outs = []
+    blocks = []
     for l in range(cfg.n_layer):
-        h = block_model_forward(P, l, h, B, T, cfg.n_head)["out"]
-        outs.append(h)
-    return outs
+        blocks.append(block_model_forward(P, l, h, B, T, cfg.n_head))
+        h = blocks[-1]["out"]
+    return blocks
+
+
+def _forward_cache_hint(caches, blocks, step) -> Optional[str]:
+    """The hint for a wrong gradient of the whole step when the cause is on the forward side, in the caches your
+    block_forward returned (each layer's, as returned and after the whole forward, before the backward), else None."""
+    for l, (cache, kept) in enumerate(caches):
+        t = blocks[l]
+        key, d = _first_wrong_cache(kept, t, _cap.CACHE_KEYS, TOL * 10)
+        if key is not None:
+            more = _cache_hint(key, kept[key], t, [])
+            return (f"the cause is on the forward side: every layer's output was right, but the cache your "
+                    f"block_forward returned for layer {l} holds a wrong cache[{key!r}] ({_where(d, TOL * 10)}): "
+                    + (more or f"it must be {_cap.CACHE_MEANING[key]}") + ". The backward reads the cache, so its "
+                    "gradients come out wrong; check_block_forward (09.3) names the mistake")
+        for key in _cap.CACHE_KEYS:
+            now = _host(cache[key])
+            if np.shape(now) == np.shape(kept[key]) and _diff(now, kept[key], 0.0) is not None:
+                return (f"the cause is on the forward side: the cache your block_forward returned for layer {l} was "
+                        f"right, but cache[{key!r}] had changed by the end of step {step}'s forward: "
+                        f"your block_forward reuses arrays between calls (a buffer allocated once, or a view of "
+                        f"one), and a later layer's call wrote over it. Each call must write its cache into new "
+                        f"arrays; check_block_forward (09.3) names it")
+    return None
 
 
 def check_training_step(block_forward, block_backward, optimizer_step, *, seed=None, task=None, quiet=False):
@@ -1061,12 +1086,18 @@ def check_training_step(block_forward, block_backward, optimizer_step, *, seed=N
         rng = np.random.default_rng(seed)
         flat = _random_params(cfg, rng)
         S = LOSS_SCALE
-        outputs = []
+        outputs, caches = [], []
 
         def recording_forward(eng, x, l, B_, T_):
             ret = block_forward(eng, x, l, B_, T_)
             if isinstance(ret, tuple) and len(ret) == 2 and ret[0] is not None:
                 outputs.append(_host(ret[0]).copy())
+                cache = ret[1]
+                if isinstance(cache, dict) and all(k in cache for k in _cap.CACHE_KEYS):
+                    try:      # as returned; the dict itself too, to see what the backward found there
+                        caches.append((cache, {k: np.array(_host(cache[k]), np.float64) for k in _cap.CACHE_KEYS}))
+                    except Exception:  # not arrays: the backward will fail on them, and say so
+                        pass
             return ret
 
         mine = _cap.CapstoneEngine(cfg, recording_forward, block_backward, optimizer_step, seed=seed, loss_scale=S)
@@ -1095,11 +1126,13 @@ def check_training_step(block_forward, block_backward, optimizer_step, *, seed=N
             ref.optimizer_step(lr, wd, clip)
             # the forward: every layer, then the loss
             outputs.clear()
+            caches.clear()
             _, loss = _call(name, mine.forward, (x, y), f"{at}: the forward (your block_forward)", seed)
             if len(outputs) != cfg.n_layer:
                 raise _Verdict("wrong", f"{name}: wrong - {at}: block_forward returned {len(outputs)} outputs for "
                                f"{cfg.n_layer} layers", "check_block_forward (09.3) first")
-            for l, (o, w) in enumerate(zip(outputs, _model_layers(_views(cfg, p0), cfg, x))):
+            blocks = _model_layers(_views(cfg, p0), cfg, x)
+            for l, (o, w) in enumerate(zip(outputs, (b["out"] for b in blocks))):
                 d = _diff(o, w, TOL * 10)
                 if d is not None:
                     raise _Verdict("wrong", f"{name}: wrong - {at}, the forward: layer {l}'s output"
@@ -1110,6 +1143,8 @@ def check_training_step(block_forward, block_backward, optimizer_step, *, seed=N
                                f"{_fmt(loss_want)} from the same weights (seed {seed})", "every layer's output was "
                                "right: the loss comes from the skeleton; did your block change the residual stream "
                                "after returning it?")
+            # what the backward will read: the caches as your forward returned them, and still the same now
+            forward_side = _forward_cache_hint(caches, blocks, s) if len(caches) == cfg.n_layer else None
             # the backward: the sixteen gradient tensors, every layer
             _call(name, mine.backward, (S,), f"{at}: the backward (your block_backward)", seed)
             g_mine = _host(mine.grads.flat).astype(np.float64)
@@ -1123,7 +1158,9 @@ def check_training_step(block_forward, block_backward, optimizer_step, *, seed=N
                         continue
                     label = f"the gradient of {pname!r}" + (f", layer {l}" if l is not None else "")
                     hint = "your block_backward; check_block_backward (09.4) names the mistake"
-                    if s > 1 and np.any(left) and _diff(a, b + left, TOL * 10) is None:
+                    if forward_side is not None:
+                        hint = forward_side
+                    elif s > 1 and np.any(left) and _diff(a, b + left, TOL * 10) is None:
                         hint = (f"step {s - 1}'s gradients were right; step {s}'s are its own plus what the buffer "
                                 f"held after step {s - 1}: gradients not zeroed between steps (your backward adds "
                                 f"into eng.grads, and your optimizer step left them there; the backward must write "

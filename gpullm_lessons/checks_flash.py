@@ -134,22 +134,30 @@ def _expected_backward(c):
 
 
 # ---- the forward, replayed tile by tile with one step changed ------------------------------------------------------
-def _tiled(c, BC, BR=None, rescale_acc=True, rescale_l=True, accumulate=True):
+def _tiled(c, BC, BR=None, rescale_acc=True, rescale_l=True, accumulate=True, rows=None):
     """The tiled forward in float64 over key tiles of BC rows: (out, lse). BR: the query rows of a block whose key
     loop stops at the block's FIRST row (the mistake); None: the right loop. rescale_acc / rescale_l: multiply the
     running output / sum by alpha = exp(m - m') when the max grows. accumulate: True (right), "seen" (acc = the last
-    tile's p v among those the row sees), "always" (acc = the last tile's p v, 0 where the row sees none of it)."""
+    tile's p v among those the row sees), "always" (acc = the last tile's p v, 0 where the row sees none of it),
+    "reset" (m, l and acc all set back to their start at every tile: the last tile alone, and l = 0 where the row sees
+    none of it: out NaN, lse -inf). rows: the block of query rows whose loop runs while s0 <= its last row (the right
+    causal skipping of a kernel: which tile is a row's last); None: every row visits every tile."""
     S = _scores(c)
     v = c.x["v"]
     T = S.shape[-1]
+    t = np.arange(T)
     if BR is not None:
-        t, s = np.arange(T)[:, None], np.arange(T)[None, :]
-        S = np.where((s // BC) * BC <= (t // BR) * BR, S, -np.inf)
+        S = np.where((t[None, :] // BC) * BC <= (t[:, None] // BR) * BR, S, -np.inf)
+    t_last = np.minimum(T, (t // rows) * rows + rows) - 1 if rows else np.full(T, T - 1)
     m = np.full(S.shape[:-1], -np.inf)
     l = np.zeros(S.shape[:-1])
     acc = np.zeros(v.shape)
     with np.errstate(all="ignore"):
         for s0 in range(0, T, BC):
+            visits = s0 <= t_last                                       # (T,): the rows whose loop reaches s0
+            if accumulate == "reset":
+                m, l, acc = (np.where(visits, -np.inf, m), np.where(visits, 0.0, l),
+                             np.where(visits[:, None], 0.0, acc))
             St = S[..., s0:s0 + BC]
             mt = St.max(axis=-1)
             has = mt > -np.inf
@@ -158,35 +166,46 @@ def _tiled(c, BC, BR=None, rescale_acc=True, rescale_l=True, accumulate=True):
             p = np.where(St > -np.inf, np.exp(St - m_new[..., None]), 0.0)
             pv = p @ v[..., s0:s0 + BC, :]
             l = (alpha if rescale_l else np.where(m > -np.inf, 1.0, 0.0)) * l + p.sum(axis=-1)
-            if accumulate is True:
+            if accumulate in (True, "reset"):
                 acc = (alpha if rescale_acc else np.where(m > -np.inf, 1.0, 0.0))[..., None] * acc + pv
             elif accumulate == "seen":      # replaced by the tiles the row sees (a kernel merging under a guard)
                 acc = np.where(has[..., None], pv, acc)
-            else:                           # replaced by every tile, 0 where the row sees none of its keys
-                acc = pv
+            else:                           # replaced by every tile the row's loop visits, 0 where it sees none
+                acc = np.where(visits[:, None], pv, acc)
             m = m_new
         return acc / l[..., None], m + np.log(l)
 
 
 def _tile_test(hint, **wrong):
-    """A pattern test: ours equals the tiled forward with `wrong` for some tile width; the hint names the width."""
+    """A pattern test: ours equals the tiled forward with `wrong` for some tile width; the hint names the width. A
+    mistake in how the running state is kept (accumulate=...) is also tried with the causal tile skipping of a kernel
+    whose blocks have as many query rows as a tile width (that decides which tile is a row's last)."""
     def test(c, name, ours, expected, bad):
         tol = opcheck.TOLERANCES[c.dtype.name]
+        blocks = (None,) + TILES if "accumulate" in wrong else (None,)
         for BC in TILES:
             if BC >= c.dims["T"] and "BR" not in wrong:
                 break
             for BR in (TILES if "BR" in wrong else (None,)):
                 kw = dict(wrong, BR=BR) if "BR" in wrong else wrong
-                got = _tiled(c, BC, **kw)[0 if name == "out" else 1]
-                if _matches(ours, got, expected, tol):
-                    return hint.format(BC=BC, BR=BR)
+                for rows in blocks:
+                    got = _tiled(c, BC, rows=rows, **kw)[0 if name == "out" else 1]
+                    if _matches(ours, got, expected, tol):
+                        return hint.format(BC=BC, BR=BR)
         return None
     return test
 
 
 def _matches(ours, candidate, expected, tol) -> bool:
-    if candidate.shape != ours.shape or not np.isfinite(candidate).all():
+    """ours equals the candidate (NaN where it is NaN, the same infinities) that is itself not the right answer."""
+    if candidate.shape != ours.shape:
         return False
+    finite = np.isfinite(candidate)
+    if not finite.all():
+        same = np.where(np.isnan(candidate), np.isnan(ours), ours == candidate)
+        if not same[~finite].all() or not finite.any():
+            return False
+        return close(ours[finite], candidate[finite], mistake_slack(tol))
     return not close(candidate, expected, tol) and close(ours, candidate, mistake_slack(tol))
 
 
@@ -246,8 +265,14 @@ _FORWARD = Op(
             "neither the running sum nor the running output is rescaled when the max grows: " + _RESCALE
             + "(tiles of {BC} keys)", rescale_acc=False, rescale_l=False)),
         *[Mistake("", test=_tile_test(
-            "the output keeps only the last key tile's p v: acc must ADD each tile (acc = alpha * acc + p v), not be "
-            "replaced by it (tiles of {BC} keys)", accumulate=how)) for how in ("seen", "always")],
+            "the output keeps only the last key tile's p v: acc is set to 0 (or replaced) at every key tile; it must "
+            "start at 0 once, before the loop, and ADD each tile (acc = alpha * acc + p v) (tiles of {BC} keys)",
+            accumulate=how)) for how in ("seen", "always")],
+        Mistake("", test=_tile_test(
+            "the running state (m, l and acc) is set back to its start at every key tile: the output keeps only the "
+            "last key tile a row's loop visits, and a row that sees no key of that tile ends with l = 0 (out = 0 / 0 "
+            "= NaN, lse = log 0 = -inf). Set m = -inf, l = 0, acc = 0 once per query row, before the loop over the "
+            "key tiles (tiles of {BC} keys)", accumulate="reset")),
         Mistake("", test=_tile_test(
             "causal tile skipping stops too early: a block of query rows t0 .. t1 needs every key tile that starts "
             "at s0 <= t1, its LAST row; yours stops at tiles starting at s0 <= t0, its first row, so the block's "
@@ -323,7 +348,12 @@ _BACKWARD = Op(
                 lambda c: {"dk": _backward_with(c)["dv"], "dv": _backward_with(c)["dk"]}),
     ])
 
-_BACKWARD_RULES = Rules("check_flash_attention_backward", repeat=True, no_float_atomics=True)
+_BACKWARD_RULES = Rules("check_flash_attention_backward", repeat=True, no_float_atomics=True, barriers=True,
+                        trace_case=2)
+# the kernels share key tiles in shared memory: in the simulator the case past one tile (T = 37) is traced, and a
+# missing barrier fails even where the simulator's order of threads gave the right values
+_FORWARD_RULES = Rules("check_flash_attention_forward", barriers=True, trace_case=2)
+_PACKED_RULES = Rules("check_flash_attention_forward_packed", barriers=True, trace_case=2)
 
 
 # ---- the forward on the engine's packed layout ----------------------------------------------------------------------
@@ -415,7 +445,8 @@ def check_flash_attention_forward(fn, *, arrays="numba", dtype=np.float32, size=
     """Check fn(q, k, v, out, lse) (q, k, v, out (B, nh, T, hs), lse (B, nh, T)): causal attention with scale
     1/sqrt(hs) and each row's log-sum-exp, against lesson 01's reference. arrays: "numba" (simulator or GPU),
     "cupy" or "numpy"; size None: small in the simulator, large on a GPU (CASES)."""
-    return opcheck.run(_FORWARD, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return opcheck.run(_FORWARD, fn, rules=_FORWARD_RULES, arrays=arrays, dtype=dtype, size=size, seed=seed,
+                       task=task, quiet=quiet)
 
 
 def check_flash_attention_forward_packed(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,
@@ -423,7 +454,8 @@ def check_flash_attention_forward_packed(fn, *, arrays="numba", dtype=np.float32
     """Check fn(qkv, out, lse, nh): the forward of check_flash_attention_forward on the engine's layout (qkv (B, T,
     3C) with q, k, v side by side in each row; out (B, T, C) with the heads side by side; lse (B, nh, T)), against
     lesson 01's reference. Named mistakes: the column and row offsets of the layout, out in the heads layout."""
-    return opcheck.run(_PACKED, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet)
+    return opcheck.run(_PACKED, fn, rules=_PACKED_RULES, arrays=arrays, dtype=dtype, size=size, seed=seed,
+                       task=task, quiet=quiet)
 
 
 def check_flash_attention_backward(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None, task=None,

@@ -16,8 +16,9 @@ NVIDIA GPU) they are large. Either way they include: a size larger than the capp
 so a kernel without a grid-stride loop leaves elements unwritten; sizes spanning several blocks / tiles / warps with
 a partial last one (never a multiple of 16 or 32); the edge cases 1 x 1, n = 1, n < 32, K = 1; a square case where
 a transpose gives wrong numbers rather than a shape error; for the softmax, a row of logits near +1000 and one near
--1000 (exp overflows or underflows unless the row max is subtracted). The function is called once per case, so a
-function that returns a stale answer fails too.
+-1000 (exp overflows or underflows unless the row max is subtracted). The function is called once per case, and the
+last case repeats an earlier shape with new values, so a function that returns a stale answer (or adds onto what an
+earlier call left in a buffer it keeps) fails too.
 
 HIP tasks pass ``source=`` (the kernel source, or a function returning it) and ``entries=``: with arrays="cupy" on
 a machine without a GPU the source is compiled for both vendors and linted (status "compiled", see
@@ -37,7 +38,7 @@ import numpy as np
 from . import device as _device
 from . import reference as ref
 from . import verdict
-from .opcheck import Case, Mistake, Op, if_square, run, source_text
+from .opcheck import Case, Mistake, Op, Rules, if_square, math_domain_why, run, source_text
 from .verdict import CheckResult, is_learner_code
 
 __all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_row_max",
@@ -47,25 +48,27 @@ __all__ = ["check_bias_add", "check_dweight_tiled", "check_dinp_tiled", "check_r
 SIM_GRID = (2, 32)
 GPU_GRID = (4096, 256)
 
-# Deterministic shapes per op and size. Values are drawn from the seed; shapes never are.
+# Deterministic shapes per op and size. Values are drawn from the seed; shapes never are. The last case of each op
+# repeats an earlier case's shape with new values: a function that keeps something between calls (a result cached by
+# shape, a scratch buffer filled or added into once) gives the earlier call's answer there, or adds onto it.
 CASES = {
     # (N, C): n = N*C elements. small: 21 < one block; 143 and 333 > 2 x 32 (the simulator's capped grid); 1 x 1.
-    "bias_add": {"small": [(3, 7), (13, 11), (1, 1), (9, 37)],
-                 "large": [(3, 7), (1, 1), (1531, 1031), (4099, 771)]},      # > 4096 x 256 = 1,048,576
+    "bias_add": {"small": [(3, 7), (13, 11), (1, 1), (9, 37), (3, 7)],
+                 "large": [(3, 7), (1, 1), (1531, 1031), (4099, 771), (3, 7)]},   # > 4096 x 256 = 1,048,576
     # (N, C, OC) = (K, M, P) of dweight = inp^T dout: K = N spans several 16-row tiles with a partial last one.
     # (the large cases stay moderate: a GPU run of every case and every named mistake stays quick)
-    "linear_dweight": {"small": [(19, 19, 19), (37, 20, 11), (1, 3, 5)],
-                       "large": [(333, 333, 333), (1037, 259, 517), (1, 3, 5)]},
+    "linear_dweight": {"small": [(19, 19, 19), (37, 20, 11), (1, 3, 5), (1, 3, 5)],
+                       "large": [(333, 333, 333), (1037, 259, 517), (1, 3, 5), (1, 3, 5)]},
     # (N, C, OC): dinp = dout weight^T, K = OC.
-    "linear_dinp": {"small": [(19, 19, 19), (20, 11, 37), (1, 3, 5)],
-                    "large": [(333, 333, 333), (1031, 771, 2309), (1, 3, 5)]},
+    "linear_dinp": {"small": [(19, 19, 19), (20, 11, 37), (1, 3, 5), (1, 3, 5)],
+                    "large": [(333, 333, 333), (1031, 771, 2309), (1, 3, 5), (1, 3, 5)]},
     # (N, n): rows > 2 blocks (simulator) / > 4096 blocks (GPU); n < threads, n > threads, n = 1 (the exercise's
     # blocks: 24 threads in the simulator, 192 on a GPU, neither a power of two).
-    "row_max": {"small": [(3, 20), (7, 45), (1, 1), (5, 70)],
-                "large": [(3, 150), (8193, 517), (1, 1), (4099, 1029)]},
+    "row_max": {"small": [(3, 20), (7, 45), (1, 1), (5, 70), (3, 20)],
+                "large": [(3, 150), (8193, 517), (1, 1), (4099, 1029), (3, 150)]},
     # (N, n): rows > 2 x 2 warps (simulator) / > 4096 x 8 warps (GPU); n > 32 and not a multiple, n < 32, n = 1.
-    "softmax_forward": {"small": [(9, 70), (3, 1), (6, 20), (5, 37)],
-                        "large": [(33001, 37), (3, 1), (40000, 20), (777, 1029)]},
+    "softmax_forward": {"small": [(9, 70), (3, 1), (6, 20), (5, 37), (6, 20)],
+                        "large": [(33001, 37), (3, 1), (40000, 20), (777, 1029), (40000, 20)]},
 }
 
 
@@ -80,9 +83,10 @@ def _auto_size(arrays: str, size) -> str:
 # ------------------------------------------------------------------------------------------------------------
 # Pattern mistakes: a test on your output that names where it is wrong (the hint is built from what it found)
 # ------------------------------------------------------------------------------------------------------------
-def _pattern(describe) -> Mistake:
-    """A Mistake whose hint is written by `describe(case, name, ours, expected, bad)` (None: does not apply)."""
-    m = Mistake(hint="")
+def _pattern(describe, catchall=False) -> Mistake:
+    """A Mistake whose hint is written by `describe(case, name, ours, expected, bad)` (None: does not apply).
+    catchall: the op's fallback for wrong values in no known pattern (the checker then looks for a missing barrier)."""
+    m = Mistake(hint="", catchall=catchall)
 
     def test(case, name, ours, expected, bad):
         text = describe(case, name, ours, expected, bad)
@@ -327,6 +331,9 @@ def _explain(exc: BaseException, advice: str = "", numeric: str = ""):
         hint = (f"{thread} computed a number too large for a float (the simulator computes math.exp in float64, "
                 f"which overflows above exp(709); on a GPU float32 expf gives inf above exp(88.7), and inf / inf is "
                 f"NaN)" + (f". {numeric}" if numeric else ""))
+    elif "math domain" in inner.lower():
+        short = f"{type(exc).__name__} in {thread}{where}: {inner}"
+        hint = f"{thread}{where}: {math_domain_why(exc)}"
     else:
         short = f"{type(exc).__name__} in {thread}{where}: {inner}"
         hint = f"the error was raised by {thread}{where}: {inner}"
@@ -351,14 +358,15 @@ def _with_kernel_errors(fn, box, advice="", numeric=""):
 
 
 def _check(op: Op, fn, *, arrays, dtype, size, seed, task, quiet, source=None, entries=None, advice="",
-           numeric=""):
-    """Run `op` through opcheck.run at the right size; rewrite the hint of an error raised inside a kernel."""
+           numeric="", rules=None):
+    """Run `op` through opcheck.run (with `rules`) at the right size; rewrite the hint of an error raised inside a
+    kernel."""
     size = _auto_size(arrays, size)
     box = {}
     is_kernel = type(fn).__name__ in ("CUDADispatcher", "FakeCUDAKernel")   # opcheck.run says what to pass instead
     wrapped = _with_kernel_errors(fn, box, advice, numeric) if callable(fn) and not is_kernel else fn
-    result = run(op, wrapped, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=True,
-                  source=source, entries=entries)
+    result = run(op, wrapped, rules=rules, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=True,
+                 source=source, entries=entries)
     if result.status == "error" and "hint" in box:
         head = result.message.splitlines()[0]
         result.hint = box["hint"] + (f" (seed {result.seed})" if result.seed is not None else "")
@@ -385,6 +393,12 @@ def _source_rules(name, source, rules, task, quiet):
             return verdict.record(CheckResult(name=name, task=task, status="wrong", passed=False, message=msg,
                                               hint=why, arrays="cupy"), quiet=quiet)
     return None
+
+
+# The kernels of 02.2 / 02.3 (tiles) and 03.1 (a tree) share memory between the threads of a block: in the simulator
+# their first call is traced, and two threads touching one shared slot between the same two barriers (one writing)
+# is wrong, even where the simulator's order of threads gave the right values.
+_BARRIERS = Rules(barriers=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -416,7 +430,7 @@ def _bias_flat(c):
 _BIAS_ADD = Op(
     "bias_add", _make_bias_add,
     lambda c: {"out": c.x["inp"] + c.x["bias"][None, :]},
-    n_cases=4,
+    n_cases=5,
     formula="out[n, c] = inp[n, c] + bias[c]: element i of the flattened (N, C) array is row i // C, column i % C",
     shape_hint="inp and out are (N, C), bias is (C,): element i (flat) is row i // C, column i % C, and adds "
                "bias[i % C]",
@@ -441,9 +455,10 @@ def check_bias_add(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None
                    source=None, entries=None) -> CheckResult:
     """Check fn(inp (N, C), bias (C,), out (N, C)): out = inp + bias (bias broadcast over the rows).
 
-    Runs 4 cases, one with more elements than the exercise's capped grid (so one thread per element is not
-    enough) and 1 x 1; the large ones also have more rows (1531, 4099) and columns (1031, 771) than the 2-D grid of
-    00.2 has threads in y (1024) and x (512), so a 2-D kernel needs a grid-stride loop along both axes.
+    Runs 5 cases, one with more elements than the exercise's capped grid (so one thread per element is not
+    enough), 1 x 1, and the first shape again with new values; the large ones also have more rows (1531, 4099) and
+    columns (1031, 771) than the 2-D grid of 00.2 has threads in y (1024) and x (512), so a 2-D kernel needs a
+    grid-stride loop along both axes.
     arrays: "numba" (a Numba kernel; simulator here), "cupy" (a HIP kernel: pass source= and entries= too, so that
     without a GPU the source is compiled and linted), or "numpy". size: None picks small in the simulator, large on
     a GPU.
@@ -528,6 +543,21 @@ def _first_tile_any(case, which, name, K, t, ours, expected):
 
 
 @_per_tile
+def _last_tile_only(case, which, name, K, t, ours, expected):
+    """The last K tile only: the accumulator set back to 0 inside the loop over K."""
+    if K <= t:
+        return None
+    k0 = ((K - 1) // t) * t
+    wrong = _k_rows(case, which, range(k0, K))
+    if not (_close_to(ours, wrong) and not _close_to(expected, wrong)):
+        return None
+    widths = " or ".join(str(w) for w in _TILES if K > w and ((K - 1) // w) * w == k0)   # the same last tile
+    return (f"{name} holds only the last tile along K (the sum over k = {k0}..{K - 1}; K = {K}, TILE = {widths}): the "
+            f"accumulator is set back to 0 at every tile, so each tile's products replace the earlier tiles' "
+            f"instead of adding to them. Set acc = 0 once, before the loop over K, and add every tile into it")
+
+
+@_per_tile
 def _skip_partial(case, which, name, K, t, ours, expected):
     """Every full K tile, the last partial one left out."""
     full = (K // t) * t
@@ -566,7 +596,7 @@ def _close_to(ours, wrong) -> bool:
 _DWEIGHT = Op(
     "linear_dweight", _make_dweight,
     lambda c: {"dweight": c.x["inp"].T @ c.x["dout"]},
-    n_cases=3,
+    n_cases=4,
     formula="dweight[c, o] = sum over the N rows of inp[n, c] * dout[n, o] (dweight = inp^T dout, K = N)",
     shape_hint="inp is (N, C), dout (N, OC), dweight (C, OC): the reduction runs over the N rows of both",
     mistakes=[
@@ -576,16 +606,17 @@ _DWEIGHT = Op(
                  "dout's column o); it looks like dout^T inp",
                  if_square(lambda c: {"dweight": c.x["dout"].T @ c.x["inp"]})),
         _pattern(_first_tile_any("dweight", "dweight")),
+        _pattern(_last_tile_only("dweight", "dweight")),
         _pattern(_skip_partial("dweight", "dweight")),
         _pattern(_stale_tail("dweight", "dweight")),
         _pattern(_edge_unwritten),
-        _pattern(_tile_catchall("linear_dweight")),
+        _pattern(_tile_catchall("linear_dweight"), catchall=True),
     ])
 
 _DINP = Op(
     "linear_dinp", _make_dinp,
     lambda c: {"dinp": c.x["dout"] @ c.x["weight"].T},
-    n_cases=3,
+    n_cases=4,
     formula="dinp[n, c] = sum over the OC outputs of dout[n, o] * weight[c, o] (dinp = dout weight^T, K = OC)",
     shape_hint="dout is (N, OC), weight (C, OC) stored (in, out), dinp (N, C): the reduction runs over OC",
     mistakes=[
@@ -594,10 +625,11 @@ _DINP = Op(
         Mistake("dinp is transposed: dinp[n, c] belongs at row n (from dout's row n), column c (from weight's "
                  "row c)", if_square(lambda c: {"dinp": (c.x["dout"] @ c.x["weight"].T).T})),
         _pattern(_first_tile_any("dinp", "dinp")),
+        _pattern(_last_tile_only("dinp", "dinp")),
         _pattern(_skip_partial("dinp", "dinp")),
         _pattern(_stale_tail("dinp", "dinp")),
         _pattern(_edge_unwritten),
-        _pattern(_tile_catchall("linear_dinp")),
+        _pattern(_tile_catchall("linear_dinp"), catchall=True),
     ])
 
 
@@ -606,10 +638,11 @@ def check_dweight_tiled(fn, *, arrays="numba", dtype=np.float32, size=None, seed
     """Check fn(inp (N, C), dout (N, OC), dweight (C, OC)): dweight = inp^T dout, the reduction over the N rows.
 
     Cases: N = C = OC = 19 (square: a missing transpose shows as numbers), N = 37 rows (three 16-row tiles, the
-    last partial) with C = 20, OC = 11 (partial tiles of dweight too), N = 1. Large sizes on a GPU.
+    last partial) with C = 20, OC = 11 (partial tiles of dweight too), N = 1 twice (new values). Large sizes on a GPU.
+    In the simulator the first call is traced: a missing barrier fails even where the values came out right.
     """
     return _check(_DWEIGHT, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                  source=source, entries=entries, advice=_INDEX_ADVICE["tile"])
+                  source=source, entries=entries, advice=_INDEX_ADVICE["tile"], rules=_BARRIERS)
 
 
 def check_dinp_tiled(fn, *, arrays="cupy", dtype=np.float32, size=None, seed=None, task=None, quiet=False,
@@ -619,7 +652,7 @@ def check_dinp_tiled(fn, *, arrays="cupy", dtype=np.float32, size=None, seed=Non
     With arrays="cupy" and no GPU, pass source= and entries=: the source is compiled for both vendors and linted.
     """
     return _check(_DINP, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                  source=source, entries=entries, advice=_INDEX_ADVICE["tile"])
+                  source=source, entries=entries, advice=_INDEX_ADVICE["tile"], rules=_BARRIERS)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -698,6 +731,25 @@ def _row_max_first_cols(case, name, ours, expected, bad):
     return None
 
 
+def _carried_over_rows(case, name, ours, expected, bad):
+    """m[row] is the max over this row and the rows the same block took before it (row - G, row - 2G, ... for a
+    grid of G blocks): the start value is set once, outside the loop over rows."""
+    row_max = case.x["x"].max(axis=1)
+    N = row_max.size
+    for G in (SIM_GRID[0], GPU_GRID[0]):
+        if N <= G:
+            continue
+        wrong = row_max.copy()
+        for first in range(G):
+            wrong[first::G] = np.maximum.accumulate(row_max[first::G])
+        if _close_to(ours, wrong) and not _close_to(expected, wrong):
+            return (f"m[row] is the max over this row and every earlier row the same block took (rows row - {G}, "
+                    f"row - {2 * G}, ...; the grid has {G} blocks): the start value of the max (-inf) is set once, "
+                    f"before the loop over rows, so each row starts from the previous row's max. Set it inside the "
+                    f"loop, for every row")
+    return None
+
+
 def _tree_catchall(case, name, ours, expected, bad):
     """Wrong values (garbage or NaN read from shared memory) that match no known mistake: most often a tree without
     its barriers."""
@@ -716,7 +768,7 @@ def _tree_catchall(case, name, ours, expected, bad):
 _ROW_MAX = Op(
     "row_max", _make_row_max,
     lambda c: {"m": c.x["x"].max(axis=1)},
-    n_cases=4,
+    n_cases=5,
     formula="m[row] = max over j of x[row, j] (the softmax forward's first pass)",
     shape_hint="x is (N, n), m is (N,): one value per row",
     mistakes=[
@@ -733,7 +785,8 @@ _ROW_MAX = Op(
         _pattern(_row_max_first_cols),
         _pattern(_rows_past_grid("block")),
         _pattern(_row_holes("block")),
-        _pattern(_tree_catchall),
+        _pattern(_carried_over_rows),
+        _pattern(_tree_catchall, catchall=True),
     ])
 
 
@@ -743,10 +796,12 @@ def check_row_max(fn, *, arrays="numba", dtype=np.float32, size=None, seed=None,
 
     Cases: rows shorter and longer than the block, more rows than the capped grid has blocks, 1 x 1; row 0 is all
     negative (a max that starts at 0 fails there), row 1 has its max in the last column. A tree that only works for
-    power-of-two blocks is named when the launch used one that is not (24 or 192 threads: 03.1's launchers).
+    power-of-two blocks is named when the launch used one that is not (24 or 192 threads: 03.1's launchers). The
+    first shape comes again last, with new values. In the simulator the first call is traced: a missing barrier fails
+    even where the values came out right.
     """
     return _check(_ROW_MAX, fn, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task, quiet=quiet,
-                  source=source, entries=entries, advice=_INDEX_ADVICE["row"])
+                  source=source, entries=entries, advice=_INDEX_ADVICE["row"], rules=_BARRIERS)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -898,7 +953,7 @@ def _lane_mistakes(W):
 
 
 _SOFTMAX_FWD_WARP = Op(
-    "softmax_forward", _make_softmax_logits, _expected_softmax_forward, n_cases=4,
+    "softmax_forward", _make_softmax_logits, _expected_softmax_forward, n_cases=5,
     formula="out[row, j] = exp(inp[row, j] - m) / s with m = the row's max and s = the sum over the row of "
             "exp(inp[row, j] - m): every lane needs both totals",
     shape_hint="inp and out are (N, n): one softmax per row",
@@ -930,7 +985,7 @@ def check_softmax_forward_warp(fn, *, arrays="numba", dtype=np.float32, size=Non
     """Check fn(inp (N, n), out (N, n)): out = softmax of each row of inp, at the shapes a warp kernel gets wrong.
 
     Cases: n = 70 and 37 (more than a warp, not a multiple of 32), n = 1, n = 20 (less than a warp), each with more
-    rows than the capped grid has warps; row 0's logits lie near +1000 (exp overflows unless the row max is
+    rows than the capped grid has warps, and n = 20 again (new values); row 0's logits lie near +1000 (exp overflows unless the row max is
     subtracted), row 1's near -1000 (a max that starts at 0 makes every exp underflow). Named mistakes of warp
     reductions: the max or the sum left in lane 0 only, 16 lanes reduced, only the first 32 columns, the tail
     dropped, a lane's own max or sum, rows past the grid (and the 64-lane versions).

@@ -314,7 +314,7 @@ def check_crossentropy_online(fn, *, arrays="numpy", dtype=np.float32, size=None
     statistics of a row taken in one pass (a running (max, sum) per thread, pairs merged in a tree). Cases:
     V = 101, 7, 67 in the simulator (V over several blocks, V below a block, a partial block), V = 50257 on a GPU;
     row 0 overflows float32 and the last row underflows without the max subtracted; targets at 0 and V - 1."""
-    op, rules = _ce_op(), Rules("check_crossentropy_online", patterns=(_ce_row_hint, _ce_merge_hint))
+    op, rules = _ce_op(), Rules("check_crossentropy_online", patterns=(_ce_row_hint, _ce_merge_hint), barriers=True)
     return opcheck.run(op, fn, rules=rules, arrays=arrays, dtype=dtype, size=size, seed=seed, task=task,
                        quiet=quiet)
 

@@ -294,8 +294,13 @@ def _mixed_case(rng, kind, step, log2_scale):
         frozen = rng.choice(frozen, size=min(frozen.size, len(_TIES)), replace=False)
         p[frozen] = np.array(_TIES[:frozen.size], dtype=np.uint32).view(np.float32)
         g[frozen] = m[frozen] = v[frozen] = 0.0
+    # parameters that decay but got no gradient this step (g = 0 exactly: an embedding row no token of the batch
+    # used): AdamW still moves them (m and v decay, the step from m, the weight decay)
+    idle = np.flatnonzero(mask & ~tiny)
+    idle = rng.choice(idle, size=max(1, idle.size // 20), replace=False) if n > 8 and idle.size else idle[:0]
+    g[idle] = 0.0
     scale = 2.0 ** log2_scale
-    c = {"kind": kind, "n": n, "bounds": bounds, "flags": flags, "mask": mask, "frozen": frozen,
+    c = {"kind": kind, "n": n, "bounds": bounds, "flags": flags, "mask": mask, "frozen": frozen, "idle": idle,
          "params": p.astype(np.float32), "m": m.astype(np.float32), "v": v.astype(np.float32),
          "scaled": (g * scale).astype(np.float32), "scale": scale, "log2_scale": log2_scale,
          "lr": float(rng.uniform(3e-3, 1e-2)), "beta1": 0.9, "beta2": float(rng.choice([0.95, 0.999])),
@@ -349,6 +354,13 @@ def _mixed_param_hint(c, prev, ours, expected, bads, name, tol):
     orig = {"params": c["params"], "m": c["m"], "v": c["v"]}
     bad = bads[name]
     stale = bad & (ours[name] == orig[name].astype(np.float64))
+    idle = np.zeros(c["n"], bool)
+    idle[c["idle"]] = True
+    if stale.any() and not (stale & ~idle).any() and not (bad & ~stale).any():
+        return (f"the {int(stale.sum())} elements whose gradient is exactly 0 (a decaying tensor's elements no token "
+                f"of the batch touched, first at index {int(np.flatnonzero(stale)[0])}) were left as they were: AdamW "
+                f"still moves them (m and v decay, the step uses m, the weight decay shrinks the parameter). Update "
+                f"every element, whatever its gradient")
     if stale.any() and stale.sum() * 2 >= bad.sum():
         idx = np.flatnonzero(stale)
         if stale.all():

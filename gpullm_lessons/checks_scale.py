@@ -12,9 +12,12 @@ They follow the conventions of the course's checkers (``gpullm_lessons.verdict``
 grad_fn(xb, yb) -> (loss, grad): the mean loss of a batch of rows and its gradient (a flat float64 array), here a
 softmax regression the checker builds; x (B, d) float64 and y (B,) int64 are one batch; K divides B. fn must return
 the loss and the gradient of the mean over the whole batch computed from K micro-batches of B / K consecutive rows,
-calling grad_fn once per micro-batch and never on more than B / K rows. Checked for K = 1, 2, 3, 4 and 8 rows
-split 8 ways, twice on fresh inputs (an accumulator kept between calls fails the second), against grad_fn on the
-whole batch, float64 to 1e-12. The named mistakes: no 1/K, only the last micro-batch, dividing by the rows of a
+calling grad_fn once per micro-batch and never on more than B / K rows. grad_fn may return the same array on every
+call, refilled with the new gradient (a training engine's gradient buffer works that way): what it returns is valid
+until the next call, so fn adds it into an accumulator of its own and never keeps it. Checked for K = 1, 2, 3, 4 and
+8 rows split 8 ways, twice on fresh inputs (an accumulator kept between calls fails the second), and once more with
+a grad_fn that returns one array refilled (a function that keeps what grad_fn returned fails there), against
+grad_fn on the whole batch, float64 to 1e-12. The named mistakes: no 1/K, only the last micro-batch, dividing by the rows of a
 micro-batch, a micro-batch of K rows (B / K of them), grad_fn on the whole batch.
 
 ``check_quantize_blockwise(quantize, dequantize)`` (exercise 12.2), called as
@@ -79,10 +82,12 @@ def _call(name, fn, args, seed, task, dims, quiet, where, who="function"):
 # ----------------------------------------------------------------------------------------------------------------
 # 12.1 gradient accumulation
 # ----------------------------------------------------------------------------------------------------------------
-def softmax_regression(W):
+def softmax_regression(W, reuse=False):
     """grad_fn(x, y) -> (mean cross-entropy of softmax(x W) against y, its gradient wrt W, flattened), float64.
-    It records the number of rows of every call in grad_fn.calls."""
+    It records the number of rows of every call in grad_fn.calls. reuse: every call returns the same array, refilled
+    (as a training engine's gradient buffer is): what it returned before holds the latest gradient."""
     W = np.asarray(W, np.float64)
+    buffer = np.empty(W.size)
 
     def grad_fn(x, y):
         x, y = np.asarray(x, np.float64), np.asarray(y)
@@ -94,7 +99,11 @@ def softmax_regression(W):
         b = x.shape[0]
         loss = float(-np.log(p[np.arange(b), y]).mean())
         p[np.arange(b), y] -= 1.0
-        return loss, (x.T @ p / b).reshape(-1)
+        grad = (x.T @ p / b).reshape(-1)
+        if reuse:
+            buffer[...] = grad
+            return loss, buffer
+        return loss, grad
 
     grad_fn.calls = []
     return grad_fn
@@ -128,6 +137,11 @@ _ACC_MISTAKES = [
 ]
 _WHOLE = ("grad_fn was given more than one micro-batch's rows at once: accumulation exists to call it on B / K rows "
           "at a time (only one micro-batch's activations in memory)")
+_KEPT = ("grad_fn returned the same array on every call, refilled with the new micro-batch's gradient (as a training "
+         "engine's gradient buffer is), and your function kept that array (in a list, or as the accumulator it then "
+         "adds into): by the end it holds only the last gradient. What grad_fn returns is yours to read until the "
+         "next call: add it into an accumulator of your own (a new array, not the one grad_fn handed you), never keep "
+         "the array itself")
 
 
 def check_accumulate(fn, *, seed=None, task=None, quiet=False) -> CheckResult:
@@ -135,13 +149,16 @@ def check_accumulate(fn, *, seed=None, task=None, quiet=False) -> CheckResult:
     name = "accumulate"
     seed = opcheck.learner_fn_and_seed(name, fn, seed, "batches")
     rng = np.random.default_rng(seed)
-    cases = [(12, 4, 3, 2), (12, 4, 3, 3), (16, 5, 4, 4), (8, 3, 2, 8), (6, 4, 3, 1), (12, 4, 3, 3)]
+    # the last case: a grad_fn that returns one array on every call, refilled (the contract allows it)
+    cases = [(12, 4, 3, 2), (12, 4, 3, 3), (16, 5, 4, 4), (8, 3, 2, 8), (6, 4, 3, 1), (12, 4, 3, 3), (12, 4, 3, 3)]
     for i, (B, d, c, K) in enumerate(cases):
         W = rng.standard_normal((d, c))
         x, y = rng.standard_normal((B, d)), rng.integers(0, c, B)
         dims = {"B": B, "K": K, "d": d, "classes": c}
-        where = f"B={B}, K={K}, case {i + 1} of {len(cases)}; seed {seed}"
-        g = softmax_regression(W)
+        reuse = i == len(cases) - 1
+        where = (f"B={B}, K={K}, case {i + 1} of {len(cases)}{', grad_fn reusing its returned array' if reuse else ''}"
+                 f"; seed {seed}")
+        g = softmax_regression(W, reuse=reuse)
         out, err = _call(name, fn, (g, x.copy(), y.copy(), K), seed, task, dims, quiet, where)
         if err is not None:
             return err
@@ -165,7 +182,15 @@ def check_accumulate(fn, *, seed=None, task=None, quiet=False) -> CheckResult:
             continue
         msg = (f"{name}: wrong - loss {float(loss):.6g} (expected {want_loss:.6g}), gradient off by up to "
                f"{np.abs(grad - want).max():.3g} ({where})")
-        if i == len(cases) - 1:
+        if reuse:
+            try:            # the same inputs with a grad_fn that returns new arrays
+                again = fn(softmax_regression(W), x.copy(), y.copy(), K)
+                fresh = np.abs(np.asarray(again[1], np.float64) - want).max() <= 1e-12 * max(1.0, np.abs(want).max())
+            except Exception:  # noqa: BLE001 - not this mistake: the hints below
+                fresh = False
+            if fresh:   # right with a grad_fn that returns new arrays: the array it was handed was kept
+                return _result(name, task, "wrong", msg, _KEPT, seed, dims, quiet)
+        if i == len(cases) - 2:
             msg += "; the same shapes were right on an earlier call: does your function keep state between calls?"
         grad_ok = np.abs(grad - want).max() <= 1e-12 * max(1.0, np.abs(want).max())
         for kind, hint in _ACC_MISTAKES:  # the loss or the gradient (whichever is wrong) as the mistake, or 1/K of it
@@ -183,7 +208,8 @@ def check_accumulate(fn, *, seed=None, task=None, quiet=False) -> CheckResult:
         return _result(name, task, "wrong", msg, "the gradient of the batch's mean loss is the mean of the K "
                        "micro-batches' gradients (each grad_fn call returns its micro-batch's mean); the loss too",
                        seed, dims, quiet)
-    return _result(name, task, "correct", f"{name}: correct ({len(cases)} batches, K = 1 to 8, float64 to 1e-12; "
+    return _result(name, task, "correct", f"{name}: correct ({len(cases)} batches, K = 1 to 8, the last with a grad_fn "
+                   f"that reuses its returned array; float64 to 1e-12; "
                    f"seed {seed})", seed=seed, dims={"cases": len(cases)}, quiet=quiet)
 
 

@@ -301,6 +301,60 @@ class KernelTrace:
         return res
 
     @property
+    def shared_hazards(self) -> List[dict]:
+        """Shared-memory slots that one thread of a block wrote and another read between the same two
+        cuda.syncthreads(): a missing barrier (on a GPU the read may see the slot before or after the write). Two
+        threads that only write a slot (the same value, often) are left out. One dict per slot, in the order of the
+        first access: launch, kernel, block, array, index, writer and reader (block, thread), read_first (the read
+        came first here)."""
+        if "hazards" in self._cache:
+            return self._cache["hazards"]
+        r = self._select(SHARED, (READ, WRITE))
+        res = []
+        if len(r):
+            keys = np.stack([r["launch"], r["block"], r["array"], r["addr"], r["barrier"]], axis=1).astype(np.int64)
+            _, group = np.unique(keys, axis=0, return_inverse=True)
+            group = np.asarray(group).reshape(-1)
+            n = int(group.max()) + 1
+            thread = r["thread"].astype(np.int64)
+            big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+            span = {}
+            for kind in (WRITE, READ):
+                sel = r["kind"] == kind
+                lo, hi = np.full(n, big), np.full(n, small)
+                np.minimum.at(lo, group[sel], thread[sel])
+                np.maximum.at(hi, group[sel], thread[sel])
+                span[kind] = (lo, hi)
+            (wlo, whi), (rlo, rhi) = span[WRITE], span[READ]
+            own = (wlo == whi) & (rlo == rhi) & (rlo == wlo)        # one thread reads what it wrote itself
+            bad = np.flatnonzero((wlo != big) & (rlo != big) & ~own)
+            first = np.full(n, len(r))
+            np.minimum.at(first, group, np.arange(len(r)))
+            for g in bad[np.argsort(first[bad])]:
+                rows = r[group == g]
+                is_w = rows["kind"] == WRITE
+                # a write and a read of the slot by two threads with no barrier between them: another warp's
+                # thread, or a lane of the same warp with no cuda.syncwarp() between the two
+                pair = next(((i, j) for j in np.flatnonzero(~is_w) for i in np.flatnonzero(is_w)
+                             if rows["thread"][i] != rows["thread"][j]
+                             and (rows["thread"][i] // self.warp_size != rows["thread"][j] // self.warp_size
+                                  or rows["wbarrier"][i] == rows["wbarrier"][j])), None)
+                if pair is None:
+                    continue
+                w, j = rows[pair[0]], pair[1]
+                L = next(L for L in self.launches if L.index == int(w["launch"]))
+                a = self.arrays[int(w["array"])]
+                flat = (int(w["addr"]) - a.vbase) // a.itemsize
+                index = tuple(int(i) for i in np.unravel_index(flat, a.shape)) if len(a.shape) > 1 else int(flat)
+                res.append({"launch": L.index, "kernel": L.kernel, "block": L.block_index(int(w["block"])),
+                            "array": a.name, "index": index,
+                            "writer": L.who(int(w["block"]), int(w["thread"])),
+                            "reader": L.who(int(rows[j]["block"]), int(rows[j]["thread"])),
+                            "read_first": bool(j < np.flatnonzero(is_w)[0])})
+        self._cache["hazards"] = res
+        return res
+
+    @property
     def atomic_outputs(self) -> Dict[str, int]:
         """name -> the most threads that updated one element with atomics (in one launch)."""
         res = {}
@@ -527,6 +581,12 @@ class KernelTrace:
                               + (" ..." if len(who) > 4 else "") for i, who in rows[:3])
             problems.append(f"{len(rows)} element{'s' * (len(rows) != 1)} of {name} written by several threads "
                             f"(a race): {shown}" + (" ..." if len(rows) > 3 else ""))
+        hazards = self.shared_hazards
+        if hazards:
+            h = hazards[0]
+            problems.append(f"{len(hazards)} shared slot{'s' * (len(hazards) != 1)} written by one thread and read by "
+                            f"another between the same two barriers (a missing cuda.syncthreads()): {h['array']}"
+                            f"{_fmt(h['index'])} written by {_fmt_who(h['writer'])}, read by {_fmt_who(h['reader'])}")
         return problems
 
     def _launch_summary(self, problems: bool = True) -> List[str]:
@@ -768,7 +828,9 @@ def _few(idx, k=6):
 # ------------------------------------------------------------------------------------------------------------
 _RECORD_DTYPE = np.dtype([("launch", np.int32), ("space", np.int8), ("kind", np.int8), ("block", np.int32),
                           ("thread", np.int32), ("k", np.int32), ("array", np.int32), ("addr", np.int64),
-                          ("size", np.int16)])
+                          ("size", np.int16), ("barrier", np.int32), ("wbarrier", np.int32)])
+# barrier: the cuda.syncthreads() the thread had passed; wbarrier: those and its cuda.syncwarp() (a barrier for the
+# lanes of its warp only)
 
 
 def _data_ptr(a: np.ndarray) -> int:
@@ -907,8 +969,9 @@ class _Recorder:
                 return None
             b = t.blockIdx
             block = b.x + L.grid[0] * (b.y + L.grid[1] * b.z)
-            # state: recorder, launch, block, thread, counters[space][kind], atomic depth
-            st = [self, L.index, block, t.thread_id, [[0, 0, 0], [0, 0, 0]], 0]
+            # state: recorder, launch, block, thread, counters[space][kind], atomic depth, barriers passed, and
+            # warp barriers passed (syncthreads and syncwarp)
+            st = [self, L.index, block, t.thread_id, [[0, 0, 0], [0, 0, 0]], 0, 0, 0]
             t._kt_state = st
         return st
 
@@ -919,7 +982,20 @@ class _Recorder:
         c = st[4][space]
         k = c[kind]
         c[kind] = k + 1
-        self.records.append((st[1], space, kind, st[2], st[3], k, info.id, vaddr, size))
+        self.records.append((st[1], space, kind, st[2], st[3], k, info.id, vaddr, size, st[6], st[7]))
+
+    def barrier(self):
+        """The calling simulated thread reached cuda.syncthreads(): its later accesses are in the next interval."""
+        st = self._thread_state()
+        if st is not None:
+            st[6] += 1
+            st[7] += 1
+
+    def warp_barrier(self):
+        """The calling simulated thread reached cuda.syncwarp(): a barrier for the lanes of its warp."""
+        st = self._thread_state()
+        if st is not None:
+            st[7] += 1
 
     def global_access(self, wrapper, idx, kind, atomic_inner=False):
         d = wrapper.__dict__
@@ -963,7 +1039,7 @@ def _install_hooks(rec: _Recorder):
     from numba.core import types as nb_types
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
     from numba.cuda.simulator.kernel import FakeCUDAKernel
-    from numba.cuda.simulator.kernelapi import FakeCUDAAtomic, FakeCUDAShared
+    from numba.cuda.simulator.kernelapi import FakeCUDAAtomic, FakeCUDAModule, FakeCUDAShared
     from numba.np import numpy_support
 
     saved = []
@@ -972,7 +1048,15 @@ def _install_hooks(rec: _Recorder):
         saved.append((cls, name, cls.__dict__[name]))
         setattr(cls, name, new)
 
+    from numba.cuda.simulator.kernel import BlockThread
+
     orig_get = FakeWithinKernelCUDAArray.__getitem__
+    orig_sync = BlockThread.syncthreads
+
+    def syncthreads(self):
+        if _REC is rec:
+            rec.barrier()
+        return orig_sync(self)
     orig_set = FakeWithinKernelCUDAArray.__setitem__
     orig_call = FakeCUDAKernel.__call__
 
@@ -1059,6 +1143,16 @@ def _install_hooks(rec: _Recorder):
         patch(FakeWithinKernelCUDAArray, "__setitem__", set_item)
         patch(FakeCUDAKernel, "__call__", kernel_call)
         patch(FakeCUDAShared, "array", shared_array)
+        patch(BlockThread, "syncthreads", syncthreads)
+        if "syncwarp" in FakeCUDAModule.__dict__:  # the simulator's, or simwarp's
+            orig_syncwarp = FakeCUDAModule.__dict__["syncwarp"]
+
+            def syncwarp(self, *args, **kwargs):
+                if _REC is rec:
+                    rec.warp_barrier()
+                return orig_syncwarp(self, *args, **kwargs)
+
+            patch(FakeCUDAModule, "syncwarp", syncwarp)
         for name in _ATOMICS:
             if name in FakeCUDAAtomic.__dict__:
                 patch(FakeCUDAAtomic, name, atomic(name, FakeCUDAAtomic.__dict__[name]))

@@ -2,13 +2,15 @@
 
 ``gpullm_lessons.checks`` and ``gpullm_lessons.checks_ops`` describe ops (an ``Op``: how to make each case's inputs,
 the expected outputs, the table of known mistakes) and, where a task asks for more than the values, ``Rules``
-(hints that name a place, the same bits twice, the exact bits of a fixed order, no races or float atomics in the
-simulator). ``run(op, fn, rules=...)`` is the one loop that grades them all: it validates the arguments, makes the
-cases from the seed, puts them on the learner's backend with NaN-poisoned (and, on a GPU, guarded) outputs, calls
-the function, compares with the float64 reference (``verdict.compare``), and turns the first wrong element into a
-message and a hint: a known mistake, a pattern that says where (never written, past the capped grid, the last
-partial block, a factor, a transpose), or the thread and block that raised. The verdict itself (``CheckResult``,
-recording, number formats) is ``gpullm_lessons.verdict``.
+(hints that name a place, the same bits twice, the exact bits of a fixed order, no races, float atomics or missing
+barriers in the simulator). ``run(op, fn, rules=...)`` is the one loop that grades them all: it validates the
+arguments, makes the cases from the seed, puts them on the learner's backend with NaN-poisoned (and, on a GPU,
+guarded) outputs, calls the function, compares with the float64 reference (``verdict.compare``), and turns the first
+wrong element into a message and a hint: a known mistake, a pattern that says where (never written, past the capped
+grid, the last partial block, only head 0 or sequence 0, a factor, a transpose, -inf from a log of 0, the answer of an
+earlier call or added onto it), a missing barrier (a shared-memory kernel's wrong values in no known pattern: the
+call is traced in the simulator), or the thread and block that raised (with the value a log or sqrt was given). The
+verdict itself (``CheckResult``, recording, number formats) is ``gpullm_lessons.verdict``.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ class Mistake:
     hint: str
     outputs: Optional[Callable] = None  # case -> {output name: wrong float64 array} for the outputs it changes
     test: Optional[Callable] = None     # (case, name, ours, expected, bad) -> bool, or the hint itself (a str)
+    catchall: bool = False              # wrong values in no known pattern: the op's fallback, not a named mistake
 
 
 @dataclasses.dataclass
@@ -377,6 +380,66 @@ def _where_pattern(name, mask, what) -> Optional[str]:
     return None
 
 
+def _along(case, name, a, axis) -> Optional[np.ndarray]:
+    """Output `name`'s array `a` as (size of `axis`, everything else), for axis "nh" (the heads: an axis of its own,
+    or hs-wide blocks of the last axis when that is C or 3C = [q | k | v]) or "B" (the sequences); None when the
+    output has no such axis."""
+    sym = tuple(getattr(case, "sym", {}).get(name, ()))
+    if len(sym) != np.ndim(a):
+        return None
+    if axis in sym:
+        i = sym.index(axis)
+        return np.moveaxis(a, i, 0).reshape(a.shape[i], -1)
+    nh, hs = case.dims.get("nh", 0), case.dims.get("hs", 0)
+    if axis == "nh" and sym and sym[-1] in ("C", "3C") and nh and hs and a.shape[-1] % (nh * hs) == 0:
+        parts = a.shape[-1] // (nh * hs)
+        b = np.reshape(a, a.shape[:-1] + (parts, nh, hs))
+        return np.moveaxis(b, -2, 0).reshape(nh, -1)
+    return None
+
+
+_AXES = (  # (axis, what one index of it is, where a kernel gets that index, where one index's data lie)
+    ("nh", "head", "the head index h (blockIdx.y % nh, or (row // T) % nh)",
+     "[b, h, ...] of every array, or the offset (b * nh + h) * T * hs in a flat layout"),
+    ("B", "sequence", "the batch index b (blockIdx.y // nh, or row // (nh * T))",
+     "[b, ...] of every array, or the offset of sequence b in a flat layout"),
+)
+
+
+def _axis_hint(case, name, raw, ours, expected, bad) -> Optional[str]:
+    """Only head 0 (or only sequence 0) written, or right: a kernel that lost the head (or batch) index. None when the
+    wrong or unwritten elements are not exactly the heads (sequences) past the first."""
+    unwritten = is_poison(raw)
+    for axis, unit, index, at in _AXES:
+        n = int(case.dims.get(axis, 0) or 0)
+        if n < 2:
+            continue
+        nan = _along(case, name, unwritten, axis)
+        wrong = _along(case, name, bad, axis)
+        if nan is None or wrong is None or nan.shape[1] == 0:
+            continue
+        rest = f"{unit}s 1..{n - 1}" if n > 2 else f"{unit} 1"
+        if nan[1:].all() and not nan[0].any():
+            zero_ok = not wrong[0].any()
+            return (f"only {unit} 0 of {name} was written, {rest} still hold{'s' if n == 2 else ''} the NaN we "
+                    f"filled {name} with" + ("" if zero_ok else f", and {unit} 0 holds wrong values (another "
+                                             f"{unit}'s result landed there)")
+                    + f": every {unit} wrote to {unit} 0's place. {index[0].upper() + index[1:]} must select where "
+                    f"each {unit}'s result goes as well as where its inputs are read: {at}")
+        if nan.any() or wrong[0].any() or not wrong[1:].any(axis=1).all():
+            continue
+        o = _along(case, name, ours, axis)
+        e = _along(case, name, expected, axis)
+        tol = TOLERANCES.get(case.dtype.name, 1e-5)
+        if all(close(o[i], e[0], mistake_slack(tol)) for i in range(1, n)):
+            return (f"every {unit} of {name} holds {unit} 0's result ({unit} 0 is right): your kernel reads {unit} "
+                    f"0's inputs for every {unit} and writes each result to its own place. {index[0].upper() + index[1:]} "
+                    f"must offset the reads too: {at}")
+        return (f"only {unit} 0 of {name} is right, {rest} {'are' if n > 2 else 'is'} wrong: {index} is missing "
+                f"from (or wrong in) some index of your kernel: {at}")
+    return None
+
+
 def _factor_hint(name, c, dims, formula) -> str:
     if abs(c + 1) < 1e-3:
         return f"the sign of {name} is flipped (x-1): check the sign. {formula}"
@@ -402,6 +465,9 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
                 f"name to a new array the checker never sees. If you accumulate (+=), zero it first.{extra}")
     if poison.any():
         k = int(poison.sum())
+        pattern = _axis_hint(case, name, raw, o, e, bad)
+        if pattern is not None:
+            return pattern
         pattern = _where_pattern(name, poison, "never written")
         if pattern is None:
             where = _rows_text(poison)
@@ -413,9 +479,18 @@ def _generic_hint(op, case, name, raw, o, e, bad, tol, returned) -> str:
     nonfinite = ~np.isfinite(o)
     if nonfinite.any():
         k = int(nonfinite.sum())
-        return (f"{k} of {n} elements of {name} are NaN/inf (first at {fmt_index(np.argwhere(nonfinite)[0])}): they "
+        first = fmt_index(np.argwhere(nonfinite)[0])
+        if (o[nonfinite] == -np.inf).all():
+            return (f"{k} of {n} elements of {name} are -inf (first at {first}): the log of 0. What you take the log "
+                    f"of is a sum that ended at 0: no term was ever added to it, or it was reset after terms were "
+                    f"added (a running sum set back to 0 at every tile keeps only the last tile's terms, and a row "
+                    f"with nothing in the last tile ends at 0)")
+        return (f"{k} of {n} elements of {name} are NaN/inf (first at {first}): they "
                 f"come from reading an output before writing it (outputs start as NaN: zero before +=), 0/0, inf - "
                 f"inf, or exp overflow (subtract the row max)")
+    pattern = _axis_hint(case, name, raw, o, e, bad)
+    if pattern is not None:
+        return f"{pattern}. {op.formula}"
     # a constant factor?
     ee = float((e * e).sum())
     if ee > 0:
@@ -470,8 +545,9 @@ def changed_inputs_note(case, dev_in) -> str:
             f"{', '.join(changed)}; inputs are read-only.)")
 
 
-def diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) -> str:
-    """Known mistakes first (per wrong output), then generic patterns; at most two hints."""
+def diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) -> tuple:
+    """Known mistakes first (per wrong output), then generic patterns; at most two hints. Returns (hint, generic):
+    generic when no mistake of the op's table named it (or only a catch-all did)."""
     cache = {}
 
     def mistake_outputs(i, m):
@@ -489,7 +565,14 @@ def diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) -> 
         return (f"your {', '.join(wrong)} equal{'s' if len(wrong) == 1 else ''} the right answer for the inputs of an "
                 f"EARLIER call, not this one: your function keeps state between calls (a cached result, a global, "
                 f"a buffer filled once and reused). Compute everything from this call's inputs; the checker calls "
-                f"it several times with different inputs")
+                f"it several times with different inputs"), False
+    if previous and all(name in previous and previous[name].shape == ours[name].shape
+                        and not close(expected[name] + previous[name], expected[name], tol)
+                        and close(ours[name], expected[name] + previous[name], mistake_slack(tol)) for name in wrong):
+        return (f"your {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} the right answer for this call PLUS the "
+                f"right answer of an EARLIER call with the same shapes: your function adds into something it keeps "
+                f"between calls (a scratch buffer allocated once, a partial sum, an accumulator filled with atomics) "
+                f"without setting it to 0 first. Zero what you add into at the start of every call"), False
 
     if not op.accumulates and all(is_poison(r).all() for r in ours_raw.values()):
         name = wrong[0]  # nothing at all was written: the rebinding hint, whatever the op
@@ -499,35 +582,38 @@ def diagnose(op, case, ours_raw, ours, expected, bads, wrong, tol, returned) -> 
             hint = hint.replace(f"{name} was never written", f"nothing was written ({names} still hold the NaN "
                                                              f"we filled them with)", 1)
             hint = hint.replace(" (it still holds the NaN we filled it with)", "", 1)
-        return hint
+        return hint, False
 
     def known(name):
-        """The hint of the first mistake whose output equals yours; else of the first matching pattern test."""
+        """(hint, catch-all) of the first mistake whose output equals yours; else of the first matching pattern
+        test; (None, False) when none does."""
         for i, m in enumerate(op.mistakes):
             wrong_out = mistake_outputs(i, m).get(name)
             if wrong_out is not None and np.shape(wrong_out) == ours[name].shape:
                 wrong_out = np.asarray(wrong_out, dtype=np.float64)
                 if not close(wrong_out, expected[name], tol) and close(ours[name], wrong_out, mistake_slack(tol)):
-                    return m.hint
+                    return m.hint, m.catchall
         for m in op.mistakes:
             try:
                 found = m.test(case, name, ours[name], expected[name], bads[name]) if m.test is not None else None
                 if found:
-                    return found if isinstance(found, str) else m.hint
+                    return (found if isinstance(found, str) else m.hint), m.catchall
             except Exception:  # a pattern test that does not apply
                 pass
-        return None
+        return None, False
 
-    hints = []
+    hints, generic = [], False
     for name in wrong:
-        hint = known(name)
+        hint, catchall = known(name)
+        if not hints:
+            generic = hint is None or catchall
         if hint is None and not hints:
             hint = _generic_hint(op, case, name, ours_raw[name], ours[name], expected[name], bads[name], tol, returned)
         if hint is not None and hint not in hints:
             hints.append(hint)
         if len(hints) == 2:
             break
-    return " Also: ".join(hints)
+    return " Also: ".join(hints), generic
 
 
 _SHAPE_WORDS = ("shape", "broadcast", "mismatch", "dimension", "matmul", "out of bounds", "index", "size",
@@ -547,6 +633,81 @@ def kernel_error(exc) -> Optional[tuple]:
     return tuple(g[:3]), tuple(g[3:]), " ".join(m.group(7).split())
 
 
+# A call of math's log / sqrt (or their cousins) in the line that raised, and its argument.
+_MATH_CALL = re.compile(r"\b(?:math\.|np\.|numpy\.)?(log|log2|log10|log1p|sqrt|acos|asin)\s*\(\s*([\w\[\], .]+?)\s*\)")
+_PLAIN_ARG = re.compile(r"[A-Za-z_]\w*(\[[\w, ]+\])?")   # a name, or a name indexed by names and numbers: safe to read
+
+
+def _raising_frame(exc):
+    """(frame, line number) of the innermost frame of the learner's code in exc's traceback (else of code compiled
+    from a string), or None."""
+    import traceback
+    found, cell = None, None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if verdict.is_learner_code(filename):
+            found = (frame, lineno)
+        elif filename.startswith("<") and not filename.startswith("<frozen"):
+            cell = (frame, lineno)       # code compiled from a string (a cell run by hand, a test's edited solution)
+    return found or cell
+
+
+def _read_arg(arg, frame) -> Optional[float]:
+    """The value of `arg` (a name, or a name indexed by names and integers) in the frame, or None."""
+    if not _PLAIN_ARG.fullmatch(arg):
+        return None
+
+    def lookup(name):
+        return frame.f_locals[name] if name in frame.f_locals else frame.f_globals.get(name)
+
+    name, _, index = arg.partition("[")
+    try:
+        value = lookup(name)
+        if index:
+            keys = tuple(int(k) if k.strip().lstrip("-").isdigit() else int(lookup(k.strip()))
+                         for k in index.rstrip("]").split(","))
+            value = value[keys if len(keys) > 1 else keys[0]]
+        return float(value)
+    except Exception:  # not readable here: the function alone is named
+        return None
+
+
+def math_domain_why(exc) -> str:
+    """Why a math domain error was raised (log or sqrt of 0 or a negative number), from the learner's line that
+    raised it and the value of the argument there: log of 0 (a sum that stayed 0), or of a negative number."""
+    import linecache
+    found = _raising_frame(exc)
+    calls, values = [], {}
+    if found is not None:
+        frame, lineno = found
+        line = linecache.getline(frame.f_code.co_filename, lineno)
+        calls = _MATH_CALL.findall(line)
+        for func, arg in calls:
+            value = _read_arg(arg, frame)
+            if value is not None:
+                values[arg] = value
+    for func, arg in calls:
+        v = values.get(arg)
+        if v is None:
+            continue
+        if v == 0 and func in ("log", "log2", "log10"):
+            return (f"{func}({arg}) with {arg} = 0: the log of 0 (on a GPU -inf, and -inf or NaN in the output). "
+                    f"{arg} is a sum that ended at 0: no term was ever added to it, or it was reset after terms were "
+                    f"added (a running sum set back to 0 at every tile keeps only the last tile's terms, and a row "
+                    f"with nothing in the last tile ends at 0). Set it to 0 once, before the loop, and add every "
+                    f"term into it")
+        if v < 0:
+            return (f"{func}({arg}) with {arg} = {fmt(v)}, a negative number: a variance that rounding made slightly "
+                    f"negative (take the mean of the squared deviations, or clamp at 0), a sign error, or a value "
+                    f"read from outside the array?")
+    funcs = sorted({func for func, _ in calls})
+    if funcs and all(f.startswith("log") for f in funcs):
+        return ("a math domain error in log: the log of 0 or of a negative number. A sum that stayed 0 (nothing "
+                "added to it, or reset inside the loop after it was filled)? A value read from outside the array?")
+    return ("a math domain error: sqrt or log of a negative number, or log of 0 (a variance that rounding made "
+            "slightly negative? a sum that stayed 0? a value read from outside the array?)")
+
+
 def _kernel_error_hint(exc, where, shapes) -> Optional[str]:
     """The hint for an error raised inside a simulated kernel: which thread, which block, the likely cause."""
     parsed = kernel_error(exc)
@@ -562,8 +723,7 @@ def _kernel_error_hint(exc, where, shapes) -> Optional[str]:
     elif isinstance(exc, ZeroDivisionError):
         why = "a division by zero in that thread: a count, size or stride that is 0 there?"
     elif "math domain" in low:
-        why = ("a math domain error: sqrt or log of a negative number (a variance that rounding made slightly "
-               "negative? a value read from outside the array?)")
+        why = math_domain_why(exc)
     elif isinstance(exc, OverflowError) or "range" in low:
         why = "a math range error: exp of a large number overflows (subtract the row max first)"
     elif isinstance(exc, TypeError):
@@ -700,22 +860,19 @@ NOT_RUN_HIP = ("not run: no GPU (compiled and linted only; on a GPU server the s
                "inputs against the reference, past the launch's capped grid, with guard zones around every output)")
 
 
-def unfinished_kernel(fn) -> Optional[str]:
-    """The name of a Numba kernel that the launcher ``fn`` refers to (a global name in its code, nested code
-    included, or a variable of an enclosing function) whose source still raises NotImplementedError, else None.
-
-    Needed on a GPU: there Numba compiles a ``raise`` inside a kernel away (it only raises with debug=True), so an
-    untouched exercise kernel runs, writes nothing and would read as "wrong" instead of "not attempted"."""
-    import inspect
+def _kernels_of(fn):
+    """(name, Python source or None) of every Numba kernel the launcher ``fn`` refers to: a global name in its code,
+    nested code included, or a variable of an enclosing function."""
     code, glob = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
     if code is None or glob is None:
-        return None
+        return []
     cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
     names, todo = set(code.co_freevars), [code]
     while todo:
         co = todo.pop()
         names.update(co.co_names)
         todo.extend(c for c in co.co_consts if hasattr(c, "co_names"))
+    found = []
     for name in sorted(names):
         try:
             obj = cells[name].cell_contents if name in cells else glob.get(name)
@@ -725,11 +882,44 @@ def unfinished_kernel(fn) -> Optional[str]:
             continue
         py = getattr(obj, "py_func", None) or getattr(obj, "fn", None)
         try:
-            if "raise NotImplementedError" in inspect.getsource(py):
-                return name
+            found.append((name, inspect.getsource(py)))
         except (OSError, TypeError):
-            continue
-    return None
+            found.append((name, None))
+    return found
+
+
+def unfinished_kernel(fn) -> Optional[str]:
+    """The name of a Numba kernel that the launcher ``fn`` refers to (a global name in its code, nested code
+    included, or a variable of an enclosing function) whose source still raises NotImplementedError, else None.
+
+    Needed on a GPU: there Numba compiles a ``raise`` inside a kernel away (it only raises with debug=True), so an
+    untouched exercise kernel runs, writes nothing and would read as "wrong" instead of "not attempted"."""
+    return next((name for name, src in _kernels_of(fn) if src and "raise NotImplementedError" in src), None)
+
+
+def _uses_shared_memory(fn) -> bool:
+    """A kernel that the launcher fn refers to allocates shared memory (cuda.shared.array)."""
+    return any(src and "shared.array" in src for _, src in _kernels_of(inspect.unwrap(fn)))
+
+
+def _barrier_hint(trace, values_wrong=True) -> Optional[str]:
+    """The hint for a traced call in which one thread wrote a shared slot and another read it between the same two
+    barriers (kernel_trace's shared_hazards), else None."""
+    hazards = trace.shared_hazards
+    if not hazards:
+        return None
+    h = hazards[0]
+    slot = f"{h['array']}{fmt_index(h['index'] if isinstance(h['index'], tuple) else (h['index'],))}"
+    writer, reader = _who(h["writer"]), _who(h["reader"])
+    more = (f" ({len(hazards)} shared slots like it in {h['kernel']})" if len(hazards) > 1 else "")
+    what = (f"{writer} wrote {slot} and {reader} read it between the same two barriers, with no cuda.syncthreads() "
+            f"between the write and the read{more}: on a GPU either can happen first, so the read sees the old or the "
+            f"new value by chance")
+    return (f"a missing barrier in {h['kernel']}: {what}. A thread may read another thread's shared slot only after "
+            f"a barrier that follows the write (after the stores into shared memory, after each step of a tree), and "
+            f"a slot may be written again only after a barrier that follows the reads (before the next tile's or "
+            f"row's stores)" + (". The wrong values here are what the simulator's order of threads made of it"
+                                if values_wrong else ""))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -757,6 +947,10 @@ class Rules:
         atomics is wrong. no_float_atomics: in the simulator, any atomic on a float array is wrong.
     split: (input name, hint): in the simulator, a thread that loads elements from more than half of that input's
         rows (one thread walking a whole column) is wrong: the task asks for the work split into chunks.
+    barriers: in the simulator, one thread of a block writing a shared-memory slot and another reading it between
+        the same two cuda.syncthreads() is wrong (a missing barrier), even where the simulator's order of threads
+        happened to give the right values.
+    trace_case: the case that is traced for races, float atomics, split and barriers (0: the first).
     """
     checker: Optional[str] = None
     patterns: tuple = ()
@@ -766,6 +960,8 @@ class Rules:
     races: bool = False
     no_float_atomics: bool = False
     split: Optional[tuple] = None     # (input, hint): in the simulator, no thread may load over half of its rows
+    barriers: bool = False
+    trace_case: int = 0
 
 
 def _simulating() -> bool:
@@ -796,6 +992,14 @@ def _trace_problem(rules, case, trace, dev_in, dev_out) -> Optional[tuple]:
     """(what, hint) when the traced call broke a rule of `rules`, else None."""
     from . import kernel_trace as kt
     outs = _trace_names(trace, dev_out, list(case.outputs))
+    if rules.barriers:
+        hint = _barrier_hint(trace, values_wrong=False)
+        if hint is not None:
+            h = trace.shared_hazards[0]
+            return (f"your values are right here, but one thread of a block wrote the shared slot {h['array']}"
+                    f"{fmt_index(h['index'] if isinstance(h['index'], tuple) else (h['index'],))} and another read it "
+                    f"between the same two barriers (a missing cuda.syncthreads(); the order the simulator ran the "
+                    f"threads in hid it)", hint)
     if rules.split is not None:
         name, hint = rules.split
         ins = _trace_names(trace, dev_in, list(case.inputs))
@@ -880,6 +1084,9 @@ def _rule_hint(rules, op, case, name, ours_raw, ours, expected, bads, tol) -> Op
     hint = _known_mistake(op, case, name, ours, expected, tol)
     if hint is not None or is_poison(ours_raw[name]).all():
         return hint
+    hint = _axis_hint(case, name, ours_raw[name], ours[name], expected[name], bads[name])
+    if hint is not None:
+        return hint
     for pattern in rules.patterns:
         try:
             hint = pattern(case, name, ours[name], expected[name], bads[name])
@@ -912,8 +1119,8 @@ def run(op: Op, fn, *, rules: Optional[Rules] = None, arrays="numpy", dtype=np.f
     rng = np.random.default_rng(seed)
     tol = TOLERANCES[dt.name]
     base = dict(name=op.name, task=task, tol=tol, seed=seed, dtype=dt.name, arrays=arrays)
-    traced = (rules.races or rules.no_float_atomics or rules.split is not None) and arrays == "numba" \
-        and _simulating()
+    traced = (rules.races or rules.no_float_atomics or rules.split is not None or rules.barriers) \
+        and arrays == "numba" and _simulating()
     max_rel_all, max_abs_all = 0.0, 0.0
     result, case, last = None, None, None
 
@@ -963,7 +1170,7 @@ def run(op: Op, fn, *, rules: Optional[Rules] = None, arrays="numpy", dtype=np.f
         if stub is not None:
             result = verdict.unfinished(kernel=stub, **info)
             break
-        got = call(case, info, traced and k == 0)
+        got = call(case, info, traced and k == min(rules.trace_case, op.n_cases - 1))
         if isinstance(got, verdict.CheckResult):
             result = got
             break
@@ -980,8 +1187,18 @@ def run(op: Op, fn, *, rules: Optional[Rules] = None, arrays="numpy", dtype=np.f
             mine, exp = float(ours[name][index]), float(expected[name][index])
             max_abs, max_rel = stats[name]
             hint = _rule_hint(rules, op, case, name, ours_raw, ours, expected, bads, tol)
+            generic = False
             if hint is None:
-                hint = diagnose(op, case, ours_raw, ours, expected, bads, bad_names, tol, returned)
+                hint, generic = diagnose(op, case, ours_raw, ours, expected, bads, bad_names, tol, returned)
+            if generic and arrays == "numba" and _simulating() and _uses_shared_memory(fn):
+                # wrong values in no known pattern from a kernel with shared memory: the call traced (again, unless
+                # it was), and a missing barrier named if two threads touched a slot between the same two barriers
+                if trace is None:
+                    again = call(case, info, True)
+                    trace = None if isinstance(again, verdict.CheckResult) else again[2]
+                barrier = None if trace is None else _barrier_hint(trace)
+                if barrier is not None:
+                    hint = barrier
             hint += changed_inputs_note(case, dev_in)
             msg = (f"{op.name}: wrong - {name} at {fmt_index(index)} ({_case_text(case, k, op)}): yours "
                    f"{fmt(mine, exp)}, expected {fmt(exp, mine)} (max abs err {max_abs:.2g}, "
@@ -1018,13 +1235,19 @@ def run(op: Op, fn, *, rules: Optional[Rules] = None, arrays="numpy", dtype=np.f
             for name in case.outputs:
                 i = _first_diff(first_raw[name], got[0][name])
                 if i is not None:
+                    one, two = first_raw[name].astype(np.float64), got[0][name].astype(np.float64)
+                    if close(two, 2 * one, mistake_slack(tol)) and not close(one, 2 * one, tol):
+                        why = ("the second call gave twice what the first gave: your function adds into something it "
+                               "keeps between calls (a scratch buffer allocated once, a partial sum) without setting "
+                               "it to 0 first, so the second call adds onto the first call's leftovers. Zero what you "
+                               "add into at the start of every call")
+                    else:
+                        why = ("your result depends on the order in which threads or blocks run: float atomics, or "
+                               "a sum whose order is decided by scheduling. Give each output element one owner that "
+                               "adds its terms in a fixed order (partial sums in order, then the partials in order)")
                     result = wrong(info, f"two calls on the same inputs gave different bits: {name}"
                                          f"{fmt_index(i)} was {fmt(float(first_raw[name][i]))}, then "
-                                         f"{fmt(float(got[0][name][i]))}",
-                                   "your result depends on the order in which threads or blocks run: float atomics, "
-                                   "or a sum whose order is decided by scheduling. Give each output element one owner "
-                                   "that adds its terms in a fixed order (partial sums in order, then the partials "
-                                   "in order)", output=name, first_bad=i)
+                                         f"{fmt(float(got[0][name][i]))}", why, output=name, first_bad=i)
                     break
 
     if result is None:
@@ -1040,6 +1263,8 @@ def run(op: Op, fn, *, rules: Optional[Rules] = None, arrays="numpy", dtype=np.f
             extra.append("no float atomics (traced)")
         if traced and rules.split is not None:
             extra.append(f"work split over the rows of {rules.split[0]} (traced)")
+        if traced and rules.barriers:
+            extra.append("no missing barriers (traced)")
         msg = (f"{op.name}: correct (max rel err {max_rel_all:.2g}, tol {tol:g}, {verdict.DTYPE_SHORT[dt.name]}, "
                f"{n_out} output{'s' if n_out > 1 else ''}{'; ' + ', '.join(extra) if extra else ''})")
         result = verdict.build_result("correct", msg, max_abs=max_abs_all, max_rel=max_rel_all, **info)

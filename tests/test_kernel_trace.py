@@ -13,10 +13,11 @@ def _hooks():
     """The simulator attributes the tracer patches while it records."""
     from numba.cuda.simulator.cudadrv.devicearray import FakeWithinKernelCUDAArray
     from numba.cuda.simulator.kernel import FakeCUDAKernel
-    from numba.cuda.simulator.kernelapi import FakeCUDAAtomic, FakeCUDAShared
+    from numba.cuda.simulator.kernelapi import FakeCUDAAtomic, FakeCUDAModule, FakeCUDAShared
     return {(c.__name__, n): c.__dict__[n] for c, names in (
         (FakeWithinKernelCUDAArray, ("__getitem__", "__setitem__")), (FakeCUDAKernel, ("__call__",)),
-        (FakeCUDAShared, ("array",)), (FakeCUDAAtomic, ("add", "max", "cas", "compare_and_swap")))
+        (FakeCUDAShared, ("array",)), (FakeCUDAAtomic, ("add", "max", "cas", "compare_and_swap")),
+        (FakeCUDAModule, ("syncwarp",)))
         for n in names}
 
 
@@ -294,3 +295,48 @@ def test_bad_arguments():
         kernel_trace.example_args("softmax")
     with pytest.raises(TypeError, match="only one of them"):
         viz.show_kernel(print, np.zeros(3), op="gelu_backward")
+
+
+@cuda.jit
+def _warp_pairs_synced(x, out):
+    s = cuda.shared.array(64, np.float32)
+    t = cuda.threadIdx.x
+    s[t] = x[t]
+    cuda.syncwarp()                      # a barrier for the lanes of one warp: enough for lane t + 16's value
+    if t % 32 < 16:
+        s[t] += s[t + 16]
+    cuda.syncwarp()
+    if t % 32 == 0:
+        out[t // 32] = s[t]
+
+
+@cuda.jit
+def _warp_pairs_unsynced(x, out):
+    s = cuda.shared.array(64, np.float32)
+    t = cuda.threadIdx.x
+    s[t] = x[t]
+    if t % 32 < 16:
+        s[t] += s[t + 16]
+    if t % 32 == 0:
+        out[t // 32] = s[t]
+
+
+@cuda.jit
+def _other_warp_after_syncwarp(x, out):
+    s = cuda.shared.array(64, np.float32)
+    t = cuda.threadIdx.x
+    s[t] = x[t]
+    cuda.syncwarp()                      # not a barrier between warps: that needs cuda.syncthreads()
+    if t < 32:
+        out[t] = s[t + 32]
+
+
+@sim_only
+def test_a_shared_hazard_is_a_write_and_a_read_with_no_barrier_between_the_two_threads():
+    x, out = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
+    synced = kernel_trace.trace(lambda: _warp_pairs_synced[1, 64](x, out))
+    assert synced.shared_hazards == []                                  # syncwarp orders the lanes of a warp
+    h = kernel_trace.trace(lambda: _warp_pairs_unsynced[1, 64](x, out)).shared_hazards
+    assert len(h) == 32 and h[0]["array"] == "s" and h[0]["writer"][1] // 32 == h[0]["reader"][1] // 32
+    h = kernel_trace.trace(lambda: _other_warp_after_syncwarp[1, 64](x, out)).shared_hazards
+    assert len(h) == 32 and h[0]["writer"][1] // 32 != h[0]["reader"][1] // 32

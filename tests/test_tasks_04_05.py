@@ -304,6 +304,13 @@ def test_05_3_mask_off_by_one_at_the_diagonal_is_named():
           "off by one", "s < t")
 
 
+def test_05_3_a_kernel_that_lost_the_head_index_is_named():
+    # h = 0 for every row: each head's rows land in head 0's place, the other heads stay unwritten
+    ns = load(NB05, [("s05-att-code", "    h = (row // T) % nh\n", "    h = 0\n")])
+    wrong(check_attention_softmax_backward(ns["attention_softmax_backward"], arrays="numba", seed=6, quiet=True),
+          "only head 0 of dpreatt was written", "head index h")
+
+
 def test_05_3_a_row_longer_than_the_block_is_named():
     # each lane takes only entry s = lane: fine while T <= ROW_THREADS, wrong past the warp's edge (T = 33)
     ns = load(NB05, [("s05-att-code", "for s in range(lane, t + 1, ROW_THREADS):",

@@ -93,6 +93,18 @@ def test_11_2_stub_is_not_attempted():
      ["running sum l is not rescaled"]),
     ("                if s0 + r <= t:\n                    x = numba.float32(0.0)",
      "                if s0 + r <= t + 1 and s0 + r < T:\n                    x = numba.float32(0.0)", ["off by one"]),
+    # the running state reset at every key tile: a row with no key in its block's last tile ends with l = 0, and the
+    # simulator's log(0) raises (a GPU writes -inf and NaN, which the tile replay names)
+    ("        cuda.syncthreads()\n        if t < T:\n            mt = NEG_INF",
+     "        cuda.syncthreads()\n        m = NEG_INF\n        l = numba.float32(0.0)\n        for j in range(hs):\n"
+     "            acc[j] = numba.float32(0.0)\n        if t < T:\n            mt = NEG_INF",
+     ["log(l) with l = 0", "reset"]),
+    # the head index lost: every head's block computes head 0 and writes it there
+    ("b, h = cuda.blockIdx.y // nh, cuda.blockIdx.y % nh", "b, h = cuda.blockIdx.y // nh, 0",
+     ["only head 0 of out was written"]),
+    # no barrier after a key tile's products: the next tile's loads overwrite kt, vt while others still read them
+    ("                m = m_new\n        cuda.syncthreads()\n", "                m = m_new\n",
+     ["a missing barrier in flash_forward_kernel", "between the same two barriers"]),
 ])
 def test_11_2_wrong_kernels_fail_with_their_hint(old, new, words):
     # the mask edit must change both of its places (scores and additions) to be the plausible mistake
@@ -125,6 +137,8 @@ def test_11_3_solution_passes_with_determinism_checked(ns):
 @pytest.mark.parametrize("old,new,words", [
     ("            dq[b, h, t, j] = dqr[j] * scale", "            dq[b, h, t, j] = dqr[j]", ["dq is missing"]),
     ("ds = math.exp(x - lt) * (dp - dl)", "ds = math.exp(x - lt) * dp", ["row term"]),
+    ("b, h = cuda.blockIdx.y // nh, cuda.blockIdx.y % nh", "b, h = cuda.blockIdx.y // nh, 0",
+     ["only head 0 of dq was written"]),
 ])
 def test_11_3_wrong_dq_fails_with_its_hint(old, new, words):
     wrong(bwd(solution_namespace(NAME, [("e11-t3-code", old, new)])), *words)
