@@ -103,8 +103,8 @@ def _walk(obj, targets: dict, depth: int, seen: set) -> Optional[str]:
 
 
 def _referenced(code, g: dict, cells: dict) -> list:
-    """What a code object reads: each global it loads, and each attribute it reads off a module it loaded
-    (``flash.flash_attention_backward_v1_dq``, ``gpullm_lessons.quant.quantize_blockwise``), and what it imports in
+    """What a code object reads: each global it loads, and each attribute it reads off a module or a class it loaded
+    (``flash.flash_attention_backward_v1_dq``, ``engine.GPUEngine._block_forward``), and what it imports in
     its body (``from gpullm_lessons.quant import quantize_blockwise``). A name the learner gave their own function
     that happens to match a course function's is not taken for it: only what the code actually reaches."""
     out, instrs, bound = [], list(dis.get_instructions(code)), {}  # bound: locals an import in the body set
@@ -144,10 +144,15 @@ def _referenced(code, g: dict, cells: dict) -> list:
         if not found:
             continue
         out.append(value)
-        for nxt in instrs[i + 1 :]:  # module.attr.attr ...: attributes read off modules only
-            if not inspect.ismodule(value) or nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+        for nxt in instrs[i + 1 :]:  # module.Class.attr ...: attributes read off modules and classes only
+            if nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
                 break
-            value = getattr(value, nxt.argval, None)
+            if not (inspect.ismodule(value) or inspect.isclass(value)):
+                break
+            try:
+                value = getattr(value, nxt.argval, None)
+            except Exception:  # noqa: BLE001 - a class attribute that computes itself and fails
+                value = None
             out.append(value)
     return [v for v in out if v is not None]
 

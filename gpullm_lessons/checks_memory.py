@@ -46,9 +46,18 @@ import math
 
 import numpy as np
 
-from . import opcheck
+from . import borrowed, opcheck
 from . import verdict
 from .verdict import CheckResult, DTYPE_SHORT, fmt, fmt_index
+
+# the course's own implementations of the tasks (borrowed.py): an answer that is, wraps or calls one is not correct
+OWN = {
+    "layernorm_rebuild": (
+        "gpullm_lessons.checkpointing:_layernorm_out",
+        "gpullm_lessons.reference.layernorm:layernorm_forward",
+    ),
+    "selective_rebuild": ("gpullm_lessons.checkpointing:_rebuild_selective",),
+}
 
 __all__ = ["check_block_recompute", "check_layernorm_rebuild", "check_selective_rebuild", "LAYER_GRADS"]
 
@@ -423,6 +432,10 @@ def check_layernorm_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=Fa
     one shape, T = 1, C = 1)."""
     name = "layernorm_rebuild"
     seed = _validate(name, fn, seed)
+    taken = borrowed.borrowed_verdict(name, [fn], OWN[name], task=task, seed=seed, quiet=quiet,
+                                      check="check_layernorm_rebuild")
+    if taken is not None:
+        return taken
     dt = _dtype(name, dtype)
     rng = np.random.default_rng(seed)
     B, T, C = int(rng.integers(1, 4)), int(rng.integers(2, 9)), int(rng.integers(3, 40))
@@ -568,6 +581,10 @@ def check_selective_rebuild(fn, dtype=np.float32, seed=None, task=None, quiet=Fa
     from .reference.gpt import block_backward
     name = "selective_rebuild"
     seed = _validate(name, fn, seed)
+    taken = borrowed.borrowed_verdict(name, [fn], OWN[name], task=task, seed=seed, quiet=quiet,
+                                      check="check_selective_rebuild")
+    if taken is not None:
+        return taken
     dt = _dtype(name, dtype)
     rng = np.random.default_rng(seed)
     calls = _selective_calls(rng, dt)

@@ -31,9 +31,15 @@ import math
 
 import numpy as np
 
-from . import opcheck
+from . import borrowed, opcheck
 from . import verdict
 from .verdict import CheckResult
+
+# the course's own implementations of the tasks (borrowed.py): an answer that is, wraps or calls one is not correct
+OWN = {
+    "lr_schedule": ("gpullm_lessons.optim:lr_schedule",),
+    "clip_coef": ("gpullm_lessons.optim:clip_coefficient", "gpullm_lessons.optim:clip_grad_norm"),
+}
 
 __all__ = ["check_lr_schedule", "check_clip_coef", "clip_coef_expected", "RTOL", "CLIP_EPS"]
 
@@ -208,6 +214,10 @@ def check_lr_schedule(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     from .optim import lr_schedule
     name = "lr_schedule"
     seed = _validate(name, fn, seed)
+    taken = borrowed.borrowed_verdict(name, [fn], OWN[name], task=task, seed=seed, quiet=quiet,
+                                      check="check_lr_schedule")
+    if taken is not None:
+        return taken
     rng = np.random.default_rng(seed)
     runs = _lr_settings(rng)
     done = []                      # per run that ran: (settings, steps, ours, expected)
@@ -335,6 +345,10 @@ def check_clip_coef(fn, seed=None, task=None, quiet=False) -> "CheckResult":
     print. Returns a checks.CheckResult (truthy when correct); errors raised by fn are reported, never raised."""
     name = "clip_coef"
     seed = _validate(name, fn, seed)
+    taken = borrowed.borrowed_verdict(name, [fn], OWN[name], task=task, seed=seed, quiet=quiet,
+                                      check="check_clip_coef")
+    if taken is not None:
+        return taken
     rng = np.random.default_rng(seed)
     cases = _clip_cases(rng)
     ours = []

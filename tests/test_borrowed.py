@@ -125,3 +125,125 @@ def test_lesson_01_answers_taken_from_the_reference_are_wrong():
     assert r.status == "wrong" and "gpullm_lessons.reference.gelu.gelu_backward" in r.message, r.message
     ns = solution_namespace("01_numpy_reference_gradients")
     assert check_gelu_backward(ns["gelu_backward"], task="01.1", quiet=True).status == "correct"
+
+
+# ---- the checkers that are not Op-based: each names its task's implementations in its module's OWN ---------------
+
+
+@pytest.mark.parametrize(
+    "module, check, spec",
+    [
+        ("checks_train", "check_lr_schedule", "gpullm_lessons.optim:lr_schedule"),
+        ("checks_train", "check_clip_coef", "gpullm_lessons.optim:clip_coefficient"),
+        ("checks_memory", "check_layernorm_rebuild", "gpullm_lessons.checkpointing:_layernorm_out"),
+        ("checks_memory", "check_layernorm_rebuild", "gpullm_lessons.reference.layernorm:layernorm_forward"),
+        ("checks_memory", "check_selective_rebuild", "gpullm_lessons.checkpointing:_rebuild_selective"),
+        ("checks_parallel", "check_ring_allreduce_sim", "gpullm_lessons.parallel.ring:ring_allreduce_sim"),
+        ("checks_parallel", "check_shard_bounds", "gpullm_lessons.parallel.data_parallel:shard_bounds"),
+        ("checks_parallel", "check_shard_decay_table", "gpullm_lessons.optim:shard_decay_table"),
+        ("checks_parallel", "check_zero_reduce_scatter", "gpullm_lessons.parallel.ring:ring_allreduce"),
+        ("checks_optim", "check_adamw_step", "gpullm_lessons.optim:adamw_update"),
+        ("checks_optim", "check_adamw_mixed", "gpullm_lessons.kernels.numba.adamw:adamw_step"),
+        ("checks_precision", "check_bf16_rne", "gpullm_lessons.reference.rounding:f32_to_bf16_bits"),
+        ("checks_precision", "check_loss_scaler_update", "gpullm_lessons.precision:DynamicLossScaler"),
+        ("checks_precision", "check_bf16_kernel", "gpullm_lessons.kernels.numba.convert:f32_to_bf16"),
+        ("checks_capstone", "check_engine_linear_backward", "gpullm_lessons.engine.gpu:GPUEngine._linear_backward"),
+        ("checks_capstone", "check_block_forward", "gpullm_lessons.reference.gpt:block_forward"),
+        ("checks_capstone", "check_block_backward", "gpullm_lessons.engine.gpu:GPUEngine._block_backward"),
+        ("checks_capstone", "check_optimizer_step", "gpullm_lessons.engine.core:Engine.update"),
+    ],
+)
+def test_borrowed_answers_to_the_other_checkers_are_wrong_and_named(module, check, spec):
+    import functools
+    import importlib
+
+    check_fn = getattr(importlib.import_module(f"gpullm_lessons.{module}"), check)
+    impl = borrowed._resolve(spec)
+    named = spec.replace(":", ".")
+
+    def wraps(*a, **k):  # a def that calls it
+        return impl(*a, **k)
+
+    for fn in (impl, lambda *a, **k: impl(*a, **k), wraps, functools.partial(impl)):
+        r = check_fn(fn, task="graded", seed=1, quiet=True)
+        assert r.status == "wrong" and "course's own implementation" in r.message, r.message
+        assert named in r.message, r.message
+
+
+def test_09_borrowed_through_the_engine_class_and_training_step():
+    """GPUEngine._block_forward read off the class (engine.GPUEngine) is seen; 09.6 asks about all three functions."""
+    from gpullm_lessons import engine
+    from gpullm_lessons.checks_capstone import check_block_forward, check_training_step
+
+    def block_forward(eng, x, l, B, T):
+        return engine.GPUEngine._block_forward(eng, x, l, B, T, True)
+
+    r = check_block_forward(block_forward, task="09.3", seed=1, quiet=True)
+    assert r.status == "wrong" and "GPUEngine._block_forward" in r.message, r.message
+    ns = solution_namespace("09_full_training_loop")
+    r = check_training_step(ns["block_forward"], block_forward, ns["optimizer_step"], task="09.6", seed=1, quiet=True)
+    assert r.status == "wrong" and "GPUEngine._block_forward" in r.message, r.message
+
+
+@pytest.mark.parametrize(
+    "lesson, module, answers",
+    [
+        ("09_full_training_loop", "checks_train", {"lr_schedule": "lr_at"}),
+        (
+            "09_full_training_loop",
+            "checks_capstone",
+            {
+                "engine_linear_backward": "linear_backward",
+                "block_forward": "block_forward",
+                "block_backward": "block_backward",
+                "optimizer_step": "optimizer_step",
+                "training_step": "block_forward block_backward optimizer_step",
+            },
+        ),
+        (
+            "08_activation_checkpointing",
+            "checks_memory",
+            {"layernorm_rebuild": "layernorm_out", "selective_rebuild": "rebuild_block_cache"},
+        ),
+        (
+            "10_multi_gpu",
+            "checks_parallel",
+            {
+                "ring_allreduce_sim": "ring_allreduce_sim",
+                "shard_bounds": "shard_bounds",
+                "shard_decay_table": "shard_decay_table",
+                "zero_reduce_scatter": "zero_reduce_scatter",
+            },
+        ),
+        ("06_fused_adamw", "checks_optim", {"adamw_mixed": "adamw_step_mixed"}),
+        (
+            "07_mixed_precision",
+            "checks_precision",
+            {"bf16_rne": "f32_to_bf16_bits", "loss_scaler_update": "update_scale", "bf16_kernel": "f32_to_bf16_gpu"},
+        ),
+    ],
+)
+def test_the_solutions_borrow_nothing(lesson, module, answers):
+    """The solutions' own answers (which use other course helpers: the engine's launchers, reference.gpt in 08.1,
+    parallel.chunk_bounds, reference.gelu) are not taken for borrowed (their checks run in the task tests)."""
+    import importlib
+
+    own = importlib.import_module(f"gpullm_lessons.{module}").OWN
+    ns = solution_namespace(lesson)
+    for task, names in answers.items():
+        assert borrowed.uses_own([ns[n] for n in names.split()], own[task]) is None, (task, names)
+
+
+def test_solution_answers_to_quick_checkers_stay_correct():
+    from gpullm_lessons.checks_memory import check_layernorm_rebuild
+    from gpullm_lessons.checks_parallel import check_shard_bounds, check_shard_decay_table
+    from gpullm_lessons.checks_precision import check_loss_scaler_update
+    from gpullm_lessons.checks_train import check_lr_schedule
+
+    ns9, ns8 = solution_namespace("09_full_training_loop"), solution_namespace("08_activation_checkpointing")
+    ns10, ns7 = solution_namespace("10_multi_gpu"), solution_namespace("07_mixed_precision")
+    assert check_lr_schedule(ns9["lr_at"], task="09.1", quiet=True).status == "correct"
+    assert check_layernorm_rebuild(ns8["layernorm_out"], task="08.2", quiet=True).status == "correct"
+    assert check_shard_bounds(ns10["shard_bounds"], task="10.2", quiet=True).status == "correct"
+    assert check_shard_decay_table(ns10["shard_decay_table"], task="10.3", quiet=True).status == "correct"
+    assert check_loss_scaler_update(ns7["update_scale"], task="07.2", quiet=True).status == "correct"

@@ -77,8 +77,9 @@ def not_attempted(x):
 
 @pytest.mark.parametrize("fn", [f32_to_bf16_bits, right_mine, lambda x: x.astype(ml_dtypes.bfloat16).view(np.uint16)])
 def test_bf16_right_answers_pass(fn, capsys):
-    r = check_bf16_rne(fn, task="07.1 test")
-    assert r.passed and r.status == "correct" and r.task == "07.1 test"
+    task = None if fn is f32_to_bf16_bits else "07.1 test"  # graded, the course's own rounding is a borrowed answer
+    r = check_bf16_rne(fn, task=task)
+    assert r.passed and r.status == "correct" and r.task == task
     assert "bf16_rne: correct (bit-exact" in capsys.readouterr().out
 
 
@@ -180,7 +181,8 @@ def scaler_class_adapter(scale, found_inf, clean_steps, growth_interval):
 
 @pytest.mark.parametrize("fn", [update_right, scaler_class_adapter])
 def test_scaler_right_answers_pass(fn, capsys):
-    r = check_loss_scaler_update(fn, task="07.2 test")
+    task = None if fn is scaler_class_adapter else "07.2 test"  # graded, the course's DynamicLossScaler is borrowed
+    r = check_loss_scaler_update(fn, task=task)
     assert r.passed and r.status == "correct"
     assert "loss_scaler_update: correct" in capsys.readouterr().out
 
