@@ -6,7 +6,8 @@ through a .pth line, so nothing is downloaded) into a new venv; every command ru
 folder outside the checkout, so the package can only find what the wheel carries. The class, on lesson 01 (three
 NumPy tasks): ada the solutions; ben one right answer, one wrong; cy one right answer and the checker cells of the
 two tasks left undone deleted (the grader must still ask for all three); dee forged verdicts. Each is graded from
-the wheel and from the checkout, plain and --strict, and the gradebooks must agree.
+the wheel and from the checkout, plain and --strict, and the gradebooks must agree; in the plain run the learners
+hand in with the wheel's `submit` and the wheel grades the drop box (`grade --class BOX --dropbox --deadline T`).
 """
 
 import csv
@@ -113,7 +114,7 @@ def make_class(py, root: Path):
 
 
 def gradebook(py, root: Path, *extra):
-    out = root.parent / (root.name + "-book" + "".join(extra).replace("-", ""))
+    out = root.parent / (root.name + "-book" + ("strict" if "--strict" in extra else ""))
     r = cli(py, root.parent, "grade", "--class", str(root), "--notebooks", "01_*", "--timeout", str(TIMEOUT),
             "--workers", "2", "--out", str(out), *extra)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -129,7 +130,19 @@ def test_a_class_graded_from_the_wheel_as_from_the_checkout(venv, tmp_path, stri
     wheel_root, checkout_root = tmp_path / "wheel" / "class", tmp_path / "checkout" / "class"
     make_class(venv, wheel_root)
     make_class(Path(sys.executable), checkout_root)
-    from_wheel, from_checkout = gradebook(venv, wheel_root, *extra), gradebook(sys.executable, checkout_root, *extra)
+    from_checkout = gradebook(sys.executable, checkout_root, *extra)
+    if strict:
+        from_wheel = gradebook(venv, wheel_root, *extra)
+    else:  # plain: the learners hand in with the wheel's `submit`, and the wheel grades the drop box
+        box = tmp_path / "wheel" / "dropbox"
+        box.mkdir()  # the lab makes it once for the class
+        for learner in ("ada", "ben", "cy", "dee"):
+            r = cli(venv, wheel_root, "submit", str(wheel_root / learner), "--to", str(box), "--name", learner)
+            assert r.returncode == 0, r.stderr
+        from_wheel = gradebook(venv, box, "--dropbox", "--deadline", "2099-01-01T00:00+00:00")
+        with open(box.parent / "dropbox-book" / "handins.csv", newline="", encoding="utf-8") as f:
+            handins = list(csv.DictReader(f))
+        assert sorted(row["learner"] for row in handins) == ["ada", "ben", "cy", "dee"], handins
     assert from_wheel == from_checkout
     got = {learner: [from_wheel[(learner, t)] for t in TASKS01] for learner in ("ada", "ben", "cy", "dee")}
     assert got["ada"] == ["correct"] * 3
