@@ -345,12 +345,13 @@ def nvrtc_include_dir() -> Path | None:
     return None
 
 
-def compile_nvrtc(name: str, arch: str = "sm_90") -> tuple[bool, str]:
-    """Compile with NVRTC (cuda-python bindings), as CuPy does on an NVIDIA GPU. Returns (ok, log)."""
-    return _nvrtc(expanded_source(name).encode(), f"{name}.cu", arch)
+def compile_nvrtc(name: str, arch: str = "sm_90", options=()) -> tuple[bool, str]:
+    """Compile with NVRTC (cuda-python bindings), as CuPy does on an NVIDIA GPU. Returns (ok, log). options: more
+    compiler options (e.g. flash.part_options: one part of flash.cu)."""
+    return _nvrtc(expanded_source(name).encode(), f"{name}.cu", arch, options)
 
 
-def _nvrtc(text: bytes, filename: str, arch: str) -> tuple[bool, str]:
+def _nvrtc(text: bytes, filename: str, arch: str, options=()) -> tuple[bool, str]:
     from cuda.bindings import nvrtc  # lazy: comes with numba-cuda[cu13] / cuda-python
 
     err, prog = nvrtc.nvrtcCreateProgram(text, filename.encode(), 0, [], [])
@@ -358,7 +359,7 @@ def _nvrtc(text: bytes, filename: str, arch: str) -> tuple[bool, str]:
     inc = nvrtc_include_dir()
     if inc is not None:
         opts.append(f"-I{inc}".encode())
-    opts += [o.encode() for o in include_options()]
+    opts += [o.encode() for o in (*include_options(), *options)]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     # NVRTC writes the log into this buffer in place: it must be a bytes object of its own. b" " * 1 is CPython's

@@ -50,10 +50,18 @@ def test_cupy_missing_with_a_gpu_is_a_failure(monkeypatch):
 def test_missing_tensor_core_headers_fail_with_the_fix(monkeypatch):
     from gpullm_lessons import hip
     log = 'mma.h(55): catastrophic error: cannot open source file "crt/mma.h"'
-    monkeypatch.setattr(hip, "compile_nvrtc", lambda name, arch="sm_90": (name != "flash", log if name == "flash" else ""))
+    calls = []
+
+    def compile_nvrtc(name, arch="sm_90", options=()):
+        calls.append((name, tuple(options)))
+        return name != "flash", log if name == "flash" else ""
+
+    monkeypatch.setattr(hip, "compile_nvrtc", compile_nvrtc)
     (nvrtc, cores) = [c for c in doctor.check_compilers() if c.name in ("nvrtc", "tensor-cores")]
     assert nvrtc.status == "OK"
     assert cores.status == "FAIL" and "crt/mma.h" in cores.detail and "nvidia-cuda-crt" in cores.line()
+    # one part of flash.cu (seconds), not the whole file (minutes on 2 cores)
+    assert ("flash", ("-DFLASH_PART_V=2", "-DFLASH_PART_H=1")) in calls
 
 
 def test_nvrtc_missing_is_a_skip_on_an_amd_gpu_only(monkeypatch):
@@ -62,7 +70,7 @@ def test_nvrtc_missing_is_a_skip_on_an_amd_gpu_only(monkeypatch):
     lessons compile the HIP kernels with NVRTC, and it fails."""
     from gpullm_lessons import device, hip
 
-    def no_library(name, arch="sm_90"):
+    def no_library(name, arch="sm_90", options=()):
         raise RuntimeError('Failure finding "libnvrtc.so.13"')
 
     monkeypatch.setattr(hip, "compile_nvrtc", no_library)
