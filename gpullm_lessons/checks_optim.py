@@ -34,24 +34,15 @@ from . import verdict
 from .verdict import CheckResult, DTYPE_SHORT, close, compare, fmt, mistake_slack
 
 # the course's own implementations of the tasks (borrowed.py): an answer that is, wraps or calls one is not correct
-OWN = {
-    "adamw_step": (
-        "gpullm_lessons.kernels.numba.adamw:adamw_step",
-        "gpullm_lessons.kernels.numba.adamw:adamw_v2",
-        "gpullm_lessons.kernels.numba.adamw:adamw_step_device",
-        "gpullm_lessons.kernels.numba.adamw:adamw_device_v2",
-        "gpullm_lessons.optim:AdamW",
-        "gpullm_lessons.optim:adamw_update",
-    ),
-    "adamw_mixed": (
-        "gpullm_lessons.kernels.numba.adamw:adamw_step",
-        "gpullm_lessons.kernels.numba.adamw:adamw_v2",
-        "gpullm_lessons.kernels.numba.adamw:adamw_step_device",
-        "gpullm_lessons.kernels.numba.adamw:adamw_device_v2",
-        "gpullm_lessons.optim:AdamW",
-        "gpullm_lessons.optim:adamw_update",
-    ),
-}
+_ADAMW_OWN = (
+    "gpullm_lessons.kernels.numba.adamw:adamw_step",
+    "gpullm_lessons.kernels.numba.adamw:adamw_v2",
+    "gpullm_lessons.kernels.numba.adamw:adamw_step_device",
+    "gpullm_lessons.kernels.numba.adamw:adamw_device_v2",
+    "gpullm_lessons.optim:AdamW",
+    "gpullm_lessons.optim:adamw_update",
+)
+OWN = {"adamw_step": _ADAMW_OWN, "adamw_mixed": _ADAMW_OWN}
 
 __all__ = ["check_adamw_step", "adamw_expected", "check_adamw_mixed"]
 
