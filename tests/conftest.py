@@ -26,7 +26,7 @@ if os.environ.get("GPULLM_CUPY_POOL") == "off" and device.has_gpu():
 # mpirun) and the lessons of notebooks/ when nbval runs them instead (lesson 10 again) count as one file here: one
 # at a time, never side by side, and first (the longest unit: the other worker runs the rest meanwhile). A new test
 # file that starts mpirun, or a server that needs a CPU of its own to answer in time, belongs in ONE_AT_A_TIME
-# (tests/test_jupyterhub.py's hub and learner servers only start and wait, with minutes to spare: it runs beside).
+# (tests/test_jupyterhub.py: its hub and learner servers start in seconds and are given 60 to 90: it runs beside).
 ONE_AT_A_TIME = ("tests/test_browser.py", "tests/test_comm.py", "tests/test_parallel.py", "tests/test_train_ranks.py",
                  "tests/test_grad_accum.py", "tests/test_slurm.py", "notebooks/")
 
