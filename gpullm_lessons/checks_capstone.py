@@ -62,18 +62,10 @@ OWN = {
         "gpullm_lessons.engine.core:Engine.update",
         "gpullm_lessons.engine.gpu:GPUEngine._update_on_device",
     ),
-    "training_step": (
-        "gpullm_lessons.engine.gpu:GPUEngine._linear_backward",
-        "gpullm_lessons.reference.linear:linear_backward",
-        "gpullm_lessons.engine.gpu:GPUEngine._block_forward",
-        "gpullm_lessons.reference.gpt:block_forward",
-        "gpullm_lessons.engine.gpu:GPUEngine._block_backward",
-        "gpullm_lessons.reference.gpt:block_backward",
-        "gpullm_lessons.engine.core:Engine.optimizer_step",
-        "gpullm_lessons.engine.core:Engine.update",
-        "gpullm_lessons.engine.gpu:GPUEngine._update_on_device",
-    ),
 }
+# 09.6 runs the three functions of 09.3-09.5 (and 09.2 inside them): any of their implementations
+OWN["training_step"] = tuple(spec for task in ("engine_linear_backward", "block_forward", "block_backward",
+                                               "optimizer_step") for spec in OWN[task])
 
 __all__ = ["check_engine_linear_backward", "check_block_forward", "check_block_backward", "check_optimizer_step",
            "check_training_step", "block_model_forward", "block_model_backward", "TOL", "MISTAKE_TOL"]

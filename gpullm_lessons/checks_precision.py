@@ -36,19 +36,13 @@ from . import verdict
 from .verdict import CheckResult
 
 # the course's own implementations of the tasks (borrowed.py): an answer that is, wraps or calls one is not correct
-OWN = {
-    "bf16_rne": (
-        "gpullm_lessons.reference.rounding:f32_to_bf16_bits",
-        "gpullm_lessons.kernels.numba.convert:f32_to_bf16",
-        "gpullm_lessons.kernels.numba.convert:f32_to_bf16_v1",
-    ),
-    "loss_scaler_update": ("gpullm_lessons.precision:DynamicLossScaler",),
-    "bf16_kernel": (
-        "gpullm_lessons.reference.rounding:f32_to_bf16_bits",
-        "gpullm_lessons.kernels.numba.convert:f32_to_bf16",
-        "gpullm_lessons.kernels.numba.convert:f32_to_bf16_v1",
-    ),
-}
+_BF16_OWN = (
+    "gpullm_lessons.reference.rounding:f32_to_bf16_bits",
+    "gpullm_lessons.kernels.numba.convert:f32_to_bf16",
+    "gpullm_lessons.kernels.numba.convert:f32_to_bf16_v1",
+)
+OWN = {"bf16_rne": _BF16_OWN, "loss_scaler_update": ("gpullm_lessons.precision:DynamicLossScaler",),
+       "bf16_kernel": _BF16_OWN}
 
 __all__ = ["check_bf16_rne", "check_loss_scaler_update", "check_bf16_kernel", "check_bf16_hip", "check_unscale_hip",
            "bf16_special_cases", "bf16_mistakes", "SCALER_HINTS"]
