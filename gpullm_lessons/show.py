@@ -9,7 +9,8 @@ line numbers, e.g. ``kernels/numba/softmax.py, lines 40-62``); past ``max_lines`
 says how many lines were left out and where they are (``... 20 more lines (kernels/hip/adamw.cu:71-90)``).
 
 ``compile_report("gelu")`` compiles ``kernels/hip/gelu.cu`` with NVRTC for NVIDIA sm_90 without a GPU (see
-``hip.compile_nvrtc``) and prints one line: it compiles, or it fails with the compiler's log.
+``hip.compile_nvrtc``) and prints one line: it compiles, or it fails with the compiler's log. ``options=`` and
+``part=`` compile one part of a file and name it (flash.cu's versions: ``backends.hip.flash.part_options``).
 
 Lessons call these instead of defining helpers of their own (``from gpullm_lessons import show``).
 """
@@ -75,10 +76,12 @@ def source(obj, start: str | None = None, stop: str | None = None, max_lines: in
     print()
 
 
-def compile_report(name: str, arch: str = "sm_90") -> None:
-    """Compile kernels/hip/<name>.cu for NVIDIA (NVRTC, sm_90) without running it."""
+def compile_report(name: str, arch: str = "sm_90", options=(), part: str = "") -> None:
+    """Compile kernels/hip/<name>.cu for NVIDIA (NVRTC, sm_90) without running it. options: more compiler options,
+    e.g. flash.cu's part_options (one version's entry points: the whole file takes minutes), named by `part`."""
+    what = f"{name}.cu" + (f" ({part})" if part else "")
     try:
-        ok, log = hip.compile_nvrtc(name, arch)
-        print(f"{name}.cu for NVIDIA {arch} (NVRTC): " + ("compiles" if ok else "FAILS\n" + log))
+        ok, log = hip.compile_nvrtc(name, arch, options)
+        print(f"{what} for NVIDIA {arch} (NVRTC): " + ("compiles" if ok else "FAILS\n" + log))
     except ImportError:
-        print(f"{name}.cu: NVRTC bindings not installed (pip install -e '.[dev]'), compile check skipped")
+        print(f"{what}: NVRTC bindings not installed (pip install -e '.[dev]'), compile check skipped")

@@ -87,14 +87,17 @@ def test_a_start_or_stop_that_is_not_there_raises_and_names_it(capsys):
 
 
 def test_compile_report_says_compiles_fails_with_the_log_or_skipped(capsys, monkeypatch):
-    monkeypatch.setattr(hip, "compile_nvrtc", lambda name, arch: (True, ""))
+    monkeypatch.setattr(hip, "compile_nvrtc", lambda name, arch, options: (True, ""))
     show.compile_report("gelu")
     assert capsys.readouterr().out == "gelu.cu for NVIDIA sm_90 (NVRTC): compiles\n"
-    monkeypatch.setattr(hip, "compile_nvrtc", lambda name, arch: (False, f"error in {name} for {arch}"))
+    monkeypatch.setattr(hip, "compile_nvrtc", lambda name, arch, options: (False, f"error in {name} for {arch} {options}"))
     show.compile_report("encoder", arch="sm_80")
-    assert capsys.readouterr().out == "encoder.cu for NVIDIA sm_80 (NVRTC): FAILS\nerror in encoder for sm_80\n"
+    assert capsys.readouterr().out == "encoder.cu for NVIDIA sm_80 (NVRTC): FAILS\nerror in encoder for sm_80 ()\n"
+    show.compile_report("flash", options=("-DFLASH_PART_V=2",), part="v2")     # one part, passed on and named
+    out = capsys.readouterr().out
+    assert out == "flash.cu (v2) for NVIDIA sm_90 (NVRTC): FAILS\nerror in flash for sm_90 ('-DFLASH_PART_V=2',)\n"
 
-    def no_bindings(name, arch):
+    def no_bindings(name, arch, options):
         raise ImportError("no cuda.bindings")
     monkeypatch.setattr(hip, "compile_nvrtc", no_bindings)
     show.compile_report("gelu")
