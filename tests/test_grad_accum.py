@@ -58,9 +58,10 @@ def test_micro_batches_equal_one_batch_in_float32(backend):
     g1, l1 = grads_and_loss(engine.build(TOY, backend), x, y, 1)
     g2, l2 = grads_and_loss(engine.build(TOY, backend), x, y, 2)
     assert rel(g2, g1) < 1e-5 and abs(l2 - l1) < 1e-5 * l1
-    # and the whole update: three steps with K = 2 equal three with the whole batch
+    # and the whole update: steps with K = 2 equal steps with the whole batch (two in the simulator, where a step of
+    # the numba engine takes seconds: the second is the one that sees the state the first left behind)
     a, b = engine.build(TOY, backend), engine.build(TOY, backend)
-    for s in range(3):
+    for s in range(3 if backend == "numpy" else 2):
         x, y = batch(TOY, 4, 8, seed=10 + s)
         ra = a.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0)
         rb = b.train_step(x, y, lr=1e-2, weight_decay=0.1, grad_clip=1.0, micro_batches=2)
