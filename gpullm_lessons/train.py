@@ -348,6 +348,63 @@ def settings(args: argparse.Namespace) -> tuple:
     return preset, B, T, lr, backend
 
 
+# -----------------------------------------------------------------------------
+# the training job: train() runs the helpers below in order; run_steps() is the loop
+@dataclasses.dataclass
+class Run:
+    """One training job as it goes: its settings, data, engine and progress, which train()'s helpers share."""
+    args: argparse.Namespace
+    comm: object                   # the ranks (comm.SingleComm on one process)
+    cfg: object                    # params.GPTConfig: the model
+    B: int                         # the global batch: sequences per micro-batch, over all ranks
+    T: int                         # tokens per training window
+    lr: float                      # the LR schedule: warmup steps up to lr, then down to min_lr
+    warmup: int
+    min_lr: float
+    backend: str                   # --backend with "auto" resolved
+    out: Path
+    run_config: dict               # the settings a checkpoint records (and config.json)
+    resume: dict | None = None     # the checkpoint --resume continues (load_checkpoint's dict)
+    corpus: object = None
+    entropy: float = math.nan      # the byte-unigram entropy of the val split: the bar to beat
+    train_batches: object = None   # the BatchSampler of the train split: the same global batches on every rank
+    val_batches: list | None = None  # the same batches at every evaluation
+    sample_rng: object = None      # the RNG of the text sample at the end
+    eng: object = None
+    dp: object = None              # parallel.DataParallel over eng (one rank: the engine's own step)
+    n_params: int = 0
+    mem: object = None             # per rank: optimizer bytes, unsharded; gradient bytes, unsharded
+    start: int = 1                 # the first step this process trains
+    val_loss_init: float = math.nan
+    records: list = dataclasses.field(default_factory=list)  # the log records so far
+
+    @property
+    def steps(self) -> int:
+        return self.args.steps
+
+    @property
+    def W(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def rows(self) -> slice:
+        """This rank's rows of every batch (all of them on one rank)."""
+        return slice(self.rank * self.B // self.W, (self.rank + 1) * self.B // self.W)
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / CKPT_NAME
+
+    def say(self, *args, **kwargs) -> None:
+        """print, on rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs)
+
+
 def train(args: argparse.Namespace, comm=None) -> dict:
     """The training job, step by step, for parsed arguments, on every rank of `comm` (default: communicator()).
 
@@ -357,16 +414,90 @@ def train(args: argparse.Namespace, comm=None) -> dict:
     run's to fp32 rounding; rank 0 prints and writes the outputs, its log records add comm_s (seconds in gradient
     communication), and the replicas' parameters are compared every --check-every steps. Returns the summary (on
     every rank)."""
-    from .parallel import DataParallel
-    from .params import GPTConfig, num_params
-    from .viz import plot_loss
+    run = new_run(args, comm)   # 1. settings: the preset, overridden by flags, checked before any work; the ranks
+    read_resume(run)            #    --resume: the checkpoint, checked against these settings
+    load_data(run)              # 2. data: the corpus, its batches and the bar to beat
+    build_engine(run)           # 3. model: the engine (with the checkpoint's state) and DataParallel over it
+    describe_run(run)
+    restore_progress(run)       # 4. where to start: step 1, or the checkpoint's step + 1 with its batches and RNG
+    write_config(run)
+    if run.resume is None:
+        run.val_loss_init = val_loss(run)  # ~ ln V before training
+    train_time = run_steps(run)  # 5. the training loop
+    plot_losses(run)            # 6. results: loss curve, a text sample, the summary (rank 0 writes them)
+    write_sample(run)
+    summary = summarize(run, train_time)
+    if run.rank == 0:
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    say_done(run, summary)
+    return summary
 
-    # -------------------------------------------------------------------------
-    # 1. settings: the preset, overridden by flags, checked before any work; the ranks
+
+def run_steps(run: Run) -> float:
+    """The training loop: each step's batch, optimizer step, log record, evaluation and checkpoint; returns seconds."""
+    from tqdm.auto import tqdm
+
+    args, dp = run.args, run.dp
+    t_start = time.perf_counter()
+    log = open(run.out / "log.jsonl", "w") if run.rank == 0 else None
+    try:
+        with tqdm(range(run.start, run.steps + 1), initial=run.start - 1, total=run.steps, desc="train", unit="step",
+                  disable=args.no_progress or run.rank != 0, file=sys.stderr) as bar:
+            if log is not None:
+                log.writelines(json.dumps(r) + "\n" for r in run.records)
+            for step in bar:
+                t0, comm0 = time.perf_counter(), (dp.comm_seconds, dp.comm_exposed_seconds)
+                x, y = next_batch(run)  # 5a. this rank's rows of the step's batch (--grad-accum K: of K of them)
+                # 5b. one step: forward (the mean cross-entropy, nats per byte), backward, the gradients averaged over
+                #     the ranks, clip the global gradient norm, AdamW at the scheduled learning rate (fp16: skipped on
+                #     inf/NaN gradients)
+                step_lr = lr_schedule(step - 1, run.lr, run.warmup, run.steps, run.min_lr)
+                res = dp.train_step(x, y, lr=step_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                                    micro_batches=args.grad_accum)
+                record = step_record(run, step, step_lr, res, t0, comm0)
+                # 5c. log; evaluate on the held-out split every eval_every steps and after the last one
+                if due(args.eval_every, step, run.steps):
+                    record["val_loss"] = val_loss(run)
+                    if run.rank == 0:
+                        bar.write(f"step {step:5d} | train loss {record['loss']:.4f} | val loss "
+                                  f"{record['val_loss']:.4f}", file=sys.stderr)
+                log_record(run, log, record)
+                # 5d. checkpoint every checkpoint_every steps and after the last one
+                if due(args.checkpoint_every, step, run.steps):
+                    checkpoint(run, step)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        if run.W > 1:
+            dp.check_replicas()
+    finally:
+        if log is not None:
+            log.close()
+    return time.perf_counter() - t_start
+
+
+def new_run(args: argparse.Namespace, comm=None) -> Run:
+    """The run's settings: the preset overridden by the flags, the ranks, every flag and combination checked."""
+    from .params import GPTConfig
+
     preset, B, T, lr, backend = settings(args)
     comm = communicator(backend) if comm is None else comm
-    W, rank = comm.world_size, comm.rank
-    say = print if rank == 0 else (lambda *a, **k: None)
+    check_combinations(args, comm, B, T, backend)
+    cfg = GPTConfig(**preset)
+    steps, W = args.steps, comm.world_size
+    warmup = steps // 10 if args.warmup is None else args.warmup
+    min_lr = lr / 10 if args.min_lr is None else args.min_lr
+    out = Path(args.out if args.out is not None else f"runs/{args.preset}-{backend}" + (f"-x{W}" if W > 1 else ""))
+    run_config = {"model": dataclasses.asdict(cfg), "batch_size": B, "seq_len": T, "steps": steps, "lr": lr,
+                  "warmup": warmup, "min_lr": min_lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
+                  "backend": backend, "precision": args.precision, "policy": args.checkpointing, "seed": args.seed,
+                  "world_size": W, "zero": args.zero, "grad_accum": args.grad_accum,
+                  "optimizer_state": args.optimizer_state, "ce_chunks": args.ce_chunks,
+                  "offload_optimizer": bool(args.offload_optimizer)}
+    return Run(args, comm, cfg, B, T, lr, warmup, min_lr, backend, out, run_config)
+
+
+def check_combinations(args: argparse.Namespace, comm, B: int, T: int, backend: str) -> None:
+    """Refuse flags that cannot work together, or not on these ranks, before any work (ConfigError names why)."""
+    W = comm.world_size
     if B % W:
         raise ConfigError(f"the global batch --batch-size {B} does not divide by the {W} ranks: each rank takes "
                           f"B / N rows; use a multiple of {W}")
@@ -402,242 +533,251 @@ def train(args: argparse.Namespace, comm=None) -> dict:
         raise ConfigError(f"--ce-chunks {args.ce_chunks} is more than the {B // W * T} rows each forward gives the "
                           f"loss head (B / ranks x T = {B // W} x {T}): each chunk needs at least one row; use at "
                           f"most {B // W * T}")
-    cfg = GPTConfig(**preset)
-    steps = args.steps
-    warmup = steps // 10 if args.warmup is None else args.warmup
-    min_lr = lr / 10 if args.min_lr is None else args.min_lr
-    out = Path(args.out if args.out is not None else f"runs/{args.preset}-{backend}" + (f"-x{W}" if W > 1 else ""))
-    ckpt_path = out / CKPT_NAME
-    run_config = {"model": dataclasses.asdict(cfg), "batch_size": B, "seq_len": T, "steps": steps, "lr": lr,
-                  "warmup": warmup, "min_lr": min_lr, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
-                  "backend": backend, "precision": args.precision, "policy": args.checkpointing, "seed": args.seed,
-                  "world_size": W, "zero": args.zero, "grad_accum": args.grad_accum,
-                  "optimizer_state": args.optimizer_state, "ce_chunks": args.ce_chunks,
-                  "offload_optimizer": bool(args.offload_optimizer)}
-    # --resume: the checkpoint must exist, hold the same model, batch shape and precision, and have steps left
-    # (every rank reads it; a checkpoint of one rank count resumes on another: the global batch is the same)
-    resume = None
-    if args.resume:
-        if not ckpt_path.is_file():
-            raise ConfigError(f"--resume: no checkpoint at {ckpt_path} (train without --resume first, "
-                              f"or pass the --out of the run to continue)")
-        resume = load_checkpoint(ckpt_path)
-        differ = config_differences(resume["config"], run_config, RESUME_MUST_MATCH)
-        if differ:
-            raise ConfigError(f"checkpoint {ckpt_path} is from a different config: {', '.join(differ)} "
-                              f"(checkpoint != this run); resume with the checkpoint's settings, or train "
-                              f"without --resume into another --out")
-        if resume["progress"]["step"] >= steps:
-            raise ConfigError(f"checkpoint {ckpt_path} is at step {resume['progress']['step']} and --steps is "
-                              f"{steps}: nothing left to train (pass a larger --steps to train on)")
 
-    # -------------------------------------------------------------------------
-    # 2. data: bytes of text, split 90% train / 10% val; the bar to beat is the byte-unigram entropy
+
+def read_resume(run: Run) -> None:
+    """--resume: the checkpoint into run.resume, refused unless it has this model, batch, precision and steps left."""
+    # every rank reads it; a checkpoint of one rank count resumes on another: the global batch is the same
+    if not run.args.resume:
+        return
+    ckpt_path, steps = run.ckpt_path, run.steps
+    if not ckpt_path.is_file():
+        raise ConfigError(f"--resume: no checkpoint at {ckpt_path} (train without --resume first, "
+                          f"or pass the --out of the run to continue)")
+    resume = load_checkpoint(ckpt_path)
+    differ = config_differences(resume["config"], run.run_config, RESUME_MUST_MATCH)
+    if differ:
+        raise ConfigError(f"checkpoint {ckpt_path} is from a different config: {', '.join(differ)} "
+                          f"(checkpoint != this run); resume with the checkpoint's settings, or train "
+                          f"without --resume into another --out")
+    if resume["progress"]["step"] >= steps:
+        raise ConfigError(f"checkpoint {ckpt_path} is at step {resume['progress']['step']} and --steps is "
+                          f"{steps}: nothing left to train (pass a larger --steps to train on)")
+    run.resume = resume
+
+
+def load_data(run: Run) -> None:
+    """The corpus (bytes of text, 90% train / 10% val), its batch samplers, the val batches and the bar to beat."""
+    args, B, T = run.args, run.B, run.T
     try:
-        corpus = load_corpus(args.data, block_size=T)
+        run.corpus = load_corpus(args.data, block_size=T)
     except (FileNotFoundError, ValueError) as e:  # missing / empty / too short: say which setting to change
         raise ConfigError(str(e)) from e
-    run_config["data_source"] = corpus.source
-    entropy = byte_unigram_entropy(corpus.val)  # nats per byte of the best context-free model of the val bytes
-    train_batches = BatchSampler(corpus.train, B, T, seed=args.seed)   # the same global batches on every rank
-    val_sampler = BatchSampler(corpus.val, B, T, seed=args.seed + 1)
-    val_batches = [next(val_sampler) for _ in range(args.eval_batches)]  # the same batches at every evaluation
-    sample_rng = np.random.default_rng(args.seed + 2)  # the RNG of the text sample at the end
-    rows = slice(rank * B // W, (rank + 1) * B // W)   # this rank's rows of every batch (all of them on one rank)
+    run.run_config["data_source"] = run.corpus.source
+    run.entropy = byte_unigram_entropy(run.corpus.val)  # nats per byte: the best context-free model of the val bytes
+    run.train_batches = BatchSampler(run.corpus.train, B, T, seed=args.seed)   # the same global batches on every rank
+    val_sampler = BatchSampler(run.corpus.val, B, T, seed=args.seed + 1)
+    run.val_batches = [next(val_sampler) for _ in range(args.eval_batches)]  # the same batches at every evaluation
+    run.sample_rng = np.random.default_rng(args.seed + 2)  # the RNG of the text sample at the end
 
-    # -------------------------------------------------------------------------
-    # 3. model: the engine holds the GPT's flat fp32 buffers (params, grads, AdamW's m and v) on its backend; on
-    #    several ranks DataParallel combines the ranks' gradients (one rank: the engine's own step)
+
+def build_engine(run: Run) -> None:
+    """The engine (on --resume with the checkpoint's state), DataParallel over it, and each rank's memory in bytes."""
+    # the engine holds the GPT's flat fp32 buffers (params, grads, AdamW's m and v) on its backend; on several ranks
+    # DataParallel combines the ranks' gradients (one rank: the engine's own step)
+    from .parallel import DataParallel
+    from .params import num_params
+
+    args = run.args
     try:
-        eng = engine.build(cfg, backend, args.precision, args.checkpointing, seed=args.seed, graphs=args.graphs,
-                           optimizer_state=args.optimizer_state, ce_chunks=args.ce_chunks,
-                           offload_optimizer=args.offload_optimizer)
+        run.eng = engine.build(run.cfg, run.backend, args.precision, args.checkpointing, seed=args.seed,
+                               graphs=args.graphs, optimizer_state=args.optimizer_state, ce_chunks=args.ce_chunks,
+                               offload_optimizer=args.offload_optimizer)
     except engine.EngineError as e:  # e.g. bf16 / fp16 with the NumPy reference
         raise ConfigError(str(e)) from e
-    start = 1
-    if resume is not None:                   # before DataParallel: ZeRO takes its shard of the loaded m and v
+    if run.resume is not None:               # before DataParallel: ZeRO takes its shard of the loaded m and v
         try:
-            eng.load_state_dict(resume["engine"])
+            run.eng.load_state_dict(run.resume["engine"])
         except ValueError as e:
-            raise ConfigError(f"checkpoint {ckpt_path}: {e}") from e
-        start = resume["progress"]["step"] + 1
-    dp = DataParallel(eng, comm, zero=args.zero, check_every=args.check_every, bucket_mb=args.bucket_mb,
-                      overlap=args.overlap)
-    n_params = num_params(cfg)
-    say(f"data: {corpus.describe()}")
+            raise ConfigError(f"checkpoint {run.ckpt_path}: {e}") from e
+        run.start = run.resume["progress"]["step"] + 1
+    run.dp = dp = DataParallel(run.eng, run.comm, zero=args.zero, check_every=args.check_every,
+                               bucket_mb=args.bucket_mb, overlap=args.overlap)
+    run.n_params = num_params(run.cfg)
+    run.mem = run.comm.gather_scalars([dp.optimizer_bytes(), dp.memory()["optimizer_full"], dp.gradient_bytes(),
+                                       dp.memory()["grads_full"]])
+
+
+def describe_run(run: Run) -> None:
+    """Print what runs: data, model, settings, backend, ranks and their memory, the bar to beat, slow-run warnings."""
+    args, cfg, say, dp, mem = run.args, run.cfg, run.say, run.dp, run.mem
+    B, T, W = run.B, run.T, run.W
+    say(f"data: {run.corpus.describe()}")
     say(f"model: {args.preset} L={cfg.n_layer} nh={cfg.n_head} C={cfg.d_model} block={cfg.block_size} "
-        f"V={cfg.vocab_size}, {n_params:,} parameters | B={B}" + (f" = {W} ranks x {B // W}" if W > 1 else "") +
-        f", T={T}, {steps} steps, lr {lr:g} (warmup {warmup}, min {min_lr:g}), weight decay {args.weight_decay:g}, "
-        f"grad clip {args.grad_clip:g}" + (f" | {args.grad_accum} micro-batches per step (gradient accumulation: "
-                                           f"{args.grad_accum * B} sequences per update)" if args.grad_accum > 1 else ""))
-    say(f"backend: {describe_backend(eng)}" + (" [--backend auto]" if args.backend == "auto" else "") +
+        f"V={cfg.vocab_size}, {run.n_params:,} parameters | B={B}" + (f" = {W} ranks x {B // W}" if W > 1 else "") +
+        f", T={T}, {run.steps} steps, lr {run.lr:g} (warmup {run.warmup}, min {run.min_lr:g}), weight decay "
+        f"{args.weight_decay:g}, grad clip {args.grad_clip:g}" +
+        (f" | {args.grad_accum} micro-batches per step (gradient accumulation: {args.grad_accum * B} sequences per "
+         f"update)" if args.grad_accum > 1 else ""))
+    say(f"backend: {describe_backend(run.eng)}" + (" [--backend auto]" if args.backend == "auto" else "") +
         f" | precision {args.precision} | activation checkpointing {args.checkpointing}" +
         (f" | loss head in {args.ce_chunks} chunks of rows" if args.ce_chunks > 1 else "") +
         (" | optimizer state in host memory, AdamW on the CPU" if args.offload_optimizer else ""))
     if W > 1 or args.zero:
-        say(f"data parallel: {W} rank(s) over {comm.name}" +
+        say(f"data parallel: {W} rank(s) over {run.comm.name}" +
             {0: "", 1: ", ZeRO-1 (AdamW state sharded)", 2: ", ZeRO-2 (AdamW state and gradient sharded)"}[args.zero])
     if dp.buckets is not None:
         say(f"gradient buckets: {len(dp.buckets)} of at most {args.bucket_mb:g} MiB, filled in the order backward "
             f"finishes the layers; " + ("all-reduced during backward (--overlap)" if args.overlap else
                                         "all-reduced one after the other after backward"))
-    mem = comm.gather_scalars([dp.optimizer_bytes(), dp.memory()["optimizer_full"], dp.gradient_bytes(),
-                               dp.memory()["grads_full"]])
     if W > 1 or args.zero:
         for r in range(W):
             say(f"rank {r}: optimizer state (AdamW m + v) {int(mem[r, 0]):,} bytes of {int(mem[r, 1]):,} unsharded "
                 f"({mem[r, 0] / mem[r, 1]:.4f}); gradient kept between steps {int(mem[r, 2]):,} bytes of "
                 f"{int(mem[r, 3]):,} unsharded ({mem[r, 2] / mem[r, 3]:.4f})")
-    say(f"byte-unigram entropy of the val split: {entropy:.4f} nats/byte (the bar to beat); "
+    say(f"byte-unigram entropy of the val split: {run.entropy:.4f} nats/byte (the bar to beat); "
         f"uniform guessing: ln {cfg.vocab_size} = {math.log(cfg.vocab_size):.4f}")
-    if backend == "numpy" and n_params > SLOW_PARAMS:
-        say(f"warning: {n_params:,} parameters with the NumPy reference on the CPU is slow "
+    if run.backend == "numpy" and run.n_params > SLOW_PARAMS:
+        say(f"warning: {run.n_params:,} parameters with the NumPy reference on the CPU is slow "
             f"(this preset is meant for the GPU backends: --backend hip or numba)", file=sys.stderr)
-    if backend == "numba" and not getattr(eng, "on_gpu", False) and B * T // W > SIM_SLOW_TOKENS:
+    if run.backend == "numba" and not getattr(run.eng, "on_gpu", False) and B * T // W > SIM_SLOW_TOKENS:
         say(f"warning: the numba backend runs in the CUDA simulator here, ~10 s a step for B*T = 16 tokens and "
             f"slower with more (this run: B*T = {B * T // W} per rank); try --n-layer 1 --d-model 16 --block-size 8 "
             f"--batch-size 2", file=sys.stderr)
 
-    # -------------------------------------------------------------------------
-    # 4. where to start: step 1, or the checkpoint's step + 1 with its weights, optimizer, batches and RNG
-    log_path = out / "log.jsonl"
-    records = []  # the log records of the steps before `start`
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    if resume is not None:
-        progress = resume["progress"]
-        train_batches.set_state(progress["sampler"])
-        sample_rng.bit_generator.state = progress["sample_rng"]
-        val_loss_init = progress["val_loss_init"]
-        if log_path.exists():  # keep the records up to the checkpoint (a crashed run may have logged past it)
-            records = [r for r in map(json.loads, log_path.read_text().splitlines()) if r["step"] < start]
-        notes = config_differences(resume["config"], run_config,
-                                   [k for k in _flat(run_config) if k not in RESUME_MUST_MATCH])
-        say(f"resume: from {ckpt_path} at step {progress['step']}, on to step {steps}" +
+
+def restore_progress(run: Run) -> None:
+    """--resume: the checkpoint's sampler, sample RNG, initial val loss and log records (else a note on replacing)."""
+    if run.resume is None:
+        if run.ckpt_path.exists():
+            run.say(f"note: {run.ckpt_path} exists and will be replaced (--resume continues it instead)",
+                    file=sys.stderr)
+        return
+    progress = run.resume["progress"]
+    run.train_batches.set_state(progress["sampler"])
+    run.sample_rng.bit_generator.state = progress["sample_rng"]
+    run.val_loss_init = progress["val_loss_init"]
+    log_path = run.out / "log.jsonl"
+    if log_path.exists():  # keep the records up to the checkpoint (a crashed run may have logged past it)
+        run.records = [r for r in map(json.loads, log_path.read_text().splitlines()) if r["step"] < run.start]
+    notes = config_differences(run.resume["config"], run.run_config,
+                               [k for k in _flat(run.run_config) if k not in RESUME_MUST_MATCH])
+    run.say(f"resume: from {run.ckpt_path} at step {progress['step']}, on to step {run.steps}" +
             (f" (changed since the checkpoint: {', '.join(notes)})" if notes else ""))
-    elif ckpt_path.exists():
-        say(f"note: {ckpt_path} exists and will be replaced (--resume continues it instead)", file=sys.stderr)
-    if rank == 0:
-        (out / "config.json").write_text(json.dumps(
-            {**vars(args), **run_config, "backend_requested": args.backend, "data_source": corpus.source,
-             "num_params": n_params, "comm": comm.name,
-             "resumed_from_step": start - 1 if resume is not None else None}, indent=2) + "\n")
 
-    # -------------------------------------------------------------------------
-    # 5. the training loop
-    from tqdm.auto import tqdm
 
-    def evaluate():  # the mean loss over the val batches (each rank its rows, averaged over the ranks)
-        return float(np.mean([dp.eval_loss(x[rows], y[rows]) for x, y in val_batches]))
+def write_config(run: Run) -> None:
+    """Rank 0: create --out and write config.json, the run's settings."""
+    if run.rank != 0:
+        return
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "config.json").write_text(json.dumps(
+        {**vars(run.args), **run.run_config, "backend_requested": run.args.backend, "data_source": run.corpus.source,
+         "num_params": run.n_params, "comm": run.comm.name,
+         "resumed_from_step": run.start - 1 if run.resume is not None else None}, indent=2) + "\n")
 
-    if resume is None:
-        val_loss_init = evaluate()  # ~ ln V before training
 
-    def checkpoint(step):  # every rank takes the state (a collective under ZeRO); rank 0 writes it
-        state = dp.state_dict()
-        if rank == 0:
-            save_checkpoint(ckpt_path, state, run_config,
-                            {"step": step, "sampler": train_batches.state(),
-                             "sample_rng": sample_rng.bit_generator.state, "val_loss_init": val_loss_init})
+def next_batch(run: Run) -> tuple:
+    """The next step's (x, y), this rank's rows: with --grad-accum K, those of K global batches, stacked."""
+    # each global batch: B windows of T bytes, and the next byte after each position as the target, (B, T) int32
+    micro = [next(run.train_batches) for _ in range(run.args.grad_accum)]
+    x = np.concatenate([xb[run.rows] for xb, _ in micro])
+    y = np.concatenate([yb[run.rows] for _, yb in micro])
+    return x, y
 
-    t_start = time.perf_counter()
-    log = open(log_path, "w") if rank == 0 else None
-    try:
-        with tqdm(range(start, steps + 1), initial=start - 1, total=steps, desc="train", unit="step",
-                  disable=args.no_progress or rank != 0, file=sys.stderr) as bar:
-            if log is not None:
-                log.writelines(json.dumps(r) + "\n" for r in records)
-            for step in bar:
-                t0 = time.perf_counter()
-                c0, e0 = dp.comm_seconds, dp.comm_exposed_seconds
-                # 5a. a batch of B windows of T bytes, and the next byte after each position as the target
-                # (B, T) int32 each: the global batch, of which this rank takes its rows; with --grad-accum K, K of
-                # them, this rank's rows of each stacked as the K micro-batches of one update
-                micro = [next(train_batches) for _ in range(args.grad_accum)]
-                x = np.concatenate([xb[rows] for xb, _ in micro])
-                y = np.concatenate([yb[rows] for _, yb in micro])
-                # 5b. one step: forward (the mean cross-entropy, nats per byte), backward, the gradients averaged over
-                #     the ranks, clip the global gradient norm, AdamW at the scheduled learning rate (fp16: skipped on
-                #     inf/NaN gradients)
-                step_lr = lr_schedule(step - 1, lr, warmup, steps, min_lr)
-                res = dp.train_step(x, y, lr=step_lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                                    micro_batches=args.grad_accum)
-                loss = float(res["loss"])
-                if not math.isfinite(loss):
-                    raise RuntimeError(f"loss is {loss} at step {step}: training diverged; try a lower --lr")
-                dt = time.perf_counter() - t0
-                if W > 1:  # the slowest rank's time is the step's
-                    dt = float(comm.all_reduce_scalars([dt], op="max")[0])
-                # 5c. log; evaluate on the held-out split every eval_every steps and after the last one
-                grad_norm = float(res["grad_norm"])
-                record = {"step": step, "loss": loss, "lr": step_lr,
-                          "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-                          "skipped": bool(res.get("skipped", False)), "tokens_per_s": args.grad_accum * B * T / dt}
-                if "scale" in res:
-                    record["scale"] = float(res["scale"])
-                if W > 1:  # in flight, and the part of it the step waited for (all of it unless overlapped)
-                    record["comm_s"] = dp.comm_seconds - c0
-                    record["comm_exposed_s"] = dp.comm_exposed_seconds - e0
-                if (args.eval_every > 0 and step % args.eval_every == 0) or step == steps:
-                    record["val_loss"] = evaluate()
-                    if rank == 0:
-                        bar.write(f"step {step:5d} | train loss {loss:.4f} | val loss {record['val_loss']:.4f}",
-                                  file=sys.stderr)
-                records.append(record)
-                if log is not None:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                # 5d. checkpoint every checkpoint_every steps and after the last one
-                if (args.checkpoint_every > 0 and step % args.checkpoint_every == 0) or step == steps:
-                    checkpoint(step)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-        if W > 1:
-            dp.check_replicas()
-    finally:
-        if log is not None:
-            log.close()
-    train_time = time.perf_counter() - t_start
 
-    # -------------------------------------------------------------------------
-    # 6. results: loss curve, a text sample, the summary (rank 0 writes them)
-    if rank == 0:
-        fig = plot_loss([{"step": 0, "val_loss": val_loss_init}] + records, out / "loss.png", entropy=entropy)
+def step_record(run: Run, step: int, step_lr: float, res: dict, t0: float, comm0: tuple) -> dict:
+    """A step's log record from train_step's result `res`, t0 and comm0 taken as it began (non-finite loss: raise)."""
+    loss = float(res["loss"])
+    if not math.isfinite(loss):
+        raise RuntimeError(f"loss is {loss} at step {step}: training diverged; try a lower --lr")
+    dt = time.perf_counter() - t0
+    if run.W > 1:  # the slowest rank's time is the step's
+        dt = float(run.comm.all_reduce_scalars([dt], op="max")[0])
+    grad_norm = float(res["grad_norm"])
+    record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+              "skipped": bool(res.get("skipped", False)), "tokens_per_s": run.args.grad_accum * run.B * run.T / dt}
+    if "scale" in res:
+        record["scale"] = float(res["scale"])
+    if run.W > 1:  # in flight, and the part of it the step waited for (all of it unless overlapped)
+        record["comm_s"] = run.dp.comm_seconds - comm0[0]
+        record["comm_exposed_s"] = run.dp.comm_exposed_seconds - comm0[1]
+    return record
+
+
+def log_record(run: Run, log, record: dict) -> None:
+    """Keep a step's record, and on rank 0 (log: the open log.jsonl) append it to the log, flushed."""
+    run.records.append(record)
+    if log is not None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+
+def due(every: int, step: int, steps: int) -> bool:
+    """Whether an every-N-steps event (evaluation, checkpoint) falls on `step`: every N steps (0: none) and the last."""
+    return (every > 0 and step % every == 0) or step == steps
+
+
+def val_loss(run: Run) -> float:
+    """The mean loss over the val batches (each rank its rows, averaged over the ranks)."""
+    return float(np.mean([run.dp.eval_loss(x[run.rows], y[run.rows]) for x, y in run.val_batches]))
+
+
+def checkpoint(run: Run, step: int) -> None:
+    """Write the checkpoint of `step`: every rank takes the state (a collective under ZeRO), rank 0 writes it."""
+    state = run.dp.state_dict()
+    if run.rank == 0:
+        save_checkpoint(run.ckpt_path, state, run.run_config,
+                        {"step": step, "sampler": run.train_batches.state(),
+                         "sample_rng": run.sample_rng.bit_generator.state, "val_loss_init": run.val_loss_init})
+
+
+def plot_losses(run: Run) -> None:
+    """Rank 0: loss.png, the train and val loss with the byte-unigram entropy as the bar to beat."""
+    from .viz import plot_loss
+
+    if run.rank == 0:
+        fig = plot_loss([{"step": 0, "val_loss": run.val_loss_init}] + run.records, run.out / "loss.png",
+                        entropy=run.entropy)
         import matplotlib.pyplot as plt
 
         plt.close(fig)
-    if args.sample_tokens > 0 and rank == 0:
-        ids = generate(eng.next_logits, cfg.block_size, args.prompt, args.sample_tokens, args.temperature,
-                       args.top_k, rng=sample_rng)
+
+
+def write_sample(run: Run) -> None:
+    """Rank 0, --sample-tokens > 0: generate text with the trained model, print it and write sample.txt."""
+    args = run.args
+    if args.sample_tokens > 0 and run.rank == 0:
+        ids = generate(run.eng.next_logits, run.cfg.block_size, args.prompt, args.sample_tokens, args.temperature,
+                       args.top_k, rng=run.sample_rng)
         text = decode(np.where(ids < 256, ids, ord("?")))  # ids >= 256 exist only with a vocab above 256
-        (out / "sample.txt").write_text(text, encoding="utf-8")
+        (run.out / "sample.txt").write_text(text, encoding="utf-8")
         print(f"--- sample ({args.sample_tokens} bytes, temperature {args.temperature}) ---\n{text}\n---")
+
+
+def summarize(run: Run, train_time: float) -> dict:
+    """The run's summary: settings, losses, time, tokens/s, and the optimizer and gradient bytes per rank."""
+    args, records, mem, dp = run.args, run.records, run.mem, run.dp
     val_loss = records[-1]["val_loss"]
-    n_trained = steps - start + 1  # steps trained by this process
-    summary = {
-        "preset": args.preset, "backend": backend, "precision": args.precision, "checkpointing": args.checkpointing,
-        "steps": steps, "num_params": n_params, "resumed_from_step": start - 1 if resume is not None else None,
+    n_trained = run.steps - run.start + 1  # steps trained by this process
+    return {
+        "preset": args.preset, "backend": run.backend, "precision": args.precision, "checkpointing": args.checkpointing,
+        "steps": run.steps, "num_params": run.n_params,
+        "resumed_from_step": run.start - 1 if run.resume is not None else None,
         "train_loss_first": records[0]["loss"], "train_loss_last": records[-1]["loss"],
-        "val_loss_init": val_loss_init, "val_loss": val_loss, "unigram_entropy": entropy,
-        "beats_unigram": val_loss < entropy, "skipped_steps": sum(r.get("skipped", False) for r in records),
-        "time_s": train_time, "tokens_per_s": n_trained * B * T / train_time,
-        "world_size": W, "comm": comm.name, "zero": args.zero, "overlap": args.overlap,
+        "val_loss_init": run.val_loss_init, "val_loss": val_loss, "unigram_entropy": run.entropy,
+        "beats_unigram": val_loss < run.entropy, "skipped_steps": sum(r.get("skipped", False) for r in records),
+        "time_s": train_time, "tokens_per_s": n_trained * run.B * run.T / train_time,
+        "world_size": run.W, "comm": run.comm.name, "zero": args.zero, "overlap": args.overlap,
         "offload_optimizer": bool(args.offload_optimizer),
         "optimizer_bytes_per_rank": [int(v) for v in mem[:, 0]], "optimizer_bytes_full": int(mem[0, 1]),
         "gradient_bytes_per_rank": [int(v) for v in mem[:, 2]], "gradient_bytes_full": int(mem[0, 3]),
         "gradient_buckets": len(dp.buckets) if dp.buckets is not None else None,
         "buckets_started_during_backward": dp.buckets.started_early if dp.buckets is not None else None,
-        "out": str(out), "checkpoint": str(ckpt_path),
+        "out": str(run.out), "checkpoint": str(run.ckpt_path),
     }
-    if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    say(f"done: {steps} steps" + (f" ({n_trained} after resuming at step {start - 1})" if resume else "") +
-        (f" on {W} ranks" if W > 1 else "") +
-        f" in {train_time:.1f} s ({summary['tokens_per_s']:,.0f} tokens/s) | "
-        f"train loss {summary['train_loss_first']:.4f} -> {summary['train_loss_last']:.4f} | "
-        f"val loss {val_loss:.4f} (at init {val_loss_init:.4f}) | byte-unigram entropy {entropy:.4f} "
-        f"({'beaten' if val_loss < entropy else 'NOT beaten'})" + (" | replicas identical (checksum)" if W > 1 else "")
-        + f" | output in {out}")
-    return summary
+
+
+def say_done(run: Run, summary: dict) -> None:
+    """The run's last line: steps, time, tokens/s, the losses against the bar to beat, where the output is."""
+    n_trained, W, val_loss, entropy = run.steps - run.start + 1, run.W, summary["val_loss"], run.entropy
+    run.say(f"done: {run.steps} steps" + (f" ({n_trained} after resuming at step {run.start - 1})" if run.resume
+                                          else "") + (f" on {W} ranks" if W > 1 else "") +
+            f" in {summary['time_s']:.1f} s ({summary['tokens_per_s']:,.0f} tokens/s) | "
+            f"train loss {summary['train_loss_first']:.4f} -> {summary['train_loss_last']:.4f} | "
+            f"val loss {val_loss:.4f} (at init {summary['val_loss_init']:.4f}) | byte-unigram entropy {entropy:.4f} "
+            f"({'beaten' if val_loss < entropy else 'NOT beaten'})" +
+            (" | replicas identical (checksum)" if W > 1 else "") + f" | output in {run.out}")
 
 
 def cli(argv=None) -> None:
