@@ -39,12 +39,14 @@ setup: $(SETUP)
 train: $(SETUP)
 	$(PY) -m gpullm_lessons.train $(ARGS)
 
-## test        unit tests + every lesson run in JupyterLab in headless Chromium + solutions under nbval + grading
+## test        unit tests + every lesson run in JupyterLab in headless Chromium + every solution run and graded
 # The lessons of notebooks/ run in the browser test (tests/test_browser.py) instead of under nbval: it runs every
 # cell too and also checks what a learner sees (figures, widgets, stderr); running them twice would cost CI minutes.
+# The solutions run once, in the grader (tests/test_repo_notebooks.py): every cell, no error, every task correct
+# (`make notebooks` runs them under nbval as well).
 # Without Chromium the browser test skips and the lessons run under nbval (CI sets GPULLM_REQUIRE_BROWSER=1: fails).
 test: lint
-	$(PYTEST) -q --durations=25 $(XDIST) $(NBVAL) tests solutions $(BROWSER_OR_NBVAL)
+	$(PYTEST) -q --durations=25 $(XDIST) $(NBVAL) tests $(BROWSER_OR_NBVAL)
 
 ## lint        ruff: the linter over the package, kernels, tests and lab/; the formatter's check over RUFF_FORMATTED
 # (the modules formatted with `ruff format` so far; a module joins the list when it is next reworked, so that a

@@ -49,10 +49,15 @@ def test_the_course_has_the_task_counts_it_promises():
 
 def test_solutions_score_full_and_fresh_exercises_score_zero():
     """Every task of the instructor's notebooks gets a verdict. Without a GPU, CuPy tasks are 'skipped' and HIP
-    tasks 'compiled' (both left out of the total); on a GPU every task is scored."""
+    tasks 'compiled' (both left out of the total); on a GPU every task is scored. This is also where `make test`
+    runs the solutions: the grader runs every cell of each (its checker cells through the grader's own calls), and
+    none may end in an error or a timeout."""
     expected = len(course_tasks())
     allowed = {"correct"} | (set() if device.has_gpu() else {"skipped", "compiled"})
     solved = grade(ROOT / "solutions", timeout=900, workers=2)     # two notebooks at a time (also tests workers=)
+    assert sorted(nb.notebook for nb in solved.notebooks) == sorted(p.name for p in (ROOT / "solutions").glob("*.ipynb"))
+    ran_badly = {nb.notebook: (nb.failure, nb.cell_errors) for nb in solved.notebooks if nb.failure or nb.cell_errors}
+    assert not ran_badly, ran_badly
     assert len(solved.tasks) == expected and solved.score == solved.total > 0, solved.format()
     assert {row.status for row in solved.tasks} <= allowed, solved.format()
     print(solved.format())
