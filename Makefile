@@ -52,13 +52,13 @@ test: lint
 # (the modules formatted with `ruff format` so far; a module joins the list when it is next reworked, so that a
 # formatting-only diff never hides a change of the code the lessons print)
 RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/viz gpullm_lessons/contracts \
-	gpullm_lessons/backends gpullm_lessons/verdict.py gpullm_lessons/timing.py tests/test_train_ranks.py tests/test_containers.py \
-	tests/test_import_graph.py tests/test_kernel_names.py gpullm_lessons/sanitize.py tests/test_sanitize.py tests/test_viz.py tests/test_checks_verdict.py \
+	gpullm_lessons/backends gpullm_lessons/checks/verdict.py gpullm_lessons/bench/timing.py tests/test_train_ranks.py tests/test_containers.py \
+	tests/test_import_graph.py tests/test_kernel_names.py gpullm_lessons/bench/sanitize.py tests/test_sanitize.py tests/test_viz.py tests/test_checks_verdict.py \
 	tests/test_slurm.py tests/test_slurm_env.py
-RUFF_FORMATTED += gpullm_lessons/classroom.py tests/test_class.py
+RUFF_FORMATTED += gpullm_lessons/classroom/gradebook.py tests/test_class.py
 RUFF_FORMATTED += tests/test_checkpointing_sqrt.py
 RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
-RUFF_FORMATTED += gpullm_lessons/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py gpullm_lessons/borrowed.py \
+RUFF_FORMATTED += gpullm_lessons/bench/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py gpullm_lessons/checks/borrowed.py \
 	tests/test_borrowed.py tests/test_wheel_class.py
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_int8.py tests/test_offload.py
 RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
@@ -83,13 +83,13 @@ notebooks: $(SETUP)
 ##              every solution at GPU sizes, in parallel processes over the one GPU (fails without a GPU); writes
 ##              runs/gpu-test/summary.json and one line per failure (ARGS="--workers 8" or ARGS="-- -k flash")
 gpu-test: $(SETUP)
-	$(PY) -m gpullm_lessons.gpu_suite $(ARGS)
+	$(PY) -m gpullm_lessons.bench.gpu_suite $(ARGS)
 
 ## sanitize    NVIDIA GPU: the kernel tests under compute-sanitizer (memcheck, racecheck), one test file per part
-##              (ARGS="--tools initcheck --files tests/test_hip_flash.py"; --jobs, --chunk, --shard, --out: see sanitize.py)
+##              (ARGS="--tools initcheck --files tests/test_hip_flash.py"; --jobs, --chunk, --shard, --out: see bench/sanitize.py)
 sanitize: $(SETUP)
 	$(PY) -c "from gpullm_lessons import device; device.require_gpu('make sanitize')"
-	$(PY) -m gpullm_lessons.sanitize $(ARGS)
+	$(PY) -m gpullm_lessons.bench.sanitize $(ARGS)
 
 ## bench       GPU: every kernel version beside PyTorch -> runs/bench_kernels.json and runs/roofline.png
 bench: $(SETUP)
@@ -133,4 +133,4 @@ clean:
 
 ## clean-notebooks  strip outputs and odd metadata from notebooks/ and solutions/ (tests require it)
 clean-notebooks: $(SETUP)
-	$(PY) -c "import sys, glob; from gpullm_lessons.exercises import strip_outputs; [print('cleaned', p) for p in sorted(glob.glob('notebooks/*.ipynb') + glob.glob('solutions/*.ipynb')) if strip_outputs(p)]"
+	$(PY) -c "import sys, glob; from gpullm_lessons.classroom.exercises import strip_outputs; [print('cleaned', p) for p in sorted(glob.glob('notebooks/*.ipynb') + glob.glob('solutions/*.ipynb')) if strip_outputs(p)]"

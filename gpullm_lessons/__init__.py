@@ -11,7 +11,7 @@ from pathlib import Path as _Path
 from . import device as device
 
 if device.configure().simulator:   # give the CUDA simulator warp shuffles (patched when numba loads it)
-    from . import simwarp as _simwarp
+    from .runtime import simwarp as _simwarp
     _simwarp.install()
 
 __version__ = "0.1.0"

@@ -30,25 +30,25 @@ def main(argv=None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "doctor":
-        from . import doctor
+        from .runtime import doctor
         return doctor.main(rest)
     if cmd == "start":
-        from . import classroom
+        from .classroom import gradebook as classroom
         return classroom.start_main(rest)
     if cmd == "submit":
-        from . import handin
+        from .classroom import handin
         return handin.main(rest)
     if cmd == "grade" and any(a == "--class" or a.startswith("--class=") for a in rest):
-        from . import classroom
+        from .classroom import gradebook as classroom
         return classroom.grade_main(rest)
     if cmd == "grade":
-        from . import grading
+        from .classroom import grading
         return grading.main(rest)
     if cmd == "exercises":
-        from . import exercises
+        from .classroom import exercises
         return exercises.main(rest)
     if cmd == "leaks":
-        from . import leaks
+        from .classroom import leaks
         return leaks.main(rest)
     if cmd == "train":
         from . import train

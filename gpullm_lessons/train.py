@@ -31,7 +31,7 @@ update) and, on evaluation steps, the val loss measured after its update. --resu
 checkpoint's step + 1 with the same LR schedule and the same batches, so on the same backend its losses equal an
 uninterrupted run's; log.jsonl keeps the records up to the checkpoint's step and the new ones are appended.
 
-Started on N ranks (python -m gpullm_lessons.launch --nproc N -- ..., or mpirun -n N python -m gpullm_lessons.train),
+Started on N ranks (python -m gpullm_lessons.parallel.launch --nproc N -- ..., or mpirun -n N python -m gpullm_lessons.train),
 the same job is data parallel (lesson 10): see train().
 """
 from __future__ import annotations
@@ -56,9 +56,9 @@ for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 from . import engine  # noqa: E402
-from .params import PRESETS  # noqa: E402,F401 - the presets live with the config; --preset reads them here
+from .model.params import PRESETS  # noqa: E402,F401 - the presets live with the config; --preset reads them here
 from .data import BatchSampler, byte_unigram_entropy, decode, encode, load_corpus  # noqa: E402
-from .optim import lr_schedule  # noqa: E402
+from .model.optim import lr_schedule  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # config: what the command line accepts (the model presets are params.PRESETS: L, nh, C, T, B and the learning rate)
@@ -82,7 +82,7 @@ class ConfigError(ValueError):
 def _policy_flag(value: str) -> str:
     """--checkpointing's value, its spelling checked (none | selective | full | sqrt | sqrt:K); K against the model's
     n_layer later, in settings()."""
-    from .checkpointing import parse_policy
+    from .model.checkpointing import parse_policy
 
     if value.partition(":")[0] not in POLICIES:  # worded as argparse words an unknown choice
         raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(POLICIES)}, sqrt:K)")
@@ -273,7 +273,7 @@ def describe_backend(eng) -> str:
 def main(argv=None, comm=None) -> dict:
     """Run training with command-line arguments `argv` (None: sys.argv). Returns the summary dict.
 
-    The same job on one process and on N ranks (python -m gpullm_lessons.launch --nproc N -- ..., or mpirun -n N
+    The same job on one process and on N ranks (python -m gpullm_lessons.parallel.launch --nproc N -- ..., or mpirun -n N
     python -m gpullm_lessons.train ...: WORLD_SIZE / OMPI_COMM_WORLD_SIZE > 1): see train(). comm: a communicator
     to run on (default: the one the environment describes, comm.from_env)."""
     args = build_parser().parse_args(argv)
@@ -289,7 +289,7 @@ def communicator(backend: str):
     """The communicator of this process: one rank (comm.SingleComm) unless the environment says WORLD_SIZE > 1,
     then MPI ranks for the NumPy engine and NCCL (or MPI) for the GPU ones (comm.from_env); ConfigError names what
     is missing."""
-    from .comm import CommError, SingleComm, env_world, from_env
+    from .parallel.comm import CommError, SingleComm, env_world, from_env
 
     if env_world()[1] == 1:
         return SingleComm()
@@ -303,7 +303,7 @@ def settings(args: argparse.Namespace) -> tuple:
     """The preset overridden by the flags, every setting checked before any work (ConfigError names the problem).
 
     Returns (preset: GPTConfig fields, B, T, lr, backend with "auto" resolved)."""
-    from .checkpointing import parse_policy
+    from .model.checkpointing import parse_policy
 
     preset = dict(PRESETS[args.preset])
     for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
@@ -476,7 +476,7 @@ def run_steps(run: Run) -> float:
 
 def new_run(args: argparse.Namespace, comm=None) -> Run:
     """The run's settings: the preset overridden by the flags, the ranks, every flag and combination checked."""
-    from .params import GPTConfig
+    from .model.params import GPTConfig
 
     preset, B, T, lr, backend = settings(args)
     comm = communicator(backend) if comm is None else comm
@@ -576,7 +576,7 @@ def build_engine(run: Run) -> None:
     # the engine holds the GPT's flat fp32 buffers (params, grads, AdamW's m and v) on its backend; on several ranks
     # DataParallel combines the ranks' gradients (one rank: the engine's own step)
     from .parallel import DataParallel
-    from .params import num_params
+    from .model.params import num_params
 
     args = run.args
     try:

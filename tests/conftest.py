@@ -13,7 +13,7 @@ import gpullm_lessons  # noqa: E402,F401  (must precede any numba import)
 from gpullm_lessons import device  # noqa: E402
 
 if os.environ.get("GPULLM_CUPY_POOL") == "off" and device.has_gpu():
-    # make sanitize (gpullm_lessons/sanitize.py): one cudaMalloc per CuPy array instead of the memory pool, so that
+    # make sanitize (gpullm_lessons/bench/sanitize.py): one cudaMalloc per CuPy array instead of the memory pool, so that
     # compute-sanitizer's memcheck sees a read past an array's end
     import cupy as _cp
 
@@ -78,7 +78,7 @@ def require_tool(name: str):
 def solution_cells(nb):
     """(index, source) of the code cells a test runs to get a solution notebook's functions: not the checker
     cells (the tests make their own calls) and not the `viz.show_kernel` cells (drawing is not under test there)."""
-    from gpullm_lessons.grading import checker_only_cells
+    from gpullm_lessons.classroom.grading import checker_only_cells
     skip = checker_only_cells(nb)
     return [(i, c.source) for i, c in enumerate(nb.cells)
             if c.cell_type == "code" and i not in skip and "show_kernel(" not in c.source]

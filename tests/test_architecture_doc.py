@@ -28,7 +28,7 @@ def test_every_launcher_module_named_exists():
 def test_every_checker_is_defined_where_the_table_says():
     found = 0
     for row in _table_rows():
-        for group in re.finditer(r"((?:`check_\w+`(?:, )?)+) \(`(checks\w*\.py)`\)", row[4]):
+        for group in re.finditer(r"((?:`check_\w+`(?:, )?)+) \(`(checks/\w+\.py)`\)", row[4]):
             source = (ROOT / "gpullm_lessons" / group.group(2)).read_text()
             for name in re.findall(r"`(check_\w+)`", group.group(1)):
                 assert re.search(rf"^(def {name}\(|{name} = _checker\()", source, re.M), \
@@ -38,7 +38,7 @@ def test_every_checker_is_defined_where_the_table_says():
 
 
 def test_benchmark_cases_and_tasks_exist():
-    bench = (ROOT / "gpullm_lessons" / "bench.py").read_text()
+    bench = (ROOT / "gpullm_lessons" / "bench" / "kernels.py").read_text()
     cases = set(re.findall(r'Case\("(\w+)"', bench))
     solutions = "".join(p.read_text() for p in (ROOT / "solutions").glob("*.ipynb"))
     tasks = set(re.findall(r"### Task (\d\d\.\d)", solutions))
@@ -49,3 +49,24 @@ def test_benchmark_cases_and_tasks_exist():
             lo, hi = a, b or a
             span = [f"{lo[:3]}{k}" for k in range(int(lo[3:]), int(hi[3:]) + 1)]
             assert set(span) <= tasks, (row[0], span)
+
+
+def test_the_top_of_the_package_is_the_architecture_by_folder():
+    """gpullm_lessons/ holds a dozen entries grouped by role, each named in the paragraph under the layer table; the
+    grouping packages' __init__.py only list their modules (no second import path for anything)."""
+    import ast
+
+    entries = sorted(p.name for p in (ROOT / "gpullm_lessons").iterdir() if p.name not in ("__pycache__", "__init__.py",
+                                                                                              "__main__.py"))
+    assert len(entries) <= 15, entries
+    top = DOC[DOC.index("The top of `gpullm_lessons/`"):]
+    top = top[:top.index("\n\n")]
+    named = [e for e in entries if f"`{e}/`" in top or f"`{e}`" in top]
+    assert named == entries, f"not named under the layer table: {sorted(set(entries) - set(named))}"
+    for pkg in ("model", "runtime", "bench", "checks", "classroom"):
+        body = ast.parse((ROOT / "gpullm_lessons" / pkg / "__init__.py").read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{pkg}/__init__.py does more than list its modules"
+        listed = ast.get_docstring(ast.Module(body=body, type_ignores=[]))
+        modules = sorted(p.stem for p in (ROOT / "gpullm_lessons" / pkg).glob("*.py") if not p.stem.startswith("__"))
+        missing = [m for m in modules if not re.search(rf"^\s*{m}\b", listed, re.M)]
+        assert not missing, f"{pkg}/__init__.py does not list {missing}"

@@ -1,7 +1,7 @@
 """Every backend's launchers pass the op's checker (NumPy here; Numba and HIP in tests/test_kernels_*.py)."""
 import pytest
 
-from gpullm_lessons import checks
+from gpullm_lessons.checks import backward as checks
 from gpullm_lessons.backends import numpy as np_backend
 
 OPS = ["linear", "softmax", "layernorm", "gelu", "crossentropy", "attention", "encoder", "residual"]

@@ -9,11 +9,11 @@ were timed before validation existed: a strict xfail lists them until they are r
 import numpy as np
 import pytest
 
-from gpullm_lessons import bench, stored
-from gpullm_lessons import bench_train as bt
+from gpullm_lessons.bench import kernels as bench, stored
+from gpullm_lessons.bench import train_step as bt
 from gpullm_lessons import engine
-from gpullm_lessons.optim import adamw_update
-from gpullm_lessons.params import GPTConfig
+from gpullm_lessons.model.optim import adamw_update
+from gpullm_lessons.model.params import GPTConfig
 
 
 @pytest.fixture(scope="module")

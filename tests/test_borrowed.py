@@ -1,4 +1,4 @@
-"""Borrowed answers (gpullm_lessons/borrowed.py): a graded answer that is, aliases, wraps or calls the course's own
+"""Borrowed answers (gpullm_lessons/checks/borrowed.py): a graded answer that is, aliases, wraps or calls the course's own
 implementation of its task is wrong, with a verdict that names what it borrowed; a right answer that uses the course's
 other helpers (11.3 launches the course's delta and dK/dV kernels around its own dQ kernel) stays correct.
 
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from conftest import solution_namespace
 
-from gpullm_lessons import borrowed, device
-from gpullm_lessons.checks_flash import check_flash_attention_backward, check_flash_attention_forward
-from gpullm_lessons.checks_scale import check_bucket_assignment, check_quantize_blockwise
+from gpullm_lessons.checks import borrowed
+from gpullm_lessons import device
+from gpullm_lessons.checks.flash import check_flash_attention_backward, check_flash_attention_forward
+from gpullm_lessons.checks.scale import check_bucket_assignment, check_quantize_blockwise
 
 numba_ok = pytest.mark.skipif(not device.numba_available(), reason="needs Numba (GPU or simulator)")
 FLASH = "gpullm_lessons.kernels.numba.flash"
@@ -60,7 +61,7 @@ def test_the_solutions_using_other_course_kernels_stay_correct():
 
 
 def test_12_2_and_12_3_borrowed_answers_are_wrong_right_ones_correct():
-    from gpullm_lessons import quant
+    from gpullm_lessons.model import quant
     from gpullm_lessons.parallel import buckets
 
     ns = solution_namespace("12_memory")
@@ -73,7 +74,7 @@ def test_12_2_and_12_3_borrowed_answers_are_wrong_right_ones_correct():
     ]
     for q, dq in answers:
         r = check_quantize_blockwise(q, dq, task="12.2", quiet=True)
-        assert r.status == "wrong" and "gpullm_lessons.quant." in r.message, r.message
+        assert r.status == "wrong" and "gpullm_lessons.model.quant." in r.message, r.message
 
     def helper(sizes, limit):
         return buckets.assign_buckets(sizes, limit)
@@ -84,12 +85,12 @@ def test_12_2_and_12_3_borrowed_answers_are_wrong_right_ones_correct():
 
 
 def test_what_the_detector_follows_and_what_it_leaves():
-    from gpullm_lessons import quant
+    from gpullm_lessons.model import quant
 
-    own = ["gpullm_lessons.quant:quantize_blockwise"]
+    own = ["gpullm_lessons.model.quant:quantize_blockwise"]
 
     def inner_import(x, block):
-        from gpullm_lessons.quant import quantize_blockwise as qb
+        from gpullm_lessons.model.quant import quantize_blockwise as qb
 
         return qb(x, block)
 
@@ -102,16 +103,17 @@ def test_what_the_detector_follows_and_what_it_leaves():
     def uses_other_helpers(x, block):
         return quant.dequantize_blockwise(*quant.quantize_blockwise.__name__, block)  # reads an attribute only
 
-    assert borrowed.uses_own([inner_import], own) == "gpullm_lessons.quant.quantize_blockwise"
+    assert borrowed.uses_own([inner_import], own) == "gpullm_lessons.model.quant.quantize_blockwise"
     assert borrowed.uses_own([uses_own_name], own) is None
     assert borrowed.uses_own([lambda x, b: quant.dequantize_blockwise(x, b)], own) is None
-    assert borrowed.uses_own([uses_other_helpers], own) == "gpullm_lessons.quant.quantize_blockwise"  # static: named
+    named = borrowed.uses_own([uses_other_helpers], own)  # static: named
+    assert named == "gpullm_lessons.model.quant.quantize_blockwise"
 
 
 def test_lesson_01_answers_taken_from_the_reference_are_wrong():
     """01.1: the NumPy reference of lesson 01 (gpullm_lessons.reference) holds the answer; wrapping it is borrowing.
     The ops' own implementations are found by name (the reference, the Numba launcher and its versions)."""
-    from gpullm_lessons.checks import check_gelu_backward
+    from gpullm_lessons.checks.backward import check_gelu_backward
 
     assert "gpullm_lessons.reference.gelu:gelu_backward" in borrowed.course_implementations("gelu_backward")
     assert "gpullm_lessons.kernels.numba.gelu:gelu_backward_v1" in borrowed.course_implementations("gelu_backward")
@@ -133,24 +135,24 @@ def test_lesson_01_answers_taken_from_the_reference_are_wrong():
 @pytest.mark.parametrize(
     "module, check, spec",
     [
-        ("checks_train", "check_lr_schedule", "gpullm_lessons.optim:lr_schedule"),
-        ("checks_train", "check_clip_coef", "gpullm_lessons.optim:clip_coefficient"),
-        ("checks_memory", "check_layernorm_rebuild", "gpullm_lessons.checkpointing:_layernorm_out"),
-        ("checks_memory", "check_layernorm_rebuild", "gpullm_lessons.reference.layernorm:layernorm_forward"),
-        ("checks_memory", "check_selective_rebuild", "gpullm_lessons.checkpointing:_rebuild_selective"),
-        ("checks_parallel", "check_ring_allreduce_sim", "gpullm_lessons.parallel.ring:ring_allreduce_sim"),
-        ("checks_parallel", "check_shard_bounds", "gpullm_lessons.parallel.data_parallel:shard_bounds"),
-        ("checks_parallel", "check_shard_decay_table", "gpullm_lessons.optim:shard_decay_table"),
-        ("checks_parallel", "check_zero_reduce_scatter", "gpullm_lessons.parallel.ring:ring_allreduce"),
-        ("checks_optim", "check_adamw_step", "gpullm_lessons.optim:adamw_update"),
-        ("checks_optim", "check_adamw_mixed", "gpullm_lessons.kernels.numba.adamw:adamw_step"),
-        ("checks_precision", "check_bf16_rne", "gpullm_lessons.reference.rounding:f32_to_bf16_bits"),
-        ("checks_precision", "check_loss_scaler_update", "gpullm_lessons.precision:DynamicLossScaler"),
-        ("checks_precision", "check_bf16_kernel", "gpullm_lessons.kernels.numba.convert:f32_to_bf16"),
-        ("checks_capstone", "check_engine_linear_backward", "gpullm_lessons.engine.gpu:GPUEngine._linear_backward"),
-        ("checks_capstone", "check_block_forward", "gpullm_lessons.reference.gpt:block_forward"),
-        ("checks_capstone", "check_block_backward", "gpullm_lessons.engine.gpu:GPUEngine._block_backward"),
-        ("checks_capstone", "check_optimizer_step", "gpullm_lessons.engine.core:Engine.update"),
+        ("checks.train", "check_lr_schedule", "gpullm_lessons.model.optim:lr_schedule"),
+        ("checks.train", "check_clip_coef", "gpullm_lessons.model.optim:clip_coefficient"),
+        ("checks.memory", "check_layernorm_rebuild", "gpullm_lessons.model.checkpointing:_layernorm_out"),
+        ("checks.memory", "check_layernorm_rebuild", "gpullm_lessons.reference.layernorm:layernorm_forward"),
+        ("checks.memory", "check_selective_rebuild", "gpullm_lessons.model.checkpointing:_rebuild_selective"),
+        ("checks.parallel", "check_ring_allreduce_sim", "gpullm_lessons.parallel.ring:ring_allreduce_sim"),
+        ("checks.parallel", "check_shard_bounds", "gpullm_lessons.parallel.data_parallel:shard_bounds"),
+        ("checks.parallel", "check_shard_decay_table", "gpullm_lessons.model.optim:shard_decay_table"),
+        ("checks.parallel", "check_zero_reduce_scatter", "gpullm_lessons.parallel.ring:ring_allreduce"),
+        ("checks.optim", "check_adamw_step", "gpullm_lessons.model.optim:adamw_update"),
+        ("checks.optim", "check_adamw_mixed", "gpullm_lessons.kernels.numba.adamw:adamw_step"),
+        ("checks.precision", "check_bf16_rne", "gpullm_lessons.reference.rounding:f32_to_bf16_bits"),
+        ("checks.precision", "check_loss_scaler_update", "gpullm_lessons.model.precision:DynamicLossScaler"),
+        ("checks.precision", "check_bf16_kernel", "gpullm_lessons.kernels.numba.convert:f32_to_bf16"),
+        ("checks.capstone", "check_engine_linear_backward", "gpullm_lessons.engine.gpu:GPUEngine._linear_backward"),
+        ("checks.capstone", "check_block_forward", "gpullm_lessons.reference.gpt:block_forward"),
+        ("checks.capstone", "check_block_backward", "gpullm_lessons.engine.gpu:GPUEngine._block_backward"),
+        ("checks.capstone", "check_optimizer_step", "gpullm_lessons.engine.core:Engine.update"),
     ],
 )
 def test_borrowed_answers_to_the_other_checkers_are_wrong_and_named(module, check, spec):
@@ -173,7 +175,7 @@ def test_borrowed_answers_to_the_other_checkers_are_wrong_and_named(module, chec
 def test_09_borrowed_through_the_engine_class_and_training_step():
     """GPUEngine._block_forward read off the class (engine.GPUEngine) is seen; 09.6 asks about all three functions."""
     from gpullm_lessons import engine
-    from gpullm_lessons.checks_capstone import check_block_forward, check_training_step
+    from gpullm_lessons.checks.capstone import check_block_forward, check_training_step
 
     def block_forward(eng, x, l, B, T):
         return engine.GPUEngine._block_forward(eng, x, l, B, T, True)
@@ -188,10 +190,10 @@ def test_09_borrowed_through_the_engine_class_and_training_step():
 @pytest.mark.parametrize(
     "lesson, module, answers",
     [
-        ("09_full_training_loop", "checks_train", {"lr_schedule": "lr_at"}),
+        ("09_full_training_loop", "checks.train", {"lr_schedule": "lr_at"}),
         (
             "09_full_training_loop",
-            "checks_capstone",
+            "checks.capstone",
             {
                 "engine_linear_backward": "linear_backward",
                 "block_forward": "block_forward",
@@ -202,12 +204,12 @@ def test_09_borrowed_through_the_engine_class_and_training_step():
         ),
         (
             "08_activation_checkpointing",
-            "checks_memory",
+            "checks.memory",
             {"layernorm_rebuild": "layernorm_out", "selective_rebuild": "rebuild_block_cache"},
         ),
         (
             "10_multi_gpu",
-            "checks_parallel",
+            "checks.parallel",
             {
                 "ring_allreduce_sim": "ring_allreduce_sim",
                 "shard_bounds": "shard_bounds",
@@ -215,10 +217,10 @@ def test_09_borrowed_through_the_engine_class_and_training_step():
                 "zero_reduce_scatter": "zero_reduce_scatter",
             },
         ),
-        ("06_fused_adamw", "checks_optim", {"adamw_mixed": "adamw_step_mixed"}),
+        ("06_fused_adamw", "checks.optim", {"adamw_mixed": "adamw_step_mixed"}),
         (
             "07_mixed_precision",
-            "checks_precision",
+            "checks.precision",
             {"bf16_rne": "f32_to_bf16_bits", "loss_scaler_update": "update_scale", "bf16_kernel": "f32_to_bf16_gpu"},
         ),
     ],
@@ -235,10 +237,10 @@ def test_the_solutions_borrow_nothing(lesson, module, answers):
 
 
 def test_solution_answers_to_quick_checkers_stay_correct():
-    from gpullm_lessons.checks_memory import check_layernorm_rebuild
-    from gpullm_lessons.checks_parallel import check_shard_bounds, check_shard_decay_table
-    from gpullm_lessons.checks_precision import check_loss_scaler_update
-    from gpullm_lessons.checks_train import check_lr_schedule
+    from gpullm_lessons.checks.memory import check_layernorm_rebuild
+    from gpullm_lessons.checks.parallel import check_shard_bounds, check_shard_decay_table
+    from gpullm_lessons.checks.precision import check_loss_scaler_update
+    from gpullm_lessons.checks.train import check_lr_schedule
 
     ns9, ns8 = solution_namespace("09_full_training_loop"), solution_namespace("08_activation_checkpointing")
     ns10, ns7 = solution_namespace("10_multi_gpu"), solution_namespace("07_mixed_precision")

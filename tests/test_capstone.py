@@ -1,4 +1,4 @@
-"""The capstone of lesson 09 (gpullm_lessons.capstone, gpullm_lessons.checks_capstone).
+"""The capstone of lesson 09 (gpullm_lessons.engine.capstone, gpullm_lessons.checks.capstone).
 
 The solution's functions (read from solutions/09_full_training_loop.ipynb, so that the answer lives in one place)
 pass every checker in the simulator; each named mistake (a variant of the solution: a wrapper, or its source with one
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import gpullm_lessons  # noqa: F401  (the simulator before numba)
-from gpullm_lessons import capstone, checks_capstone as cc
-from gpullm_lessons.params import GPTConfig
+from gpullm_lessons.engine import capstone
+from gpullm_lessons.checks import capstone as cc
+from gpullm_lessons.model.params import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "09_full_training_loop.ipynb"
@@ -46,7 +47,7 @@ def sol():
 
 # ---- the float64 model the checkers compare with ---------------------------------------------------------------
 def test_block_model_is_the_reference_block():
-    from gpullm_lessons.params import init_params
+    from gpullm_lessons.model.params import init_params
     from gpullm_lessons.reference.gpt import block_backward, block_forward
 
     cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=2, n_head=2, d_model=8)

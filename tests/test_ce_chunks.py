@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import engine, train
-from gpullm_lessons.params import PRESETS, GPTConfig
+from gpullm_lessons.model.params import PRESETS, GPTConfig
 from gpullm_lessons.reference import head as ref_head
 from gpullm_lessons.reference.crossentropy import crossentropy_backward
 from gpullm_lessons.reference.head import chunk_bounds
@@ -244,7 +244,7 @@ def test_gpu_chunked_head_matches_the_unchunked_one(backend, precision, tol):
 @pytest.mark.parametrize("ce_chunks", [1, 8])
 def test_gpu_engine_memory_with_chunks_within_10_percent_of_the_pool_peak(precision, ce_chunks):
     """A vocabulary large enough for the head to be the largest phase without chunks (32768 x 8192 rows)."""
-    from gpullm_lessons.bench_train import measure_engine
+    from gpullm_lessons.bench.train_step import measure_engine
 
     cfg = GPTConfig(vocab_size=32768, block_size=256, n_layer=4, n_head=6, d_model=384)
     r = measure_engine(cfg, 32, 256, precision, "none", steps=2, ce_chunks=ce_chunks)

@@ -19,11 +19,11 @@ import pytest
 from numba import cuda, float32
 
 from gpullm_lessons import device
-from gpullm_lessons import checks_kernels as K
-from gpullm_lessons.checks import check_layernorm_backward
-from gpullm_lessons.checks_ops import check_crossentropy_online, check_layernorm_dparams
-from gpullm_lessons.checks_optim import check_adamw_mixed
-from gpullm_lessons.checks_scale import check_accumulate
+from gpullm_lessons.checks import kernels as K
+from gpullm_lessons.checks.backward import check_layernorm_backward
+from gpullm_lessons.checks.ops import check_crossentropy_online, check_layernorm_dparams
+from gpullm_lessons.checks.optim import check_adamw_mixed
+from gpullm_lessons.checks.scale import check_accumulate
 
 from conftest import solution_namespace, wrong
 

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from gpullm_lessons.checkpointing import (POLICIES, cache_bytes, gpt_backward_ckpt, gpt_forward_ckpt,
+from gpullm_lessons.model.checkpointing import (POLICIES, cache_bytes, gpt_backward_ckpt, gpt_forward_ckpt,
                                           memory_model)
-from gpullm_lessons import checkpointing as ck
-from gpullm_lessons.params import GPTConfig, init_params, num_params
+from gpullm_lessons.model import checkpointing as ck
+from gpullm_lessons.model.params import GPTConfig, init_params, num_params
 from gpullm_lessons.reference.gpt import gpt_backward, gpt_forward
 
 TINY = GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, d_model=8)
@@ -45,7 +45,7 @@ def test_one_gpt_backward():
     copies of their own: no GPT-level op (the loss, the head, the embedding) is called outside reference/gpt.py."""
     import inspect
 
-    from gpullm_lessons import precision
+    from gpullm_lessons.model import precision
     for module in (ck, precision):
         src = inspect.getsource(module)
         for op in ("crossentropy_backward", "encoder_backward", "encoder_forward", "block_backward("):

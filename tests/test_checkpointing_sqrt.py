@@ -9,10 +9,10 @@ import weakref
 import numpy as np
 import pytest
 
-from gpullm_lessons import checkpointing as ck
+from gpullm_lessons.model import checkpointing as ck
 from gpullm_lessons import engine, train
-from gpullm_lessons.arrays import to_numpy
-from gpullm_lessons.params import GPTConfig, init_params
+from gpullm_lessons.runtime.arrays import to_numpy
+from gpullm_lessons.model.params import GPTConfig, init_params
 from gpullm_lessons.reference import gpt as reference_gpt
 
 FIVE = GPTConfig(vocab_size=13, block_size=8, n_layer=5, n_head=2, d_model=8)  # segments of 2: (0,2) (2,4) (4,5)

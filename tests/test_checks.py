@@ -1,4 +1,4 @@
-"""Tests for gpullm_lessons.checks and gpullm_lessons.arrays.
+"""Tests for gpullm_lessons.checks.backward and gpullm_lessons.runtime.arrays.
 
 For every checker: a correct NumPy implementation (destination-passing, written here) passes over several seeds
 in float32 and float64; plausible wrong implementations fail with the hint for their mistake; a stub gives
@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import gpullm_lessons  # noqa: F401  (first: switches the CUDA simulator on before numba loads)
-from gpullm_lessons import arrays, checks, device, opcheck
+from gpullm_lessons.runtime import arrays
+from gpullm_lessons.checks import backward as checks, opcheck
+from gpullm_lessons import device
 from numba import cuda  # noqa: E402  (after gpullm_lessons)
 from numba import float32 as numba_float32  # noqa: E402
 
-from gpullm_lessons.checks import (
+from gpullm_lessons.checks.backward import (
     check_attention_backward, check_crossentropy_backward, check_encoder_backward, check_gelu_backward,
     check_layernorm_backward, check_linear_backward, check_residual_backward, check_softmax_backward)
 
@@ -599,7 +601,7 @@ def test_cupy_check_without_gpu_is_skipped_not_crashed(capsys, tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------------------------------------------------
-# arrays.py
+# runtime/arrays.py
 # ------------------------------------------------------------------------------------------------------------
 def test_arrays_roundtrip():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -1060,7 +1062,7 @@ def test_guard_zones_keep_vector_alignment():
 
 def test_the_ops_checkers_use_the_guard_zones_too(guards):
     """checks_ops (the determinism / race / one-pass checkers) allocates its outputs the same way."""
-    from gpullm_lessons import checks_ops
+    from gpullm_lessons.checks import ops as checks_ops
 
     def ce(logits, targets, dlogits):
         x = logits.astype(np.float64)

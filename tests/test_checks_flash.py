@@ -1,12 +1,12 @@
-"""The flash attention checkers (gpullm_lessons/checks_flash.py): the right answer passes on fresh seeds; tile mistakes
+"""The flash attention checkers (gpullm_lessons/checks/flash.py): the right answer passes on fresh seeds; tile mistakes
 are named for the tile width they used. (Every named mistake of the three checkers, played as a NumPy answer, gets its
 own hint: tests/test_hints_named.py, for every task's checker.)"""
 
 import numpy as np
 import pytest
 
-from gpullm_lessons import checks_flash as F
-from gpullm_lessons import opcheck
+from gpullm_lessons.checks import flash as F
+from gpullm_lessons.checks import opcheck
 
 from conftest import wrong
 

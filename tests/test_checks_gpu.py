@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from gpullm_lessons import checks, device
+from gpullm_lessons.checks import backward as checks
+from gpullm_lessons import device
 
 pytestmark = pytest.mark.gpu
 S, K = math.sqrt(2 / math.pi), 0.044715
@@ -187,7 +188,7 @@ extern "C" __global__ void gelu_bwd(const float* __restrict__ dout, const float*
 def test_hip_source_is_run_on_the_gpu(stride, status):
     """On a GPU, source= is not compiled-only: the launcher runs the kernel; without a grid-stride loop it fails."""
     import cupy
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     source = GELU_HIP.replace("STRIDE", stride)
 
     def gelu_hip(dout, inp, dinp):

@@ -4,7 +4,7 @@ or shifted layer index, the selective cache modified, ...); not attempted / erro
 import numpy as np
 import pytest
 
-from gpullm_lessons.checks_memory import check_block_recompute, check_layernorm_rebuild, check_selective_rebuild
+from gpullm_lessons.checks.memory import check_block_recompute, check_layernorm_rebuild, check_selective_rebuild
 from gpullm_lessons.reference.gelu import gelu_forward
 from gpullm_lessons.reference.gpt import block_backward, block_forward
 from gpullm_lessons.reference.layernorm import layernorm_forward

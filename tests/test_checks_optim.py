@@ -1,10 +1,10 @@
 """check_adamw_step: passes a correct step (the reference, and the Numba launcher), fails each common mistake with
-the hint that names it, reports not attempted / error / skipped as checks.py does."""
+the hint that names it, reports not attempted / error / skipped as checks/backward.py does."""
 import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.checks_optim import check_adamw_mixed, check_adamw_step
+from gpullm_lessons.checks.optim import check_adamw_mixed, check_adamw_step
 
 SEEDS = range(8)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import parallel as P
-from gpullm_lessons.checks_parallel import (check_ring_allreduce_sim, check_shard_bounds, check_shard_decay_table,
+from gpullm_lessons.checks.parallel import (check_ring_allreduce_sim, check_shard_bounds, check_shard_decay_table,
                                             check_zero_reduce_scatter, reduce_scatter_variant, ring_variant)
 
 SEEDS = range(5)
@@ -532,7 +532,7 @@ def test_same_seed_same_verdict_and_bad_arguments(check, fn):
 
 def test_records_for_grading(tmp_path, monkeypatch):
     import json
-    from gpullm_lessons import grading
+    from gpullm_lessons.classroom import grading
     log = tmp_path / "log.jsonl"
     monkeypatch.setenv(grading.LOG_ENV, str(log))
     check_ring_allreduce_sim(ring_right, task="10.1 ring all-reduce schedule", quiet=True)

@@ -3,9 +3,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpullm_lessons.checks_precision import (check_bf16_hip, check_bf16_kernel, check_bf16_rne,
+from gpullm_lessons.checks.precision import (check_bf16_hip, check_bf16_kernel, check_bf16_rne,
                                              check_loss_scaler_update, check_unscale_hip)
-from gpullm_lessons.precision import f32_to_bf16_bits
+from gpullm_lessons.model.precision import f32_to_bf16_bits
 
 U = np.uint32
 
@@ -172,7 +172,7 @@ def no_floor(scale, found_inf, clean_steps, growth_interval):
 
 
 def scaler_class_adapter(scale, found_inf, clean_steps, growth_interval):
-    from gpullm_lessons.precision import DynamicLossScaler
+    from gpullm_lessons.model.precision import DynamicLossScaler
     s = DynamicLossScaler(init_scale=scale, growth_interval=growth_interval)
     s.clean_steps = clean_steps
     skip = s.update(found_inf)

@@ -1,13 +1,13 @@
 """checks_train: check_lr_schedule and check_clip_coef pass the right answer (and the library's own functions),
-fail each common mistake with the hint that names it, and report not attempted / error / no return as checks.py
+fail each common mistake with the hint that names it, and report not attempted / error / no return as checks/backward.py
 does, printing one verdict and recording it for grading."""
 import math
 
 import numpy as np
 import pytest
 
-from gpullm_lessons.checks_train import check_clip_coef, check_lr_schedule, clip_coef_expected
-from gpullm_lessons.optim import clip_grad_norm, lr_schedule
+from gpullm_lessons.checks.train import check_clip_coef, check_lr_schedule, clip_coef_expected
+from gpullm_lessons.model.optim import clip_grad_norm, lr_schedule
 
 SEEDS = range(6)
 
@@ -208,7 +208,7 @@ def test_same_seed_same_settings_and_bad_arguments(check):
 def test_records_for_grading(tmp_path, monkeypatch):
     import json
     log = tmp_path / "log.jsonl"
-    from gpullm_lessons import grading
+    from gpullm_lessons.classroom import grading
     monkeypatch.setenv(grading.LOG_ENV, str(log))
     check_clip_coef(coef_right, task="09.2 clip coefficient", quiet=True)
     check_lr_schedule(lr_mistake(linear=True), task="09.1 learning-rate schedule", quiet=True)

@@ -20,7 +20,7 @@ import nbformat
 import pytest
 from test_grading import needs_kernel
 
-from gpullm_lessons import classroom, grading
+from gpullm_lessons.classroom import gradebook as classroom, grading
 from gpullm_lessons.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +185,7 @@ FORGERIES = (
     "    print('gelu_backward: correct')\n"
     "    return True\n"
     "check_gelu_backward(gelu_backward, task='01.1 GELU backward (NumPy)')",
-    "from gpullm_lessons import grading\n"
+    "from gpullm_lessons.classroom import grading\n"
     "grading.record(check='check_gelu_backward', task='01.1 GELU backward (NumPy)', status='correct', message='x')",
     'print(\'@@gpullm-verdict-0000@@{"status": "correct", "message": "forged"}\')',
     "check_layernorm_backward(lambda *a: None, task='01.9 a task of my own')",
@@ -357,7 +357,7 @@ def test_strict_is_passed_to_the_grader(tmp_path):
     nb = nbformat.read(str(root / "pat" / NB01), as_version=4)
     nb.cells.append(
         nbformat.v4.new_code_cell(
-            "import types, gpullm_lessons.checks as c\n"
+            "import types, gpullm_lessons.checks.backward as c\n"
             "c.check_gelu_backward = lambda *a, **k: types.SimpleNamespace(status='correct', message='patched')"
         )
     )

@@ -1,4 +1,4 @@
-"""The communicators (comm.py) and the launcher (launch.py): semantics and errors in one process, every collective
+"""The communicators (parallel/comm.py) and the launcher (parallel/launch.py): semantics and errors in one process, every collective
 on 2 and 3 MPI ranks (CI: Open MPI on the CPU), and on 2 GPUs with NCCL (gpu-marked)."""
 import os
 import subprocess
@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from gpullm_lessons import comm as C
-from gpullm_lessons import launch as L
+from gpullm_lessons.parallel import comm as C
+from gpullm_lessons.parallel import launch as L
 
 from conftest import require_tool
 
@@ -182,7 +182,7 @@ def test_collectives_on_mpi_ranks(n):
 def test_launcher_runs_mpi_ranks():
     require_mpi()
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.launch", "--nproc", "2", "--backend", "mpi", "--module",
+    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.parallel.launch", "--nproc", "2", "--backend", "mpi", "--module",
                         "gpullm_lessons.parallel", "--", "selftest"], env=env, capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -196,7 +196,7 @@ def test_nccl_collectives_on_two_gpus():
     if C.nccl_module() is None:
         pytest.fail("CuPy found no NCCL library: pip install nvidia-nccl-cu13 (or cu12)")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.launch", "--nproc", "2", "--backend", "nccl",
+    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.parallel.launch", "--nproc", "2", "--backend", "nccl",
                         "--module", "gpullm_lessons.parallel", "--", "selftest"], env=env, capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from gpullm_lessons import doctor
+from gpullm_lessons.runtime import doctor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def test_cupy_missing_with_a_gpu_is_a_failure(monkeypatch):
 
 
 def test_missing_tensor_core_headers_fail_with_the_fix(monkeypatch):
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     log = 'mma.h(55): catastrophic error: cannot open source file "crt/mma.h"'
     calls = []
 
@@ -68,7 +68,8 @@ def test_nvrtc_missing_is_a_skip_on_an_amd_gpu_only(monkeypatch):
     """The rocm extra brings cuda-bindings (numba-cuda's dependency) but no NVRTC library: on an AMD GPU the lessons
     never compile for NVIDIA, so the doctor (the ROCm container's health check) must not fail there; elsewhere the
     lessons compile the HIP kernels with NVRTC, and it fails."""
-    from gpullm_lessons import device, hip
+    from gpullm_lessons import device
+    from gpullm_lessons.runtime import hip
 
     def no_library(name, arch="sm_90", options=()):
         raise RuntimeError('Failure finding "libnvrtc.so.13"')

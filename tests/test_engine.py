@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device, engine
-from gpullm_lessons.blas import gemm
-from gpullm_lessons.params import GPTConfig
-from gpullm_lessons.precision import bf16_bits_to_f32, f32_to_bf16_bits
+from gpullm_lessons.runtime.blas import gemm
+from gpullm_lessons.model.params import GPTConfig
+from gpullm_lessons.model.precision import bf16_bits_to_f32, f32_to_bf16_bits
 
 TOY = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16)
 SMALL = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=128)
@@ -381,7 +381,7 @@ def test_gpu_fp16_overflow_skips_on_hip():
 
 # ---- memory ------------------------------------------------------------------------------------------------------
 def test_engine_memory_orders_the_policies_and_counts_the_weights():
-    from gpullm_lessons.params import num_params
+    from gpullm_lessons.model.params import num_params
     m = {p: engine.engine_memory(SMALL, 8, 64, "fp32", p) for p in engine.POLICIES}
     assert m["full"]["activations"] < m["selective"]["activations"] < m["none"]["activations"]
     P = num_params(SMALL)
@@ -395,7 +395,7 @@ def test_engine_memory_orders_the_policies_and_counts_the_weights():
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("policy", ["none", "selective", "full", "sqrt", "sqrt:3"])  # 4 layers: segments 2+2, 3+1
 def test_gpu_engine_memory_within_10_percent_of_the_pool_peak(precision, policy):
-    from gpullm_lessons.bench_train import measure_engine
+    from gpullm_lessons.bench.train_step import measure_engine
     cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
     r = measure_engine(cfg, 32, 256, precision, policy, steps=2)
     predicted = engine.engine_memory(cfg, 32, 256, precision, policy)["total"]
@@ -405,7 +405,7 @@ def test_gpu_engine_memory_within_10_percent_of_the_pool_peak(precision, policy)
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_gpu_engine_memory_of_flash_attention_within_10_percent_of_the_pool_peak(policy):
-    from gpullm_lessons.bench_train import measure_engine
+    from gpullm_lessons.bench.train_step import measure_engine
     cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
     r = measure_engine(cfg, 32, 256, "bf16", policy, steps=2, versions={"attention": "flash"})
     predicted = engine.engine_memory(cfg, 32, 256, "bf16", policy, attention="flash")["total"]
@@ -523,7 +523,7 @@ def test_gpu_graph_run_is_deterministic(attention, gpu_batches):
 def test_gpu_time_groups_put_our_ops_and_pytorchs_kernels_side_by_side():
     """bench gputime's comparison with PyTorch: our op names and PyTorch's CUDA kernel names (as torch.profiler
     reports them) fall into the same groups; the table sums each side per group and says which side has none."""
-    from gpullm_lessons import bench_train as bt
+    from gpullm_lessons.bench import train_step as bt
 
     cases = {
         "gemm": "matrix products",
@@ -591,7 +591,7 @@ def test_gpu_time_groups_put_our_ops_and_pytorchs_kernels_side_by_side():
 def test_gpu_time_profile_records_each_distinct_call_with_its_count():
     """bench gputime's bookkeeping, in the simulator with a stand-in timer (1 us per call; the third call 'cannot be
     captured'): every op of a step appears, counted per step, the total is the sum of the timed calls."""
-    from gpullm_lessons import bench_train as bt
+    from gpullm_lessons.bench import train_step as bt
     seen = []
 
     def timer(fn):

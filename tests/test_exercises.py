@@ -4,8 +4,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gpullm_lessons import exercises
-from gpullm_lessons.exercises import (RAISE_LINE, generate, is_clean, make_exercise, stale, strip_outputs,
+from gpullm_lessons.classroom import exercises
+from gpullm_lessons.classroom.exercises import (RAISE_LINE, generate, is_clean, make_exercise, stale, strip_outputs,
                                       strip_solution_regions)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from gpullm_lessons import hip
+from gpullm_lessons.runtime import hip
 from gpullm_lessons.backends.hip import flash as hflash
 
 FLASH = hip.signatures(hip.source_path("flash").read_text())

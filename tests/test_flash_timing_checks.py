@@ -1,5 +1,5 @@
 """Lesson 11's timing tables show a time only for a version whose outputs matched the reference
-(gpullm_lessons/checks_flash.py: checked, format_checks; NOT_VALID for stored rows).
+(gpullm_lessons/checks/flash.py: checked, format_checks; NOT_VALID for stored rows).
 
 A live result: the rows the benchmark validated keep their time, the ones it found wrong show why instead, and a row
 without validation shows no time. The stored runs: the
@@ -9,8 +9,8 @@ runs of 2026-12-03 keep every row."""
 
 import pytest
 
-from gpullm_lessons import bench, profiling, stored
-from gpullm_lessons import checks_flash as F
+from gpullm_lessons.bench import kernels as bench, profiling, stored
+from gpullm_lessons.checks import flash as F
 
 def live_result(rows):
     return {"card": "a GPU", "date": "today", "live": True, "rows": [

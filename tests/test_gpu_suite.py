@@ -1,4 +1,4 @@
-"""`make gpu-test` (gpullm_lessons/gpu_suite.py): the scheduling units, the summary, and sticky CUDA errors contained.
+"""`make gpu-test` (gpullm_lessons/bench/gpu_suite.py): the scheduling units, the summary, and sticky CUDA errors contained.
 
 A broken CUDA context (after an illegal address) fails every later call in its process. Without a GPU that is
 played by a stand-in: a test "breaks" its process (a module global that every later test of that process trips
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpullm_lessons import gpu_suite
+from gpullm_lessons.bench import gpu_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 N_AFTER = 40
@@ -72,7 +72,7 @@ def test_c_after(i):
 
 def run_two_workers(tmp_path, test_file: str, plugin: bool = True):
     """pytest on 2 xdist workers over `test_file` in tmp_path, with the gpu_suite plugin or without: (result, output)."""
-    plugin_args = ["-p", "gpullm_lessons.gpu_suite"] if plugin else []
+    plugin_args = ["-p", "gpullm_lessons.bench.gpu_suite"] if plugin else []
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args, "-n", "2", "--dist",
             "loadscope", "--no-loadscope-reorder", test_file]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), GPULLM_STICKY_DIR=str(tmp_path / "notes"))
@@ -118,7 +118,7 @@ def test_the_summary_counts_each_part_and_names_each_failure(tmp_path):
     )
     script = textwrap.dedent("""
         import json, pytest
-        from gpullm_lessons import gpu_suite
+        from gpullm_lessons.bench import gpu_suite
         c = gpu_suite.Collector()
         pytest.main(["-q", "-p", "no:cacheprovider", "tests"], plugins=[c])
         print("SUMMARY" + json.dumps(gpu_suite.summarise(c, ["tests"], {"card": "stand-in"})))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device, engine, train
-from gpullm_lessons.params import GPTConfig, ParamBuffer, init_params
+from gpullm_lessons.model.params import GPTConfig, ParamBuffer, init_params
 
 from test_engine import batch, host
 from test_train_ranks import TINY, job, losses

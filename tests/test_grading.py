@@ -15,20 +15,20 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gpullm_lessons import grading
-from gpullm_lessons.exercises import generate
-from gpullm_lessons.grading import Report, TaskResult, find_tasks, grade, record
+from gpullm_lessons.classroom import grading
+from gpullm_lessons.classroom.exercises import generate
+from gpullm_lessons.classroom.grading import Report, TaskResult, find_tasks, grade, record
 
 C = nbformat.v4.new_code_cell
 M = nbformat.v4.new_markdown_cell
 
 CHECKER_MODULE = '''\
 from types import SimpleNamespace
-from gpullm_lessons.grading import record
+from gpullm_lessons.classroom.grading import record
 
 
 def check_double(fn, task=None, seed=None, quiet=False):
-    """Fixture checker: same contract as gpullm_lessons.checks (returns .status / .message, never raises)."""
+    """Fixture checker: same contract as gpullm_lessons.checks.backward (returns .status / .message, never raises)."""
     x = 3 if seed is None else seed % 1000 + 1
     try:
         ok = fn(x) == 2 * x and fn(-1.5) == -3.0
@@ -111,8 +111,8 @@ def test_find_tasks_labels_magics_duplicates_modules_and_levels(tmp_path):
     nb = write_nb(
         tmp_path / "03_softmax.ipynb",
         "#md check_not_a_task(markdown)\n### Task 03.2 · core — warp shuffles\n### Task 03.3 · stretch — HIP",
-        "%matplotlib inline\n!pip list\nimport numpy as np\nfrom gpullm_lessons import checks\n"
-        "from gpullm_lessons.checks import check_softmax_backward, check_gelu_backward as gelu_check",
+        "%matplotlib inline\n!pip list\nimport numpy as np\nfrom gpullm_lessons.checks import backward as checks\n"
+        "from gpullm_lessons.checks.backward import check_softmax_backward, check_gelu_backward as gelu_check",
         "check_softmax_backward(softmax_backward)\n"
         "check_softmax_backward(softmax_backward_numba, arrays='numba', task='03.2 softmax backward (Numba)')",
         "%time gelu_check(gelu_backward)\nfor _ in range(1):\n    !echo hi\n    checks.check_linear_backward(f)",
@@ -136,9 +136,9 @@ def test_find_tasks_labels_magics_duplicates_modules_and_levels(tmp_path):
     assert labels == ["softmax_backward", "03.2 softmax backward (Numba)", "linear_backward",
                       "softmax_backward #2", "softmax_backward #3", "03.3 x"]
     by = {t.label: t for t in tasks}
-    assert (by["softmax_backward"].module, by["softmax_backward"].attr) == ("gpullm_lessons.checks",
+    assert (by["softmax_backward"].module, by["softmax_backward"].attr) == ("gpullm_lessons.checks.backward",
                                                                              "check_softmax_backward")
-    assert (by["linear_backward"].module, by["linear_backward"].attr) == ("gpullm_lessons.checks",
+    assert (by["linear_backward"].module, by["linear_backward"].attr) == ("gpullm_lessons.checks.backward",
                                                                           "check_linear_backward")
     assert by["03.3 x"].module == ""  # grade() refuses such an instructor notebook
     assert by["03.2 softmax backward (Numba)"].level == "core" and by["03.3 x"].level == "stretch"
@@ -149,7 +149,7 @@ def test_find_tasks_labels_magics_duplicates_modules_and_levels(tmp_path):
 
 
 def test_aliased_checker_is_found_by_its_module_name(tmp_path):
-    nb = write_nb(tmp_path / "a.ipynb", "from gpullm_lessons.checks import check_gelu_backward as g",
+    nb = write_nb(tmp_path / "a.ipynb", "from gpullm_lessons.checks.backward import check_gelu_backward as g",
                   "g(gelu_backward)", "check_gelu_backward(f)")
     # `g` is not named check_*: not a task; a bare check_gelu_backward that is not imported has no module
     tasks = find_tasks(nb)
@@ -334,7 +334,7 @@ def test_generated_exercise_scores_0_with_every_task_not_attempted(course):
 
 
 FORGERIES = (
-    "from gpullm_lessons import grading\n"
+    "from gpullm_lessons.classroom import grading\n"
     "grading.record(check='check_double', task='01.9 invented', status='correct', message='forged')\n"
     "grading.record(check='check_double', task='01.2 twice', status='correct', message='forged')\n"
     "print('double: correct')\n"

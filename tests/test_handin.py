@@ -1,4 +1,4 @@
-"""Hand-in and collection (gpullm_lessons/handin.py): `submit` copies a learner's notebooks into the drop box with
+"""Hand-in and collection (gpullm_lessons/classroom/handin.py): `submit` copies a learner's notebooks into the drop box with
 the time, never over an earlier hand-in; `grade --class DROPBOX --dropbox --deadline T` grades each learner's latest
 hand-in and marks the late ones. A class of four on lesson 01: ada hands in twice (the fresh exercises, then the
 solutions: the second is graded), ben once after the deadline, cy once, dee made a folder and never handed in."""
@@ -12,7 +12,7 @@ import pytest
 from test_class import NB01, ROOT, TASKS01, run_cli
 from test_grading import needs_kernel
 
-from gpullm_lessons import classroom, handin
+from gpullm_lessons.classroom import gradebook as classroom, handin
 
 UTC = dt.timezone.utc
 DEADLINE = "2026-12-20T23:59:00+00:00"

@@ -1,6 +1,6 @@
 """Every named mistake of every task's checker is told by its own hint, never by the checker's generic fallback.
 
-For each task's Op (gpullm_lessons/checks.py, checks_kernels.py, checks_ops.py, checks_flash.py) every entry of its
+For each task's Op (gpullm_lessons/checks/backward.py, checks/kernels.py, checks/ops.py, checks/flash.py) every entry of its
 mistake table is replayed as a NumPy answer through the checker itself (arrays="numpy": fast, no kernel runs): the
 answer writes the mistake's outputs, and the right values where the mistake leaves an output alone or does not apply
 to a case. A mistake given by its outputs must get exactly its hint. A pattern mistake (a test on the output, whose
@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from gpullm_lessons import checks, device, opcheck
-from gpullm_lessons import checks_capstone as cc
-from gpullm_lessons import checks_flash as F
-from gpullm_lessons import checks_kernels as K
-from gpullm_lessons import checks_ops as O
-from gpullm_lessons import capstone
+from gpullm_lessons.checks import backward as checks, opcheck
+from gpullm_lessons import device
+from gpullm_lessons.checks import capstone as cc
+from gpullm_lessons.checks import flash as F
+from gpullm_lessons.checks import kernels as K
+from gpullm_lessons.checks import ops as O
+from gpullm_lessons.engine import capstone
 
 # task -> (checker, the Op it runs, checker keywords)
 TASKS = {

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import require_tool
-from gpullm_lessons import device, hip, opcheck
+from gpullm_lessons import device
+from gpullm_lessons.runtime import hip
+from gpullm_lessons.checks import opcheck
 
 SOURCES = [p.stem for p in hip.sources()]
 SHARED_HEADERS = sorted(p.name for p in hip.kernel_dir().glob("*.h") if p.name != "portable.h")   # e.g. half.h
@@ -192,7 +194,7 @@ def test_grade_source_requires_compilers_when_asked(monkeypatch):
 
 def test_hip_compile_only_verdicts(tmp_path, monkeypatch, capsys):
     _needs_compilers()
-    from gpullm_lessons import checks
+    from gpullm_lessons.checks import backward as checks
     log = tmp_path / "grades.jsonl"
     monkeypatch.setenv("GPULLM_GRADE_LOG", str(log))
     assert "compiled" in checks.STATUSES
@@ -233,7 +235,7 @@ def test_hip_compile_only_verdicts(tmp_path, monkeypatch, capsys):
 @pytest.mark.skipif(device.has_gpu(), reason="what a checker does with a HIP source without a GPU")
 def test_op_checker_grades_the_source_without_a_gpu():
     _needs_compilers()
-    from gpullm_lessons import checks
+    from gpullm_lessons.checks import backward as checks
 
     def launcher(*args):  # never called without a GPU
         raise AssertionError("launched without a GPU")
@@ -287,7 +289,7 @@ def test_cuda12_wheels_crt_folder_is_added_to_the_include_path(tmp_path, monkeyp
     nothing."""
     import types
 
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     runtime, nvcc = tmp_path / "cuda_runtime" / "include", tmp_path / "cuda_nvcc" / "include"
     (runtime).mkdir(parents=True)

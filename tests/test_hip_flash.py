@@ -18,7 +18,7 @@ import pytest
 
 from gpullm_lessons import device
 from gpullm_lessons.backends.hip import flash as hflash
-from gpullm_lessons.checks_flash import reference
+from gpullm_lessons.checks.flash import reference
 
 needs_gpu = pytest.mark.skipif(not device.has_gpu(), reason=f"needs a GPU (this machine: {device.kind()})")
 GUARD = 64  # elements of poison before and after each output
@@ -168,7 +168,7 @@ def test_flash_refuses_what_it_has_no_kernel_for():
 def test_launch_geometry_matches_the_kernels():
     """The launcher's rows and warps per block are flash.cu's: v4's entry points declare their block size
     (__launch_bounds__), and a block of other rows would leave rows unwritten or written twice."""
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     text = hip.source_path("flash").read_text()
     defs = {k: int(v) for k, v in re.findall(r"^#define (FLASH[45]?_\w+)\s+(\d+)", text, re.M)}
@@ -217,7 +217,7 @@ def _unpack(rows, nh):
 
 def _half_bits(x, half):
     """float32 -> the bits of `half`, rounded to nearest even (as half.h)."""
-    from gpullm_lessons.precision import f32_to_bf16_bits
+    from gpullm_lessons.model.precision import f32_to_bf16_bits
 
     return f32_to_bf16_bits(x) if half == "bf16" else x.astype(np.float16).view(np.uint16)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from gpullm_lessons.hip import expand_macros
+from gpullm_lessons.runtime.hip import expand_macros
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMBA = ROOT / "kernels" / "numba"
@@ -47,7 +47,7 @@ FORMATS = ("f32", "bf16", "f16")
 # (a) Entry points that do not follow the convention: fnmatch pattern -> why the name stays.
 NOT_CONVENTION = {
     "transpose_tiled": "lesson 02's one transpose (both backends); notebook 02 and tests/test_kernels_transpose.py",
-    "vector_add": "lesson 00's first HIP kernel; notebook 00, doctor.py, hip.py and four tests name it",
+    "vector_add": "lesson 00's first HIP kernel; notebook 00, runtime/doctor.py, runtime/hip.py and four tests name it",
     "block_sum": "lesson 00's warpSize demo; notebook 04 and tests/test_hip.py name it",
     "grad_sumsq_partials": "stored in results/timeline_*.json",
     "grad_sumsq_reduce": "stored in results/timeline_*.json",
@@ -74,7 +74,7 @@ TWINS_NAMED_APART = {
     "sumsq_v1": ("grad_sumsq_partials", "the HIP name is stored in results/timeline_*.json"),
     "sumsq_reduce_v1": ("grad_sumsq_reduce", "the HIP name is stored in results/timeline_*.json"),
     "dbias_v1": ("bias_backward_v1", "notebook 02 shows dbias_v1 (show.source)"),
-    "vector_add_v1": ("vector_add", "notebook 00 names both; doctor.py and tests name vector_add"),
+    "vector_add_v1": ("vector_add", "notebook 00 names both; runtime/doctor.py and tests name vector_add"),
 }
 
 # (b2) Kernels of one backend only: fnmatch pattern -> why there is no twin.

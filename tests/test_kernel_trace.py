@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from gpullm_lessons import device, kernel_trace, viz
+from gpullm_lessons import device, viz
+from gpullm_lessons.checks import kernel_trace
 
 sim_only = pytest.mark.skipif(not device.info().simulator, reason="kernel tracing runs in the CUDA simulator only")
 
@@ -250,8 +251,8 @@ def test_device_arrays_keep_the_argument_names():
 
 @sim_only
 def test_args_like_takes_the_checkers_first_case_and_records_no_verdict(tmp_path, monkeypatch, capsys):
-    from gpullm_lessons import grading
-    from gpullm_lessons.checks import check_softmax_backward
+    from gpullm_lessons.classroom import grading
+    from gpullm_lessons.checks.backward import check_softmax_backward
     from gpullm_lessons.kernels.numba import softmax
 
     log = tmp_path / "grade.jsonl"

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
 from gpullm_lessons.kernels.numba import adamw as nb
-from gpullm_lessons.optim import DECAY_NAMES, AdamW, decay_mask_for
-from gpullm_lessons.params import GPTConfig, ParamBuffer
+from gpullm_lessons.model.optim import DECAY_NAMES, AdamW, decay_mask_for
+from gpullm_lessons.model.params import GPTConfig, ParamBuffer
 
 needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),
                                      reason=f"needs Numba on an NVIDIA GPU (this machine: {device.kind()})")

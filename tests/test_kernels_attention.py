@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from gpullm_lessons import checks, device
+from gpullm_lessons.checks import backward as checks
+from gpullm_lessons import device
 from gpullm_lessons.kernels.numba import attention as nb_attention
 
 
@@ -116,7 +117,7 @@ def test_causal_softmax_bad_shapes_are_named():
 # ---- half precision: att_half= / half= ("bf16" | "fp16"), uint16 bits in and out -----------------------------------
 from numba import cuda  # noqa: E402  (gpullm_lessons chose simulator or GPU before: conftest imports it first)
 
-from gpullm_lessons import precision  # noqa: E402
+from gpullm_lessons.model import precision  # noqa: E402
 from gpullm_lessons.backends.hip import attention as hip_attention  # noqa: E402  (importable without cupy)
 
 HALVES = ("bf16", "fp16")

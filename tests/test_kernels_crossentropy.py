@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device, reference
-from gpullm_lessons.arrays import to_backend, to_numpy
-from gpullm_lessons.checks import check_crossentropy_backward
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
+from gpullm_lessons.checks.backward import check_crossentropy_backward
 from gpullm_lessons.kernels.numba import crossentropy as ce
 
 SIM_VERSIONS = [v for v in ce.VERSIONS if v not in ce.GPU_ONLY]

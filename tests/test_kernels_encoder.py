@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import reference
-from gpullm_lessons.arrays import to_backend, to_numpy
-from gpullm_lessons.checks import check_encoder_backward
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
+from gpullm_lessons.checks.backward import check_encoder_backward
 from gpullm_lessons.kernels.numba import encoder as enc
 
 SIM_VERSIONS = [v for v in enc.VERSIONS if v not in enc.GPU_ONLY]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.arrays import to_backend, to_numpy
-from gpullm_lessons.checks_flash import check_flash_attention_backward, check_flash_attention_forward
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
+from gpullm_lessons.checks.flash import check_flash_attention_backward, check_flash_attention_forward
 from gpullm_lessons.contracts.flash import HS_MAX
 from gpullm_lessons.kernels.numba import flash
 

@@ -3,7 +3,7 @@
 Simulator (CI): every launcher of the Numba twins on fresh random inputs at toy, awkward sizes (not multiples of 32),
 outputs poisoned (NaN / 0xFFFF) so unwritten elements show: float32 outputs within 1e-6 relative (GELU: the gelu
 tests' tolerance against float64), half outputs bit-equal to NumPy's rounding of the float32 values (bf16:
-gpullm_lessons.precision, fp16: astype(float16)), colsum within 1e-5 relative and the same bits on a second call;
+gpullm_lessons.model.precision, fp16: astype(float16)), colsum within 1e-5 relative and the same bits on a second call;
 in-place calls; merge_heads leaving the other columns alone; every bad argument caught with a message naming it.
 GPU (`make gpu-test`): both backends at N = 16384, C = 768 (split/merge from/into ld = 3C, nh = 12), plus awkward
 sizes and block shapes for the HIP kernels.
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
 from gpullm_lessons.kernels.numba import fused as nb
-from gpullm_lessons.precision import f32_to_bf16_bits
+from gpullm_lessons.model.precision import f32_to_bf16_bits
 
 HALVES = [None, "bf16", "fp16"]
 POISON16 = 0xFFFF
@@ -446,7 +446,7 @@ def test_modules_list_their_launchers_and_backends_gather_them():
 
 def test_rounding_is_shared_not_copied():
     """fused.cu takes the rounding from half.h (as convert.cu), fused.py from convert.py's device functions."""
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     from gpullm_lessons.kernels.numba import convert
     src = hip.source_path("fused").read_text()
     assert '#include "half.h"' in src and "0x7FC0" not in src
@@ -460,7 +460,7 @@ def test_hip_entry_points_exist_for_every_launch():
     """Every kernel name the HIP launchers build is an extern "C" entry point of fused.cu."""
     import re
 
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     from gpullm_lessons.backends.hip import fused as hf
     entries = set(re.findall(r'extern "C" __global__ void (\w+)', hip.expanded_source("fused")))
     macro = hip.source_path("fused").read_text()

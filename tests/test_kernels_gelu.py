@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.arrays import to_backend, to_numpy
-from gpullm_lessons.checks import check_gelu_backward, check_residual_backward
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
+from gpullm_lessons.checks.backward import check_gelu_backward, check_residual_backward
 from gpullm_lessons.kernels.numba import gelu as nb
 from gpullm_lessons.reference import gelu_forward as ref_gelu_forward
 

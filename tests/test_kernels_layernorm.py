@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device, reference
-from gpullm_lessons.arrays import to_backend, to_numpy
-from gpullm_lessons.checks import check_layernorm_backward
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
+from gpullm_lessons.checks.backward import check_layernorm_backward
 from gpullm_lessons.kernels.numba import layernorm as nb
 
 SIM_VERSIONS = sorted(set(nb.VERSIONS) - nb.GPU_ONLY)   # v1, v2
@@ -213,7 +213,7 @@ def test_hip_v5_entry_point_choice():
     assert pick(100, 32, False) == "layernorm_backward_v5_w1_k4"
     assert pick(1025, 32, False) is None and pick(2048, 64, False) == "layernorm_backward_v5_w1_k32"
     # every name it can return is an entry point of layernorm.cu
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     src = hip.source_path("layernorm").read_text()
     for k in _hip().V5_F4_K:
         assert f"LN_V5_ENTRY(4, {k}," in src
@@ -226,7 +226,7 @@ def test_hip_v4_grid_heuristic():
     block per SM); a kernel without num_regs keeps the guess of 2 per SM."""
     from types import SimpleNamespace
 
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     props = {"multiProcessorCount": 132, "warpSize": 32, "regsPerMultiprocessor": 65536,
              "maxThreadsPerMultiProcessor": 2048}
     assert hip.resident_blocks(SimpleNamespace(num_regs=170), 256, props) == 132

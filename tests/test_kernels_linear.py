@@ -6,7 +6,8 @@ The PTX compile of every Numba version is in test_kernels_numba.py, the NVRTC/hi
 import numpy as np
 import pytest
 
-from gpullm_lessons import checks, device
+from gpullm_lessons.checks import backward as checks
+from gpullm_lessons import device
 from gpullm_lessons.backends.hip import linear as hip_linear
 from gpullm_lessons.kernels.numba import linear as numba_linear
 from gpullm_lessons.kernels.numba.linear import GPU_ONLY, KERNELS, TILE, VERSIONS, linear_backward

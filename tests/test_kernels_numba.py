@@ -60,7 +60,7 @@ def test_every_numba_kernel_compiles_to_ptx_for_sm90():
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_vector_add_matches_numpy(version):
-    from gpullm_lessons.arrays import to_backend, to_numpy
+    from gpullm_lessons.runtime.arrays import to_backend, to_numpy
     from gpullm_lessons.kernels.numba.vector_add import vector_add
     rng = np.random.default_rng()
     n = int(rng.integers(1, 3000)) if not device.numba_on_gpu() else 10_000_019

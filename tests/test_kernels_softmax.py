@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.checks import check_softmax_backward
+from gpullm_lessons.checks.backward import check_softmax_backward
 from gpullm_lessons.kernels.numba import softmax as nb
 from gpullm_lessons.reference import softmax_backward as ref_softmax_backward, softmax_forward
 
@@ -42,7 +42,7 @@ def test_numba_versions_pass_the_checker(version, threads):
 
 def test_default_version_and_threads_run_here():
     # no version=: v3 on a GPU, v2 (32 threads per row) in the simulator
-    from gpullm_lessons.arrays import to_backend, to_numpy
+    from gpullm_lessons.runtime.arrays import to_backend, to_numpy
     dout, out, expected = inputs(3, 45)
     arrays = "numba"
     dinp = to_backend(np.full_like(out, np.nan), arrays)
@@ -155,7 +155,7 @@ def test_hip_v6_v7_plans():
     with pytest.raises(ValueError, match="at most 256 threads"):
         v7_plan(fn, 1024, 32, threads=512)
     # every entry point a plan can name exists in softmax.cu, with the block limit the launcher assumes
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
     from gpullm_lessons.backends.hip.softmax import V6_MAX_THREADS, V7_MAX_THREADS
     src = hip.source_path("softmax").read_text()
     for k, lb in V6_MAX_THREADS.items():
@@ -263,7 +263,7 @@ def test_hip_v5_float4_path_on_gpu(N, n, offset, threads):
 def test_hip_wrapper_validates_inputs_on_gpu():
     cp = pytest.importorskip("cupy")
     from gpullm_lessons.backends.hip.softmax import softmax_backward
-    from gpullm_lessons.hip import warp_size
+    from gpullm_lessons.runtime.hip import warp_size
     dout, out, _ = inputs(4, 6)
     d, o, di = cp.asarray(dout), cp.asarray(out), cp.empty((4, 6), cp.float32)
     with pytest.raises(TypeError, match="dout must be a CuPy array"):
@@ -325,7 +325,7 @@ def test_hip_v6_v7_tunables_on_gpu(N, n):
     """The sweep's settings: threads 64..1024, 1..16 rows per block (1..8 warps per row, or one warp per row with
     K = 8), persistent grids of 1..8 blocks per SM and one row tile per block (blocks_per_sm=0)."""
     from gpullm_lessons.backends.hip.softmax import v6_plan
-    from gpullm_lessons.hip import warp_size
+    from gpullm_lessons.runtime.hip import warp_size
     ws = warp_size()
     settings = []
     for threads in (64, 128, 256, 512, 1024):

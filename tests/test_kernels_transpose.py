@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import gpullm_lessons  # noqa: F401  (before numba)
-from gpullm_lessons import device, hip
+from gpullm_lessons import device
+from gpullm_lessons.runtime import hip
 from gpullm_lessons.kernels.numba import transpose
 
 SHAPES = [(20, 37), (1, 1), (16, 32), (33, 5), (3, 50)]

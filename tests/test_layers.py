@@ -49,10 +49,11 @@ def _imports(path: Path):
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module
-            yield node.lineno, mod
-            for a in node.names:                  # "from . import stored" imports the module gpullm_lessons.stored
-                if _is_module(f"{mod}.{a.name}"):
-                    yield node.lineno, f"{mod}.{a.name}"
+            modules = [f"{mod}.{a.name}" for a in node.names if _is_module(f"{mod}.{a.name}")]
+            if len(modules) < len(node.names):    # a name defined in mod itself
+                yield node.lineno, mod
+            for m in modules:                     # "from ..bench import stored" imports gpullm_lessons.bench.stored
+                yield node.lineno, m
 
 
 def _files(*folders):
@@ -76,7 +77,7 @@ def _violations(files, allowed):
 
 
 def test_the_reference_imports_only_numpy_the_parameter_layout_and_itself():
-    bad = _violations(_files("gpullm_lessons/reference"), ["gpullm_lessons.reference", "gpullm_lessons.params"])
+    bad = _violations(_files("gpullm_lessons/reference"), ["gpullm_lessons.reference", "gpullm_lessons.model.params"])
     assert not bad, "\n".join(bad)
 
 
@@ -89,7 +90,7 @@ def test_the_contracts_import_nothing_of_the_course_but_themselves():
 
 def test_kernels_never_import_launchers_engine_or_checkers():
     allowed = ["gpullm_lessons.kernels", "gpullm_lessons.contracts", "gpullm_lessons.device",
-               "gpullm_lessons.arrays", "gpullm_lessons.reference", "gpullm_lessons.params", "gpullm_lessons.optim"]
+               "gpullm_lessons.runtime.arrays", "gpullm_lessons.reference", "gpullm_lessons.model.params", "gpullm_lessons.model.optim"]
     bad = _violations(_files("kernels"), allowed)
     assert not bad, "\n".join(bad)
 
@@ -99,7 +100,7 @@ HIP_LAUNCHERS = "gpullm_lessons/backends/hip"   # <op>.py: an op's launchers; __
 
 def _hip_launcher_violations(files):
     """Imports of a HIP launcher module that reach a Numba module (the contract both share is in contracts) or another
-    HIP launcher module (they share code only through the loader gpullm_lessons.hip and the contracts)."""
+    HIP launcher module (they share code only through the loader gpullm_lessons.runtime.hip and the contracts)."""
     bad = []
     for f in files:
         for line, mod in _imports(f):
@@ -170,19 +171,21 @@ def test_the_walker_sees_a_planted_import(tmp_path, monkeypatch):
     pkg.mkdir(parents=True)
     (pkg / "bad.py").write_text("import numpy as np\n\n\ndef f():\n    from ..engine import build\n    return build\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    bad = _violations([pkg / "bad.py"], ["gpullm_lessons.reference", "gpullm_lessons.params"])
+    bad = _violations([pkg / "bad.py"], ["gpullm_lessons.reference", "gpullm_lessons.model.params"])
     assert bad == ["gpullm_lessons/reference/bad.py:5 imports gpullm_lessons.engine"]
 
 
 @pytest.mark.parametrize("text, expected", [
     ("from .rounding import mm_round", "gpullm_lessons.reference.rounding"),
-    ("from .. import params", "gpullm_lessons.params"),
+    ("from ..model import params", "gpullm_lessons.model.params"),
     ("import gpullm_lessons.contracts", "gpullm_lessons.contracts"),
 ])
 def test_relative_imports_are_resolved(tmp_path, monkeypatch, text, expected):
     pkg = tmp_path / "gpullm_lessons" / "reference"
     pkg.mkdir(parents=True)
     (pkg / "m.py").write_text(text + "\n")
-    (tmp_path / "gpullm_lessons" / "params.py").write_text("")
+    (tmp_path / "gpullm_lessons" / "model").mkdir()
+    (tmp_path / "gpullm_lessons" / "model" / "__init__.py").write_text("")
+    (tmp_path / "gpullm_lessons" / "model" / "params.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert expected in [mod for _, mod in _imports(pkg / "m.py")]

@@ -1,10 +1,10 @@
-"""No lesson shows the answer to its exercise: solution regions against what the lessons show (gpullm_lessons.leaks)."""
+"""No lesson shows the answer to its exercise: solution regions against what the lessons show (gpullm_lessons.classroom.leaks)."""
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from gpullm_lessons import leaks
+from gpullm_lessons.classroom import leaks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_a_printed_module_source_is_resolved_through_the_lessons_imports(tmp_pat
 
 
 def test_an_excerpt_shown_with_show_source_is_counted(tmp_path):
-    from gpullm_lessons import show
+    from gpullm_lessons.viz import show
     from gpullm_lessons.reference import softmax
     C = nbformat.v4.new_code_cell
     _, _, lines = show.excerpt(softmax.softmax_backward, start="=")
@@ -98,7 +98,7 @@ def test_tokens_drop_comments_and_normalise_names(text, expected):
 
 
 def test_outside_a_checkout_it_says_so_instead_of_printing_nothing(tmp_path, capsys, monkeypatch):
-    from gpullm_lessons import leaks
+    from gpullm_lessons.classroom import leaks
 
     monkeypatch.chdir(tmp_path)
     assert leaks.main([]) == 2

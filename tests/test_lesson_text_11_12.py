@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpullm_lessons import bench, checks_flash, stored, viz
+from gpullm_lessons.bench import kernels as bench, stored
+from gpullm_lessons.checks import flash as checks_flash
+from gpullm_lessons import viz
 
 ROOT = Path(__file__).resolve().parents[1]
 

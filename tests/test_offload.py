@@ -17,7 +17,7 @@ import pytest
 
 from gpullm_lessons import device, engine
 from gpullm_lessons.engine.offload import HostOptimizer, adamw_host
-from gpullm_lessons.params import GPTConfig, num_params
+from gpullm_lessons.model.params import GPTConfig, num_params
 from test_engine import SMALL, TOY, batch
 
 HP = {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 0.5}
@@ -148,7 +148,7 @@ def test_engine_memory_without_the_moments_on_the_gpu():
 def test_gpu_offloaded_step_matches_the_resident_step_and_frees_the_moments():
     import cupy as cp
 
-    from gpullm_lessons.bench_train import measure_engine
+    from gpullm_lessons.bench.train_step import measure_engine
 
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=128)
     batches = [batch(cfg, 8, 64, seed=s) for s in range(6)]
@@ -202,7 +202,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     """With a stand-in measure_engine (no GPU): every technique is predicted with its own options and measured
     launched from Python (the peak the prediction describes) and, where it captures, as a graph; an EngineError is
     recorded in its row; the table prints every row."""
-    from gpullm_lessons import bench_train as bt
+    from gpullm_lessons.bench import train_step as bt
     from gpullm_lessons import device
 
     calls = []

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from gpullm_lessons.optim import DECAY_NAMES, AdamW, clip_grad_norm, decay_mask_for, lr_schedule
+from gpullm_lessons.model.optim import DECAY_NAMES, AdamW, clip_grad_norm, decay_mask_for, lr_schedule
 
 
 def test_adamw_two_steps_by_hand():
@@ -159,7 +159,7 @@ def test_adamw_rejects_wrong_shapes():
 
 
 def test_decay_mask_follows_nanogpt_rule():
-    params = pytest.importorskip("gpullm_lessons.params", reason="params.py not written yet")
+    params = pytest.importorskip("gpullm_lessons.model.params", reason="model/params.py not written yet")
     cfg = params.GPTConfig(vocab_size=256, block_size=8, n_layer=2, n_head=2, d_model=8)
     mask = decay_mask_for(cfg)
     assert mask.dtype == bool and mask.shape == (params.num_params(cfg),)
@@ -205,7 +205,7 @@ def test_clip_grad_norm():
 # ---- one update policy: the engine's update() over the whole buffer and over shards --------------------------------
 
 def test_clip_coefficient():
-    from gpullm_lessons.optim import clip_coefficient
+    from gpullm_lessons.model.optim import clip_coefficient
 
     assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6))
     assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(10.0, 0.0) == 1.0 and clip_coefficient(10.0, -1) == 1.0
@@ -215,7 +215,7 @@ def test_the_update_over_two_shards_equals_the_update_over_the_buffer():
     """ZeRO's step is the engine's own update() on each shard, given the global squared norm: two shards of one
     engine end exactly where the whole-buffer update does (the NumPy engine: the same float32 arithmetic)."""
     from gpullm_lessons import engine
-    from gpullm_lessons.params import GPTConfig, num_params
+    from gpullm_lessons.model.params import GPTConfig, num_params
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
     rng = np.random.default_rng(0)

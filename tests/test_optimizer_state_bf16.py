@@ -19,11 +19,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpullm_lessons import device, engine, quant, train
-from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons import device, engine, train
+from gpullm_lessons.model import quant
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
 from gpullm_lessons.kernels.numba import adamw as nb
-from gpullm_lessons.optim import adamw_update, adamw_update_bf16, decay_mask_for
-from gpullm_lessons.params import GPTConfig, ParamBuffer, num_params
+from gpullm_lessons.model.optim import adamw_update, adamw_update_bf16, decay_mask_for
+from gpullm_lessons.model.params import GPTConfig, ParamBuffer, num_params
 from gpullm_lessons.reference.rounding import bf16_bits_to_f32, f32_to_bf16_bits
 
 TOY = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)  # ~4000 parameters
@@ -467,7 +468,7 @@ def test_the_bytes_of_each_optimizer_state():
 
 
 def test_combinations_that_cannot_work_are_named(tmp_path):
-    from gpullm_lessons.comm import SingleComm
+    from gpullm_lessons.parallel.comm import SingleComm
     from gpullm_lessons.parallel import DataParallel
 
     from test_train_ranks import TINY as JOB

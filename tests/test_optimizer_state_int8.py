@@ -1,6 +1,6 @@
 """AdamW's moments block-wise in 8 bits on the kernel backends (optimizer_state="int8", --optimizer-state int8).
 
-The format is gpullm_lessons.quant's: m as int8 codes round(m / a * 127) with a the block's max |m|, v as uint8 codes
+The format is gpullm_lessons.model.quant's: m as int8 codes round(m / a * 127) with a the block's max |m|, v as uint8 codes
 of sqrt(v) scaled by the block's max sqrt(v), one float32 scale per block of 256 values and moment. Each step the
 kernel (kernels/numba/adamw.py int8_moments_v2 / int8_moments_device_v2, kernels/hip/adamw.cu twins) reads a block
 back with its old scales, updates p, m, v in float32 and quantises the new moments with the block's new absmax. The
@@ -29,12 +29,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpullm_lessons import device, engine, hip, quant, train
-from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons import device, engine, train
+from gpullm_lessons.runtime import hip
+from gpullm_lessons.model import quant
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
 from gpullm_lessons.contracts import adamw as contract
 from gpullm_lessons.kernels.numba import adamw as nb
-from gpullm_lessons.optim import adamw_update, decay_mask_for
-from gpullm_lessons.params import GPTConfig, ParamBuffer, num_params
+from gpullm_lessons.model.optim import adamw_update, decay_mask_for
+from gpullm_lessons.model.params import GPTConfig, ParamBuffer, num_params
 
 from test_optimizer_state_bf16 import (
     B1,

@@ -71,7 +71,7 @@ def test_installed_package_finds_its_kernels(wheel, tmp_path):
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    code = ("import gpullm_lessons, gpullm_lessons.hip as h; import gpullm_lessons.kernels.numba.vector_add;"
+    code = ("import gpullm_lessons, gpullm_lessons.runtime.hip as h; import gpullm_lessons.kernels.numba.vector_add;"
             "print(h.kernel_dir()); print(len(h.sources())); print('#include \"portable.h\"' not in h.expanded_source('vector_add'))")
     env = dict(os.environ, PYTHONPATH=str(target), GPULLM_DEVICE="sim")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import parallel as P
-from gpullm_lessons.arrays import to_numpy
-from gpullm_lessons.comm import SingleComm
-from gpullm_lessons.params import GPTConfig, ParamBuffer, num_params
+from gpullm_lessons.runtime.arrays import to_numpy
+from gpullm_lessons.parallel.comm import SingleComm
+from gpullm_lessons.model.params import GPTConfig, ParamBuffer, num_params
 
 from test_comm import ROOT, gpus, run_mpi
 
@@ -52,7 +52,7 @@ def test_chunk_bounds_cover_the_buffer():
 
 def test_shards_and_their_decay_tables():
     from gpullm_lessons.kernels.numba.adamw import decay_table
-    from gpullm_lessons.optim import decay_mask_for
+    from gpullm_lessons.model.optim import decay_mask_for
 
     cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=2, n_head=2, d_model=6)
     n = num_params(cfg)
@@ -103,7 +103,7 @@ def test_zero_memory_is_what_the_rank_holds(zero):
 # ---- buckets in backward order, and the all-reduce overlapped with backward ------------------------------------------
 
 def test_layer_segments_cover_the_buffer_once():
-    from gpullm_lessons.params import layer_segments
+    from gpullm_lessons.model.params import layer_segments
 
     cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=3, n_head=2, d_model=6)
     layers = layer_segments(cfg)
@@ -344,7 +344,7 @@ GPU_TINY = ["--backend", "hip", "--preset", "tiny", "--batch-size", "16", "--ste
 
 def _launch2(args, out, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.launch", "--nproc", "2", "--backend", "nccl", "--module",
+    p = subprocess.run([sys.executable, "-m", "gpullm_lessons.parallel.launch", "--nproc", "2", "--backend", "nccl", "--module",
                         "gpullm_lessons.parallel", "--", "train", *args, "--out", str(out)], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

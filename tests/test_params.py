@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from gpullm_lessons.params import (PARAM_NAMES, GPTConfig, ParamBuffer, init_params, num_params,
+from gpullm_lessons.model.params import (PARAM_NAMES, GPTConfig, ParamBuffer, init_params, num_params,
                                    param_shapes)
 
 TINY = GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, d_model=8)
@@ -110,7 +110,7 @@ def test_init_params_deterministic_and_gpt2_style():
 
 
 def test_preset_config_is_the_preset_model_and_its_batch():
-    from gpullm_lessons.params import PRESETS, preset_config
+    from gpullm_lessons.model.params import PRESETS, preset_config
 
     cfg, B = preset_config("gpt2")
     assert B == PRESETS["gpt2"]["batch_size"] and cfg.d_model == 768 and cfg.vocab_size == 50304

@@ -1,4 +1,4 @@
-"""Mixed precision: the NumPy reference (gpullm_lessons/precision.py) and the conversion / inf-count kernels
+"""Mixed precision: the NumPy reference (gpullm_lessons/model/precision.py) and the conversion / inf-count kernels
 (kernels/numba/convert.py, kernels/hip/convert.cu through gpullm_lessons/backends/hip/convert.py).
 
 Conversions must be bit-exact with ml_dtypes.bfloat16 / NumPy's float16 cast on fresh random bit patterns plus the
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.arrays import to_backend, to_numpy
+from gpullm_lessons.runtime.arrays import to_backend, to_numpy
 from gpullm_lessons.kernels.numba import convert as nb
-from gpullm_lessons.optim import AdamW
-from gpullm_lessons.precision import (DynamicLossScaler, bf16_bits_to_f32, f32_to_bf16_bits, grads_finite,
+from gpullm_lessons.model.optim import AdamW
+from gpullm_lessons.model.precision import (DynamicLossScaler, bf16_bits_to_f32, f32_to_bf16_bits, grads_finite,
                                       nonfinite_count, scaled_step)
 
 needs_numba_gpu = pytest.mark.skipif(not device.numba_on_gpu(),

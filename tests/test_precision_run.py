@@ -5,9 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpullm_lessons import precision as P
+from gpullm_lessons.model import precision as P
 from gpullm_lessons.reference import rounding
-from gpullm_lessons.params import GPTConfig
+from gpullm_lessons.model.params import GPTConfig
 from gpullm_lessons.reference import attention_backward, attention_forward, linear_backward, linear_forward
 
 

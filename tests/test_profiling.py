@@ -1,7 +1,7 @@
-"""gpullm_lessons.profiling: Nsight Compute's CSV read into per-version rows; the ceilings beside the datasheet."""
+"""gpullm_lessons.bench.profiling: Nsight Compute's CSV read into per-version rows; the ceilings beside the datasheet."""
 import pytest
 
-from gpullm_lessons import bench, profiling
+from gpullm_lessons.bench import kernels as bench, profiling
 
 HEADER = ['ID', 'Kernel Name', 'Grid Size', 'gpu__time_duration.sum', 'dram__bytes_read.sum',
           'dram__bytes_write.sum', 'dram__throughput.avg.pct_of_peak_sustained_elapsed',
@@ -89,7 +89,7 @@ def test_counters_put_the_dram_bytes_beside_the_benchmarks_minimum():
 
 
 def test_the_stored_counters_cover_every_version_of_the_four_ops():
-    from gpullm_lessons import stored
+    from gpullm_lessons.bench import stored
     ncu, kernels = stored.load("ncu_h200"), bench.stored_kernels()
     for op in ("softmax", "layernorm", "crossentropy", "adamw"):
         rows = profiling.counters(ncu, kernels, op)
@@ -122,7 +122,8 @@ def test_a_step_spans_from_its_first_call_to_its_last_gpu_work():
 
 
 def test_the_stored_timelines_show_the_graph_step_without_launch_gaps():
-    from gpullm_lessons import stored, viz
+    from gpullm_lessons.bench import stored
+    from gpullm_lessons import viz
     for name in ("timeline_course_h200", "timeline_gpt2_h200"):
         t = stored.load(name)
         fams = profiling.kernel_families(t, "graph")

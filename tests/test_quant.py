@@ -1,12 +1,13 @@
-"""Block-wise 8-bit moments (gpullm_lessons.quant) and the NumPy engine's optimizer_state="int8" (lesson 12)."""
+"""Block-wise 8-bit moments (gpullm_lessons.model.quant) and the NumPy engine's optimizer_state="int8" (lesson 12)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from gpullm_lessons import engine, quant, train
-from gpullm_lessons.params import GPTConfig, num_params
+from gpullm_lessons import engine, train
+from gpullm_lessons.model import quant
+from gpullm_lessons.model.params import GPTConfig, num_params
 
 TOY = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
 

@@ -1,13 +1,13 @@
-"""The NumPy reference ops and the gradient checker (gpullm_lessons.reference, gpullm_lessons.gradcheck)."""
+"""The NumPy reference ops and the gradient checker (gpullm_lessons.reference, gpullm_lessons.checks.gradcheck)."""
 import math
 
 import numpy as np
 import pytest
 
 import gpullm_lessons.reference as ref
-from gpullm_lessons.gradcheck import (GradcheckResult, fd_error_curve, gpt_gradcheck, gradcheck,
+from gpullm_lessons.checks.gradcheck import (GradcheckResult, fd_error_curve, gpt_gradcheck, gradcheck,
                                       numerical_grad)
-from gpullm_lessons.params import GPTConfig, init_params
+from gpullm_lessons.model.params import GPTConfig, init_params
 from gpullm_lessons.reference import (attention_backward, attention_forward, crossentropy_backward,
                                       crossentropy_forward, encoder_backward, encoder_forward, gelu_backward,
                                       gelu_forward, gpt_backward, gpt_forward, layernorm_backward,

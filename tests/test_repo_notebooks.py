@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.exercises import is_clean
-from gpullm_lessons.grading import LEVELS, find_tasks, grade, task_kind
+from gpullm_lessons.classroom.exercises import is_clean
+from gpullm_lessons.classroom.grading import LEVELS, find_tasks, grade, task_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("*.ipynb"))

@@ -1,4 +1,4 @@
-"""make sanitize (gpullm_lessons/sanitize.py) without a GPU: a stand-in compute-sanitizer shows that a part is
+"""make sanitize (gpullm_lessons/bench/sanitize.py) without a GPU: a stand-in compute-sanitizer shows that a part is
 reported clean only when the sanitizer counted no error and the tests passed, and that every other outcome (errors
 in one of several processes, failed tests, no summary, a hang) makes the run fail with the part named."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpullm_lessons import sanitize
+from gpullm_lessons.bench import sanitize
 
 
 def _fake(tmp_path, body):
@@ -272,7 +272,7 @@ def test_bad_jobs_and_chunk_are_refused(capsys):
 
 def _stand_in_card(monkeypatch, card="Stand-in GPU", commit="abc123"):
     """Card, driver and commit as gpu_suite's helpers find them: a stand-in card, the commit from GPULLM_COMMIT."""
-    from gpullm_lessons import gpu_suite
+    from gpullm_lessons.bench import gpu_suite
 
     monkeypatch.setattr(gpu_suite, "_card", lambda: {"card": card, "driver": "999.1"})
     monkeypatch.setenv("GPULLM_COMMIT", commit)
@@ -295,7 +295,7 @@ def test_the_summary_says_where_when_what_and_each_part(tmp_path, monkeypatch):
     )
     assert s["date"] == datetime.date.today().isoformat() and datetime.datetime.fromisoformat(s["started"])
     assert (s["tools"], s["shard"], s["jobs"], s["chunk"]) == (["memcheck", "racecheck"], "1/1", 2, 0)
-    assert s["command"].startswith("python -m gpullm_lessons.sanitize --files ") and "--jobs 2" in s["command"]
+    assert s["command"].startswith("python -m gpullm_lessons.bench.sanitize --files ") and "--jobs 2" in s["command"]
     assert isinstance(s["minutes"], float) and s["minutes"] >= 0
     files = TWO_FILES.split(",")
     assert [(p["tool"], p["file"], p["chunk"]) for p in s["parts"]] == [

@@ -1,11 +1,12 @@
-"""gpullm_lessons.show: the source excerpts and the compile report the lessons print."""
+"""gpullm_lessons.viz.show: the source excerpts and the compile report the lessons print."""
 import inspect
 import re
 from pathlib import Path
 
 import pytest
 
-from gpullm_lessons import hip, show
+from gpullm_lessons.runtime import hip
+from gpullm_lessons.viz import show
 from gpullm_lessons import reference as ref
 from gpullm_lessons.kernels.numba import vector_add
 

@@ -1,4 +1,4 @@
-"""gpullm_lessons.simwarp: warp shuffles and votes in Numba's CUDA simulator, checked against NumPy.
+"""gpullm_lessons.runtime.simwarp: warp shuffles and votes in Numba's CUDA simulator, checked against NumPy.
 
 Reductions on blocks of 32, 64 and 48 threads (a partial last warp), the xor butterfly, the shfl_down tree, an
 inclusive scan with shfl_up, broadcasts, 2-D blocks, votes; and the errors for what a GPU would hang on.
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import gpullm_lessons  # noqa: F401  (switches the simulator on, and installs simwarp, before numba is imported)
-from gpullm_lessons import device, simwarp
+from gpullm_lessons import device
+from gpullm_lessons.runtime import simwarp
 
 pytestmark = pytest.mark.skipif(not device.info().simulator, reason="simwarp patches Numba's CUDA simulator only")
 

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpullm_lessons import launch as L
+from gpullm_lessons.parallel import launch as L
 from gpullm_lessons import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,8 +334,8 @@ def test_the_launcher_starts_ranks_with_srun_in_a_job(cluster, one_process):
         #!/bin/bash
         #SBATCH --ntasks=2
         set -e
-        "$PY" -m gpullm_lessons.launch --nproc 2 -- {" ".join(TINY)} --out {cluster.root / "launched"}
-        PYTHONPATH={cluster.root}:$PYTHONPATH "$PY" -m gpullm_lessons.launch --nproc 2 --module show_rank
+        "$PY" -m gpullm_lessons.parallel.launch --nproc 2 -- {" ".join(TINY)} --out {cluster.root / "launched"}
+        PYTHONPATH={cluster.root}:$PYTHONPATH "$PY" -m gpullm_lessons.parallel.launch --nproc 2 --module show_rank
         """)
     )
     job, rc, log = cluster.sbatch(script)
@@ -417,7 +417,7 @@ def test_srun_without_pmi_is_a_named_error(cluster):
 NCCL_ID_OVER_PMIX = textwrap.dedent("""\
     import os
 
-    from gpullm_lessons import comm
+    from gpullm_lessons.parallel import comm
 
     made = []
 

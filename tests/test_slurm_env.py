@@ -4,8 +4,8 @@ the rendezvous (PMIx, or a named error without a PMI), the NCCL id over it, and 
 
 import pytest
 
-from gpullm_lessons import comm as C
-from gpullm_lessons import launch as L
+from gpullm_lessons.parallel import comm as C
+from gpullm_lessons.parallel import launch as L
 from gpullm_lessons import train
 
 RANK_VARS = (

@@ -1,13 +1,13 @@
-"""gpullm_lessons.stored: the one way lessons and library read the course's stored measurements (results/*.json)."""
+"""gpullm_lessons.bench.stored: the one way lessons and library read the course's stored measurements (results/*.json)."""
 import json
 from pathlib import Path
 
 import pytest
 
-from gpullm_lessons import bench, stored
-from gpullm_lessons import checkpointing as ck
+from gpullm_lessons.bench import kernels as bench, stored
+from gpullm_lessons.model import checkpointing as ck
 
-RESULTS = Path(stored.__file__).resolve().parent / "results"
+RESULTS = Path(stored.__file__).resolve().parents[1] / "results"   # gpullm_lessons/results
 ON_DISK = sorted(p.stem for p in RESULTS.glob("*.json"))
 
 

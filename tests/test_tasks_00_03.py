@@ -7,7 +7,7 @@ while n fits in the capped grid; in 00.2 along either axis of a 2-D grid), only 
 K <= 16), no zero fill of the partial tile (passes when K is a multiple of 16), a tree that only works for
 power-of-two blocks (03.1 launches 24 or 192 threads), a warp reduction that drops columns past 32 or the tail
 (passes while n <= 32 or a multiple of 32), a softmax without the row max (passes until a logit overflows exp), ...
-Numba tasks run in the simulator (warp shuffles through gpullm_lessons.simwarp); HIP tasks are compiled and linted
+Numba tasks run in the simulator (warp shuffles through gpullm_lessons.runtime.simwarp); HIP tasks are compiled and linted
 without a GPU, and run by the gpu-marked tests on one.
 """
 import functools
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import gpullm_lessons  # noqa: F401  (before numba)
-from gpullm_lessons import checks_kernels as ck
-from gpullm_lessons import device, hip
-from gpullm_lessons.checks import check_linear_backward
+from gpullm_lessons.checks import kernels as ck
+from gpullm_lessons import device
+from gpullm_lessons.runtime import hip
+from gpullm_lessons.checks.backward import check_linear_backward
 
 from numba import cuda, float32  # noqa: E402
 

@@ -21,9 +21,9 @@ import pytest
 
 import gpullm_lessons  # noqa: F401  (before numba)
 from gpullm_lessons import device
-from gpullm_lessons.checks import check_attention_backward, check_gelu_backward, check_layernorm_backward
-from gpullm_lessons.checks_optim import HALF_POISON, check_adamw_mixed
-from gpullm_lessons.checks_precision import (check_bf16_hip, check_bf16_kernel, check_bf16_rne,
+from gpullm_lessons.checks.backward import check_attention_backward, check_gelu_backward, check_layernorm_backward
+from gpullm_lessons.checks.optim import HALF_POISON, check_adamw_mixed
+from gpullm_lessons.checks.precision import (check_bf16_hip, check_bf16_kernel, check_bf16_rne,
                                              check_loss_scaler_update, check_unscale_hip)
 
 import numba  # noqa: E402
@@ -405,7 +405,7 @@ def test_07_3_misaligned_float4_is_reported():
         import gpullm_lessons, sys
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_tasks_01_06_07 import bf16_src
-        from gpullm_lessons.checks_precision import check_bf16_hip
+        from gpullm_lessons.checks.precision import check_bf16_hip
         src = bf16_src(("long long head = (long long)(((16u - ((unsigned long long)src & 15u)) & 15u) >> 2);",
                         "long long head = 0;"))
         r = check_bf16_hip(src, seed=2, quiet=True)

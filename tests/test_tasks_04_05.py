@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from numba import cuda, float32
 
-from gpullm_lessons import checks_ops, device
-from gpullm_lessons.checks import check_gelu_backward, check_layernorm_backward
-from gpullm_lessons.checks_ops import (check_attention_softmax_backward, check_crossentropy_online,
+from gpullm_lessons.checks import ops as checks_ops
+from gpullm_lessons import device
+from gpullm_lessons.checks.backward import check_gelu_backward, check_layernorm_backward
+from gpullm_lessons.checks.ops import (check_attention_softmax_backward, check_crossentropy_online,
                                        check_encoder_backward_atomic, check_encoder_backward_deterministic,
                                        check_layernorm_dparams)
 
@@ -492,7 +493,7 @@ def test_fresh_exercises_are_not_attempted_also_where_a_kernel_raise_would_be_co
     assert checks_ops.unfinished_kernel(ex05["gelu_backward"]) == "gelu_backward_kernel"
     assert checks_ops.unfinished_kernel(ex04["layernorm_backward"]) == "ln_backward_dinp"
     assert checks_ops.unfinished_kernel(load(NB05)["attention_softmax_backward"]) is None
-    from gpullm_lessons.exercises import RAISE_LINE
+    from gpullm_lessons.classroom.exercises import RAISE_LINE
     assert checks_ops.STUB == RAISE_LINE
 
 

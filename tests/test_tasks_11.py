@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device
-from gpullm_lessons.checks_flash import (
+from gpullm_lessons.checks.flash import (
     check_flash_attention_backward,
     check_flash_attention_forward,
     check_flash_attention_forward_packed,
@@ -159,7 +159,7 @@ def test_checker_rejects_the_answer_of_an_earlier_call():
 
     def stale(q, k, v, out, lse):
         if "out" not in cache:
-            from gpullm_lessons.checks_flash import _forward, _make  # noqa: F401
+            from gpullm_lessons.checks.flash import _forward, _make  # noqa: F401
             S = (q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)) / np.sqrt(q.shape[-1])
             T = q.shape[2]
             S = np.where(np.tril(np.ones((T, T), bool)), S, -np.inf)

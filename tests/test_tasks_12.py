@@ -5,7 +5,7 @@ solution with one edit), and the checkers report what the learner's function rai
 import numpy as np
 import pytest
 
-from gpullm_lessons.checks_scale import check_accumulate, check_bucket_assignment, check_quantize_blockwise
+from gpullm_lessons.checks.scale import check_accumulate, check_bucket_assignment, check_quantize_blockwise
 
 from conftest import solution_namespace, wrong
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import engine, train
-from gpullm_lessons.params import GPTConfig
+from gpullm_lessons.model.params import GPTConfig
 
 LOG_KEYS = {"step", "loss", "lr", "grad_norm", "skipped", "tokens_per_s"}
 # a toy model and batch for the tests that compare runs (the tiny preset's own shape is exercised by `run`)
@@ -88,8 +88,8 @@ def test_default_out_names_the_resolved_backend(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_numpy_engine_equals_reference_loop(tmp_path, policy):
     from gpullm_lessons.data import BatchSampler, load_corpus
-    from gpullm_lessons.optim import AdamW, clip_grad_norm, decay_mask_for, lr_schedule
-    from gpullm_lessons.params import ParamBuffer, init_params
+    from gpullm_lessons.model.optim import AdamW, clip_grad_norm, decay_mask_for, lr_schedule
+    from gpullm_lessons.model.params import ParamBuffer, init_params
     from gpullm_lessons.reference import gpt_backward, gpt_forward
 
     steps, lr, warmup, min_lr = 4, 3e-3, 1, 3e-4

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from gpullm_lessons import launch as L
+from gpullm_lessons.parallel import launch as L
 from gpullm_lessons import train
 
 from test_comm import ROOT, require_mpi

@@ -137,7 +137,7 @@ def test_importing_viz_loads_no_job_engine_or_parallel_module():
     code = (
         "import sys, gpullm_lessons.viz; "
         "print(' '.join(m for m in sys.modules if m.startswith(('gpullm_lessons.train', 'gpullm_lessons.parallel', "
-        "'gpullm_lessons.engine', 'gpullm_lessons.kernel_trace', 'gpullm_lessons.checks', 'matplotlib', "
+        "'gpullm_lessons.engine', 'gpullm_lessons.checks.kernel_trace', 'gpullm_lessons.checks.backward', 'matplotlib', "
         "'numba', 'cupy'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

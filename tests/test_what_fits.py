@@ -3,9 +3,9 @@ fits a memory budget, found by bisection, checked against the model itself witho
 
 import pytest
 
-from gpullm_lessons import bench, bench_train as bt
+from gpullm_lessons.bench import kernels as bench, train_step as bt
 from gpullm_lessons.engine import engine_memory
-from gpullm_lessons.params import GPTConfig
+from gpullm_lessons.model.params import GPTConfig
 
 GIB = 2**30
 

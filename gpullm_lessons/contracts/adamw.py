@@ -56,7 +56,7 @@ def check_buffers(fn, names, arrays, check_array):
 
 MOMENTS_F32, MOMENTS_BF16, MOMENTS_INT8 = "fp32", "bf16", "int8"  # how m and v are stored (see below)
 # the dtype of v for each dtype of m: float32 moments; bfloat16 bits in uint16; block-wise 8 bits (m int8, v uint8
-# holding sqrt(v), plus one float32 scale per block of each: gpullm_lessons.quant's format)
+# holding sqrt(v), plus one float32 scale per block of each: gpullm_lessons.model.quant's format)
 _MOMENT_DTYPES = {
     "float32": ("float32", MOMENTS_F32),
     "uint16": ("uint16", MOMENTS_BF16),

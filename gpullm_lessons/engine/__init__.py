@@ -11,7 +11,7 @@ Backends
     numba  the course's Numba kernels (kernels/numba): on a GPU with CuPy arrays, or in the CUDA simulator with
            NumPy arrays (tiny models only: the simulator runs ~1e5 thread-steps per second).
 Both kernel backends run the same Python code below (GPUEngine); only the launcher module differs. The matrix
-products go through cuBLAS / hipBLAS (gpullm_lessons.blas.gemm), as lesson 02 concludes; everything else is the
+products go through cuBLAS / hipBLAS (gpullm_lessons.runtime.blas.gemm), as lesson 02 concludes; everything else is the
 course's own kernels: LayerNorm forward/backward, GELU forward/backward, causal softmax forward/backward, the
 fused softmax + cross-entropy, the embedding backward, the fused AdamW and the precision kernels, and the glue
 kernels between the products (kernels/hip/fused.cu: bias + residual, bias + GELU, head split / merge, bias gradient
@@ -21,11 +21,11 @@ residual-gradient additions of the backward (dx1 += dx, dx0 += dx1 in _block_bac
 CUDA graphs (hip backend, fp32 / bf16, on by default): train_step captures the whole step once per batch shape and
 replays it (StepGraph, engine/graph.py); see GPUEngine.train_step.
 
-Memory layout (params.py): parameters, gradients, m and v are flat fp32 buffers with named views
+Memory layout (model/params.py): parameters, gradients, m and v are flat fp32 buffers with named views
 (params.ParamBuffer); the optimizer is one fused AdamW launch over the whole buffer. optimizer_state="bf16" keeps m and
 v as bfloat16 bits (uint16) instead: the AdamW kernel reads them, computes in fp32 and writes them back rounded to
 nearest even (adamw_bf16_moments_v2; in a CUDA graph adamw_bf16_moments_device_v2). optimizer_state="int8" keeps them
-block-wise quantised (gpullm_lessons.quant's format: int8 m, uint8 sqrt(v), one fp32 scale per block of 256 values
+block-wise quantised (gpullm_lessons.model.quant's format: int8 m, uint8 sqrt(v), one fp32 scale per block of 256 values
 each, GPUEngine.m_scale / v_scale): one thread block per quantisation block reads it back, updates and quantises it
 again with the block's new absmax (adamw_int8_moments_v2; in a CUDA graph adamw_int8_moments_device_v2).
 
@@ -43,7 +43,7 @@ fp16 adds dynamic loss scaling (precision.DynamicLossScaler): dlogits is multipl
 rounded to fp16, the step is skipped when the one-pass non-finite count of the gradient buffer is not 0, and AdamW
 divides by the scale in its gradient read (grad_scale).
 
-Activation checkpointing (policy, as checkpointing.py): "none" keeps every block's cache; "selective" drops the
+Activation checkpointing (policy, as model/checkpointing.py): "none" keeps every block's cache; "selective" drops the
 LayerNorm outputs and the GELU output and recomputes them (one LayerNorm forward / one GELU forward) in backward;
 "full" keeps only each block's input and reruns the block's forward just before its backward; "sqrt" (or "sqrt:K")
 keeps only each segment's input (segments of k = round(sqrt(L)), or K, blocks) and, reaching a segment's last block,
@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..params import GPTConfig
+from ..model.params import GPTConfig
 from .core import (
     BACKENDS,
     BETAS,
@@ -104,7 +104,7 @@ def build(
     equal the unchunked ones up to rounding; forward(x, y) then returns no logits.
     optimizer_state: AdamW's moments m and v in "fp32", "bf16" (bfloat16 bits, 2 bytes each, rounded to nearest even
     after every update: every backend, the kernel backends through the bf16-moment AdamW kernels) or "int8"
-    (block-wise 8-bit, gpullm_lessons.quant's format: every backend, the kernel backends through the int8-moment
+    (block-wise 8-bit, gpullm_lessons.model.quant's format: every backend, the kernel backends through the int8-moment
     AdamW kernels, one thread block per block of 256 values). Lesson 12.
     offload_optimizer: the fp32 master weights and AdamW's moments in pinned host memory and the update on the CPU
     (engine/offload.py, kernel backends, fp32 moments, steps launched from Python). Lesson 12."""

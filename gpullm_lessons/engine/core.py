@@ -8,14 +8,14 @@ import math
 
 import numpy as np
 
-from ..checkpointing import POLICIES, parse_policy  # noqa: F401 - POLICIES: the names; "sqrt" also as "sqrt:K"
-from ..optim import clip_coefficient
-from ..params import GPTConfig, layer_segments, num_params
+from ..model.checkpointing import POLICIES, parse_policy  # noqa: F401 - POLICIES: the names; "sqrt" also as "sqrt:K"
+from ..model.optim import clip_coefficient
+from ..model.params import GPTConfig, layer_segments, num_params
 
 BACKENDS = ("numpy", "numba", "hip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # AdamW's moments: fp32; bf16 (bfloat16 bits, rounded to nearest even after each update: every backend); block-wise
-# 8-bit (gpullm_lessons.quant: the NumPy engine)
+# 8-bit (gpullm_lessons.model.quant: the NumPy engine)
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 GRAPH_PRECISIONS = ("fp32", "bf16")  # train_step replayed as a CUDA graph (fp16's overflow skip is a host decision)
 BETAS = (0.9, 0.95)
@@ -27,7 +27,7 @@ class EngineError(ValueError):
 
 
 # the dtypes of m and v as each optimizer state stores them (int8: m signed, v as sqrt(v) unsigned, plus per-block
-# fp32 scales m_scale, v_scale; see gpullm_lessons.quant)
+# fp32 scales m_scale, v_scale; see gpullm_lessons.model.quant)
 MOMENT_DTYPES = {"fp32": ("float32", "float32"), "bf16": ("uint16", "uint16"), "int8": ("int8", "uint8")}
 
 
@@ -36,7 +36,7 @@ def optimizer_state_bytes(n: int, optimizer_state: str = "fp32") -> int:
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer_state {optimizer_state!r}: choose one of {', '.join(OPTIMIZER_STATES)}")
     if optimizer_state == "int8":
-        from ..quant import moment_bytes
+        from ..model.quant import moment_bytes
 
         return moment_bytes(n)
     return n * 2 * (4 if optimizer_state == "fp32" else 2)
@@ -51,7 +51,7 @@ def moments_to_f32(state: dict, optimizer_state: str) -> tuple:
         from ..reference.rounding import bf16_bits_to_f32
 
         return bf16_bits_to_f32(np.asarray(state["m"])), bf16_bits_to_f32(np.asarray(state["v"]))
-    from ..quant import dequantize_moments
+    from ..model.quant import dequantize_moments
 
     return dequantize_moments({k: np.asarray(state[k]) for k in ("m", "m_scale", "v", "v_scale")})
 
@@ -65,7 +65,7 @@ def moments_from_f32(m, v, optimizer_state: str) -> dict:
         from ..reference.rounding import f32_to_bf16_bits
 
         return {"m": f32_to_bf16_bits(np.asarray(m, np.float32)), "v": f32_to_bf16_bits(np.asarray(v, np.float32))}
-    from ..quant import quantize_moments
+    from ..model.quant import quantize_moments
 
     return quantize_moments(np.asarray(m, np.float32), np.asarray(v, np.float32))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..params import ParamBuffer, init_params, num_params
+from ..model.params import ParamBuffer, init_params, num_params
 from ..reference.head import check_chunks
 from .core import Engine
 
@@ -16,7 +16,7 @@ class NumpyEngine(Engine):
     backend = "numpy"
 
     def __init__(self, cfg, policy, seed, betas, eps, optimizer_state="fp32", ce_chunks=1):
-        from ..optim import decay_mask_for
+        from ..model.optim import decay_mask_for
 
         super().__init__(cfg, "fp32", policy, seed, betas, eps, optimizer_state)
         self.ce_chunks = check_chunks("NumpyEngine", ce_chunks)  # the loss head in chunks of rows (reference/head.py)
@@ -35,7 +35,7 @@ class NumpyEngine(Engine):
             self._quantize_moments()
 
     def _quantize_moments(self):
-        from ..quant import quantize_moments
+        from ..model.quant import quantize_moments
 
         self.moments_q = quantize_moments(self.m, self.v)
         self.m = self.v = np.zeros(0, np.float32)
@@ -62,7 +62,7 @@ class NumpyEngine(Engine):
         self.moments_q = {k: np.array(moments[k], copy=True) for k in ("m", "m_scale", "v", "v_scale")}
 
     def forward(self, x, y=None):
-        from ..checkpointing import gpt_forward_ckpt
+        from ..model.checkpointing import gpt_forward_ckpt
 
         x, y = self._check_batch("forward", x, y)
         logits, loss, self._cache = gpt_forward_ckpt(
@@ -73,8 +73,8 @@ class NumpyEngine(Engine):
     def backward(self, loss_scale=1.0, grads_ready=None):
         """Every gradient of the last forward's loss (times loss_scale) written into self.grads; grads_ready(k) as
         soon as layer k's are final (forward_backward), each layer's scaled by loss_scale first."""
-        from ..checkpointing import gpt_backward_ckpt
-        from ..params import layer_segments
+        from ..model.checkpointing import gpt_backward_ckpt
+        from ..model.params import layer_segments
 
         scale = self.grads.flat.dtype.type(loss_scale)  # in the buffer's precision (float64 in the accumulation test)
         ready = None
@@ -115,19 +115,19 @@ class NumpyEngine(Engine):
         return mask
 
     def _adamw(self, st, lr, weight_decay, grad_scale):
-        from ..optim import adamw_update
+        from ..model.optim import adamw_update
 
         if grad_scale != 1.0:  # the clip factor, applied to the gradient (as the kernels do)
             st.grads *= np.float32(grad_scale)
         if self.moments_q is not None:  # int8 moments: read back, update, quantise again
-            from ..quant import dequantize_moments, quantize_moments
+            from ..model.quant import dequantize_moments, quantize_moments
 
             m, v = dequantize_moments(self.moments_q)
             adamw_update(st.params, st.grads, m, v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay)
             self.moments_q = quantize_moments(m, v)
             return
         if self.moment_format == "bf16":  # bf16 moments: read back, update in fp32, round to nearest even
-            from ..optim import adamw_update_bf16
+            from ..model.optim import adamw_update_bf16
 
             adamw_update_bf16(
                 st.params, st.grads, st.m, st.v, self.t, lr, self.betas, self.eps, float(weight_decay), st.decay

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from ..checkpointing import parse_policy, segments
-from ..params import ParamBuffer, init_params, num_params
-from ..profiling import nvtx_range
+from ..model.checkpointing import parse_policy, segments
+from ..model.params import ParamBuffer, init_params, num_params
+from ..bench.profiling import nvtx_range
 from ..reference.head import check_chunks
 from ..contracts.adamw import int8_blocks
 from .core import Engine, EngineError
@@ -157,7 +157,7 @@ class GPUEngine(Engine):
             self.offload = HostOptimizer(self)
             self.m, self.v = self.offload.m, self.offload.v  # host arrays: state_dict and the moments' bytes read them
         if precision == "fp16":
-            from ..precision import DynamicLossScaler
+            from ..model.precision import DynamicLossScaler
 
             self.scaler = DynamicLossScaler()
         self._count = xp.zeros(1, xp.int32)
@@ -236,7 +236,7 @@ class GPUEngine(Engine):
         return self.profiler
 
     def _gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
-        from ..blas import gemm
+        from ..runtime.blas import gemm
 
         fmt = self.fmt
         if fmt == "fp16":
@@ -689,9 +689,9 @@ class GPUEngine(Engine):
         return self.half
 
     def _decay_of(self, lo, hi):
-        from ..arrays import to_backend
+        from ..runtime.arrays import to_backend
         from ..kernels.numba.adamw import decay_table
-        from ..optim import shard_decay_table
+        from ..model.optim import shard_decay_table
 
         b, f = shard_decay_table(*decay_table(self.params, arrays="numpy"), lo, hi)
         where = "cupy" if self.on_gpu else "numpy"

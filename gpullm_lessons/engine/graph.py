@@ -32,7 +32,7 @@ class StepGraph:
         self.result = cp.zeros(2, cp.float32)
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream()  # a blocking stream: ordered with work on the default stream
-        from ..blas import prepare_capture
+        from ..runtime.blas import prepare_capture
 
         prepare_capture()  # cuBLAS handle + workspace for captured matrix products
         extra = (eng.half, getattr(eng, "m_scale", None), getattr(eng, "v_scale", None))  # int8 moments: their scales

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..checkpointing import parse_policy, segments
-from ..params import GPTConfig, num_params
+from ..model.checkpointing import parse_policy, segments
+from ..model.params import GPTConfig, num_params
 from .core import PRECISIONS, optimizer_state_bytes
 
 

@@ -26,7 +26,7 @@ import math
 import numba
 import numpy as np
 
-from ..params import layer_segments, num_params
+from ..model.params import layer_segments, num_params
 
 CHUNK = 1 << 22  # elements per CPU update chunk (16 MiB of float32): one host-to-device copy each
 

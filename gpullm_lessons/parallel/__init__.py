@@ -1,4 +1,4 @@
-"""Several ranks, one model: ring all-reduce by hand, data parallel training and ZeRO-1/2, on a communicator (comm.py).
+"""Several ranks, one model: ring all-reduce by hand, data parallel training and ZeRO-1/2, on a communicator (parallel/comm.py).
 
     ring_allreduce_sim(buffers)          the ring all-reduce of N simulated ranks in NumPy, with its step log
     ring_allreduce(comm, buf)            the same algorithm across real ranks, over comm.sendrecv
@@ -13,10 +13,10 @@ The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: 
 wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.
 
 CLI (each rank runs it; start the ranks with the launcher or mpirun):
-    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- selftest
-    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- bench --json runs/allreduce.json
-    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- train --steps 50 [--zero]
-    python -m gpullm_lessons.launch --nproc 2 --module gpullm_lessons.parallel -- dpbench --preset gpt2
+    python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- selftest
+    python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- bench --json runs/allreduce.json
+    python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- train --steps 50 [--zero]
+    python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- dpbench --preset gpt2
 
 The ring (N ranks, the buffer cut into N chunks; rank r sends to r+1 and receives from r-1, all at once):
     reduce-scatter, steps s = 0 .. N-2: rank r sends chunk (r - s) mod N and adds the chunk (r - s - 1) mod N it

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from ..comm import from_env
+from .comm import from_env
 from .benchmark import bench_result, dp_bench, format_bench
 from .ring import selftest
 
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m gpullm_lessons.parallel",
         description="collectives self-test, all-reduce benchmark, data-parallel throughput "
-        "(run on every rank: start with python -m gpullm_lessons.launch)",
+        "(run on every rank: start with python -m gpullm_lessons.parallel.launch)",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("selftest", help="every collective, the ring by hand, a wrong ring caught")

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from ..comm import Communicator
+from .comm import Communicator
 from .data_parallel import DataParallel
 from .ring import ring_allreduce
 
@@ -134,8 +134,8 @@ def dp_bench(
 ) -> dict:
     """Tokens/s of data-parallel training steps on random tokens: B = batch_per_rank rows per rank, T = block size."""
     from .. import engine as engine_mod
-    from ..params import GPTConfig
-    from ..params import PRESETS
+    from ..model.params import GPTConfig
+    from ..model.params import PRESETS
 
     p = dict(PRESETS[preset])
     p.pop("batch_size")

@@ -11,7 +11,7 @@ filled in the order backward finishes them; a bucket's all-reduce starts as soon
     gb.begin(); eng.forward_backward(x, y, grads_ready=gb.ready); gb.finish(grads)   # overlapped
     gb.all_reduce_in_order(grads)                   # the same buckets after backward, one after the other
 
-The flat buffer's layout (params.py) is tensor by tensor (all layers' ln1w, then all layers' ln1b, ...), so one
+The flat buffer's layout (model/params.py) is tensor by tensor (all layers' ln1w, then all layers' ln1b, ...), so one
 layer's gradients are not contiguous in it. GradBuckets keeps a buffer of its own with the tensors in bucket order:
 a layer's slices are copied there when backward reports them final, each bucket is one contiguous piece of it, and
 after the all-reduces the (summed, x 1/N) values are copied back. Both paths run the same (non-blocking) collective
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..params import layer_segments
+from ..model.params import layer_segments
 
 
 def assign_buckets(sizes, limit) -> list:

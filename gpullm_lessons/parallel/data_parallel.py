@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from ..comm import Communicator, is_cupy
-from ..optim import shard_decay_table  # noqa: F401 - part of the ZeRO bookkeeping taught here (exercise 10.3)
+from .comm import Communicator, is_cupy
+from ..model.optim import shard_decay_table  # noqa: F401 - part of the ZeRO bookkeeping taught here (exercise 10.3)
 from .buckets import GradBuckets
 
 ZERO_STAGES = (0, 1, 2)  # 0: plain data parallel; 1: AdamW's state sharded; 2: and the gradient kept as a shard
@@ -94,7 +94,7 @@ class DataParallel:
     """
 
     def __init__(self, engine, comm: Communicator, zero=0, check_every=0, align=64, bucket_mb=0.0, overlap=False):
-        from ..params import num_params
+        from ..model.params import num_params
 
         zero = int(zero)  # False / True: 0 / 1
         if zero not in ZERO_STAGES:
@@ -151,7 +151,7 @@ class DataParallel:
 
     def _grads_for_backward(self):
         """ZeRO-2: a fresh full-size gradient buffer for the engine's backward to write, padded like ZeRO-1's."""
-        from ..params import ParamBuffer
+        from ..model.params import ParamBuffer
 
         if self.eng.grads is None:
             self.eng.grads = ParamBuffer(self.eng.cfg, np.float32, self.xp)

@@ -11,7 +11,7 @@ def launch_plan(nproc: int = 2) -> dict:
     """How this machine can start nproc ranks: {"comm": "nccl" | "mpi" | None, "engine": "hip" | "numpy" | None,
     "why": one line}. NCCL with the hip engine when there are nproc GPUs and NCCL, else MPI ranks on the CPU with the
     NumPy engine, else None (the line says what is missing)."""
-    from .. import launch as L
+    from . import launch as L
 
     errors = []
     for backend in ("auto", "mpi"):
@@ -32,7 +32,7 @@ def launch_plan(nproc: int = 2) -> dict:
 
 
 def launch_subprocess(nproc, module_args, module="gpullm_lessons.parallel", comm="auto", timeout=600):
-    """Run `python -m gpullm_lessons.launch --nproc N --backend comm --module module -- module_args` and wait
+    """Run `python -m gpullm_lessons.parallel.launch --nproc N --backend comm --module module -- module_args` and wait
     (for notebooks and tests); returns the subprocess.CompletedProcess (stdout, stderr as text)."""
     import subprocess
     from pathlib import Path
@@ -42,7 +42,7 @@ def launch_subprocess(nproc, module_args, module="gpullm_lessons.parallel", comm
     cmd = [
         sys.executable,
         "-m",
-        "gpullm_lessons.launch",
+        "gpullm_lessons.parallel.launch",
         "--nproc",
         str(nproc),
         "--backend",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..comm import Communicator, is_cupy
+from .comm import Communicator, is_cupy
 
 
 # ================================================================================================================

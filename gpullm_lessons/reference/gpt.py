@@ -22,7 +22,7 @@ Two variations for later lessons, off by default (then the code is the plain ref
 """
 import numpy as np
 
-from ..params import GPTConfig, param_shapes
+from ..model.params import GPTConfig, param_shapes
 from .attention import attention_backward, attention_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward

@@ -3,7 +3,7 @@ matmuls (``with matmul_precision("bf16"):`` rounds the inputs of every reference
 
 The reference ops (linear, attention) call ``mm_round`` on their matmul inputs; outside a ``matmul_precision`` block
 it returns its argument unchanged, so the fp32 reference is bit-identical to plain float32 code. Lesson 07 teaches
-the formats and the loss scaling built on them (gpullm_lessons.precision, which re-exports these names).
+the formats and the loss scaling built on them (gpullm_lessons.model.precision, which re-exports these names).
 """
 from __future__ import annotations
 

@@ -57,21 +57,22 @@ def plot_ceilings(ceilings: dict, ax=None):
 
 def show_kernel(fn, *args, op: Optional[str] = None, like=None, case: int = 0, **kw):
     """See your own kernel: run fn(*args) once in the CUDA simulator, print what its threads did and draw it
-    (gpullm_lessons.kernel_trace: which thread wrote each output element, loads per thread, shared-memory traffic,
+    (gpullm_lessons.checks.kernel_trace: which thread wrote each output element, loads per thread, shared-memory traffic,
     32-byte sectors per warp load). Use tiny inputs (a few blocks of 32 threads), or instead of arrays pass
     like=check_xxx (the arguments that checker passes on its first, small case; case=k for its k-th) or
     op="softmax_backward" (tiny inputs of an op in kernel_trace.EXAMPLE_DIMS). kw go to kernel_trace.trace
     (warp_size=...).
     Returns the KernelTrace (None for a kernel not written yet). On a GPU it prints one line (tracing runs in the
     simulator only) and runs nothing."""
-    from .. import device, kernel_trace
+    from .. import device
+    from ..checks import kernel_trace
 
     if (op is not None) + (like is not None) + bool(args) > 1:
         raise TypeError("show_kernel: pass the arrays, or like=check_..., or op=..., only one of them")
     if device.numba_on_gpu():
         print(f"show_kernel: {kernel_trace.SIM_ONLY}")
         return kernel_trace.trace(fn)
-    from ..checks import unfinished_kernel
+    from ..checks.backward import unfinished_kernel
 
     stub = unfinished_kernel(fn)
     if stub is not None:

@@ -34,7 +34,7 @@ def plot_param_buffer(param_buffer, decay_names=None, ax=None):
     from matplotlib.patches import Patch
 
     if decay_names is None:
-        from ..optim import DECAY_NAMES as decay_names
+        from ..model.optim import DECAY_NAMES as decay_names
     names = list(param_buffer.names)
     n = int(param_buffer.flat.size)
     k = len(names)

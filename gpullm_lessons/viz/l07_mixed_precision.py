@@ -57,7 +57,7 @@ def float_formats_html(value: float) -> str:
     format holds and the relative error."""
     import html
 
-    from ..precision import format_rows, tf32_row
+    from ..model.precision import format_rows, tf32_row
 
     rows = format_rows(value) + [tf32_row(value)]
     mono = "font-family: var(--jp-code-font-family, monospace); white-space: pre;"

@@ -281,7 +281,7 @@ def plot_step_timeline(result: dict, axes=None):
     ("graph"), on one time axis (profiling.step_timeline's dict): per step, the CPU's launch calls and the GPU's
     kernels (cuBLAS products in blue, the course's kernels in orange, CuPy's in grey); the gaps in the GPU lane are
     the GPU waiting."""
-    from ..profiling import kernel_family
+    from ..bench.profiling import kernel_family
 
     plt = pyplot()
     modes = [m for m in ("eager", "graph") if result.get(m)]

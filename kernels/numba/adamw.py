@@ -1,6 +1,6 @@
 """The AdamW optimizer step over ONE flat fp32 parameter buffer (params.ParamBuffer.flat): Numba CUDA kernels.
 
-Exactly the reference gpullm_lessons.optim.AdamW (= torch.optim.AdamW), for the step count t >= 1 (after increment):
+Exactly the reference gpullm_lessons.model.optim.AdamW (= torch.optim.AdamW), for the step count t >= 1 (after increment):
 
     g = grad_scale * g                         # undo the loss scale of mixed precision (1.0: nothing to undo)
     p = p - lr * wd * p                        # decoupled weight decay, only for the tensors that decay
@@ -44,7 +44,7 @@ bf16_moments_v2 (adamw_step with m, v uint16): v2 with AdamW's moments stored as
     reference.rounding and half.h). 24 B per parameter instead of 32. Reference: optim.adamw_update_bf16.
 bf16_moments_device_v2 (adamw_step_device with m, v uint16): bf16_moments_v2 with device_v2's scalars from hyper.
 int8_moments_v2 (adamw_step with m int8, v uint8 and their scales m_scale, v_scale): AdamW's moments block-wise
-    quantised in gpullm_lessons.quant's format (2 bytes per parameter plus 8 per block of 256): m as int8 codes
+    quantised in gpullm_lessons.model.quant's format (2 bytes per parameter plus 8 per block of 256): m as int8 codes
     q = round(m / a * 127), v as uint8 codes of sqrt(v) scaled by the block's max sqrt(v), one float32 scale a (the
     block's absmax) per block and moment. One thread block per quantisation block (a grid-stride loop over the
     blocks): each thread reads its elements' codes back to float32 with the OLD scales (a sqrt(v) code 0 reads as
@@ -421,10 +421,10 @@ def decay_table(param_buffer, decay_names=None, arrays=None):
     """(bounds int64 (k+1,), flags uint8 (k,)) for the tensors of a ParamBuffer, in buffer order.
 
     bounds[j] .. bounds[j+1] are tensor j's elements of param_buffer.flat; flags[j] = 1 when its name is in
-    decay_names (default gpullm_lessons.optim.DECAY_NAMES, nanoGPT's rule). arrays: where to put them ("numpy",
+    decay_names (default gpullm_lessons.model.optim.DECAY_NAMES, nanoGPT's rule). arrays: where to put them ("numpy",
     "numba", "cupy"); None: NumPy for a NumPy buffer, CuPy for a CuPy one. Build it once, pass it every step.
     """
-    from gpullm_lessons.optim import DECAY_NAMES
+    from gpullm_lessons.model.optim import DECAY_NAMES
     decay_names = DECAY_NAMES if decay_names is None else tuple(decay_names)
     unknown = set(decay_names) - set(param_buffer.offsets)
     if unknown:
@@ -436,7 +436,7 @@ def decay_table(param_buffer, decay_names=None, arrays=None):
         arrays = "cupy" if getattr(param_buffer.xp, "__name__", "numpy") == "cupy" else "numpy"
     if arrays == "numpy":
         return bounds, flags
-    from gpullm_lessons.arrays import to_backend
+    from gpullm_lessons.runtime.arrays import to_backend
     return to_backend(bounds, arrays), to_backend(flags, arrays)
 
 

@@ -1,7 +1,7 @@
 """Mixed precision on the GPU: float32 <-> bfloat16 / float16 conversion and the inf/NaN count of the gradients.
 
 Every kernel is elementwise over a 1-D buffer of n elements: thread i owns elements i, i + stride, ... (a
-grid-stride loop, so a capped grid covers any n). The rounding is the NumPy reference gpullm_lessons.precision
+grid-stride loop, so a capped grid covers any n). The rounding is the NumPy reference gpullm_lessons.model.precision
 (read its docstring), done on the float32 bits:
 
     f32 -> bf16: bits + 0x7FFF + (lowest kept bit), keep the top 16 bits (round to nearest even);

@@ -35,7 +35,8 @@ import numba
 import numpy as np
 from numba import cuda
 
-from gpullm_lessons import arrays, device
+from gpullm_lessons.runtime import arrays
+from gpullm_lessons import device
 from gpullm_lessons.contracts.encoder import check_inputs, token_buckets   # shared with the HIP launcher
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 

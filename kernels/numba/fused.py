@@ -15,7 +15,7 @@
                                                              LayerNorm (as layernorm_forward), out as half bits
 
 `half` is None (the output is float32) or "bf16" / "fp16": the output is then a uint16 array of the 16-bit bits,
-rounded to nearest even by the device functions of kernels/numba/convert.py (bit-exact with gpullm_lessons.precision
+rounded to nearest even by the device functions of kernels/numba/convert.py (bit-exact with gpullm_lessons.model.precision
 and NumPy). The HIP twins (kernels/hip/fused.cu, backends/hip/fused.py) have the same names and signatures and
 share the argument checks below; they are the fast path (coalesced 2-D layouts, warp-per-row LayerNorm). These
 Numba versions are the plain ones, written to be read and to run in the simulator.

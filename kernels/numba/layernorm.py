@@ -15,7 +15,7 @@ Versions (the wrapper's version= picks one; KERNELS holds every kernel, helper k
   v2_reduce     dweight/dbias stage 2: one thread per column adds up the n_chunks partials.
   v3_forward    GPU-only: v2_forward with warp-shuffle reductions (cuda.shfl_xor_sync), one shared slot per warp.
   v3            GPU-only: v2 (dinp) with warp-shuffle reductions; dweight/dbias reuse v2_partials + v2_reduce.
-v3 uses warp shuffles. Numba's own simulator has none; gpullm_lessons.simwarp adds them when the simulator is on, so
+v3 uses warp shuffles. Numba's own simulator has none; gpullm_lessons.runtime.simwarp adds them when the simulator is on, so
 the v3 kernels run there when launched directly, but the launch wrappers keep v3 for an NVIDIA GPU (where it is
 fast; in the simulator a block per row with shuffles is the slowest case). It is compiled to PTX on CI.
 
@@ -338,7 +338,7 @@ def _check_launch(fn, version, threads):
     if version in GPU_ONLY and _simulating():
         from gpullm_lessons.device import NoGPUError
         raise NoGPUError(f"{fn}: version {version!r} uses warp shuffles (cuda.shfl_xor_sync), and this wrapper keeps "
-                         f"it for an NVIDIA GPU (in the simulator, where gpullm_lessons.simwarp provides the shuffles, "
+                         f"it for an NVIDIA GPU (in the simulator, where gpullm_lessons.runtime.simwarp provides the shuffles, "
                          f"launch the kernel directly); pick v1 / v2 here")
     threads = check_block(fn, version, threads)
     if version == "v3" and threads % WARP:

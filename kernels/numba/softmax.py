@@ -13,7 +13,7 @@ v3: one block per row, warp shuffles: each warp adds its 32 partials with shfl_x
 v4: one warp per row, several rows per block: the reduction is shuffles only (no shared memory, no barrier);
     best when rows are short (n of a few hundred to a few thousand). GPU-only.
 
-GPU-only versions use warp intrinsics (cuda.shfl_xor_sync). Numba's own CUDA simulator has none; gpullm_lessons.simwarp
+GPU-only versions use warp intrinsics (cuda.shfl_xor_sync). Numba's own CUDA simulator has none; gpullm_lessons.runtime.simwarp
 adds them (``import gpullm_lessons`` installs it when the simulator is on), so these kernels also run there when
 launched directly (lesson 03 runs v4 that way). The launcher below still keeps them for the GPU: a block per row
 with shuffles and barriers is the simulator's slowest case. They are compiled to PTX on CI
@@ -153,7 +153,7 @@ def _check_version(fn, version, gpu_only):
         raise ValueError(f"{fn}: version={version!r} is not one of {', '.join(sorted(KERNELS))}")
     if version in gpu_only and numba.config.ENABLE_CUDASIM:
         raise RuntimeError(f"{fn}: version {version!r} uses warp shuffles, and this launcher keeps it for an NVIDIA "
-                           f"GPU (in the simulator, where gpullm_lessons.simwarp provides the shuffles, launch "
+                           f"GPU (in the simulator, where gpullm_lessons.runtime.simwarp provides the shuffles, launch "
                            f"KERNELS[{version!r}] directly; launcher versions here: "
                            f"{', '.join(v for v in sorted(KERNELS) if v not in gpu_only)})")
 

@@ -1,7 +1,7 @@
 """The HIP backend: launchers for kernels/hip/<op>.cu through CuPy (NVIDIA through NVRTC, AMD through hiprtc).
 
 Each op's launchers live in gpullm_lessons/backends/hip/<op>.py (softmax.py, layernorm.py, ...); they share code only
-through the loader (gpullm_lessons.hip: kernels, device properties, occupancy) and the contracts
+through the loader (gpullm_lessons.runtime.hip: kernels, device properties, occupancy) and the contracts
 (gpullm_lessons.contracts: argument checks), never with each other or with the Numba modules.
 
 Same names and signatures as the Numba backend, on CuPy arrays. ``versions(op)`` lists each op's versions,

@@ -8,7 +8,7 @@ aligned buffers and runs v2 otherwise.
 params, grads, m, v are 1-D float32 CuPy arrays of one length n (the flat parameter buffer and its companions); m and
 v may instead both be uint16, the bits of bf16 moments: adamw_bf16_moments_v2 (version "v2", scalar loads) and, in
 adamw_step_device, adamw_bf16_moments_device_v2 (no float4 requirement); or m int8 and v uint8 with their float32
-scales m_scale, v_scale (ceil(n / 256),): block-wise 8-bit moments in gpullm_lessons.quant's format,
+scales m_scale, v_scale (ceil(n / 256),): block-wise 8-bit moments in gpullm_lessons.model.quant's format,
 adamw_int8_moments_v2 / adamw_int8_moments_device_v2 (one thread block per block of 256 values; threads 64, 128 or
 256; any n).
 """
@@ -53,7 +53,7 @@ def _is_host(a) -> bool:
 
 
 def _kernel(name):
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     return hip.kernel("adamw", name)
 
@@ -262,7 +262,7 @@ def grad_sumsq(flat, out, blocks=SUMSQ_BLOCKS):
     two deterministic stages (block partials into scratch, then one block adds them in a fixed order)."""
     import cupy as cp
 
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     fn = "grad_sumsq"
     if not hasattr(flat, "shape") or len(flat.shape) != 1:

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from gpullm_lessons import hip
+from gpullm_lessons.runtime import hip
 from gpullm_lessons.contracts.attention import (
     FMT_BF16,
     FMT_F32,

@@ -26,7 +26,7 @@ def _bits(a):
 
 
 def _launch(fn, name, version, threads, n, args):
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)

@@ -38,7 +38,7 @@ def _launch_shape(fn, version, N, threads, allowed=VERSIONS):
 
 
 def _kernel(name):
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     return hip.kernel("crossentropy", name)
 

@@ -34,7 +34,7 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256):
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"encoder_backward: threads={threads}, expected 1..{MAX_THREADS}")
     import cupy  # lazy: an optional extra
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     def blocks(n):
         return (max((n + threads - 1) // threads, 1),)

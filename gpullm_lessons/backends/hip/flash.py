@@ -108,7 +108,7 @@ def part_options(version, half) -> tuple:
 def _kernel(name, version, half):
     """flash.cu's entry point `name`, from the module of `version`'s part in `half`; a CUDA install without the crt/
     headers that <mma.h> includes is named."""
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     try:
         return hip.kernel("flash", name, part_options(version, half))
@@ -146,7 +146,7 @@ def _run(function, values, version, half, role, heads, T, hs):
     kernel's own parameter list, read from flash.cu, is the one place the order is written). role: "delta" (grid-stride
     over rows), "fused" (v5's one-kernel backward: turn counters zeroed first, dynamic shared memory past the 48 KiB
     default where it needs it) or the GEOMETRY kernel ("forward", "dkdv", "dq") of `version`."""
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     kern = _kernel(function, version, half)
     if role == "delta":
@@ -193,7 +193,7 @@ def _check_fused(fn, version, fused):
 
 def _launch(version, kernel, heads, T):
     """(grid, block) of one of `version`'s kernels ("forward", "dkdv", "dq") over `heads` heads of T rows."""
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     rows, warps = GEOMETRY[version][kernel]
     return (heads, math.ceil(T / rows)), (warps * hip.warp_size(),)

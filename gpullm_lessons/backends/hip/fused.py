@@ -57,7 +57,7 @@ def _check_cupy(fn, name, a, shape, dtype):
 
 
 def _kernel(name):
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     return hip.kernel("fused", name)
 

@@ -15,7 +15,7 @@ MAX_BLOCKS = 4096  # grid cap: enough blocks to fill any GPU; the grid-stride lo
 
 
 def _launch(fn, name, version, threads, names, arrays):
-    from gpullm_lessons import hip
+    from gpullm_lessons.runtime import hip
 
     check_version(fn, version, VERSIONS)
     check_cupy_args(fn, names, arrays, ndim=1)

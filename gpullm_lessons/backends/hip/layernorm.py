@@ -23,7 +23,7 @@ bits every run on a given GPU and launch configuration). The grid is about as ma
 (the CUDA/HIP occupancy API, or the register heuristic), tunable with blocks_per_sm= or grid=. Rows wider than
 32 * warpSize columns (1024 on NVIDIA, 2048 on AMD CDNA) go through v3.
 dweight and dbias are overwritten (not accumulated into) by every version.
-Device properties are read once per device and cached (gpullm_lessons.hip.device_properties):
+Device properties are read once per device and cached (gpullm_lessons.runtime.hip.device_properties):
 cudaGetDeviceProperties can cost far more than the kernel (v4 measured 1.47 ms on the H200 before this cache existed,
 0.153 ms after it).
 All arrays float32, C-contiguous CuPy arrays (GPU memory). cupy is imported lazily.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpullm_lessons import hip
+from gpullm_lessons.runtime import hip
 from gpullm_lessons.contracts import check_version, is_cupy
 
 # the shape/dtype/threads checks are the Numba wrappers' too (cupy=True: CuPy arrays, cupy in the hints)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpullm_lessons import hip
+from gpullm_lessons.runtime import hip
 from gpullm_lessons.contracts import is_cupy
 from gpullm_lessons.contracts import shape_of as _shape_of
 from gpullm_lessons.contracts.linear import validate

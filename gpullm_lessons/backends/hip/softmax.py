@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpullm_lessons import hip
+from gpullm_lessons.runtime import hip
 from gpullm_lessons.contracts import check_cupy_args
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")

@@ -1,0 +1,12 @@
+"""Measuring: what runs on a GPU, how fast, how close to the card's ceilings, and what the course's stored runs say.
+
+    kernels     `python -m gpullm_lessons.bench ...`: the kernel benchmark (every version validated, then timed, beside
+                PyTorch) and the measured ceilings; the command line of every benchmark
+    train_step  the training step's benchmarks: ours beside PyTorch eager and torch.compile, memory, long context, GPU
+                time per op
+    timing      the clocks: CUDA events, CUDA graphs, the host's time per call
+    profiling   Nsight Compute and CUPTI: counters, stalls, timelines
+    stored      the stored runs in gpullm_lessons/results/ (card and date inside), for machines without a GPU
+    gpu_suite   `make gpu-test`: the whole GPU suite in parallel processes over one GPU, and its summary
+    sanitize    `make sanitize`: the GPU kernel tests under compute-sanitizer, in parts
+"""
