@@ -72,11 +72,11 @@ def test_an_excerpt_shown_with_show_source_is_counted(tmp_path):
     C = nbformat.v4.new_code_cell
     _, _, lines = show.excerpt(softmax.softmax_backward, start="=")
     region = "\n".join(ln[4:] for ln in lines)
-    rows = _course(tmp_path, [C("from gpullm_lessons import show\nfrom gpullm_lessons import reference as ref\n"
+    rows = _course(tmp_path, [C("from gpullm_lessons.viz import show\nfrom gpullm_lessons import reference as ref\n"
                                 "show.source(ref.softmax.softmax_backward, start='=')")], region)
     assert rows[0].score > leaks.LEAK_THRESHOLD and "show.source" in rows[0].where
     (tmp_path / "b").mkdir()                       # the same cell showing a part without the region: not counted
-    rows = _course(tmp_path / "b", [C("from gpullm_lessons import show\nfrom gpullm_lessons import reference as ref\n"
+    rows = _course(tmp_path / "b", [C("from gpullm_lessons.viz import show\nfrom gpullm_lessons import reference as ref\n"
                                       "show.source(ref.softmax.softmax_backward, stop='=')")], region)
     assert rows[0].score < leaks.LEAK_THRESHOLD
 

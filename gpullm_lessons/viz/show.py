@@ -20,14 +20,14 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from ..runtime import hip
-
 _PACKAGE = Path(__file__).resolve().parents[1]  # the gpullm_lessons package
 
 
 def _display_path(path) -> str:
     """A source file's path as the repository spells it: kernels/... or gpullm_lessons/..., else the path as is.
     (An install puts kernels/ inside the package; the checkout has it beside the package.)"""
+    from ..runtime import hip  # here, not at the top: viz modules import only each other at module level
+
     path = Path(path).resolve()
     for folder, name in ((hip.kernel_dir().resolve().parent, "kernels"), (_PACKAGE, "gpullm_lessons")):
         try:
@@ -40,6 +40,8 @@ def _display_path(path) -> str:
 def _lines_of(obj) -> tuple[str, int, list[str], str]:
     """(display path, line number of the first line, the lines, what they are) for a HIP name or a Python object."""
     if isinstance(obj, str):
+        from ..runtime import hip
+
         path = hip.source_path(obj)
         return _display_path(path), 1, path.read_text(encoding="utf-8").splitlines(), _display_path(path)
     obj = inspect.unwrap(getattr(obj, "py_func", obj))  # a Numba kernel: its Python function
@@ -80,6 +82,8 @@ def source(obj, start: str | None = None, stop: str | None = None, max_lines: in
 def compile_report(name: str, arch: str = "sm_90", options=(), part: str = "") -> None:
     """Compile kernels/hip/<name>.cu for NVIDIA (NVRTC, sm_90) without running it. options: more compiler options,
     e.g. flash.cu's part_options (one version's entry points: the whole file takes minutes), named by `part`."""
+    from ..runtime import hip
+
     what = f"{name}.cu" + (f" ({part})" if part else "")
     try:
         ok, log = hip.compile_nvrtc(name, arch, options)
