@@ -13,9 +13,10 @@
 //       float32 (exact), updated and used for the step in float32, written back rounded to nearest even (half.h's
 //       f32_to_bf16_bits): 24 bytes per parameter. adamw_bf16_moments_device_v2: the same with v4's scalars in GPU
 //       memory (the CUDA-graph step). Twins of kernels/numba/adamw.py's kernels of the same names.
-//   adamw_int8_moments_v2: m and v block-wise quantised in gpullm_lessons.quant's format (int8 codes of m, uint8 codes
-//       of sqrt(v), one float32 scale per block of 256 and moment): one thread block per quantisation block, which it
-//       reads back, updates and quantises again with the block's new absmax: 20 bytes per parameter (+ 16 per block).
+//   adamw_int8_moments_v2: m and v block-wise quantised in gpullm_lessons.model.quant's format (int8 codes of m,
+//       uint8 codes of sqrt(v), one float32 scale per block of 256 and moment): one thread block per quantisation
+//       block, which it reads back, updates and quantises again with the block's new absmax: 20 bytes per parameter
+//       (+ 16 per block).
 //       adamw_int8_moments_device_v2: the same with v4's scalars in GPU memory. Twins of the Numba kernels.
 #include "portable.h"
 #include "half.h"
@@ -248,7 +249,7 @@ extern "C" __global__ void adamw_bf16_moments_device_v2(float* __restrict__ para
                             adamw_device_grad_scale(hyper, sumsq));
 }
 
-// ---- int8 moments: block-wise 8-bit m and sqrt(v), gpullm_lessons.quant's format -----------------------------------
+// ---- int8 moments: block-wise 8-bit m and sqrt(v), gpullm_lessons.model.quant's format ---------------------------
 //   m: signed codes q = rint(m / a * 127) with a = the block's max |m| (m_scale[b]); read back as q * (a / 127)
 //   v: unsigned codes r = rint(sqrt(v) / a * 255) with a = the block's max sqrt(v) (v_scale[b]); read back as
 //      (r * (a / 255))^2, a code 0 as r = 0.5 (half a level: m / (0 + eps) would be a huge step)
