@@ -9,7 +9,7 @@ were timed before validation existed: a strict xfail lists them until they are r
 import numpy as np
 import pytest
 
-from gpullm_lessons.bench import kernels as bench, stored
+from gpullm_lessons.bench import kernels as bench, stored, timing
 from gpullm_lessons.bench import train_step as bt
 from gpullm_lessons import engine
 from gpullm_lessons.model.optim import adamw_update
@@ -164,19 +164,19 @@ def test_every_case_names_outputs_its_reference_computes(cases):
 def test_validate_then_time_on_its_own():
     want = {"out": np.arange(1.0, 5.0)}
     good = lambda: np.arange(1.0, 5.0).astype(np.float32)           # noqa: E731
-    r = bench.validate_then_time(good, lambda out: {"out": out}, want, 1e-5, lambda run: {"ms": 2.0})
+    r = timing.validate_then_time(good, lambda out: {"out": out}, want, 1e-5, lambda run: {"ms": 2.0})
     assert r == {"status": "ok", "validation": {"max_err": 0.0, "tol": 1e-5, "ok": True, "where": "out[0]",
                                                 "nonfinite": 0}, "ms": 2.0}
     nan = lambda: np.array([1.0, np.nan, 3.0, np.inf])               # noqa: E731
-    r = bench.validate_then_time(nan, lambda out: {"out": out}, want, 1e-5, pytest.fail)
+    r = timing.validate_then_time(nan, lambda out: {"out": out}, want, 1e-5, pytest.fail)
     assert r["status"] == "wrong" and r["validation"]["nonfinite"] == 2 and r["validation"]["where"] == "out[1]"
 
     def broken_timer(run):
         raise RuntimeError("capture failed")
 
-    r = bench.validate_then_time(good, lambda out: {"out": out}, want, 1e-5, broken_timer)
+    r = timing.validate_then_time(good, lambda out: {"out": out}, want, 1e-5, broken_timer)
     assert r["status"] == "error" and r["validation"]["ok"] and "capture failed" in r["error"]
-    r = bench.validate_then_time(good, None, None, 1e-5, lambda run: {"ms": 3.0}, why_not="no reference here")
+    r = timing.validate_then_time(good, None, None, 1e-5, lambda run: {"ms": 3.0}, why_not="no reference here")
     assert r == {"status": "unvalidated", "validation": {"ok": None, "why_not": "no reference here"}, "ms": 3.0}
 
 
@@ -187,7 +187,7 @@ def test_the_kernel_table_says_wrong_with_the_error_and_the_tolerance():
                                           "nonfinite": 0})
     v = {"max_err": 0.31, "tol": 2e-5, "ok": False, "where": "dinp[70, 40]", "nonfinite": 0}
     wrong = {"op": "softmax", "shape": timed["shape"], "backend": "hip", "version": "v9", "status": "wrong",
-             "validation": v, "error": bench.wrong_message(v)}
+             "validation": v, "error": timing.wrong_message(v)}
     table = bench.format_kernels(dict(result, rows=[timed, wrong]))
     line = next(ln for ln in table.splitlines() if "v9" in ln)
     assert "wrong (max err 0.31 > tol 2e-05 at dinp[70, 40])" in line
@@ -249,7 +249,7 @@ def test_the_step_table_says_wrong_and_the_reference_is_the_numpy_engine(toy):
     assert reference == {"loss": first["loss"], "grad_norm": first["grad_norm"]}
     v = {"max_err": 0.05, "tol": 1e-4, "ok": False, "where": "loss", "nonfinite": 0}
     row = {"preset": "course", "B": 64, "T": 256, "precision": "fp32", "who": "ours+graph", "version": "hip",
-           "status": "wrong", "validation": v, "error": bench.wrong_message(v)}
+           "status": "wrong", "validation": v, "error": timing.wrong_message(v)}
     result = {"card": "Some GPU", "date": "2030-01-02", "matmul_rates": {"fp32": {"TFLOP/s": 50.0}}, "rows": [row]}
     assert "ours+graph    wrong (max err 0.05 > tol 0.0001 at loss)" in bt.format_train(result)
     assert bench.unvalidated_rows(result) == []

@@ -92,3 +92,10 @@ def test_result_source_says_the_stored_run_in_describe_s_words():
     result = bench.stored_kernels()
     assert bench.result_source(result) == f"no live measurement: {stored.describe(result)}"
     assert bench.result_source(dict(result, live=True)).startswith(f"measured now on {result['card']}")
+
+
+@pytest.mark.parametrize("name", ON_DISK)
+def test_no_stored_result_is_a_run_cut_short(name):
+    """`bench kernels --json` rewrites its file after each case marked "partial" (a run stopped by a time limit keeps
+    what it finished); such a file is not a result to store."""
+    assert not stored.load(name).get("partial"), f"{name}: a partial run (cut short); store a whole one"

@@ -4,7 +4,8 @@
                 PyTorch) and the measured ceilings; the command line of every benchmark
     train_step  the training step's benchmarks: ours beside PyTorch eager and torch.compile, memory, long context, GPU
                 time per op
-    timing      the clocks: CUDA events, CUDA graphs, the host's time per call
+    timing      how the course times: validate first (validate_then_time), then the clocks: CUDA events, CUDA
+                graphs, the host's time per call; the copy and matmul ceilings
     profiling   Nsight Compute and CUPTI: counters, stalls, timelines
     stored      the stored runs in gpullm_lessons/results/ (card and date inside), for machines without a GPU
     gpu_suite   `make gpu-test`: the whole GPU suite in parallel processes over one GPU, and its summary

@@ -1,5 +1,5 @@
-"""The kernel benchmark and the measured ceilings of this machine (GPU only; cupy imported lazily; the clocks are
-bench/timing.py's, re-exported here as bench.time_gpu_graph etc.).
+"""The kernel benchmark and the measured ceilings of this machine (GPU only; cupy imported lazily; the clocks and
+the validate-then-time core are bench/timing.py's: `timing.time_gpu_graph`, `timing.validate_then_time` etc.).
 
 A kernel's speed means something only beside the ceiling measured on the same card in the same run:
 device-to-device copy bandwidth for memory-bound kernels, cuBLAS matmul rate for compute-bound ones.
@@ -20,13 +20,14 @@ import importlib
 import json
 import sys
 import textwrap
+import time
 from typing import Callable, Optional
 
 import numpy as np
 
 from .. import device
-from .train_step import _array_module, max_error, validate_then_time, wrong_message  # noqa: F401
-from .timing import copy_bandwidth, matmul_rate, time_gpu, time_gpu_graph, time_host, time_torch_graph  # noqa: F401
+from .timing import (_array_module, copy_bandwidth, matmul_rate, time_gpu, time_gpu_graph, time_host, time_torch_graph,
+                     validate_then_time, wrong_message)
 
 
 def ceilings(small: bool = False) -> dict:
@@ -430,8 +431,8 @@ def _torch_crossentropy_backward(t):
     return torch._log_softmax_backward_data(grad, lsm, 1, logits.dtype)
 
 
-# ---- validate, then time: the core (max_error, validate_then_time, wrong_message) lives in bench/train_step.py, below
-# this module, so that both benchmarks share it; the row fields are described there ------------------------------
+# ---- validate, then time: the core (max_error, validate_then_time, wrong_message) lives in bench/timing.py, beside
+# the clocks, so that both benchmarks share it; the row fields are described there --------------------------------
 
 def _to_host(a):
     """A CuPy array as a NumPy one; anything else unchanged."""
@@ -556,7 +557,7 @@ def case_runs(case, args) -> list:
     return runs
 
 
-def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
+def bench_kernels(ops=None, small: bool = False, iters: int = 20, on_case: Optional[Callable] = None) -> dict:
     """Validate, then time, every version of every kernel backend on each case, beside PyTorch, against this run's
     ceilings.
 
@@ -567,7 +568,10 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
     current stream; `time_torch_graph` for PyTorch), marked 'graph'. A call that cannot be captured falls back to
     queued launches between events ('queued'). Beside it, host_ms: the CPU's time to issue one call from Python (the
     launch overhead a loop of eager launches pays), and ms_queued: the GPU time of the same calls queued from
-    Python, which is the larger of the two."""
+    Python, which is the larger of the two.
+
+    on_case(result): called after each case with the result so far (marked "partial": True), e.g. to write it, so that
+    a run cut short keeps the cases it finished; each case's seconds go to stderr."""
     info = device.require_gpu("benchmarking kernels")
     import cupy as cp
     ceil = ceilings(small=small)
@@ -582,9 +586,21 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
             t, timing = t_queued, "queued"
         return {"ms": t * 1e3, "host_ms": t_host * 1e3, "ms_queued": t_queued * 1e3, "timing": timing}
 
+    def result(partial: bool) -> dict:
+        out = {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil,
+               "spec": spec_peaks(info.gpu.name), "iters": iters,
+               "timing": f"ms: GPU time per call, a CUDA graph of {iters} calls replayed; host_ms: Python's time to "
+                         f"issue one call; ms_queued: the same calls queued from Python between events",
+               "validation_rule": "each row's outputs against the NumPy reference (float64) before timing: max_err "
+                                  "= the largest |error| of an output over its largest |value|; a row above tol is "
+                                  "'wrong', untimed",
+               "rows": rows}
+        return {**out, "partial": True} if partial else out
+
     for case in _cases(small):
         if ops and case.op not in ops:
             continue
+        started = time.perf_counter()
         args = case.make(rng)
         for row in case_rows(case, args, case_runs(case, args), timer, recover=_recover):
             if "ms" in row:
@@ -597,14 +613,11 @@ def bench_kernels(ops=None, small: bool = False, iters: int = 20) -> dict:
             rows.append(row)
         del args
         cp.get_default_memory_pool().free_all_blocks()
-    return {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "ceilings": ceil,
-            "spec": spec_peaks(info.gpu.name), "iters": iters,
-            "timing": f"ms: GPU time per call, a CUDA graph of {iters} calls replayed; host_ms: Python's time to "
-                      f"issue one call; ms_queued: the same calls queued from Python between events",
-            "validation_rule": "each row's outputs against the NumPy reference (float64) before timing: max_err = "
-                               "the largest |error| of an output over its largest |value|; a row above tol is "
-                               "'wrong', untimed",
-            "rows": rows}
+        print(f"bench kernels: {case.op} {case.shape}: {time.perf_counter() - started:.1f} s", file=sys.stderr,
+              flush=True)
+        if on_case is not None:
+            on_case(result(partial=True))
+    return result(partial=False)
 
 
 def validate(ops, versions=None, flash_shape=None, seed=0) -> list:
@@ -817,6 +830,13 @@ def main(argv=None) -> int:
     if args.what == "ncu-target":
         ncu_target(args.ops.split(",") if args.ops else None, args.small, args.labels)
         return 0
+
+    def keep(partial):  # `kernels` and `train` rewrite --json as they go: a run cut short keeps what it finished
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**partial, **run_metadata(args.what, argv if argv is not None else sys.argv[1:])}, f,
+                          indent=1)
+
     try:
         if args.what == "ceilings":
             result = ceilings(small=args.small)
@@ -852,7 +872,8 @@ def main(argv=None) -> int:
                 print(bt.format_profile(result))
             elif args.what == "train":
                 precs = tuple((args.precisions or "fp32,bf16").split(","))
-                result = bt.bench_train(presets, precs, versions=versions or None, with_compile=args.compile)
+                result = bt.bench_train(presets, precs, versions=versions or None, with_compile=args.compile,
+                                        on_config=keep)
                 print(bt.format_train(result))
             else:
                 precs = tuple((args.precisions or "fp32").split(","))
@@ -869,7 +890,7 @@ def main(argv=None) -> int:
             result = ncu_kernels(ops=ops, small=args.small)
             print(format_ncu(result))
         else:
-            result = bench_kernels(ops=args.ops.split(",") if args.ops else None, small=args.small)
+            result = bench_kernels(ops=args.ops.split(",") if args.ops else None, small=args.small, on_case=keep)
             print(format_kernels(result))
             if args.plot:
                 from .. import viz

@@ -1,6 +1,7 @@
-"""How the course times things on a GPU, and the two ceilings a kernel is compared with (GPU only; cupy imported
-lazily). The benchmarks (bench/kernels.py, bench/train_step.py) and the lessons time with these, so every row of a table comes
-from the same clock:
+"""How the course times things on a GPU: validate first, then time, with one set of clocks, beside the two ceilings
+a kernel is compared with (the clocks need a GPU; cupy imported lazily). The benchmarks (bench/kernels.py,
+bench/train_step.py) and the lessons time with these, so every row of a table comes from the same clock and no
+wrong version gets a time:
 
     time_gpu(fn)         CUDA events around a batch of calls (queued time: includes launch gaps)
     time_gpu_graph(fn)   the calls captured once in a CUDA graph and replayed: the GPU's time for the kernels alone
@@ -8,9 +9,15 @@ from the same clock:
     time_host(fn)        Python's time to issue one call (the launcher's own cost on the host)
     copy_bandwidth()     device-to-device copy: the memory-bound kernels' ceiling
     matmul_rate(dtype=)  a large cuBLAS product: the compute-bound ones'
+
+    validate_then_time(run, outputs, reference, tol, timer)   one call checked against the reference, then timed
+    max_error(got, expected, tol)                             the check: the validation record of a row
+    wrong_message(validation)                                 what a failed check found, in one line
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -149,3 +156,115 @@ def matmul_rate(n: int = 8192, dtype: str = "float32") -> dict:
     b = cp.asarray(np.random.default_rng(1).standard_normal((n, n), dtype=np.float32).astype(dt))
     t = time_gpu(lambda: a @ b, warmup=2, iters=5, reps=3)
     return {"what": f"matmul {n}^3 {dtype}", "flops": 2 * n**3, "seconds": t, "TFLOP/s": 2 * n**3 / t / 1e12}
+
+
+# ---- validate, then time: the core both benchmarks share (bench/kernels.py's kernel rows, bench/train_step.py's
+# step rows) ----------------------------------------------------------------------------------------------------------
+# As llm.c's dev/cuda benchmarks do: every kernel version (every step configuration) first runs once on the
+# benchmark's own inputs and its outputs are compared with the reference; only one that matches is timed. A row says
+# what the check found:
+#
+#   status      "ok": validated, then timed; "wrong": its outputs do not match (or it raised), no time;
+#               "error": validated, but its timing raised; "unvalidated": timed without a check (validation says why)
+#   validation  {"max_err": the largest |got - expected| of an output over that output's largest |expected| (the
+#                output's magnitude; 1 for an output that should be all zeros), over every output, NaN/inf aside;
+#                None when the call raised,
+#                "tol": the largest max_err a right version reaches (kernels.Case.tol, train_step.TRAIN_TOL: from
+#                the tests),
+#                "ok": max_err <= tol and no NaN/inf and no exception (None: not validated),
+#                "where": the element of max_err ("dinp[17, 3]"), or the first NaN/inf one when there are any,
+#                "nonfinite": how many output elements are NaN or inf (outputs start as NaN: unwritten ones count),
+#                "raised": the exception, when the call raised; "why_not": why a row is not validated}
+#   error       why a row has no time (a wrong row: wrong_message), so code that keeps the rows without "error"
+#               keeps exactly the timed ones
+
+
+def _array_module(a):
+    """numpy, or cupy for a CuPy array (cupy only when it is already imported: a CuPy array implies it)."""
+    cp = sys.modules.get("cupy")
+    return cp.get_array_module(a) if cp is not None and hasattr(cp, "get_array_module") else np
+
+
+def _index(shape, flat) -> str:
+    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(int(flat), shape)) + "]" if shape else ""
+
+
+def max_error(got: dict, expected: dict, tol: float) -> dict:
+    """The validation record (see above) of outputs `got` against `expected` ({name: array}, NumPy or CuPy, any
+    float dtype; scalars too): max_err, tol, ok, where, nonfinite. Every name of `expected` must be in `got`, with
+    the same number of elements."""
+    worst, where, nonfinite, first_bad = 0.0, None, 0, None
+    for name, want in expected.items():
+        xp = _array_module(got[name]) if _array_module(want) is np else _array_module(want)  # CuPy if either is
+        g = xp.asarray(got[name], dtype=xp.float64)
+        want = xp.asarray(want, dtype=xp.float64)
+        if g.size != want.size:
+            raise ValueError(f"{name}: {g.size} elements, the reference has {want.size} ({tuple(want.shape)})")
+        g = g.reshape(want.shape)
+        bad = ~xp.isfinite(g)
+        n_bad = int(bad.sum())
+        if n_bad and first_bad is None:
+            first_bad = f"{name}{_index(want.shape, int(xp.argmax(bad.ravel())))}"
+        nonfinite += n_bad
+        if not want.size:
+            continue
+        scale = float(xp.abs(want).max()) or 1.0  # an all-zero output: the absolute error
+        err = xp.where(bad, 0.0, xp.abs(g - want)).ravel()
+        i = int(xp.argmax(err))
+        e = float(err[i]) / scale
+        if where is None or e > worst:
+            worst, where = e, f"{name}{_index(want.shape, i)}"
+    return {
+        "max_err": worst,
+        "tol": tol,
+        "ok": bool(nonfinite == 0 and worst <= tol),
+        "where": first_bad if nonfinite else where,
+        "nonfinite": nonfinite,
+    }
+
+
+def wrong_message(v: dict) -> str:
+    """What a failed validation found, in one line: "wrong (max err 0.31 > tol 2e-05 at dinp[17, 3])"."""
+    if v.get("raised"):
+        return f"wrong (raised {v['raised']})"
+    if v.get("nonfinite"):
+        return (
+            f"wrong ({v['nonfinite']} NaN/inf elements, first at {v['where']}; max err of the rest "
+            f"{v['max_err']:.2g}, tol {v['tol']:g})"
+        )
+    return f"wrong (max err {v['max_err']:.2g} > tol {v['tol']:g} at {v['where']})"
+
+
+def validate_then_time(run, outputs, reference, tol, timer, prepare=None, why_not=None) -> dict:
+    """Validate one call, then time it: the fields of its row (status, validation, and timer's fields or error).
+
+    prepare(): sets up the check (the outputs poisoned with NaN, inputs the call overwrites restored); run() makes
+    the call once (its return value goes to outputs); outputs(returned) -> {name: array} (the arrays it wrote, or
+    what it returned); reference: {name: expected}, compared by max_error with `tol`. Only when they match is
+    timer(run) called, and its dict (the row's times) returned with status "ok". A mismatch, NaN/inf or an
+    exception in prepare/run/outputs gives status "wrong" and no time. reference None: nothing to compare with
+    (why_not says why): timed, status "unvalidated". Runs on NumPy arrays as on CuPy ones; the timer is the
+    caller's (bench_kernels: CUDA graphs; a test: a stand-in)."""
+    if reference is None:
+        v = {"ok": None, "why_not": why_not or "no reference to compare with"}
+    else:
+        try:
+            if prepare is not None:
+                prepare()
+            v = max_error(outputs(run()), reference, tol)
+        except Exception as e:  # noqa: BLE001 - a version that raises is wrong, and the table goes on
+            v = {
+                "max_err": None,
+                "tol": tol,
+                "ok": False,
+                "where": None,
+                "nonfinite": 0,
+                "raised": f"{type(e).__name__}: {e}"[:200],
+            }
+        if not v["ok"]:
+            return {"status": "wrong", "validation": v, "error": wrong_message(v)}
+    try:
+        times = timer(run)
+    except Exception as e:  # noqa: BLE001 - one failing version must not stop the table
+        return {"status": "error", "validation": v, "error": f"{type(e).__name__}: {e}"[:200]}
+    return {"status": "ok" if v["ok"] else "unvalidated", "validation": v, **times}

@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from .. import device
+from .timing import validate_then_time, wrong_message
 
 SHAPES = {"course": 64, "gpt2": 16}        # batch size per preset (T = the preset's block size)
 
@@ -74,104 +75,7 @@ def _time_steps(step, batches, warmup=3):
     return float(np.median(times))
 
 
-# ---- validate, then time: the core both benchmarks share (bench/kernels.py's kernel rows, this module's step rows) --
-# As llm.c's dev/cuda benchmarks do: every kernel version (every step configuration) first runs once on the
-# benchmark's own inputs and its outputs are compared with the reference; only one that matches is timed. A row says
-# what the check found:
-#
-#   status      "ok": validated, then timed; "wrong": its outputs do not match (or it raised), no time;
-#               "error": validated, but its timing raised; "unvalidated": timed without a check (validation says why)
-#   validation  {"max_err": the largest |got - expected| of an output over that output's largest |expected| (the
-#                output's magnitude; 1 for an output that should be all zeros), over every output, NaN/inf aside;
-#                None when the call raised,
-#                "tol": the largest max_err a right version reaches (bench.Case.tol, TRAIN_TOL: from the tests),
-#                "ok": max_err <= tol and no NaN/inf and no exception (None: not validated),
-#                "where": the element of max_err ("dinp[17, 3]"), or the first NaN/inf one when there are any,
-#                "nonfinite": how many output elements are NaN or inf (outputs start as NaN: unwritten ones count),
-#                "raised": the exception, when the call raised; "why_not": why a row is not validated}
-#   error       why a row has no time (a wrong row: wrong_message), so code that keeps the rows without "error"
-#               keeps exactly the timed ones
-
-
-def _array_module(a):
-    """numpy, or cupy for a CuPy array (cupy only when it is already imported: a CuPy array implies it)."""
-    cp = sys.modules.get("cupy")
-    return cp.get_array_module(a) if cp is not None and hasattr(cp, "get_array_module") else np
-
-
-def _index(shape, flat) -> str:
-    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(int(flat), shape)) + "]" if shape else ""
-
-
-def max_error(got: dict, expected: dict, tol: float) -> dict:
-    """The validation record (see above) of outputs `got` against `expected` ({name: array}, NumPy or CuPy, any
-    float dtype; scalars too): max_err, tol, ok, where, nonfinite. Every name of `expected` must be in `got`, with
-    the same number of elements."""
-    worst, where, nonfinite, first_bad = 0.0, None, 0, None
-    for name, want in expected.items():
-        xp = _array_module(got[name]) if _array_module(want) is np else _array_module(want)   # CuPy if either is
-        g = xp.asarray(got[name], dtype=xp.float64)
-        want = xp.asarray(want, dtype=xp.float64)
-        if g.size != want.size:
-            raise ValueError(f"{name}: {g.size} elements, the reference has {want.size} ({tuple(want.shape)})")
-        g = g.reshape(want.shape)
-        bad = ~xp.isfinite(g)
-        n_bad = int(bad.sum())
-        if n_bad and first_bad is None:
-            first_bad = f"{name}{_index(want.shape, int(xp.argmax(bad.ravel())))}"
-        nonfinite += n_bad
-        if not want.size:
-            continue
-        scale = float(xp.abs(want).max()) or 1.0                       # an all-zero output: the absolute error
-        err = xp.where(bad, 0.0, xp.abs(g - want)).ravel()
-        i = int(xp.argmax(err))
-        e = float(err[i]) / scale
-        if where is None or e > worst:
-            worst, where = e, f"{name}{_index(want.shape, i)}"
-    return {"max_err": worst, "tol": tol, "ok": bool(nonfinite == 0 and worst <= tol),
-            "where": first_bad if nonfinite else where, "nonfinite": nonfinite}
-
-
-def wrong_message(v: dict) -> str:
-    """What a failed validation found, in one line: "wrong (max err 0.31 > tol 2e-05 at dinp[17, 3])"."""
-    if v.get("raised"):
-        return f"wrong (raised {v['raised']})"
-    if v.get("nonfinite"):
-        return (f"wrong ({v['nonfinite']} NaN/inf elements, first at {v['where']}; max err of the rest "
-                f"{v['max_err']:.2g}, tol {v['tol']:g})")
-    return f"wrong (max err {v['max_err']:.2g} > tol {v['tol']:g} at {v['where']})"
-
-
-def validate_then_time(run, outputs, reference, tol, timer, prepare=None, why_not=None) -> dict:
-    """Validate one call, then time it: the fields of its row (status, validation, and timer's fields or error).
-
-    prepare(): sets up the check (the outputs poisoned with NaN, inputs the call overwrites restored); run() makes
-    the call once (its return value goes to outputs); outputs(returned) -> {name: array} (the arrays it wrote, or
-    what it returned); reference: {name: expected}, compared by max_error with `tol`. Only when they match is
-    timer(run) called, and its dict (the row's times) returned with status "ok". A mismatch, NaN/inf or an
-    exception in prepare/run/outputs gives status "wrong" and no time. reference None: nothing to compare with
-    (why_not says why): timed, status "unvalidated". Runs on NumPy arrays as on CuPy ones; the timer is the
-    caller's (bench_kernels: CUDA graphs; a test: a stand-in)."""
-    if reference is None:
-        v = {"ok": None, "why_not": why_not or "no reference to compare with"}
-    else:
-        try:
-            if prepare is not None:
-                prepare()
-            v = max_error(outputs(run()), reference, tol)
-        except Exception as e:  # noqa: BLE001 - a version that raises is wrong, and the table goes on
-            v = {"max_err": None, "tol": tol, "ok": False, "where": None, "nonfinite": 0,
-                 "raised": f"{type(e).__name__}: {e}"[:200]}
-        if not v["ok"]:
-            return {"status": "wrong", "validation": v, "error": wrong_message(v)}
-    try:
-        times = timer(run)
-    except Exception as e:  # noqa: BLE001 - one failing version must not stop the table
-        return {"status": "error", "validation": v, "error": f"{type(e).__name__}: {e}"[:200]}
-    return {"status": "ok" if v["ok"] else "unvalidated", "validation": v, **times}
-
-
-# Validate, then time (bench.validate_then_time): before a configuration of our engine is timed, its first step's
+# Validate, then time (timing.validate_then_time): before a configuration of our engine is timed, its first step's
 # loss and gradient norm are compared with the NumPy engine's first step on the same weights (engine.build's seed 0)
 # and batch. Tolerances: relative error, from tests/test_engine.py (fp32: 1e-4, test_train_steps_match_the_numpy_engine
 # and test_gpu_fp32_first_10_steps_match_the_reference; bf16 / fp16: 2e-2, test_gpu_half_precision_tracks_fp32).
@@ -192,7 +96,7 @@ def first_step_reference(cfg, x, y) -> dict:
 
 def validated_steps(step, batches, reference, tol, time_steps=None) -> dict:
     """Validate, then time, a training step: step(x, y) on batches[0] (untimed) must give the reference's loss and
-    gradient norm within tol (bench.max_error: relative error); only then are the other batches timed,
+    gradient norm within tol (timing.max_error: relative error); only then are the other batches timed,
     time_steps(step, batches[1:]) -> seconds (default _time_steps, 2 warm-up steps). Returns {"status",
     "validation", "sec"} or, for a wrong step, {"status": "wrong", "validation", "error"} without a time. A step
     that was skipped (fp16: the loss scale backed off on an overflow) has no gradient norm: its loss alone is
@@ -449,14 +353,17 @@ def _card():
 
 
 def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=10, backend="hip",
-                with_torch=True, versions=None, with_compile=False) -> dict:
+                with_torch=True, versions=None, with_compile=False, on_config=None) -> dict:
     """Step time, tokens/s, MFU and peak memory of our engine (launched from Python, and replayed as a CUDA graph)
     beside the same model in PyTorch eager and, with_compile, through torch.compile: every ratio from one run.
 
     Validate, then time: each configuration of our engine first runs one step whose loss and gradient norm are
     compared with the NumPy engine's first step (first_step_reference, once per preset) within TRAIN_TOL; a wrong
     one is a row with status "wrong", its validation and no time. PyTorch's rows are timed unvalidated
-    (validation.why_not: TORCH_WHY_NOT)."""
+    (validation.why_not: TORCH_WHY_NOT).
+
+    on_config(result): called after each (preset, precision) with the result so far, marked "partial": True (a run cut
+    short keeps what it finished); each configuration's seconds and the NumPy reference's go to stderr."""
     device.require_gpu("benchmarking the training step")
     from ..engine import EngineError
     from .timing import matmul_rate
@@ -468,12 +375,21 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
     except ImportError:
         with_torch = False
     rows = []
+
+    def result():
+        return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows,
+                "versions": dict(versions or {})}  # the engine's versions asked for beyond its defaults
+
     for preset in presets:
         cfg, B = _cfg(preset)
         T = cfg.block_size
         flops = step_flops(cfg, B, T)
+        started = time.perf_counter()
         reference = first_step_reference(cfg, *_batches(cfg, B, T, 1)[0])   # measure_engine's first batch
+        print(f"bench train: {preset}: the NumPy engine's first step, {time.perf_counter() - started:.1f} s",
+              file=sys.stderr, flush=True)
         for prec in precisions:
+            started = time.perf_counter()
             runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
                                                      versions=versions, reference=reference))]
             try:
@@ -496,8 +412,10 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
                     row.update({"tokens_per_s": B * T / (r["step_ms"] / 1e3), "TFLOP/s": tflops,
                                 "MFU": tflops / rates[prec]["TFLOP/s"]})
                 rows.append(row)
-    return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows,
-            "versions": dict(versions or {})}  # the engine's versions asked for beyond its defaults
+            print(f"bench train: {preset} {prec}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            if on_config is not None:
+                on_config({**result(), "partial": True})
+    return result()
 
 
 def format_train(result) -> str:
