@@ -22,15 +22,14 @@ FLASH = hip.signatures(hip.source_path("flash").read_text())
 
 
 def part_blocks(text: str) -> dict:
-    """{part_options(version, half): the entry points inside its `#if FLASH_PART(V, H)` block; None: those outside
-    every block (compiled in every part)}, read from flash.cu's text."""
-    first = text.index("#if FLASH_PART(")
-    prefix = text[:first]  # every macro the blocks use is defined above them
-    before = set(hip.signatures(prefix))
+    """{part_options(version, half): the entry points inside its `#if FLASH_PART(V, H)` blocks; None: those outside
+    every block (compiled in every part)}, read from flash.cu's text. Each version's section ends with its own blocks
+    (v2's and v3's both in part 2, v5's fused backward's beside v5's in part 5): a part is the union of its blocks."""
     out = {}
-    for m in re.finditer(r"#if FLASH_PART\((\d), (\d)\)[^\n]*\n(.*?)#endif", text[first:], re.S):
+    for m in re.finditer(r"#if FLASH_PART\((\d), (\d)\)[^\n]*\n(.*?)#endif", text, re.S):
+        prefix = text[: m.start()]  # every macro a block uses is defined above it, in its section
         key = (f"-DFLASH_PART_V={m.group(1)}", f"-DFLASH_PART_H={m.group(2)}")
-        out[key] = set(hip.signatures(prefix + m.group(3))) - before
+        out.setdefault(key, set()).update(set(hip.signatures(prefix + m.group(3))) - set(hip.signatures(prefix)))
     out[None] = set(hip.signatures(text)) - set().union(*out.values())
     return out
 

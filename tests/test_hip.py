@@ -62,12 +62,29 @@ def lint(text: str) -> list[str]:
 
 @pytest.mark.parametrize("name", SOURCES)
 def test_portability_lint(name):
-    assert lint(hip.source_path(name).read_text()) == []
+    assert hip.lint_source(hip.source_path(name).read_text(), require_portable_h=True, source=name) == []
 
 
 @pytest.mark.parametrize("header", SHARED_HEADERS)
 def test_shared_headers_lint(header):
     assert lint((hip.kernel_dir() / header).read_text()) == []
+
+
+def test_a_sources_own_header_is_included_by_that_source_alone():
+    """flash_common.h holds what flash.cu's versions share (row_max and row_sum among them, the shuffle loops a task
+    asks for): flash.cu may include it, another source or a learner's may not, and the message lists only the
+    headers they may include."""
+    src = '#include "portable.h"\n#include "flash_common.h"\n'
+    assert hip.lint_source(src, source="flash") == []
+    for source in (None, "softmax"):
+        assert hip.lint_source(src, source=source) == [
+            'line 2: #include "flash_common.h": include only "portable.h", then ' + ", ".join(hip.shared_headers())
+        ]
+    assert "flash_common.h" not in hip.shared_headers() and "flash_common.h" in hip.shared_headers("flash")
+    assert set(hip.shared_headers("flash")) - set(hip.shared_headers()) == set(hip.OWN_HEADERS)
+    assert '#include "flash_common.h"' in hip.source_path("flash").read_text()
+    ok, report = hip.grade_source(src + 'extern "C" __global__ void k(float* x) { x[0] = row_sum(x[0], 2); }\n', "k")
+    assert not ok and "flash_common.h" in report, report
 
 
 def test_lint_catches_non_portable_code():

@@ -170,7 +170,7 @@ def test_launch_geometry_matches_the_kernels():
     (__launch_bounds__), and a block of other rows would leave rows unwritten or written twice."""
     from gpullm_lessons.runtime import hip
 
-    text = hip.source_path("flash").read_text()
+    text = hip.expanded_source("flash")  # flash.cu with flash_common.h (FLASH_ROWS, FLASH_WARPS, FLASH_PAD) inlined
     defs = {k: int(v) for k, v in re.findall(r"^#define (FLASH[45]?_\w+)\s+(\d+)", text, re.M)}
     old = (defs["FLASH_ROWS"], defs["FLASH_WARPS"])
     assert (hflash.ROWS, hflash.WARPS) == old

@@ -54,6 +54,18 @@ def test_start_and_stop_pick_the_lines_of_a_hip_source(capsys):
     assert len(body) > 1
 
 
+def test_a_header_of_kernels_hip_is_shown_by_its_name(capsys):
+    """flash_common.h (what flash.cu's versions share) by its file name, under its path and line numbers."""
+    start, stop = "// The reduction of a row's value", "// v3's register tiles"
+    file_lines = (hip.kernel_dir() / "flash_common.h").read_text().splitlines()
+    out = printed(capsys, "flash_common.h", start=start, stop=stop)
+    path, first, last = header(out[0])
+    assert path == "kernels/hip/flash_common.h"
+    assert out[1:] == file_lines[first - 1:last] and start in out[1] and "row_sum" in "\n".join(out)
+    with pytest.raises(FileNotFoundError, match=r"no HIP header nope\.h .*flash_common\.h"):
+        show.source("nope.h")
+
+
 def test_a_long_excerpt_is_cut_at_max_lines_and_says_where_the_rest_is(capsys):
     file_lines = hip.source_path("adamw").read_text().splitlines()
     while not file_lines[-1].strip():

@@ -460,9 +460,17 @@ def _extern_c_blocks(code: str) -> list[tuple[int, int]]:
     return spans
 
 
-def shared_headers() -> list[str]:
-    """Headers of kernels/hip a source may include after portable.h (e.g. half.h)."""
-    return sorted(p.name for p in kernel_dir().glob("*.h") if p.name != "portable.h")
+# Headers that belong to one source (kernel name): the pieces its sections share, split off so that each section
+# reads as one part (flash_common.h: what flash.cu's versions share). Only that source may include them: a learner's
+# source may not (they hold answers of the lessons' tasks, e.g. row_max / row_sum's shuffle loops).
+OWN_HEADERS = {"flash_common.h": "flash"}
+
+
+def shared_headers(source: str | None = None) -> list[str]:
+    """Headers of kernels/hip a source may include after portable.h (e.g. half.h); `source` (a kernel's name, e.g.
+    "flash"): also the headers that are that source's own (OWN_HEADERS)."""
+    return sorted(p.name for p in kernel_dir().glob("*.h")
+                  if p.name != "portable.h" and OWN_HEADERS.get(p.name, source) == source)
 
 
 def entry_points(text: str) -> list[str]:
@@ -475,7 +483,7 @@ def entry_points(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def lint_source(text: str, *, require_portable_h: bool = False) -> list[str]:
+def lint_source(text: str, *, require_portable_h: bool = False, source: str | None = None) -> list[str]:
     """The course's portability lint: findings ``"line N: what is wrong: the fix"``, [] when clean.
 
     Catches what breaks on the other vendor or under NVRTC/hiprtc: 32-lane masks and other warp-size assumptions
@@ -483,6 +491,8 @@ def lint_source(text: str, *, require_portable_h: bool = False) -> list[str]:
     the C++ standard library, system/CUDA headers, inline assembly, cooperative groups; local includes other than
     portable.h (first) and the shared headers of kernels/hip; ``__global__`` functions that are not
     ``extern "C"``. ``require_portable_h``: the source must include portable.h (the course's own kernels do).
+    ``source``: the name of the course's kernel linted (e.g. "flash"), which may also include its own headers
+    (OWN_HEADERS); a learner's source (None) may not.
     """
     code = _blank_comments(text)
     findings = []
@@ -497,7 +507,7 @@ def lint_source(text: str, *, require_portable_h: bool = False) -> list[str]:
             if "\n" in m.group(0) and (line, why) not in findings:
                 findings.append((line, why))
     includes = [(m.group(1), _line_of(code, m.start())) for m in re.finditer(r'#\s*include\s*"([^"]+)"', code)]
-    allowed = set(shared_headers())
+    allowed = set(shared_headers(source))
     if includes and includes[0][0] != "portable.h":
         findings.append((includes[0][1], f'include "portable.h" first (found "{includes[0][0]}")'))
     elif not includes and require_portable_h:

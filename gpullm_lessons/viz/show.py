@@ -1,7 +1,8 @@
 """What a lesson prints of the course's own code: source excerpts, and the compile check of a HIP source.
 
 ``source(obj)`` prints the source of a Python function, class or method (a Numba kernel too: its Python function),
-``source("adamw")`` the HIP source ``kernels/hip/adamw.cu``. ``start=`` / ``stop=`` pick an excerpt by substrings: it
+``source("adamw")`` the HIP source ``kernels/hip/adamw.cu``, ``source("flash_common.h")`` a header of ``kernels/hip``
+(named with its ``.h``: what flash.cu's versions share). ``start=`` / ``stop=`` pick an excerpt by substrings: it
 begins at the first line containing ``start`` and ends before the first later line containing ``stop``. A string
 that is not there raises ValueError naming it and the file, so an edited source never makes a lesson print the
 whole file instead. The excerpt comes under a header saying where it is (the path from the repository root and the
@@ -38,11 +39,15 @@ def _display_path(path) -> str:
 
 
 def _lines_of(obj) -> tuple[str, int, list[str], str]:
-    """(display path, line number of the first line, the lines, what they are) for a HIP name or a Python object."""
+    """(display path, line number of the first line, the lines, what they are) for a HIP name (a source, or a header
+    named with its .h) or a Python object."""
     if isinstance(obj, str):
         from ..runtime import hip
 
-        path = hip.source_path(obj)
+        path = hip.kernel_dir() / obj if obj.endswith(".h") else hip.source_path(obj)
+        if not path.exists():
+            headers = ", ".join(sorted(p.name for p in hip.kernel_dir().glob("*.h")))
+            raise FileNotFoundError(f"no HIP header {obj} in {hip.kernel_dir()} (headers: {headers})")
         return _display_path(path), 1, path.read_text(encoding="utf-8").splitlines(), _display_path(path)
     obj = inspect.unwrap(getattr(obj, "py_func", obj))  # a Numba kernel: its Python function
     lines, first = inspect.getsourcelines(obj)
@@ -69,7 +74,8 @@ def excerpt(obj, start: str | None = None, stop: str | None = None) -> tuple[str
 
 
 def source(obj, start: str | None = None, stop: str | None = None, max_lines: int = 30) -> None:
-    """Print an excerpt of a Python object's source or of ``kernels/hip/<obj>.cu`` (obj a str) under a header."""
+    """Print an excerpt of a Python object's source, of ``kernels/hip/<obj>.cu`` (obj a str) or of the header
+    ``kernels/hip/<obj>`` (obj a str ending in .h) under a header."""
     where, first, lines = excerpt(obj, start, stop)
     last = first + len(lines) - 1
     print(f"{where}, lines {first}-{last}")

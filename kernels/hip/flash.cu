@@ -1,6 +1,23 @@
 // flash.cu: causal flash attention, forward and backward, on the matrix units (lesson 11; the math and the readable
 // one-thread-per-row version are kernels/numba/flash.py).
 //
+// One section per version, in order; each holds the version's kernels, then its entry-point macro and the
+// instantiations of it for bf16 and f16 inside `#if FLASH_PART(V, H)` blocks (a launcher compiles one part:
+// backends/hip/flash.py's part_options). Search for "// ==== " to jump to a section:
+//   flash_common.h     (included below) what several versions share: the FLASH_* constants, FLASH_PART,
+//                      half_to_f32, load_rows, row_max / row_sum, RoundTo, zero_tile and the delta pass flash_delta
+//   ==== v2            the products on the matrix units, the softmax through shared memory; FLASH_ENTRIES_V2
+//   ==== v3            the softmax in registers (portable.h's register tiles); FLASH_ENTRIES_V3 (v2's part)
+//   ==== v4, v5, v6    FlashAttention-2's blocks and double-buffered tiles: v4 to v6 share this templated code and
+//                      differ by LV (v4 0, v5 1, v6 2); FLASH_ENTRIES_V4 and FLASH_ENTRIES_PACKED (packed layout)
+//   ==== v5 fused      v5's backward in one kernel (fused=True); FLASH_ENTRIES_FUSED (v5's part)
+//   ==== delta         the backward's delta pass of v2 to v5 (flash_common.h's flash_delta), in every part
+#define GPULLM_MATRIX_UNITS 1  // portable.h's mma_* functions
+#include "portable.h"
+#include "half.h"
+#include "flash_common.h"
+
+// ==== v2: the products on the matrix units, the softmax through shared memory ========================================
 // v2: q, k, v, dout are 16-bit floats (format H: 1 bfloat16, 2 float16, as bits), (B*nh, T, HS) rows contiguous;
 // out, dq, dk, dv, lse, delta are float32. Every product of two tiles runs on the matrix units through portable.h's
 // mma_* functions (tensor cores on NVIDIA, MFMA on AMD CDNA) with fp32 accumulation; the softmax, its running max and
@@ -22,47 +39,6 @@
 //             to its last row: the same P and dS, dQ += dS K.
 //             Each element of dq, dk, dv is summed by one warp in a fixed order: no atomics, the same bits every run.
 // Rows past T are loaded as zeros and never written; keys past T and above the diagonal get p = 0.
-#define GPULLM_MATRIX_UNITS 1  // portable.h's mma_* functions
-#include "portable.h"
-#include "half.h"
-
-#define FLASH_WARPS 4         // warps (wavefronts) per block: blockDim.x = FLASH_WARPS * warpSize
-#define FLASH_ROWS 64         // rows a block owns (16 per warp)
-#define FLASH_KTILE 64        // forward: key rows per tile
-#define FLASH_BTILE 32        // backward: rows of the tile walked (query rows for dK dV, key rows for dQ)
-#define FLASH_PAD 8           // 16-bit elements added to each shared row (keeps 32-byte alignment, spreads banks)
-#define FLASH_LOG2E 1.4426950408889634f
-#define FLASH_LN2 0.6931471805599453f
-#define FLASH_NEG_INF (-__int_as_float(0x7f800000))
-
-// A 16-bit value of format H (its bits) as float32, exactly.
-template <int H> __device__ __forceinline__ float half_to_f32(unsigned short b) {
-    return H == 1 ? __uint_as_float(((unsigned int)b) << 16) : __half2float(__ushort_as_half(b));
-}
-
-// rows [r0, r0 + nrows) of a (T, HS) head into shared memory dst[nrows][HS + FLASH_PAD], 16 bytes per load; rows past
-// T become zeros. Every thread of the block calls it.
-template <int HS>
-__device__ __forceinline__ void load_rows(unsigned short (*dst)[HS + FLASH_PAD], const unsigned short* __restrict__ src,
-                                          int r0, int nrows, int T) {
-    const int chunks = HS / 8;  // 8 halves = 16 bytes
-    for (int i = threadIdx.x; i < nrows * chunks; i += blockDim.x) {
-        int r = i / chunks, c = (i % chunks) * 8;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (r0 + r < T) val = *reinterpret_cast<const uint4*>(src + (long long)(r0 + r) * HS + c);
-        *reinterpret_cast<uint4*>(&dst[r][c]) = val;
-    }
-}
-
-// The reduction of a row's value over the `lpr` lanes that share the row (consecutive lanes, lpr a power of two).
-__device__ __forceinline__ float row_max(float v, int lpr) {
-    for (int o = 1; o < lpr; o *= 2) v = fmaxf(v, shfl_xor(v, o, warpSize));
-    return v;
-}
-__device__ __forceinline__ float row_sum(float v, int lpr) {
-    for (int o = 1; o < lpr; o *= 2) v += shfl_xor(v, o, warpSize);
-    return v;
-}
 
 // ---- forward ----------------------------------------------------------------------------------------------------
 template <int H, int HS>
@@ -167,53 +143,8 @@ __device__ void flash_forward(const unsigned short* __restrict__ q, const unsign
     }
 }
 
-// ---- backward: delta ------------------------------------------------------------------------------------------
-// delta[row] = sum_j dout[row][j] out[row][j] over rows of hs contiguous elements (the heads layout (B*nh, T, hs), or
-// the packed layout's (B, T, C) rows cut into heads: row r = (b T + t) nh + h, delta (B, nh, T) as the dK dV and dQ
-// kernels read it). out is float32 (OutT float) or format H (OutT unsigned short). A row is shared by `lpr`
-// consecutive lanes (the largest power of two up to 8 that divides its hs / 8 chunks of 8 elements), each chunk one
-// 16-byte load of dout and one or two of out; every layout and format sums in the same order (the packed and heads
-// backward then see the same delta for the same numbers). The launchers keep rows below 2^31.
-template <int H> __device__ __forceinline__ void chunk8(float (&x)[8], const unsigned short* p) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        x[2 * i] = half_to_f32<H>((unsigned short)(w[i] & 0xFFFFu));
-        x[2 * i + 1] = half_to_f32<H>((unsigned short)(w[i] >> 16));
-    }
-}
-template <int H> __device__ __forceinline__ void chunk8(float (&x)[8], const float* p) {
-    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-}
-template <int H, bool PACKED, typename OutT>
-__device__ void flash_delta(const OutT* __restrict__ out, const unsigned short* __restrict__ dout,
-                            float* __restrict__ delta, long long rows, int hs, int T, int nh) {
-    const int chunks = hs / 8, lpr = min(chunks & -chunks, 8), sub = threadIdx.x % lpr, per_block = blockDim.x / lpr;
-    // r0 is the same for the whole block, so every lane reaches row_sum's shuffles
-    for (long long r0 = (long long)blockIdx.x * per_block; r0 < rows; r0 += (long long)gridDim.x * per_block) {
-        const long long row = r0 + threadIdx.x / lpr;
-        float acc = 0.0f;
-        if (row < rows)
-            for (int c = sub; c < chunks; c += lpr) {
-                float o[8], d[8];
-                chunk8<H>(o, out + row * hs + 8 * c);
-                chunk8<H>(d, dout + row * hs + 8 * c);
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc += d[i] * o[i];
-            }
-        acc = row_sum(acc, lpr);
-        if (sub == 0 && row < rows) {
-            if (PACKED) {
-                const unsigned int r = (unsigned int)row, bt = r / (unsigned int)nh, b = bt / (unsigned int)T;
-                delta[((long long)b * nh + (r - bt * nh)) * T + (bt - b * T)] = acc;
-            } else {
-                delta[row] = acc;
-            }
-        }
-    }
-}
+// ---- backward: delta ------------------------------------------------------------------------------------------------
+// flash_common.h's flash_delta (v3 to v5 run it too); its entry points are in the delta section at the end.
 
 // Write a warp's 16 x HS accumulator tiles, times `mul`, to rows [row0, row0 + 16) of a (T, HS) float32 head, rows
 // past T left alone (through the warp's scratch: 16 x 16 at a time).
@@ -420,14 +351,42 @@ __device__ void flash_dq(const unsigned short* __restrict__ q, const unsigned sh
     store_rows<HS, SLD>(dq + head * T * HS, dqa, sS[warp], tw, T, scale);
 }
 
-// ---- v3: the softmax in registers ----------------------------------------------------------------------------
+// ---- v2's entry points: one per format and head size (part 2, with v3's) --------------------------------------------
+#define FLASH_ENTRIES_V2(HS, FMT, H)                                                                                  \
+    extern "C" __global__ void flash_attention_forward_v2_hs##HS##_##FMT(                                            \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward<H, HS>(q, k, v, out, lse, T, scale);                                                            \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v2_dkdv_hs##HS##_##FMT(                                      \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dk, float* dv, int T, float scale) {                             \
+        flash_dkdv<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                               \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v2_dq_hs##HS##_##FMT(                                        \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
+        flash_dq<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                     \
+    }
+#if FLASH_PART(2, 1)  // v2, bf16 (part 2: v2 and v3)
+FLASH_ENTRIES_V2(16, bf16, 1)
+FLASH_ENTRIES_V2(32, bf16, 1)
+FLASH_ENTRIES_V2(48, bf16, 1)
+FLASH_ENTRIES_V2(64, bf16, 1)
+#endif
+#if FLASH_PART(2, 2)  // v2, f16
+FLASH_ENTRIES_V2(16, f16, 2)
+FLASH_ENTRIES_V2(32, f16, 2)
+FLASH_ENTRIES_V2(48, f16, 2)
+FLASH_ENTRIES_V2(64, f16, 2)
+#endif
+
+// ==== v3: the softmax in registers ===================================================================================
 // The same algorithm as v2, on portable.h's register tiles: S (and dP) stay in the accumulators the matrix units
 // wrote, the online merge (or P and dS) runs on them in place, and the rounded P (dS) goes straight into the operand
 // registers of the next product. No scratch tile goes through shared memory; shared memory holds only the tiles
 // of K and V (Q and dO in the backward) that every warp of the block reads.
-template <int H> struct RoundTo {
-    __device__ __forceinline__ unsigned short operator()(float x) const { return f32_to_half_bits<H>(x); }
-};
+// (RoundTo and zero_tile, which v4 to v6 use too, are flash_common.h's.)
 
 // rows [row0, row0 + 16) of a (T, HS) float32 head from a warp's HS / 16 register tiles, times mul (rows past T
 // left alone)
@@ -441,11 +400,6 @@ __device__ __forceinline__ void store_tiles(float* __restrict__ dst, const mma_t
             int row = row0 + mma_tile_row(e);
             if (row < T) dst[(long long)row * HS + 16 * j + mma_tile_col(e)] = t[j].x[e] * mul;
         }
-}
-
-__device__ __forceinline__ void zero_tile(mma_tile& t) {
-#pragma unroll
-    for (int e = 0; e < MMA_SE; e++) t.x[e] = 0.0f;
 }
 
 template <int H, int HS>
@@ -702,7 +656,39 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
     store_tiles<HS>(dv + head * T * HS, dvt, sw, T, 1.0f);
 }
 
-// ---- v4: more rows per block, tiles copied while the previous one is multiplied ------------------------------------
+// ---- v3's entry points: one per format and head size (part 2, with v2's) --------------------------------------------
+#define FLASH_ENTRIES_V3(HS, FMT, H)                                                                                  \
+    extern "C" __global__ void flash_attention_forward_v3_hs##HS##_##FMT(                                            \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward_v3<H, HS>(q, k, v, out, lse, T, scale);                                                         \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v3_dkdv_hs##HS##_##FMT(                                      \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dk, float* dv, int T, float scale) {                             \
+        flash_dkdv_v3<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                            \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v3_dq_hs##HS##_##FMT(                                        \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
+        flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
+    }
+#if FLASH_PART(2, 1)  // v3, bf16 (part 2: v2 and v3)
+FLASH_ENTRIES_V3(16, bf16, 1)
+FLASH_ENTRIES_V3(32, bf16, 1)
+FLASH_ENTRIES_V3(48, bf16, 1)
+FLASH_ENTRIES_V3(64, bf16, 1)
+#endif
+#if FLASH_PART(2, 2)  // v3, f16
+FLASH_ENTRIES_V3(16, f16, 2)
+FLASH_ENTRIES_V3(32, f16, 2)
+FLASH_ENTRIES_V3(48, f16, 2)
+FLASH_ENTRIES_V3(64, f16, 2)
+#endif
+
+// ==== v4, v5, v6: more rows per block, tiles copied while the previous one is multiplied =============================
+// v5 and v6 are v4's LV levels: v4 to v6 share this section's templated code and differ by LV (see below); v5's
+// one-kernel backward is the next section.
 // The math of v3 (register tiles), reorganised as FlashAttention-2 does:
 //   - a block owns 128 rows. Forward and dQ: 4 warps of two 16-row tiles each (32 rows per warp), so every K / V
 //     fragment a warp reads from shared memory (ldmatrix on NVIDIA) feeds two products instead of one: half the
@@ -1337,7 +1323,115 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
     store_tiles_ld<H, HS, FAST>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
-// ---- v5's backward in one kernel (fused=True; slower than the two on the H200, lesson 11) --------------------------
+// ---- v4's, v5's and v6's entry points: one per format, head size and layout (parts 4, 5, 6) -------------------------
+// v4's, v5's and v6's entry points (LV = 0, 1, 2) declare their block size (__launch_bounds__): the compilers may then give a
+// thread the registers that size leaves (AMD's default assumes 1024 threads).
+#define FLASH_ENTRIES_V4(HS, FMT, H, V, LV)                                                                         \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_##V##_hs##HS##_##FMT(\
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
+        float scale) {                                                                                                \
+        flash_forward_v4<H, HS, LV>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_##V##_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,          \
+                                                        const unsigned short* v, const unsigned short* dout,          \
+                                                        const float* lse, const float* delta, float* dk, float* dv,   \
+                                                        int T, float scale) {                                         \
+        flash_dkdv_v4<H, HS, LV>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_##V##_dq_hs##HS##_##FMT(\
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const float* out,                  \
+        const unsigned short* dout, const float* lse, float* delta, float* dq, int T, float scale) {                  \
+        flash_dq_v4<H, HS, LV>(q, k, v, out, dout, lse, delta, dq, T, scale, 1, HS, HS, HS, HS);                      \
+    }
+
+// the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
+// C = nh HS; lse and delta (B, nh, T) as in the heads layout
+#define FLASH_ENTRIES_PACKED(HS, FMT, H, V, LV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                            \
+        flash_attention_forward_##V##_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,\
+                                                         int T, int nh, float scale) {                                \
+        const int C = nh * HS;                                                                                        \
+        flash_forward_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                      \
+        flash_attention_backward_##V##_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
+                                                               const float* lse, const float* delta, float* dqkv,     \
+                                                               int T, int nh, float scale) {                          \
+        const int C = nh * HS;                                                                                        \
+        flash_dkdv_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
+                                   3 * C, C, 3 * C);                                                                  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                             \
+        flash_attention_backward_##V##_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* out, \
+                                                             const unsigned short* dout, const float* lse,            \
+                                                             float* delta, float* dqkv, int T, int nh, float scale) { \
+        const int C = nh * HS;                                                                                        \
+        flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, C,     \
+                               3 * C);                                                                                \
+    }
+#if FLASH_PART(4, 1)  // v4, bf16
+FLASH_ENTRIES_V4(16, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(32, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(48, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v4, 0)
+FLASH_ENTRIES_V4(64, bf16, 1, v4, 0)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v4, 0)
+#endif
+#if FLASH_PART(4, 2)  // v4, f16
+FLASH_ENTRIES_V4(16, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(16, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(32, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(32, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(48, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(48, f16, 2, v4, 0)
+FLASH_ENTRIES_V4(64, f16, 2, v4, 0)
+FLASH_ENTRIES_PACKED(64, f16, 2, v4, 0)
+#endif
+#if FLASH_PART(5, 1)  // v5, bf16
+FLASH_ENTRIES_V4(16, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(32, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(48, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v5, 1)
+FLASH_ENTRIES_V4(64, bf16, 1, v5, 1)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v5, 1)
+#endif
+#if FLASH_PART(5, 2)  // v5, f16
+FLASH_ENTRIES_V4(16, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(16, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(32, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(32, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(48, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(48, f16, 2, v5, 1)
+FLASH_ENTRIES_V4(64, f16, 2, v5, 1)
+FLASH_ENTRIES_PACKED(64, f16, 2, v5, 1)
+#endif
+#if FLASH_PART(6, 1)  // v6, bf16
+FLASH_ENTRIES_V4(16, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(16, bf16, 1, v6, 2)
+FLASH_ENTRIES_V4(32, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(32, bf16, 1, v6, 2)
+FLASH_ENTRIES_V4(48, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(48, bf16, 1, v6, 2)
+FLASH_ENTRIES_V4(64, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED(64, bf16, 1, v6, 2)
+#endif
+#if FLASH_PART(6, 2)  // v6, f16
+FLASH_ENTRIES_V4(16, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(16, f16, 2, v6, 2)
+FLASH_ENTRIES_V4(32, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(32, f16, 2, v6, 2)
+FLASH_ENTRIES_V4(48, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(48, f16, 2, v6, 2)
+FLASH_ENTRIES_V4(64, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED(64, f16, 2, v6, 2)
+#endif
+
+// ==== v5 fused: v5's backward in one kernel (fused=True; slower than the two on the H200, lesson 11) =================
 // The LEAN dK dV kernel also computes dQ, so S and dP are computed once instead of twice (five products per tile pair
 // instead of seven), as FlashAttention-2's backward does. A block owns 128 key rows (16 per warp, 8 warps) and walks
 // the query tiles of 64 rows from its first key on; per tile, after v4's dK dV work:
@@ -1357,6 +1451,7 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
 // Shared memory is dynamic (the bytes backends/hip/flash.py's _fused_smem counts): Q and dO tiles (FLASH5_BUFS buffers: double-buffered
 // where copies are asynchronous, NVIDIA; one on AMD, whose copies return done and whose LDS holds 64 KiB), K, dS^T,
 // lse and delta.
+// It builds on the v4 section's helpers (FLASH4_*, copy_rows, head_start, store_tiles_ld).
 #if GPULLM_HIP
 #define FLASH5_BUFS 1
 #else
@@ -1547,86 +1642,7 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
     store_tiles_ld<H, HS, false>(dv, dvt, sw, T, 1.0f, ld_grad);
 }
 
-// ---- entry points: one per format and head size -------------------------------------------------------------------
-#define FLASH_ENTRIES(HS, FMT, H)                                                                                     \
-    extern "C" __global__ void flash_attention_forward_v2_hs##HS##_##FMT(                                            \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
-        float scale) {                                                                                                \
-        flash_forward<H, HS>(q, k, v, out, lse, T, scale);                                                            \
-    }                                                                                                                 \
-    extern "C" __global__ void flash_attention_backward_v2_dkdv_hs##HS##_##FMT(                                      \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
-        const float* lse, const float* delta, float* dk, float* dv, int T, float scale) {                             \
-        flash_dkdv<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                               \
-    }                                                                                                                 \
-    extern "C" __global__ void flash_attention_backward_v2_dq_hs##HS##_##FMT(                                        \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
-        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                     \
-    }                                                                                                                 \
-    extern "C" __global__ void flash_attention_forward_v3_hs##HS##_##FMT(                                            \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
-        float scale) {                                                                                                \
-        flash_forward_v3<H, HS>(q, k, v, out, lse, T, scale);                                                         \
-    }                                                                                                                 \
-    extern "C" __global__ void flash_attention_backward_v3_dkdv_hs##HS##_##FMT(                                      \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
-        const float* lse, const float* delta, float* dk, float* dv, int T, float scale) {                             \
-        flash_dkdv_v3<H, HS>(q, k, v, dout, lse, delta, dk, dv, T, scale);                                            \
-    }                                                                                                                 \
-    extern "C" __global__ void flash_attention_backward_v3_dq_hs##HS##_##FMT(                                        \
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
-        const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
-        flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
-    }
-
-// v4's, v5's and v6's entry points (LV = 0, 1, 2) declare their block size (__launch_bounds__): the compilers may then give a
-// thread the registers that size leaves (AMD's default assumes 1024 threads).
-#define FLASH_ENTRIES_V4(HS, FMT, H, V, LV)                                                                         \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_forward_##V##_hs##HS##_##FMT(\
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int T,     \
-        float scale) {                                                                                                \
-        flash_forward_v4<H, HS, LV>(q, k, v, out, lse, T, scale, 1, HS, HS);                                        \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
-        flash_attention_backward_##V##_dkdv_hs##HS##_##FMT(const unsigned short* q, const unsigned short* k,          \
-                                                        const unsigned short* v, const unsigned short* dout,          \
-                                                        const float* lse, const float* delta, float* dk, float* dv,   \
-                                                        int T, float scale) {                                         \
-        flash_dkdv_v4<H, HS, LV>(q, k, v, dout, lse, delta, dk, dv, T, scale, 1, HS, HS, HS);                       \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP) flash_attention_backward_##V##_dq_hs##HS##_##FMT(\
-        const unsigned short* q, const unsigned short* k, const unsigned short* v, const float* out,                  \
-        const unsigned short* dout, const float* lse, float* delta, float* dq, int T, float scale) {                  \
-        flash_dq_v4<H, HS, LV>(q, k, v, out, dout, lse, delta, dq, T, scale, 1, HS, HS, HS, HS);                      \
-    }
-
-// the packed layout (see v4's Layouts): qkv (B, T, 3C) and out, dout (B, T, C) in format H, dqkv (B, T, 3C) float32,
-// C = nh HS; lse and delta (B, nh, T) as in the heads layout
-#define FLASH_ENTRIES_PACKED(HS, FMT, H, V, LV)                                                                     \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                            \
-        flash_attention_forward_##V##_packed_hs##HS##_##FMT(const unsigned short* qkv, unsigned short* out, float* lse,\
-                                                         int T, int nh, float scale) {                                \
-        const int C = nh * HS;                                                                                        \
-        flash_forward_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, lse, T, scale, nh, 3 * C, C);                   \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                      \
-        flash_attention_backward_##V##_packed_dkdv_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* dout,\
-                                                               const float* lse, const float* delta, float* dqkv,     \
-                                                               int T, int nh, float scale) {                          \
-        const int C = nh * HS;                                                                                        \
-        flash_dkdv_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
-                                   3 * C, C, 3 * C);                                                                  \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                             \
-        flash_attention_backward_##V##_packed_dq_hs##HS##_##FMT(const unsigned short* qkv, const unsigned short* out, \
-                                                             const unsigned short* dout, const float* lse,            \
-                                                             float* delta, float* dqkv, int T, int nh, float scale) { \
-        const int C = nh * HS;                                                                                        \
-        flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, C,     \
-                               3 * C);                                                                                \
-    }
-
+// ---- v5's fused entry points: one per format, head size and layout (part 5) -----------------------------------------
 // v5's backward in one kernel, on both layouts; sem: an int per (head, query tile of 64), zeroed before the launch
 #define FLASH_ENTRIES_FUSED(HS, FMT, H)                                                                               \
     extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
@@ -1644,96 +1660,23 @@ __device__ void flash_bwd_fused_v5(const unsigned short* __restrict__ q, const u
         flash_bwd_fused_v5<H, HS>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv, dqkv + C, dqkv + 2 * C, sem, T,  \
                                   scale, nh, 3 * C, C, 3 * C);                                                        \
     }
-
-// The entry points by part: a launcher compiles only the part it runs (-DFLASH_PART_V=2|4|5|6 -DFLASH_PART_H=1|2,
-// backends/hip/flash.py), so a process running v6 in bf16 compiles an eighth of the entry points; without them every
-// part is compiled (the compile checks). The delta kernels below are in every part.
-#if defined(FLASH_PART_V) && defined(FLASH_PART_H)
-#define FLASH_PART(V, H) (FLASH_PART_V == (V) && FLASH_PART_H == (H))
-#else
-#define FLASH_PART(V, H) 1
-#endif
-#if FLASH_PART(2, 1)  // v2 and v3, bf16
-FLASH_ENTRIES(16, bf16, 1)
-FLASH_ENTRIES(32, bf16, 1)
-FLASH_ENTRIES(48, bf16, 1)
-FLASH_ENTRIES(64, bf16, 1)
-#endif
-#if FLASH_PART(4, 1)  // v4, bf16
-FLASH_ENTRIES_V4(16, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(32, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(48, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v4, 0)
-FLASH_ENTRIES_V4(64, bf16, 1, v4, 0)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v4, 0)
-#endif
 #if FLASH_PART(5, 1)  // v5, bf16
-FLASH_ENTRIES_V4(16, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v5, 1)
 FLASH_ENTRIES_FUSED(16, bf16, 1)
-FLASH_ENTRIES_V4(32, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v5, 1)
 FLASH_ENTRIES_FUSED(32, bf16, 1)
-FLASH_ENTRIES_V4(48, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v5, 1)
 FLASH_ENTRIES_FUSED(48, bf16, 1)
-FLASH_ENTRIES_V4(64, bf16, 1, v5, 1)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v5, 1)
 FLASH_ENTRIES_FUSED(64, bf16, 1)
 #endif
-#if FLASH_PART(6, 1)  // v6, bf16
-FLASH_ENTRIES_V4(16, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(16, bf16, 1, v6, 2)
-FLASH_ENTRIES_V4(32, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(32, bf16, 1, v6, 2)
-FLASH_ENTRIES_V4(48, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(48, bf16, 1, v6, 2)
-FLASH_ENTRIES_V4(64, bf16, 1, v6, 2)
-FLASH_ENTRIES_PACKED(64, bf16, 1, v6, 2)
-#endif
-#if FLASH_PART(2, 2)  // v2 and v3, f16
-FLASH_ENTRIES(16, f16, 2)
-FLASH_ENTRIES(32, f16, 2)
-FLASH_ENTRIES(48, f16, 2)
-FLASH_ENTRIES(64, f16, 2)
-#endif
-#if FLASH_PART(4, 2)  // v4, f16
-FLASH_ENTRIES_V4(16, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(16, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(32, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(32, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(48, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(48, f16, 2, v4, 0)
-FLASH_ENTRIES_V4(64, f16, 2, v4, 0)
-FLASH_ENTRIES_PACKED(64, f16, 2, v4, 0)
-#endif
 #if FLASH_PART(5, 2)  // v5, f16
-FLASH_ENTRIES_V4(16, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(16, f16, 2, v5, 1)
 FLASH_ENTRIES_FUSED(16, f16, 2)
-FLASH_ENTRIES_V4(32, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(32, f16, 2, v5, 1)
 FLASH_ENTRIES_FUSED(32, f16, 2)
-FLASH_ENTRIES_V4(48, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(48, f16, 2, v5, 1)
 FLASH_ENTRIES_FUSED(48, f16, 2)
-FLASH_ENTRIES_V4(64, f16, 2, v5, 1)
-FLASH_ENTRIES_PACKED(64, f16, 2, v5, 1)
 FLASH_ENTRIES_FUSED(64, f16, 2)
 #endif
-#if FLASH_PART(6, 2)  // v6, f16
-FLASH_ENTRIES_V4(16, f16, 2, v6, 2)
-FLASH_ENTRIES_PACKED(16, f16, 2, v6, 2)
-FLASH_ENTRIES_V4(32, f16, 2, v6, 2)
-FLASH_ENTRIES_PACKED(32, f16, 2, v6, 2)
-FLASH_ENTRIES_V4(48, f16, 2, v6, 2)
-FLASH_ENTRIES_PACKED(48, f16, 2, v6, 2)
-FLASH_ENTRIES_V4(64, f16, 2, v6, 2)
-FLASH_ENTRIES_PACKED(64, f16, 2, v6, 2)
-#endif
 
+// ==== delta: the backward's delta pass (v2 to v5), in every part =====================================================
+// flash_common.h's flash_delta: delta = the row sums of dout * out, before the dK dV and dQ kernels: out float32
+// (the heads layout, v2 to v5) or format H (the packed layout, v4 and v5). v6's dQ kernel computes delta itself.
+// Outside every FLASH_PART block: each part compiles them.
 extern "C" __global__ void flash_attention_backward_v2_delta_bf16(const float* out, const unsigned short* dout,
                                                                   float* delta, long long rows, int hs) {
     flash_delta<1, false>(out, dout, delta, rows, hs, 1, 1);

@@ -13,6 +13,8 @@ back to back, row max and sum as trees, one reciprocal per row, the backward's d
 has a backward in one kernel (fused=True): the dK dV kernel computes dQ too, and the key blocks of a head add their
 dQ into the same rows in a fixed order (turn counters), so S and dP are computed once and the bits are the same on
 every run; on the H200 it is slower than the two kernels (lesson 11). GEOMETRY has each kernel's block.
+flash.cu has one section per version (its kernels, then its entry points and their FLASH_PART blocks: v2, v3, v4 with
+v5 and v6 as its LV levels, v5's fused backward, the delta pass); kernels/hip/flash_common.h holds what several share.
 The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
 C-contiguous CuPy arrays.
 
@@ -33,11 +35,11 @@ from gpullm_lessons.contracts.flash import check_flash_args, scale_of
 
 VERSIONS = ("v2", "v3", "v4", "v5", "v6")
 DEFAULT = "v6"
-HEAD_SIZES = (16, 32, 48, 64)  # flash.cu's FLASH_ENTRIES
+HEAD_SIZES = (16, 32, 48, 64)  # the head sizes of flash.cu's entry points (each section's FLASH_ENTRIES_* lines)
 HALF_FORMATS = ("bf16", "fp16")  # the engine's names; flash.cu's entry points end in _bf16 / _f16
 _SUFFIX = {"bf16": "bf16", "fp16": "f16"}
-WARPS = 4  # warps per block (flash.cu's FLASH_WARPS), v2 and v3
-ROWS = 64  # rows a block owns (FLASH_ROWS), v2 and v3: the most row blocks of any version
+WARPS = 4  # warps per block (FLASH_WARPS, kernels/hip/flash_common.h), v2 and v3
+ROWS = 64  # rows a block owns (FLASH_ROWS, flash_common.h), v2 and v3: the most row blocks of any version
 # (rows a block owns, warps per block) of each kernel: v4's are flash.cu's FLASH4_ROWS, FLASH4_WARPS and
 # FLASH4_DKDV_WARPS (the entry points' __launch_bounds__: a launch with more threads fails)
 GEOMETRY = {
@@ -59,8 +61,8 @@ DELTA_THREADS = 256  # the delta kernel's block
 
 
 def _delta_launch(rows: int, hs: int):
-    """(grid, block) of the delta kernels: a row of hs elements is shared by flash.cu's lpr lanes (the largest power of
-    two up to 8 dividing its hs / 8 chunks of 16 bytes); the kernels index rows in 32 bits."""
+    """(grid, block) of the delta kernels: a row of hs elements is shared by flash_delta's lpr lanes (flash_common.h:
+    the largest power of two up to 8 dividing its hs / 8 chunks of 16 bytes); the kernels index rows in 32 bits."""
     if rows >= 2**31:
         raise ValueError(
             f"the flash backward's delta pass indexes rows in 32 bits: {rows} rows (B * nh * T) are too many"
@@ -96,7 +98,9 @@ def _check(fn, version, half, heads, rows, outs):
     return B, nh, T, hs
 
 
-PARTS = {"v2": 2, "v3": 2, "v4": 4, "v5": 5, "v6": 6}  # flash.cu's FLASH_PART blocks (v2 and v3 share one)
+# flash.cu's FLASH_PART parts: each version's section ends with its blocks; v2 and v3 share part 2, and v5's fused
+# backward's blocks are part 5 as v5's
+PARTS = {"v2": 2, "v3": 2, "v4": 4, "v5": 5, "v6": 6}
 
 
 def part_options(version, half) -> tuple:
