@@ -112,6 +112,15 @@ def _hip_launcher_violations(files):
     return bad
 
 
+def test_the_engine_imports_only_the_layers_below_it():
+    """The engine (one GPT on a backend) sits under the jobs: it never imports the benchmarks, the checkers, the class
+    tools, the plots or the training job (its NVTX ranges are engine/profiler.py's, which the benchmarks read)."""
+    allowed = ["gpullm_lessons.engine", "gpullm_lessons.backends", "gpullm_lessons.contracts", "gpullm_lessons.device",
+               "gpullm_lessons.kernels", "gpullm_lessons.model", "gpullm_lessons.reference", "gpullm_lessons.runtime"]
+    bad = _violations(_files("gpullm_lessons/engine"), allowed)
+    assert not bad, "the engine imports a layer above it:\n" + "\n".join(bad)
+
+
 def test_no_hip_launcher_imports_a_numba_module_or_another_launcher():
     files = list(_files(HIP_LAUNCHERS))
     assert len(files) >= 10

@@ -12,7 +12,6 @@ throughput, occupancy and stall counters.
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -257,44 +256,6 @@ def format_counters(ncu: dict, kernels: dict, op: str) -> str:
 
 # ---- NVTX ranges and a step timeline --------------------------------------------------------------------------
 
-_range_hooks = []          # callables name -> context manager, entered with every range (the timeline adds one)
-
-
-def _nvtx():
-    if "nvtx" not in _kernels:
-        try:
-            from cupy.cuda import nvtx
-            _kernels["nvtx"] = (nvtx.RangePush, nvtx.RangePop)
-        except Exception:  # noqa: BLE001 - CuPy without NVTX (or no CuPy): ranges are a no-op
-            _kernels["nvtx"] = None
-    return _kernels["nvtx"]
-
-
-@contextlib.contextmanager
-def nvtx_range(name: str):
-    """An NVTX range around a phase of the step (seen by Nsight Systems, `ncu --nvtx`, and the timeline below)."""
-    nv = _nvtx()
-    with contextlib.ExitStack() as stack:
-        for hook in _range_hooks:
-            stack.enter_context(hook(name))
-        if nv is not None:
-            nv[0](name)
-        try:
-            yield
-        finally:
-            if nv is not None:
-                nv[1]()
-
-
-@contextlib.contextmanager
-def range_hook(hook):
-    """Enter hook(name) (a context manager) with every nvtx_range while this block runs (the step timeline adds
-    torch.profiler's record_function, so the phases show in its trace)."""
-    _range_hooks.append(hook)
-    try:
-        yield
-    finally:
-        _range_hooks.remove(hook)
 
 
 def trace_events(prof, t_ref=None):

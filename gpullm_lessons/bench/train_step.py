@@ -855,7 +855,8 @@ def step_timeline(preset: str = "course", precision: str = "bf16", backend: str 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from .. import engine
-    from .profiling import range_hook, step_span, trace_events
+    from ..engine.profiler import range_hook
+    from .profiling import step_span, trace_events
 
     info = device.require_gpu("tracing a training step")
     cfg, B = _cfg(preset)

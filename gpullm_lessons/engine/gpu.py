@@ -8,7 +8,7 @@ import numpy as np
 
 from ..model.checkpointing import parse_policy, segments
 from ..model.params import ParamBuffer, init_params, num_params
-from ..bench.profiling import nvtx_range
+from .profiler import nvtx_range
 from ..reference.head import check_chunks
 from ..contracts.adamw import int8_blocks
 from .core import Engine, EngineError

@@ -1,7 +1,10 @@
 """OpProfiler: every launcher call and matrix product of a GPUEngine timed (CUDA events on a GPU, the wall clock in
-the simulator), for lesson 09's per-op table (GPUEngine.enable_profiling)."""
+the simulator), for lesson 09's per-op table (GPUEngine.enable_profiling); nvtx_range: the NVTX ranges the engine
+puts around its step's phases (bench/profiling.py's timeline and Nsight read them; range_hook adds a tracer's own)."""
 
 from __future__ import annotations
+
+import contextlib
 
 
 class OpProfiler:
@@ -85,3 +88,46 @@ class TimedLaunchers:
     def __getattr__(self, name):
         fn = getattr(self._module, name)
         return self._profiler.wrap(name, fn) if callable(fn) else fn
+
+
+# ---- NVTX ranges around the step's phases (the engine marks them; bench/profiling.py's timeline and Nsight read them)
+_NVTX: dict = {}
+_range_hooks: list = []  # context managers entered with every range (range_hook)
+
+
+def _nvtx():
+    if "fns" not in _NVTX:
+        try:
+            from cupy.cuda import nvtx
+
+            _NVTX["fns"] = (nvtx.RangePush, nvtx.RangePop)
+        except Exception:  # noqa: BLE001 - CuPy without NVTX (or no CuPy): ranges are a no-op
+            _NVTX["fns"] = None
+    return _NVTX["fns"]
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """An NVTX range around a phase of the step (seen by Nsight Systems, `ncu --nvtx`, and the timeline below)."""
+    nv = _nvtx()
+    with contextlib.ExitStack() as stack:
+        for hook in _range_hooks:
+            stack.enter_context(hook(name))
+        if nv is not None:
+            nv[0](name)
+        try:
+            yield
+        finally:
+            if nv is not None:
+                nv[1]()
+
+
+@contextlib.contextmanager
+def range_hook(hook):
+    """Enter hook(name) (a context manager) with every nvtx_range while this block runs (the step timeline adds
+    torch.profiler's record_function, so the phases show in its trace)."""
+    _range_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _range_hooks.remove(hook)
