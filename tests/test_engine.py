@@ -85,6 +85,62 @@ def test_gemm_half_output_is_the_rounded_fp32_product(fmt):
         gemm(f32_to_bf16_bits(A), f32_to_bf16_bits(Bm), np.empty((3, 6, 4), np.float16), fmt="bf16")
 
 
+def _tf32(x):
+    """x rounded to TF32 one value at a time by model.precision.tf32_row (lesson 07's table), not by the vectorised
+    rounding gemm uses."""
+    from gpullm_lessons.model.precision import tf32_row
+    return np.array([tf32_row(float(v))["stored"] for v in np.ravel(x)], np.float32).reshape(np.shape(x))
+
+
+def test_round_to_tf32_is_lesson_07_s_tf32_value_by_value():
+    from gpullm_lessons.reference.rounding import round_to
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(2000).astype(np.float32) * np.float32(1e3),
+                        np.array([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 3.4e38, 1e-40, 0.0, -0.0, np.inf,
+                                  -np.inf], np.float32)])          # ties to even both ways, the top, a subnormal
+    got = round_to(x, "tf32")
+    assert np.array_equal(got.view(np.uint32), _tf32(x).view(np.uint32))
+    assert np.isnan(round_to(np.array([np.nan], np.float32), "tf32")).all()
+    assert not np.array_equal(got, x)                               # values really were rounded
+
+
+def test_gemm_tf32_multiplies_the_tf32_values_with_fp32_sums():
+    rng = np.random.default_rng(6)
+    A, Bm = rng.standard_normal((3, 6, 40), dtype=np.float32), rng.standard_normal((3, 40, 5), dtype=np.float32)
+    out = np.empty((3, 6, 5), np.float32)
+    gemm(A, Bm, out, fmt="tf32")
+    np.testing.assert_allclose(out, _tf32(A) @ _tf32(Bm), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(out, A @ Bm, rtol=1e-5, atol=0)         # not the fp32 product
+    np.testing.assert_allclose(out, A @ Bm, rtol=0, atol=2e-2)      # but within TF32's 2^-11 per input
+    with pytest.raises(TypeError, match="fmt='tf32' needs float32"):
+        gemm(f32_to_bf16_bits(A), Bm, out, fmt="tf32")
+    with pytest.raises(TypeError, match=r"out must be float32 \(fp32 accumulation\), got float16"):
+        gemm(A, Bm, out.astype(np.float16), fmt="tf32")
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_tf32_is_cublas_tf32_mode():
+    """On NVIDIA, fmt="tf32" reads the inputs as TF32 (the product matches the TF32-rounded inputs' fp32 product far
+    better than the fp32 product), and fmt="fp32" does not."""
+    import cupy as cp
+    if cp.cuda.runtime.is_hip:
+        with pytest.raises(ValueError, match="cuBLAS's TF32 mode"):
+            gemm(cp.ones((4, 4), cp.float32), cp.ones((4, 4), cp.float32), cp.empty((4, 4), cp.float32), fmt="tf32")
+        return
+    rng = np.random.default_rng(7)
+    A, Bm = rng.standard_normal((512, 256), dtype=np.float32), rng.standard_normal((256, 384), dtype=np.float32)
+    from gpullm_lessons.reference.rounding import round_to
+    exact = A.astype(np.float64) @ Bm.astype(np.float64)
+    as_tf32 = round_to(A, "tf32").astype(np.float64) @ round_to(Bm, "tf32").astype(np.float64)
+    out = cp.empty((512, 384), cp.float32)
+    gemm(cp.asarray(A), cp.asarray(Bm), out, fmt="tf32")
+    tf = out.get()
+    gemm(cp.asarray(A), cp.asarray(Bm), out, fmt="fp32")
+    f32 = out.get()
+    assert np.abs(tf - as_tf32).max() < 1e-3 < np.abs(tf - exact).max()
+    assert np.abs(f32 - exact).max() < 1e-3 < np.abs(f32 - as_tf32).max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 def test_gpu_gemm_half_output_is_the_rounded_fp32_product(fmt):
@@ -203,6 +259,20 @@ def test_a_wrong_gradient_would_be_caught(toy_reference):
     assert max_rel(g, g_ref) > 0.5
 
 
+def test_tf32_products_track_fp32_and_are_not_fp32(toy_reference):
+    """versions={"tf32": "on"}: an fp32 run whose matmul inputs are TF32 (the simulator rounds them as the tensor
+    cores read them): close to the fp32 gradients, not equal to them."""
+    x, y, loss_ref, g_ref = toy_reference
+    loss, g = grads_of(engine.build(TOY, "numba", versions={"tf32": "on"}), x, y)
+    assert abs(loss - loss_ref) <= 1e-2 * loss_ref and max_rel(g, g_ref) < 2e-2
+    _, g_fp32 = grads_of(engine.build(TOY, "numba"), x, y)         # fp32 products: ~1e-7 from the reference
+    assert max_rel(g, g_fp32) > 1e-4                               # TF32's: ~1e-3 (2^-11 per matmul input)
+    with pytest.raises(engine.EngineError, match="tf32='on' reads fp32 matmul inputs as TF32; precision='bf16'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"tf32": "on"})
+    with pytest.raises(engine.EngineError, match="tf32 must be 'off' or 'on', got 'yes'"):
+        engine.build(TOY, "numba", versions={"tf32": "yes"})
+
+
 @pytest.mark.parametrize("policy", ["selective", "full"])
 def test_checkpointing_policies_give_bitwise_equal_gradients(toy_reference, policy):
     x, y, _, _ = toy_reference
@@ -284,6 +354,21 @@ def test_gpu_half_precision_tracks_fp32(backend, precision, scores, gpu_batches,
     losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
     rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
     assert rel.max() < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+def test_gpu_tf32_tracks_fp32(backend, gpu_batches, gpu_reference):
+    """fp32 with TF32 products (cuBLAS's TF32 mode on NVIDIA): the first 10 losses within 1e-2 of the reference."""
+    from gpullm_lessons import device as dev
+    if dev.kind() == "rocm":
+        with pytest.raises(engine.EngineError, match="TF32 mode"):
+            engine.build(SMALL, backend, versions={"tf32": "on"})
+        return
+    eng = engine.build(SMALL, backend, versions={"tf32": "on"})
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 1e-2, rel
 
 
 @pytest.mark.gpu

@@ -809,7 +809,8 @@ def main(argv=None) -> int:
                     help="what to measure (ncu-target: what `ncu` profiles for `ncu`, not for you to run)")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
     ap.add_argument("--precisions", default=None,
-                    help="`train`: fp32,bf16 (default); `checkpointing`: fp32 (default)")
+                    help="`train`: fp32,tf32,bf16 (default; tf32: fp32 with TF32 matmuls, ours and PyTorch's); "
+                         "`checkpointing`: fp32 (default)")
     ap.add_argument("--seq-len", type=int, default=4096, help="`long`: the context length T")
     ap.add_argument("--batch-size", type=int, default=32, help="`long`: sequences per step B")
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
@@ -871,7 +872,7 @@ def main(argv=None) -> int:
                 result = bt.profile_step(presets[0], (args.precisions or "bf16").split(",")[0])
                 print(bt.format_profile(result))
             elif args.what == "train":
-                precs = tuple((args.precisions or "fp32,bf16").split(","))
+                precs = tuple((args.precisions or "fp32,tf32,bf16").split(","))
                 result = bt.bench_train(presets, precs, versions=versions or None, with_compile=args.compile,
                                         on_config=keep)
                 print(bt.format_train(result))

@@ -142,10 +142,18 @@ def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
 
 
 def matmul_rate(n: int = 8192, dtype: str = "float32") -> dict:
-    """Square matmul through CuPy (cuBLAS / hipBLAS): TFLOP/s counted as 2 n^3 per product."""
+    """Square matmul through CuPy (cuBLAS / hipBLAS): TFLOP/s counted as 2 n^3 per product. dtype "tf32": float32
+    inputs read as TF32 (runtime/blas.py's gemm, cuBLAS's TF32 mode), the rate an fp32 run with TF32 products reaches."""
     device.require_gpu("measuring the matmul rate")
     import cupy as cp
 
+    if dtype == "tf32":
+        from ..runtime.blas import gemm
+
+        a, b = (cp.asarray(np.random.default_rng(s).standard_normal((n, n), dtype=np.float32)) for s in (0, 1))
+        out = cp.empty((n, n), cp.float32)
+        t = time_gpu(lambda: gemm(a, b, out, fmt="tf32"), warmup=2, iters=5, reps=3)
+        return {"what": f"matmul {n}^3 tf32", "flops": 2 * n**3, "seconds": t, "TFLOP/s": 2 * n**3 / t / 1e12}
     if dtype == "bfloat16":
         import ml_dtypes
 

@@ -79,7 +79,9 @@ def _time_steps(step, batches, warmup=3):
 # loss and gradient norm are compared with the NumPy engine's first step on the same weights (engine.build's seed 0)
 # and batch. Tolerances: relative error, from tests/test_engine.py (fp32: 1e-4, test_train_steps_match_the_numpy_engine
 # and test_gpu_fp32_first_10_steps_match_the_reference; bf16 / fp16: 2e-2, test_gpu_half_precision_tracks_fp32).
-TRAIN_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
+# "tf32": an fp32 run whose matmul inputs are read as TF32 (10 mantissa bits: bf16's tolerance bounds it)
+TRAIN_TOL = {"fp32": 1e-4, "tf32": 2e-2, "bf16": 2e-2, "fp16": 2e-2}
+ENGINE_PRECISION = {"tf32": ("fp32", {"tf32": "on"})}  # a bench precision that is an engine precision + versions
 TORCH_WHY_NOT = ("PyTorch's GPT starts from its own random weights (torch.manual_seed(0)), not the engine's: its "
                  "loss is not the reference's")
 
@@ -141,8 +143,10 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
         return mem
 
     cp.cuda.set_allocator(tracking_malloc)
+    engine_precision, more = ENGINE_PRECISION.get(precision, (precision, {}))
+    versions = {**(versions or {}), **more} or None
     try:
-        eng = engine.build(cfg, backend, precision=precision, policy=policy, versions=versions, graphs=graphs,
+        eng = engine.build(cfg, backend, precision=engine_precision, policy=policy, versions=versions, graphs=graphs,
                            ce_chunks=ce_chunks, optimizer_state=optimizer_state, offload_optimizer=offload_optimizer)
         model_bytes = pool.used_bytes()              # params, grads, m, v (+ the half copy): before any step
         batches = _batches(cfg, B, T, steps + 3)
@@ -172,20 +176,26 @@ def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
     compilation done in the warm-up steps, outside the timed ones."""
     import torch
 
-    step, release = _torch_step(cfg, precision, compile)
-    batches = _batches(cfg, B, T, steps + 3)
-    for x, y in batches[:3]:
-        step(x, y)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for x, y in batches[3:]:
-        t0 = time.perf_counter()
-        step(x, y)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    # "tf32": fp32 with TF32 matmuls (PyTorch's allow_tf32 flags, off by default for matmuls), like the engine's
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        step, release = _torch_step(cfg, precision, compile)
+        batches = _batches(cfg, B, T, steps + 3)
+        for x, y in batches[:3]:
+            step(x, y)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
-    release()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for x, y in batches[3:]:
+            t0 = time.perf_counter()
+            step(x, y)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated()
+        release()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return {"step_ms": 1e3 * float(np.median(times)), "peak_bytes": int(peak), "version": torch.__version__}
 
 
@@ -352,7 +362,7 @@ def _card():
     return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
 
 
-def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=10, backend="hip",
+def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"), steps=10, backend="hip",
                 with_torch=True, versions=None, with_compile=False, on_config=None) -> dict:
     """Step time, tokens/s, MFU and peak memory of our engine (launched from Python, and replayed as a CUDA graph)
     beside the same model in PyTorch eager and, with_compile, through torch.compile: every ratio from one run.
@@ -368,7 +378,7 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "bf16"), steps=1
     from ..engine import EngineError
     from .timing import matmul_rate
 
-    rates = {p: matmul_rate(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[p])
+    rates = {p: matmul_rate(dtype={"fp32": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16"}[p])
              for p in precisions}
     try:
         import torch  # noqa: F401

@@ -27,6 +27,7 @@ _NUMBA_VERSIONS = {
     "scores": "half",
     "attention": "cublas",
     "flash": "v6",
+    "tf32": "off",
 }
 
 
@@ -56,7 +57,8 @@ class GPUEngine(Engine):
     # T; the hip default in half precision at the head sizes flash.cu is compiled for) or "cublas" (four batched
     # products around the causal-softmax kernels, lesson 05's path; the numba backend's, fp32's and the fallback
     # where flash cannot run); "flash": the version of flash.cu's kernels on the engine's packed layout (v4, v5 or v6)
-    # that the flash path runs
+    # that the flash path runs; "tf32": "on" reads an fp32 run's matmul inputs as TF32 (10 mantissa bits, fp32
+    # accumulation: cuBLAS's TF32 mode on NVIDIA's tensor cores; the simulator rounds the inputs), "off" keeps fp32
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -111,6 +113,15 @@ class GPUEngine(Engine):
                 raise EngineError(f"versions: attention='flash' cannot run here: {why_not}")
             if why_not:  # the default where flash cannot run (fp32, a head size without a kernel): the cuBLAS path
                 self.ver["attention"] = "cublas"
+        if self.ver["tf32"] not in ("off", "on"):
+            raise EngineError(f"versions: tf32 must be 'off' or 'on', got {self.ver['tf32']!r}")
+        if self.ver["tf32"] == "on" and precision != "fp32":
+            raise EngineError(
+                f"versions: tf32='on' reads fp32 matmul inputs as TF32; precision={precision!r} has "
+                f"no fp32 products (use precision='fp32')"
+            )
+        if self.ver["tf32"] == "on" and self.on_gpu and device.kind() == "rocm":
+            raise EngineError("versions: tf32='on' is cuBLAS's TF32 mode (NVIDIA); on AMD keep tf32='off'")
         from ..backends.hip.flash import PACKED
 
         if self.ver["flash"] not in PACKED:
@@ -143,7 +154,7 @@ class GPUEngine(Engine):
         from ..kernels.numba.adamw import decay_table
 
         self.decay = decay_table(self.params, arrays="cupy" if self.on_gpu else "numpy")
-        self.fmt = precision  # gemm input format
+        self.fmt = "tf32" if self.ver["tf32"] == "on" else precision  # gemm input format (runtime/blas.py)
         self.half = None
         if precision != "fp32":
             self.half = xp.zeros(n, xp.uint16)  # the half copy of the weights (bits)

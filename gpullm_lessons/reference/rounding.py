@@ -62,9 +62,18 @@ def _round_ml_dtype(name):
     return rnd
 
 
+def _round_tf32(x):
+    """float32 -> the TF32 value tensor cores read of it (cuBLAS's TF32 mode): 10 mantissa bits, to nearest even;
+    inf and NaN kept."""
+    bits = x.view(np.uint32)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = (bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return np.where(finite, rounded, bits).astype(np.uint32).view(np.float32)
+
+
 # name -> rounding of a float32 array to that format (values kept as float32). The fp8 formats are here to show
 # what does NOT track without per-tensor scaling (3 and 2 mantissa bits, 2^-9 and 2^-16 the smallest values).
-_ROUNDERS = {"fp32": None, "bf16": _round_bf16, "fp16": _round_fp16,
+_ROUNDERS = {"fp32": None, "tf32": _round_tf32, "bf16": _round_bf16, "fp16": _round_fp16,
              "fp8_e4m3": _round_ml_dtype("float8_e4m3fn"), "fp8_e5m2": _round_ml_dtype("float8_e5m2")}
 MATMUL_PRECISIONS = ("fp32", "bf16", "fp16")      # the course's formats (the fp8 ones are accepted too)
 

@@ -4,6 +4,9 @@
         out = alpha * op(a) @ op(b) + beta * out        (row-major, C-contiguous; op(x) = x.T when trans_x)
         a, b: (M, K) / (K, N) after op, or batched (G, M, K) / (G, K, N) with out (G, M, N).
         fmt:  "fp32"  a, b float32, computed in fp32 (no TF32: the results match NumPy to ~1e-6)
+              "tf32"  a, b float32 read as TF32 by the tensor cores (10 mantissa bits), accumulated in fp32, out
+                      float32 (NVIDIA's cuBLAS: CUBLAS_COMPUTE_32F_FAST_TF32; on NumPy arrays the inputs are rounded
+                      to TF32 first, reference/rounding.py)
               "fp16"  a, b float16 (or their uint16 bits), products accumulated in fp32, out float32
               "bf16"  a, b uint16 holding bfloat16 bits, products accumulated in fp32, out float32
         out:  float32; in fp16 / bf16 also the half format itself (float16 or uint16 bits; bf16: uint16), so that
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-FORMATS = ("fp32", "fp16", "bf16")
-_HALF_STORAGE = {"fp32": ("float32",), "fp16": ("float16", "uint16"), "bf16": ("uint16",)}
+FORMATS = ("fp32", "tf32", "fp16", "bf16")
+_HALF_STORAGE = {"fp32": ("float32",), "tf32": ("float32",), "fp16": ("float16", "uint16"), "bf16": ("uint16",)}
+_CUBLAS_COMPUTE_32F_FAST_TF32 = 77  # cublasComputeType_t (cublas_api.h), when CuPy does not name it
 
 
 def _is_cupy(x) -> bool:
@@ -32,6 +36,9 @@ def _is_cupy(x) -> bool:
 def _to_f32(x, fmt, xp):
     if fmt == "fp32":
         return x
+    if fmt == "tf32":
+        from ..reference.rounding import round_to
+        return round_to(x, "tf32")
     if fmt == "fp16":
         return (x.view(xp.float16) if x.dtype == xp.uint16 else x).astype(xp.float32)
     return (x.astype(xp.uint32) << 16).view(xp.float32)          # bf16 bits -> the float32 with those top bits
@@ -52,8 +59,8 @@ def _check(a, b, out, trans_a, trans_b, fmt):
     for name, x in (("a", a), ("b", b)):
         if str(x.dtype) not in _HALF_STORAGE[fmt]:
             raise TypeError(f"gemm: {name} is {x.dtype}; fmt={fmt!r} needs {' or '.join(_HALF_STORAGE[fmt])}")
-    if str(out.dtype) != "float32" and (fmt == "fp32" or str(out.dtype) not in _HALF_STORAGE[fmt]):
-        raise TypeError(f"gemm: out must be float32 (fp32 accumulation){'' if fmt == 'fp32' else ' or ' + ' / '.join(_HALF_STORAGE[fmt])}"
+    if str(out.dtype) != "float32" and (fmt in ("fp32", "tf32") or str(out.dtype) not in _HALF_STORAGE[fmt]):
+        raise TypeError(f"gemm: out must be float32 (fp32 accumulation){'' if fmt in ('fp32', 'tf32') else ' or ' + ' / '.join(_HALF_STORAGE[fmt])}"
                         f", got {out.dtype}")
     if not (a.ndim == b.ndim == out.ndim and a.ndim in (2, 3)):
         raise ValueError(f"gemm: a, b, out must all be 2-D or all 3-D (batched), got {a.shape}, {b.shape}, {out.shape}")
@@ -111,7 +118,11 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
         else:
             raise ValueError("gemm: K = 0 with beta != 0 and a half output is not supported")
         return out
-    dtype = {"fp32": runtime.CUDA_R_32F, "fp16": runtime.CUDA_R_16F, "bf16": runtime.CUDA_R_16BF}[fmt]
+    if fmt == "tf32" and runtime.is_hip:
+        raise ValueError("gemm: fmt='tf32' is cuBLAS's TF32 mode (NVIDIA); on AMD use fmt='fp32'")
+    dtype = {"fp32": runtime.CUDA_R_32F, "tf32": runtime.CUDA_R_32F, "fp16": runtime.CUDA_R_16F,
+             "bf16": runtime.CUDA_R_16BF}[fmt]
+    compute = _compute_type(fmt)
     out_type = runtime.CUDA_R_32F if str(out.dtype) == "float32" else dtype
     alpha_h, beta_h = np.array(alpha, np.float32), np.array(beta, np.float32)
     lda, ldb = a.shape[-1], b.shape[-1]                 # row length of the stored (row-major) arrays
@@ -123,7 +134,8 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
         # workspace of its own): call it directly on our own handle
         return _captured_gemm(stream, op[trans_b], op[trans_a], N, M, K, alpha_h, b, dtype, ldb,
                               (b.shape[-2] * b.shape[-1]) if b.ndim == 3 else 0, a, lda,
-                              (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0, beta_h, out, G, out_type)
+                              (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0, beta_h, out, G, out_type,
+                              compute)
     cublas.gemmStridedBatchedEx(
         device.get_cublas_handle(), op[trans_b], op[trans_a], N, M, K,
         alpha_h.ctypes.data,
@@ -131,8 +143,16 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, fmt="fp32
         a.data.ptr, dtype, lda, (a.shape[-2] * a.shape[-1]) if a.ndim == 3 else 0,
         beta_h.ctypes.data,
         out.data.ptr, out_type, N, M * N,
-        G, cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        G, compute, cublas.CUBLAS_GEMM_DEFAULT)
     return out
+
+
+def _compute_type(fmt):
+    """cuBLAS's compute type for fmt: fp32 accumulation, with the inputs read as TF32 in "tf32"."""
+    from cupy_backends.cuda.libs import cublas
+    if fmt == "tf32":
+        return getattr(cublas, "CUBLAS_COMPUTE_32F_FAST_TF32", _CUBLAS_COMPUTE_32F_FAST_TF32)
+    return cublas.CUBLAS_COMPUTE_32F
 
 
 def _capturing(stream) -> bool:
@@ -189,7 +209,7 @@ def prepare_capture():
 
 
 def _captured_gemm(stream, op_b, op_a, N, M, K, alpha_h, b, dtype, ldb, stride_b, a, lda, stride_a, beta_h, out, G,
-                   out_type):
+                   out_type, compute):
     from cupy.cuda import runtime
     from cupy_backends.cuda.libs import cublas
     if cublas is None or runtime.is_hip:
@@ -198,8 +218,7 @@ def _captured_gemm(stream, op_b, op_a, N, M, K, alpha_h, b, dtype, ldb, stride_b
     lib.cublasSetStream_v2(handle, stream.ptr)
     status = lib.cublasGemmStridedBatchedEx(
         handle, op_b, op_a, N, M, K, alpha_h.ctypes.data, b.data.ptr, dtype, ldb, stride_b, a.data.ptr, dtype, lda,
-        stride_a, beta_h.ctypes.data, out.data.ptr, out_type, N, M * N, G, cublas.CUBLAS_COMPUTE_32F,
-        cublas.CUBLAS_GEMM_DEFAULT)
+        stride_a, beta_h.ctypes.data, out.data.ptr, out_type, N, M * N, G, compute, cublas.CUBLAS_GEMM_DEFAULT)
     if status != 0:
         raise RuntimeError(f"blas: cublasGemmStridedBatchedEx failed with status {status} (during capture)")
     return out
