@@ -445,6 +445,22 @@ def test_03_1_mistakes_are_named(variant, words):
     wrong(r, *[w.format(T=T) for w in words])
 
 
+def test_03_1_a_gpu_race_that_keeps_the_first_warps_is_named_as_a_missing_barrier_too():
+    """On a GPU a tree without barriers often sees only the warps that wrote first: m is then the max of the first
+    32 (64, ...) columns, the same values as a row loop that never strides; the hint names both causes."""
+    def first_warp(x, m):
+        m[...] = x[:, :32].max(axis=1)
+
+    wrong(ck.check_row_max(first_warp, arrays="numpy", seed=7, quiet=True), "first 32 columns", "barrier")
+
+    def first_24(x, m):                           # not whole warps: only the row loop is named
+        m[...] = x[:, :24].max(axis=1)
+
+    r = ck.check_row_max(first_24, arrays="numpy", seed=7, quiet=True)
+    wrong(r, "first 24 columns")
+    assert "barrier" not in r.message
+
+
 def test_03_1_the_power_of_two_tree_is_named_for_the_gpu_block_too():
     """On a GPU the blocks have 192 threads: a halving tree keeps 128 of them (NumPy emulation of that launch)."""
     kept = ck._halving_tree_slots(192)

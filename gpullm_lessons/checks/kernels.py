@@ -726,8 +726,14 @@ def _row_max_first_cols(case, name, ours, expected, bad):
             break
         wrong = case.x["x"][:, :t].max(axis=1)
         if _close_to(ours, wrong) and not _close_to(expected, wrong):
-            return (f"m is the max of the first {t} columns only (n = {n}): a row longer than the block needs each "
+            text = (f"m is the max of the first {t} columns only (n = {n}): a row longer than the block needs each "
                     f"thread to visit the columns t, t + blockDim.x, t + 2*blockDim.x, ... before the tree")
+            if t % 32 == 0:  # whole warps: on a GPU a tree without barriers sees only the warps that wrote first
+                text += (f". If yours already strides by blockDim.x: the first {t} columns are the first warps' "
+                         f"values, and the tree read the other warps' shared slots before they were written: a "
+                         f"cuda.syncthreads() barrier is missing (after the partial values are stored, and after "
+                         f"each step of the tree)")
+            return text
     return None
 
 
