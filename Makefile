@@ -62,6 +62,7 @@ RUFF_FORMATTED += gpullm_lessons/bench/gpu_suite.py tests/test_gpu_suite.py test
 	tests/test_borrowed.py tests/test_wheel_class.py
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_int8.py tests/test_offload.py
 RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
+RUFF_FORMATTED += tests/test_pipeline.py tests/test_pipeline_ranks.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests lab
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)

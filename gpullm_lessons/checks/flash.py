@@ -56,10 +56,18 @@ def _split(x, nh):
     return x.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
 
 
-def reference(q, k, v, dout=None):
+def reference(q, k, v, dout=None, *, causal=True, mask=None):
     """float64 (out, lse) of causal attention with scale 1/sqrt(hs) on (B, nh, T, hs) arrays, from lesson 01's
     reference attention (lse from the masked scores); with dout, (out, lse, dq, dk, dv). The checkers' oracle, for
-    tests of kernels that take other formats (the HIP v2's half inputs)."""
+    tests of kernels that take other formats (the HIP v2's half inputs).
+    Attention in general (causal=False, a (Tq, Tk) bool mask, or k, v with Tk != Tq rows): reference.sdpa_forward /
+    sdpa_backward in float64 (bottom-right aligned causal; a query that sees no key: out 0, lse -inf, no gradient)."""
+    if not (causal is True and mask is None and np.shape(q)[2:3] == np.shape(k)[2:3]):
+        out, cache = ref.sdpa_forward(*(np.asarray(a, np.float64) for a in (q, k, v)), causal=causal,
+                                      mask=None if mask is None else np.asarray(mask))
+        if dout is None:
+            return out, cache["lse"]
+        return (out, cache["lse"]) + tuple(ref.sdpa_backward(np.asarray(dout, np.float64), cache))
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     nh, T, hs = q.shape[1:]
     out, cache = ref.attention_forward(np.concatenate([_merge(q), _merge(k), _merge(v)], axis=-1), nh)
@@ -245,9 +253,11 @@ _FORWARD = Op(
     # the course's own implementations: an answer that is, wraps or calls one is not correct (checks/borrowed.py)
     own=(
         "gpullm_lessons.kernels.numba.flash:flash_attention_forward_v1",
+        "gpullm_lessons.kernels.numba.flash:flash_attention_forward_v1_general",
         "gpullm_lessons.kernels.numba.flash:flash_attention_forward",
         "gpullm_lessons.checks.flash:reference",
         "gpullm_lessons.reference.attention:attention_forward",
+        "gpullm_lessons.reference.attention:sdpa_forward",
     ),
     n_cases=4,
     formula="out[t] = sum_{s <= t} softmax_s(q[t] . k[s] / sqrt(hs)) v[s]; lse[t] = log sum_{s <= t} "
@@ -322,9 +332,11 @@ _BACKWARD = Op(
     # the course's own implementations: an answer that is, wraps or calls one is not correct (checks/borrowed.py)
     own=(
         "gpullm_lessons.kernels.numba.flash:flash_attention_backward_v1_dq",
+        "gpullm_lessons.kernels.numba.flash:flash_attention_backward_v1_general_dq",
         "gpullm_lessons.kernels.numba.flash:flash_attention_backward",
         "gpullm_lessons.checks.flash:reference",
         "gpullm_lessons.reference.attention:attention_backward",
+        "gpullm_lessons.reference.attention:sdpa_backward",
     ),
     n_cases=4,
     formula="P[t, s] = exp(q[t] . k[s] / sqrt(hs) - lse[t]) for s <= t; delta[t] = dout[t] . out[t]; dv[s] = sum_t "
@@ -411,9 +423,11 @@ _PACKED = Op(
     # the course's own implementations: an answer that is, wraps or calls one is not correct (checks/borrowed.py)
     own=(
         "gpullm_lessons.kernels.numba.flash:flash_attention_forward_v1",
+        "gpullm_lessons.kernels.numba.flash:flash_attention_forward_v1_general",
         "gpullm_lessons.kernels.numba.flash:flash_attention_forward",
         "gpullm_lessons.checks.flash:reference",
         "gpullm_lessons.reference.attention:attention_forward",
+        "gpullm_lessons.reference.attention:sdpa_forward",
     ),
     n_cases=4,
     formula="the forward of check_flash_attention_forward, reading q, k, v of head h from the columns h*hs .. "

@@ -8,6 +8,9 @@
     assign_buckets(sizes, limit)         gradient tensors packed into buckets in the order backward finishes them
                                          (DataParallel(bucket_mb=, overlap=): buckets.py, lesson 12)
     bench_allreduce(comm, sizes)         algorithm and bus bandwidth (nccl-tests' definitions), engine vs ring
+    pipeline.gpipe_schedule(p, m)        pipeline parallelism (pipeline.py): the GPipe and 1F1B schedules as tables
+    pipeline.one_f_one_b_schedule(p, m)  (bubble_fraction, peak_activations, validate_schedule, format_schedule) and
+    pipeline.train_step(stage, comm, ..) the NumPy GPT's blocks split into stages, one per CPU rank
 
 The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
 wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.
@@ -17,6 +20,7 @@ CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- bench --json runs/allreduce.json
     python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- train --steps 50 [--zero]
     python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- dpbench --preset gpt2
+    python -m gpullm_lessons.parallel.launch --nproc 4 --backend mpi --module gpullm_lessons.parallel -- pipeline --schedule 1f1b
 
 The ring (N ranks, the buffer cut into N chunks; rank r sends to r+1 and receives from r-1, all at once):
     reduce-scatter, steps s = 0 .. N-2: rank r sends chunk (r - s) mod N and adds the chunk (r - s - 1) mod N it

@@ -1,5 +1,6 @@
 """The command line of the ranks (each rank runs it; start them with the launcher or mpirun): selftest, bench,
-dpbench, and train (the training job itself, gpullm_lessons.train, on these ranks). See the package docstring."""
+dpbench, train (the training job itself, gpullm_lessons.train, on these ranks) and pipeline (pipeline-parallel training
+of the NumPy GPT, one stage per rank: parallel/pipeline.py). See the package docstring."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ def main(argv=None) -> int:
 
         cli(argv[1:])  # configuration problems: "error: ..." and exit status 2
         return 0
+    if argv and argv[0] == "pipeline":  # pipeline parallel training, one stage per rank: its flags follow
+        from .pipeline import cli as pipeline_cli
+
+        return pipeline_cli(argv[1:])  # configuration problems: "error: ..." and exit status 2
     p = argparse.ArgumentParser(
         prog="python -m gpullm_lessons.parallel",
-        description="collectives self-test, all-reduce benchmark, data-parallel throughput "
+        description="collectives self-test, all-reduce benchmark, data-parallel throughput, pipeline training "
         "(run on every rank: start with python -m gpullm_lessons.parallel.launch)",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -43,6 +48,7 @@ def main(argv=None) -> int:
     d.add_argument("--zero", action="store_true")
     d.add_argument("--json", default=None)
     sub.add_parser("train", help="the training job (python -m gpullm_lessons.train) on these ranks: its flags follow")
+    sub.add_parser("pipeline", help="pipeline-parallel training (GPipe / 1F1B), one stage per rank: its flags follow")
     args = p.parse_args(argv)
     comm = from_env()
     try:

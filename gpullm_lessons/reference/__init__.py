@@ -4,8 +4,10 @@ Each op lives in its own module with ``<op>_forward(...) -> (out, cache)`` and
 ``<op>_backward(dout, cache) -> grads`` side by side, and a docstring deriving the backward.
 Caches are plain dicts (e.g. the attention cache has ``cache["qkv"]``, ``cache["att"]``, ``cache["n_head"]``),
 except residual's, which is None. Everything computes in the dtype of its inputs (float32 or float64).
+sdpa_forward / sdpa_backward (attention.py): attention on q, k, v as heads, causal or not, with a mask, Tq != Tk
+(the flash kernels' oracle).
 """
-from .attention import attention_backward, attention_forward
+from .attention import attention_backward, attention_forward, attention_mask, sdpa_backward, sdpa_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
@@ -18,4 +20,4 @@ from .softmax import softmax_backward, softmax_forward
 OPS = ["encoder", "linear", "layernorm", "gelu", "softmax", "attention", "crossentropy", "residual"]
 
 __all__ = [f"{op}_{way}" for op in OPS for way in ("forward", "backward")] + \
-    ["layernorm_stats", "gpt_forward", "gpt_backward", "OPS"]
+    ["layernorm_stats", "gpt_forward", "gpt_backward", "OPS", "sdpa_forward", "sdpa_backward", "attention_mask"]

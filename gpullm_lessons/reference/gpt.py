@@ -19,6 +19,8 @@ Two variations for later lessons, off by default (then the code is the plain ref
     gpt_backward(..., recompute=)  rebuilds a block's cache from what was kept, just before its backward (lesson 08)
     gpt_backward(..., dloss=)      the gradient the backward starts from: the loss scale (lesson 07, mixed precision)
     gpt_forward(..., ce_chunks=)   the head and the loss in chunks of rows, never all the logits (lesson 12, head.py)
+    blocks_forward / blocks_backward   a range of blocks on a given residual stream: the middle of gpt_forward /
+                                   gpt_backward, and one pipeline stage's share of them (parallel/pipeline.py)
 """
 import numpy as np
 
@@ -99,6 +101,29 @@ def block_backward(dx, c, grads, l):
     return dx_in + dx_ln1                                                     # (B, T, C)
 
 
+def blocks_forward(p, x, n_head, layers, keep=None):
+    """Blocks `layers` (indices into p's (L, ...) tensors, in order: range(l0, l1)) on the residual stream x (B, T, C)
+    -> (x after the last of them, [what each block's cache keeps]). keep(l, cache): as gpt_forward's."""
+    caches = []
+    for l in layers:
+        x, c = block_forward(p, l, x, n_head)                                     # (B, T, C)
+        caches.append(c if keep is None else keep(l, c))
+    return x, caches
+
+
+def blocks_backward(dx, caches, grads, layers, recompute=None, ready=None):
+    """d(the output of blocks `layers`) (B, T, C) -> d(their input); caches from blocks_forward over the same layers.
+    Writes block l's slice of each gradient tensor in place; recompute(l, kept) as gpt_backward's; ready(l) once
+    block l's gradients are final."""
+    for l, c in zip(reversed(layers), reversed(caches)):                          # what the forward kept
+        if recompute is not None:
+            c = recompute(l, c)                   # the whole block cache again, freed when c moves to block l - 1
+        dx = block_backward(dx, c, grads, l)                                      # (B, T, C)
+        if ready is not None:
+            ready(l)
+    return dx
+
+
 def gpt_forward(params, cfg, idx, targets=None, keep=None, ce_chunks=1, head_grads=True):
     """params (ParamBuffer or dict name -> array), cfg GPTConfig, idx (B, T) int, targets (B, T) int or None
     -> (logits (B, T, V), loss (scalar) or None, cache).
@@ -113,10 +138,7 @@ def gpt_forward(params, cfg, idx, targets=None, keep=None, ce_chunks=1, head_gra
     p = params
 
     x, enc_cache = encoder_forward(idx, p["wte"], p["wpe"])                       # (B, T, C)
-    layers = []
-    for l in range(cfg.n_layer):
-        x, c = block_forward(p, l, x, cfg.n_head)                                 # (B, T, C)
-        layers.append(c if keep is None else keep(l, c))
+    x, layers = blocks_forward(p, x, cfg.n_head, range(cfg.n_layer), keep)        # (B, T, C)
     lnf, lnf_cache = layernorm_forward(x, p["lnfw"], p["lnfb"])                   # (B, T, C)
     loss, ce_cache = None, None
     if targets is not None and ce_chunks > 1:     # chunk by chunk; ce_cache: dlnf, dwte of the head (dloss = 1)
@@ -156,12 +178,8 @@ def gpt_backward(cache, grads, dloss=1.0, recompute=None, ready=None):
     ready = ready or (lambda k: None)
     ready(cfg.n_layer + 1)                                                        # lnfw, lnfb are final
 
-    for l in reversed(range(cfg.n_layer)):
-        c = cache["layers"][l]                                                    # what the forward kept
-        if recompute is not None:
-            c = recompute(l, c)                   # the whole block cache again, freed when c moves to block l - 1
-        dx = block_backward(dx, c, grads, l)                                      # (B, T, C)
-        ready(1 + l)                                                              # block l's slices are final
+    dx = blocks_backward(dx, cache["layers"], grads, range(cfg.n_layer), recompute,
+                         ready=lambda l: ready(1 + l))                            # block l's slices are final
 
     dwte, grads["wpe"][...] = encoder_backward(dx, cache["encoder"])              # (V, C), (maxT, C)
     grads["wte"][...] = dwte + dwte_head                                          # weight tying: both uses
