@@ -63,6 +63,8 @@ RUFF_FORMATTED += gpullm_lessons/bench/gpu_suite.py tests/test_gpu_suite.py test
 RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_int8.py tests/test_offload.py
 RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
 RUFF_FORMATTED += tests/test_pipeline.py tests/test_pipeline_ranks.py
+RUFF_FORMATTED += tests/test_ring_attention.py tests/test_ring_attention_ranks.py
+RUFF_FORMATTED += tests/test_zero3.py tests/test_zero3_ranks.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests lab
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)

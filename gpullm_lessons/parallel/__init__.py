@@ -11,6 +11,10 @@
     pipeline.gpipe_schedule(p, m)        pipeline parallelism (pipeline.py): the GPipe and 1F1B schedules as tables
     pipeline.one_f_one_b_schedule(p, m)  (bubble_fraction, peak_activations, validate_schedule, format_schedule) and
     pipeline.train_step(stage, comm, ..) the NumPy GPT's blocks split into stages, one per CPU rank
+    zero3.Zero3(cfg, comm, params)       ZeRO-3 (zero3.py): params, grads and AdamW state 1/N per rank, each unit
+                                         gathered only while it computes (zero3_memory: the bytes per rank)
+    ring_attention.ring_attention_forward(comm, q, k, v)   ring attention (ring_attention.py): the sequence split
+                                         over the ranks, k/v blocks around the ring, merged by lse (and its backward)
 
 The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
 wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.
@@ -21,6 +25,8 @@ CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- train --steps 50 [--zero]
     python -m gpullm_lessons.parallel.launch --nproc 2 --module gpullm_lessons.parallel -- dpbench --preset gpt2
     python -m gpullm_lessons.parallel.launch --nproc 4 --backend mpi --module gpullm_lessons.parallel -- pipeline --schedule 1f1b
+    python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- zero3 --steps 5
+    python -m gpullm_lessons.parallel.launch --nproc 4 --backend mpi --module gpullm_lessons.parallel -- ring-attention
 
 The ring (N ranks, the buffer cut into N chunks; rank r sends to r+1 and receives from r-1, all at once):
     reduce-scatter, steps s = 0 .. N-2: rank r sends chunk (r - s) mod N and adds the chunk (r - s - 1) mod N it
