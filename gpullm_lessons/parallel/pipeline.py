@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 import numpy as np
@@ -774,33 +773,16 @@ def simulate_step(stages, schedule, x, y, lr, weight_decay=0.0, grad_clip=0.0) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The pipeline command's flags: the training job's model, data and optimizer flags (same names and defaults as
-    python -m gpullm_lessons.train, so the same flags give the same run on one rank), and the pipeline's own."""
-    from ..model.params import PRESETS
-    from ..train import build_parser as train_parser
+    """The pipeline command's flags: the training job's (numpy_job.job_parser) and the pipeline's own."""
+    from .numpy_job import job_parser
 
-    d = train_parser().parse_args([])  # the training job's defaults
-    p = argparse.ArgumentParser(
-        prog="python -m gpullm_lessons.parallel pipeline",
-        description="pipeline-parallel training of the NumPy GPT: one stage per rank (start the ranks with "
+    p = job_parser(
+        "python -m gpullm_lessons.parallel pipeline",
+        "pipeline-parallel training of the NumPy GPT: one stage per rank (start the ranks with "
         "python -m gpullm_lessons.parallel.launch --nproc P --backend mpi)",
     )
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the order of the micro-batches' F and B")
     p.add_argument("--micro-batches", type=int, default=4, help="m: micro-batches per step (must divide the batch)")
-    p.add_argument("--preset", choices=list(PRESETS), default=d.preset, help="model size and defaults")
-    p.add_argument("--n-layer", type=int, default=None, help="override the preset's number of layers L")
-    p.add_argument("--n-head", type=int, default=None, help="override the preset's number of heads nh")
-    p.add_argument("--d-model", type=int, default=None, help="override the preset's channels C")
-    p.add_argument("--block-size", type=int, default=None, help="override the preset's context length T")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step B (default: the preset's)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default: lr / 10)")
-    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: steps // 10)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="clip the global gradient norm (0: off)")
-    p.add_argument("--data", default=d.data, help="a text file read as bytes (default: Python's help topics)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for init and batches")
     p.add_argument("--json", default=None, help="write the run's losses, bubble and memory here (rank 0)")
     return p
 
@@ -811,57 +793,33 @@ def main(argv=None, comm=None) -> dict:
     import json
     from pathlib import Path
 
-    from ..data import BatchSampler, load_corpus
     from ..model.optim import lr_schedule
-    from ..model.params import PRESETS, GPTConfig, init_params
-    from ..train import ConfigError, communicator
+    from ..model.params import init_params
+    from ..train import ConfigError
+    from .numpy_job import job_from_args
 
     args = build_parser().parse_args(argv)
-    preset = dict(PRESETS[args.preset])
-    for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
-        if getattr(args, key) is not None:
-            preset[key] = getattr(args, key)
-    B, lr = preset.pop("batch_size"), preset.pop("lr")
-    positive = {
-        "--n-layer": preset["n_layer"],
-        "--n-head": preset["n_head"],
-        "--d-model": preset["d_model"],
-        "--block-size": preset["block_size"],
-        "--batch-size": B,
-        "--steps": args.steps,
-        "--micro-batches": args.micro_batches,
-    }
-    for flag, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    if preset["d_model"] % preset["n_head"]:
-        raise ConfigError(
-            f"d_model {preset['d_model']} is not divisible by n_head {preset['n_head']} (--d-model / --n-head)"
-        )
     m = args.micro_batches
-    if B % m:
-        raise ConfigError(
-            f"--micro-batches {m} does not divide the batch of {B} sequences (--batch-size): each micro-batch "
-            f"takes B / m of them"
-        )
-    comm = communicator("numpy") if comm is None else comm
-    p = comm.world_size
-    if p > preset["n_layer"]:
+
+    def check(preset, B, comm):
+        if B % m:
+            raise ConfigError(
+                f"--micro-batches {m} does not divide the batch of {B} sequences (--batch-size): each micro-batch "
+                f"takes B / m of them"
+            )
         L = preset["n_layer"]
-        raise ConfigError(
-            f"{p} ranks (one stage each) but the model has {L} block{'s' * (L > 1)} (--n-layer): each stage needs at "
-            f"least one block; start at most {L} rank{'s' * (L > 1)} (--nproc) or pass a larger --n-layer"
-        )
-    layers = stage_layers(preset["n_layer"], p)
-    cfg = GPTConfig(**preset)
+        if comm.world_size > L:
+            raise ConfigError(
+                f"{comm.world_size} ranks (one stage each) but the model has {L} block{'s' * (L > 1)} (--n-layer): "
+                f"each stage needs at least one block; start at most {L} rank{'s' * (L > 1)} (--nproc) or pass a "
+                f"larger --n-layer"
+            )
+
+    job = job_from_args(args, comm, positive={"--micro-batches": m}, check=check)
+    cfg, B, lr, warmup, min_lr, batches, comm = (job.cfg, job.B, job.lr, job.warmup, job.min_lr, job.batches, job.comm)
+    p = comm.world_size
+    layers = stage_layers(cfg.n_layer, p)
     T = cfg.block_size
-    warmup = args.steps // 10 if args.warmup is None else args.warmup
-    min_lr = lr / 10 if args.min_lr is None else args.min_lr
-    try:
-        corpus = load_corpus(args.data, block_size=T)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-    batches = BatchSampler(corpus.train, B, T, seed=args.seed)  # the training job's batches, on every rank
     stage = Stage(cfg, comm.rank, p, init_params(cfg, seed=args.seed))
     schedule = make_schedule(args.schedule, p, m)
     expected = peak_activations(schedule)
@@ -920,18 +878,6 @@ def main(argv=None, comm=None) -> dict:
 
 def cli(argv=None) -> int:
     """Command-line entry: configuration problems print one line and exit with status 2 (as the training job)."""
-    from ..train import ConfigError
+    from .numpy_job import run_cli
 
-    try:
-        try:
-            from threadpoolctl import threadpool_limits  # one BLAS thread per rank, as the training job
-        except ImportError:
-            main(argv)
-        else:
-            with threadpool_limits(limits=1, user_api="blas"):
-                main(argv)
-    except (ConfigError, FileNotFoundError) as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.stderr.flush()
-        return 2
-    return 0
+    return run_cli(main, argv)

@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 import weakref
 
@@ -421,30 +420,14 @@ class Zero3:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The zero3 command's flags: the training job's model, data and optimizer flags (same names and defaults as
-    python -m gpullm_lessons.train, so the same flags give the same run on one rank), and --align."""
-    from ..model.params import PRESETS
-    from ..train import build_parser as train_parser
+    """The zero3 command's flags: the training job's (numpy_job.job_parser) and --align."""
+    from .numpy_job import job_parser
 
-    d = train_parser().parse_args([])  # the training job's defaults
-    p = argparse.ArgumentParser(
-        prog="python -m gpullm_lessons.parallel zero3",
-        description="ZeRO-3 (fully sharded data parallel) training of the NumPy GPT on CPU ranks (start the ranks "
-        "with python -m gpullm_lessons.parallel.launch --nproc N --backend mpi)",
+    p = job_parser(
+        "python -m gpullm_lessons.parallel zero3",
+        "ZeRO-3 (fully sharded data parallel) training of the NumPy GPT on CPU ranks (start the ranks with "
+        "python -m gpullm_lessons.parallel.launch --nproc N --backend mpi)",
     )
-    p.add_argument("--preset", choices=list(PRESETS), default=d.preset, help="model size and defaults")
-    for flag, what in (("--n-layer", "layers L"), ("--n-head", "heads nh"), ("--d-model", "channels C")):
-        p.add_argument(flag, type=int, default=None, help=f"override the preset's {what}")
-    p.add_argument("--block-size", type=int, default=None, help="override the preset's context length T")
-    p.add_argument("--batch-size", type=int, default=None, help="GLOBAL sequences per step B (default: the preset's)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default: lr / 10)")
-    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: steps // 10)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decoupled weight decay")
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="clip the global gradient norm (0: off)")
-    p.add_argument("--data", default=d.data, help="a text file read as bytes (default: Python's help topics)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for init and batches")
     p.add_argument("--align", type=int, default=64, help="each unit's shard a multiple of this many elements")
     p.add_argument("--json", default=None, help="write the run's losses, memory and traffic here (rank 0)")
     return p
@@ -456,43 +439,24 @@ def main(argv=None, comm=None) -> dict:
     import json
     from pathlib import Path
 
-    from ..data import BatchSampler, load_corpus
     from ..model.optim import lr_schedule
-    from ..model.params import PRESETS, GPTConfig, init_params
-    from ..train import ConfigError, communicator
+    from ..model.params import init_params
+    from ..train import ConfigError
+    from .numpy_job import job_from_args
 
     args = build_parser().parse_args(argv)
-    preset = dict(PRESETS[args.preset])
-    for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
-        if getattr(args, key) is not None:
-            preset[key] = getattr(args, key)
-    B, lr = preset.pop("batch_size"), preset.pop("lr")
-    sizes = {"--n-layer": preset["n_layer"], "--n-head": preset["n_head"], "--d-model": preset["d_model"]}
-    sizes.update(
-        {"--block-size": preset["block_size"], "--batch-size": B, "--steps": args.steps, "--align": args.align}
-    )
-    for flag, value in sizes.items():
-        if value < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    if preset["d_model"] % preset["n_head"]:
-        raise ConfigError(
-            f"d_model {preset['d_model']} is not divisible by n_head {preset['n_head']} (--d-model / --n-head)"
-        )
-    comm = communicator("numpy") if comm is None else comm
+
+    def check(preset, B, comm):
+        W = comm.world_size
+        if B % W:
+            raise ConfigError(
+                f"--batch-size {B} does not split over {W} ranks: each rank takes B / N rows; pass a multiple of {W}"
+            )
+
+    job = job_from_args(args, comm, positive={"--align": args.align}, check=check)
+    cfg, B, lr, warmup, min_lr, batches, comm = (job.cfg, job.B, job.lr, job.warmup, job.min_lr, job.batches, job.comm)
     W = comm.world_size
-    if B % W:
-        raise ConfigError(
-            f"--batch-size {B} does not split over {W} ranks: each rank takes B / N rows; pass a multiple of {W}"
-        )
-    cfg = GPTConfig(**preset)
     T = cfg.block_size
-    warmup = args.steps // 10 if args.warmup is None else args.warmup
-    min_lr = lr / 10 if args.min_lr is None else args.min_lr
-    try:
-        corpus = load_corpus(args.data, block_size=T)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-    batches = BatchSampler(corpus.train, B, T, seed=args.seed)  # the training job's batches, on every rank
     z = Zero3(cfg, comm, init_params(cfg, seed=args.seed), align=args.align)
     model = zero3_memory(cfg, W, args.align)
     traffic = zero3_traffic(cfg, W, args.align)
@@ -547,18 +511,6 @@ def main(argv=None, comm=None) -> dict:
 
 def cli(argv=None) -> int:
     """Command-line entry: configuration problems print one line and exit with status 2 (as the training job)."""
-    from ..train import ConfigError
+    from .numpy_job import run_cli
 
-    try:
-        try:
-            from threadpoolctl import threadpool_limits  # one BLAS thread per rank, as the training job
-        except ImportError:
-            main(argv)
-        else:
-            with threadpool_limits(limits=1, user_api="blas"):
-                main(argv)
-    except (ConfigError, FileNotFoundError) as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.stderr.flush()
-        return 2
-    return 0
+    return run_cli(main, argv)

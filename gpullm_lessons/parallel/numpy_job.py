@@ -1,0 +1,114 @@
+"""What the NumPy training commands on CPU ranks share (pipeline.py's `pipeline`, zero3.py's `zero3`): the training
+job's model, data and optimizer flags (same names and defaults as python -m gpullm_lessons.train, so the same flags
+give the same run on one rank), their checks, the run they describe, and the command-line wrapper.
+
+    p = job_parser(prog, description)        the shared flags; the command adds its own (and --json)
+    job = job_from_args(args, comm, positive={"--micro-batches": m}, check=fn)
+                                             the model, batch, learning-rate schedule and batches of the run
+    return run_cli(main, argv)               configuration problems: one "error: ..." line, exit status 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def job_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """An ArgumentParser with the training job's model, data and optimizer flags and its defaults."""
+    from ..model.params import PRESETS
+    from ..train import build_parser as train_parser
+
+    d = train_parser().parse_args([])  # the training job's defaults
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--preset", choices=list(PRESETS), default=d.preset, help="model size and defaults")
+    for flag, what in (("--n-layer", "layers L"), ("--n-head", "heads nh"), ("--d-model", "channels C")):
+        p.add_argument(flag, type=int, default=None, help=f"override the preset's {what}")
+    p.add_argument("--block-size", type=int, default=None, help="override the preset's context length T")
+    p.add_argument("--batch-size", type=int, default=None, help="GLOBAL sequences per step B (default: the preset's)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default: lr / 10)")
+    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: steps // 10)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decoupled weight decay")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="clip the global gradient norm (0: off)")
+    p.add_argument("--data", default=d.data, help="a text file read as bytes (default: Python's help topics)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for init and batches")
+    return p
+
+
+@dataclasses.dataclass
+class Job:
+    """The run the flags describe: the model, the global batch B, the learning-rate schedule's lr / warmup / min_lr,
+    the training job's batches (the same on every rank) and the communicator."""
+
+    cfg: object
+    B: int
+    lr: float
+    warmup: int
+    min_lr: float
+    batches: object
+    comm: object
+
+
+def job_from_args(args, comm=None, positive=None, check=None) -> Job:
+    """The Job of parsed job_parser flags; ConfigError (naming the flag) for a size below 1 (the model's, the
+    batch's, --steps and the command's own `positive` {flag: value}) or d_model not divisible by n_head; then
+    check(preset dict, B, comm) for the command's own rules (it raises ConfigError), before the corpus is read.
+    comm: default the environment's (MPI ranks, or one)."""
+    from ..data import BatchSampler, load_corpus
+    from ..model.params import PRESETS, GPTConfig
+    from ..train import ConfigError, communicator
+
+    preset = dict(PRESETS[args.preset])
+    for key in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "lr"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    B, lr = preset.pop("batch_size"), preset.pop("lr")
+    sizes = {"--n-layer": preset["n_layer"], "--n-head": preset["n_head"], "--d-model": preset["d_model"]}
+    sizes.update({"--block-size": preset["block_size"], "--batch-size": B, "--steps": args.steps, **(positive or {})})
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if preset["d_model"] % preset["n_head"]:
+        raise ConfigError(
+            f"d_model {preset['d_model']} is not divisible by n_head {preset['n_head']} (--d-model / --n-head)"
+        )
+    comm = communicator("numpy") if comm is None else comm
+    if check is not None:
+        check(preset, B, comm)
+    cfg = GPTConfig(**preset)
+    try:
+        corpus = load_corpus(args.data, block_size=cfg.block_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    return Job(
+        cfg=cfg,
+        B=B,
+        lr=lr,
+        warmup=args.steps // 10 if args.warmup is None else args.warmup,
+        min_lr=lr / 10 if args.min_lr is None else args.min_lr,
+        batches=BatchSampler(corpus.train, B, cfg.block_size, seed=args.seed),  # the training job's batches
+        comm=comm,
+    )
+
+
+def run_cli(main, argv=None) -> int:
+    """main(argv) with one BLAS thread per rank (as the training job); configuration problems print one line and exit
+    with status 2."""
+    from ..train import ConfigError
+
+    try:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            main(argv)
+        else:
+            with threadpool_limits(limits=1, user_api="blas"):
+                main(argv)
+    except (ConfigError, FileNotFoundError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
+        return 2
+    return 0
