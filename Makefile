@@ -65,6 +65,7 @@ RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
 RUFF_FORMATTED += tests/test_pipeline.py tests/test_pipeline_ranks.py
 RUFF_FORMATTED += tests/test_ring_attention.py tests/test_ring_attention_ranks.py
 RUFF_FORMATTED += tests/test_zero3.py tests/test_zero3_ranks.py
+RUFF_FORMATTED += tests/test_tensor_parallel.py tests/test_tensor_parallel_ranks.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests lab
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)

@@ -15,6 +15,8 @@
                                          gathered only while it computes (zero3_memory: the bytes per rank)
     ring_attention.ring_attention_forward(comm, q, k, v)   ring attention (ring_attention.py): the sequence split
                                          over the ranks, k/v blocks around the ring, merged by lse (and its backward)
+    tensor.TensorParallel(cfg, comm, params)   Megatron tensor parallelism (tensor.py): qkv and fc column-, the
+                                         projections row-parallel, 2 all-reduces per block each way (tp_memory)
 
 The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
 wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.
@@ -27,6 +29,7 @@ CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 4 --backend mpi --module gpullm_lessons.parallel -- pipeline --schedule 1f1b
     python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- zero3 --steps 5
     python -m gpullm_lessons.parallel.launch --nproc 4 --backend mpi --module gpullm_lessons.parallel -- ring-attention
+    python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- tensor --n-head 4
 
 The ring (N ranks, the buffer cut into N chunks; rank r sends to r+1 and receives from r-1, all at once):
     reduce-scatter, steps s = 0 .. N-2: rank r sends chunk (r - s) mod N and adds the chunk (r - s - 1) mod N it

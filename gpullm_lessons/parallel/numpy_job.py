@@ -1,6 +1,7 @@
-"""What the NumPy training commands on CPU ranks share (pipeline.py's `pipeline`, zero3.py's `zero3`): the training
-job's model, data and optimizer flags (same names and defaults as python -m gpullm_lessons.train, so the same flags
-give the same run on one rank), their checks, the run they describe, and the command-line wrapper.
+"""What the NumPy training commands on CPU ranks share (pipeline.py's `pipeline`, zero3.py's `zero3`, tensor.py's
+`tensor`): the training job's model, data and optimizer flags (same names and defaults as python -m
+gpullm_lessons.train, so the same flags give the same run on one rank), their checks, the run they describe, and the
+command-line wrapper.
 
     p = job_parser(prog, description)        the shared flags; the command adds its own (and --json)
     job = job_from_args(args, comm, positive={"--micro-batches": m}, check=fn)
