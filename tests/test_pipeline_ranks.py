@@ -33,11 +33,9 @@ MODEL = [
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """The training job on one process, the NumPy engine, the whole batch: its losses."""
-    out = tmp_path_factory.mktemp("pipeline") / "one"
-    flags = ["--backend", "numpy", *MODEL, "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0"]
+def one_rank_losses(out, model=MODEL):
+    """The training job on one process, the NumPy engine, the whole batch (model: its flags), in `out`: its losses."""
+    flags = ["--backend", "numpy", *model, "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0"]
     p = subprocess.run(
         [sys.executable, "-m", "gpullm_lessons.train", *flags, "--no-progress", "--out", str(out)],
         capture_output=True,
@@ -48,6 +46,12 @@ def one_rank(tmp_path_factory):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     return np.array([json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The training job on one process, the NumPy engine, the whole batch: its losses."""
+    return one_rank_losses(tmp_path_factory.mktemp("pipeline") / "one")
 
 
 @pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")])

@@ -3,9 +3,6 @@ ranks (CPU, the NumPy GPT), against the one-rank training job's losses, with eve
 model and the replicated parameters bitwise equal on every rank. One process: tests/test_tensor_parallel.py."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,8 +11,8 @@ from gpullm_lessons.model.params import GPTConfig
 from gpullm_lessons.parallel import tensor as TP
 from gpullm_lessons.parallel.launching import launch_subprocess
 
-from test_comm import ROOT, require_mpi
-from test_pipeline_ranks import MODEL
+from test_comm import require_mpi
+from test_pipeline_ranks import MODEL, one_rank_losses
 
 MODEL = [*MODEL, "--n-head", "4"]  # test_pipeline_ranks' model with 4 heads (the last flag wins): 1, 2 or 4 ranks
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, d_model=32)
@@ -27,19 +24,8 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """The training job on one process, the NumPy engine, the whole batch: its losses."""
-    out = tmp_path_factory.mktemp("tensor") / "one"
-    flags = ["--backend", "numpy", *MODEL, "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0"]
-    p = subprocess.run(
-        [sys.executable, "-m", "gpullm_lessons.train", *flags, "--no-progress", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    return np.array([json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()])
+    """The training job on one process, the NumPy engine, the whole batch, this file's model: its losses."""
+    return one_rank_losses(tmp_path_factory.mktemp("tensor") / "one", MODEL)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
