@@ -64,7 +64,7 @@ RUFF_FORMATTED += tests/test_optimizer_state_bf16.py tests/test_optimizer_state_
 RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
 RUFF_FORMATTED += tests/test_pipeline.py tests/test_pipeline_ranks.py
 RUFF_FORMATTED += tests/test_ring_attention.py tests/test_ring_attention_ranks.py
-RUFF_FORMATTED += tests/test_zero3.py tests/test_zero3_ranks.py
+RUFF_FORMATTED += tests/test_zero3.py tests/test_zero3_ranks.py tests/test_zeropp.py tests/test_zeropp_ranks.py
 RUFF_FORMATTED += tests/test_tensor_parallel.py tests/test_tensor_parallel_ranks.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests lab

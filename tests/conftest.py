@@ -29,7 +29,7 @@ if os.environ.get("GPULLM_CUPY_POOL") == "off" and device.has_gpu():
 # (tests/test_jupyterhub.py: its hub and learner servers start in seconds and are given 60 to 90: it runs beside).
 ONE_AT_A_TIME = ("tests/test_browser.py", "tests/test_comm.py", "tests/test_parallel.py", "tests/test_train_ranks.py",
                  "tests/test_grad_accum.py", "tests/test_slurm.py", "tests/test_pipeline_ranks.py",
-                 "tests/test_ring_attention_ranks.py", "tests/test_zero3_ranks.py",
+                 "tests/test_ring_attention_ranks.py", "tests/test_zero3_ranks.py", "tests/test_zeropp_ranks.py",
                  "tests/test_tensor_parallel_ranks.py", "notebooks/")
 
 

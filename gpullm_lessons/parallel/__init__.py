@@ -13,6 +13,7 @@
     pipeline.train_step(stage, comm, ..) the NumPy GPT's blocks split into stages, one per CPU rank
     zero3.Zero3(cfg, comm, params)       ZeRO-3 (zero3.py): params, grads and AdamW state 1/N per rank, each unit
                                          gathered only while it computes (zero3_memory: the bytes per rank)
+    zero3.ZeroPP(cfg, comm, params)      ZeRO++'s qwZ and qgZ on it: the gathers and the reduce-scatter in int8 blocks
     ring_attention.ring_attention_forward(comm, q, k, v)   ring attention (ring_attention.py): the sequence split
                                          over the ranks, k/v blocks around the ring, merged by lse (and its backward)
     tensor.TensorParallel(cfg, comm, params)   Megatron tensor parallelism (tensor.py): qkv and fc column-, the

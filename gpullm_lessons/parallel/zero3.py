@@ -8,6 +8,8 @@ while that unit computes.
     Zero3.full_params()                  the whole model's flat parameters, gathered (a collective: every rank calls it)
     zero3_memory(cfg, world, align)      the predicted peak bytes of params + grads + optimizer state per rank
     zero3_traffic(cfg, world, align)     the elements all-gathered and reduce-scattered per step (and DP's all-reduce)
+    ZeroPP(cfg, comm, params, align, block=256)   ZeRO++'s qwZ + qgZ: Zero3 whose gathers and reduce move int8 blocks
+    zeropp_traffic(cfg, world, align, block)      its bytes per step, predicted, against ZeRO-3's fp32 bytes
 
 CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- \\
@@ -74,8 +76,59 @@ steps. The tests allow 1e-5 absolute on losses of about 5.5 nats over 3 steps.
 
 This is the course's toy: every rank initialises the whole model (init_params, the one-rank values) and keeps only its
 shards. Not here: prefetching the next unit's all_gather during this unit's compute (FSDP's forward and backward
-prefetch, which needs non-blocking collectives), a GPU engine (NCCL, the half copy gathered in bf16), and ZeRO++
-(quantized all_gather, a secondary copy of the parameters per node, quantized gradient reduce-scatter).
+prefetch, which needs non-blocking collectives), a GPU engine (NCCL, the half copy gathered in bf16), and ZeRO++'s
+secondary copy of the parameters per node (hpZ). ZeRO++'s quantised all_gather (qwZ) and quantised gradient
+reduce-scatter (qgZ), int8 blocks: ZeroPP, below.
+
+ZeRO++ (ZeroPP, the command's --quantized): the quantised communication of ZeRO++ on top of the above, its qwZ
+(the parameters' all-gathers move int8 blocks) and qgZ (the gradients' reduce-scatter moves int8 blocks); the
+master shards, the gradients' shards and AdamW stay fp32.
+
+The int8 blocks are lesson 12's (model/quant.py, reused: quantize_blockwise / dequantize_blockwise, signed): a flat
+vector cut into blocks of `block` consecutive values (default quant.BLOCK = 256), each kept as its fp32 absmax a and
+every value as round(x / a * 127) in int8, read back as q / 127 * a.
+
+qwZ, the weights' all-gather (ZeroPP.gather): each rank quantises its fp32 shard of unit u (S_u values, in
+ceil(S_u / block) blocks that never cross the shard's edge), packs the codes and the scales into one byte message of
+S_u + 4 ceil(S_u / block) bytes, all_gathers the messages (a byte all_gather: comm.py's all_gather moves any dtype)
+and dequantises each rank's part into the fp32 buffer the unit computes with. Every rank, its own shard included,
+computes with the dequantised copy, so all ranks run the same model. The master shard is never rounded: AdamW
+updates the fp32 values, only the communicated copy is int8.
+
+qgZ, the gradients' reduce-scatter (ZeroPP.reduce): the unit's full local gradient (N x S_u) is cut into N chunks,
+chunk d destined for rank d; each chunk is quantised in blocks (its own scales), packed as above, and exchanged with
+an all-to-all built from N - 1 rounds of sendrecv (comm.py has no all_to_all; round k sends chunk (r + k) mod N to
+rank r + k and receives from rank r - k: each rank sends N - 1 messages and receives N - 1, never the gathered whole,
+which an all_gather of every chunk would move: N times more). The rank's own chunk is quantised and read back too (as
+the all-to-all would deliver it to itself), so the shard receives sum_r Q(g_r) with every term treated alike; the
+sum runs in rank order 0, 1, ..., N - 1 (the same on every rank, whatever order the messages arrive in), in fp32,
+then x 1/N (the mean, as data parallel).
+
+Bytes per step (zeropp_traffic; what the step counts, in the keys "all_gather_bytes", "reduce_scatter_bytes"): each
+collective's size, as zero3_traffic counts elements: the gathers 2 x (embeddings and blocks) + 1 x final LayerNorm
+of N (S_u + 4 ceil(S_u / block)) bytes, the reduce-scatter each unit once, N (S_u + 4 ceil(S_u / block)) bytes;
+ZeRO-3 moves 4 N S_u bytes for each. With S_u a multiple of 64 and blocks of 256: 1 + 4 / 256 bytes per value
+against 4, about 3.9x fewer. Per rank, a ring all_gather and the all-to-all each send (N - 1) / N of the size
+("sent_per_rank").
+
+Numerics: why the loss stays close, and the bound. A value's rounding error is at most half a level, a / 254 (a its
+block's absmax), with a sign that varies from value to value; the fp32 master is never rounded, so the weights' error
+does not accumulate over steps: each step quantises the current master afresh. A linear's output sums many such
+independent errors (they partly cancel), and AdamW's step m / sqrt(v) is normalised per element, so a gradient off
+by a fraction of its block's largest value moves the step by a similar fraction. What sets the size here is the
+block's absmax: a block's 256 values run across tensor edges in a unit's flat vector, and a block that holds a
+LayerNorm gain (~1) and the first qkv weights (std 0.02) reads those weights in steps of 1 / 127 ~ 0.008, 0.4 std.
+Measured, the zero3 command's tiny run (4 layers, C = 32, V = 256, T = 16, B = 8, 10 steps, the training job's
+defaults; fp32 loss 5.540 -> 5.154): max |loss(quantised) - loss(fp32)| = 1.28e-2 on 1 rank and on 2 ranks (the
+weights' gathers give almost all of it: the gradients' alone 2.3e-4 on random tokens), 8.6e-4 with --block 64 (the
+LayerNorm parameters then fill blocks of their own); 2.6e-3 on random tokens (V = 64, lr 1e-3). The tests bound the
+gap by LOSS_GAP = 0.04, 3x the largest measured, a tenth of the 0.39 nats the run learns. A wrong dequantisation
+is far above it: a scale applied twice (each weight times its block's absmax again) 0.37 by step 10, a scale missing
+(each weight read as q / 127, up to 1 in magnitude) 2.3 at the first step.
+
+Not built: ZeRO++'s hpZ (a second, intra-node copy of the parameters so the backward's gathers stay within a node)
+and qgZ's hierarchical all-to-all (intra-node, then inter-node); the int4 gradient codes of the paper (here int8);
+overlapping the quantisation with communication; a GPU engine.
 """
 
 from __future__ import annotations
@@ -87,6 +140,7 @@ import weakref
 
 import numpy as np
 
+from ..model.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 from .data_parallel import shard_bounds, shard_size
 
 FLOAT = np.float32
@@ -415,7 +469,111 @@ class Zero3:
 
 
 # ================================================================================================================
-# 3. The command: `python -m gpullm_lessons.parallel zero3 ...` on N ranks
+# 3. ZeRO++: the int8 all-gather of the parameters (qwZ) and reduce-scatter of the gradients (qgZ)
+# ================================================================================================================
+
+LOSS_GAP = 0.04  # the bound on |loss(quantised) - loss(fp32)| over the tests' 10 steps (module docstring)
+
+
+def _check_block(fn, block):
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise ValueError(f"{fn}: block must be a positive integer, got {block!r}")
+    return int(block)
+
+
+def packed_bytes(n: int, block: int = BLOCK) -> int:
+    """Bytes of n values as int8 codes plus one fp32 scale per block of `block`."""
+    return n + 4 * math.ceil(n / block)
+
+
+def pack(x, block: int = BLOCK) -> np.ndarray:
+    """x (fp32, flat) -> one uint8 message: its int8 codes, then its fp32 scales' bytes (packed_bytes(x.size))."""
+    q, s = quantize_blockwise(x, block, signed=True)
+    out = np.empty(q.size + 4 * s.size, np.uint8)
+    out[: q.size] = q.view(np.uint8)
+    out[q.size :] = s.view(np.uint8)
+    return out
+
+
+def unpack(msg, n: int, block: int = BLOCK) -> np.ndarray:
+    """pack's message of n values -> fp32 (n,): dequantize_blockwise of its codes and scales."""
+    q = msg[:n].view(np.int8)
+    s = np.ascontiguousarray(msg[n:]).view(np.float32)
+    return dequantize_blockwise(q, s, block, signed=True)
+
+
+def zeropp_traffic(cfg, world: int, align: int = 64, block: int = BLOCK) -> dict:
+    """Bytes through the collectives per step (their sizes, padding included): "all_gather_bytes" and
+    "reduce_scatter_bytes" (int8 codes + fp32 scales), "total_bytes", ZeRO-3's fp32 bytes of the same collectives
+    ("zero3_all_gather_bytes", "zero3_reduce_scatter_bytes", "zero3_total_bytes"), "ratio" (ZeRO-3's total over
+    this), and "sent_per_rank" ((world - 1) / world of the total: a ring all_gather and the all-to-all)."""
+    world, align = _check_world("zeropp_traffic", world, align)
+    block = _check_block("zeropp_traffic", block)
+    per = [world * packed_bytes(s, block) for _, s in unit_sizes(cfg, world, align)]
+    z3 = zero3_traffic(cfg, world, align)
+    out = {"all_gather_bytes": 2 * sum(per[:-1]) + per[-1], "reduce_scatter_bytes": sum(per)}
+    out["total_bytes"] = out["all_gather_bytes"] + out["reduce_scatter_bytes"]
+    out.update(
+        zero3_all_gather_bytes=4 * z3["all_gather"],
+        zero3_reduce_scatter_bytes=4 * z3["reduce_scatter"],
+        zero3_total_bytes=4 * z3["total"],
+    )
+    out["ratio"] = out["zero3_total_bytes"] / out["total_bytes"]
+    out["sent_per_rank"] = (world - 1) * out["total_bytes"] // world
+    return out
+
+
+class ZeroPP(Zero3):
+    """Zero3 with ZeRO++'s qwZ (int8 parameter all-gather) and qgZ (int8 gradient reduce-scatter): the module
+    docstring's "ZeRO++" paragraphs.
+    block: values per int8 block (lesson 12's quant.BLOCK). train_step's result adds "all_gather_bytes" and
+    "reduce_scatter_bytes" (this step's bytes through the collectives, zeropp_traffic's prediction)."""
+
+    def __init__(self, cfg, comm, params, align: int = 64, block: int = BLOCK, betas=None, eps=None):
+        super().__init__(cfg, comm, params, align=align, betas=betas, eps=eps)
+        self.block = _check_block("ZeroPP", block)
+
+    def __repr__(self):
+        return super().__repr__().replace("Zero3(", "ZeroPP(", 1)[:-1] + f", int8 blocks of {self.block})"
+
+    def _count(self, key, n):
+        self.traffic[key] = self.traffic.get(key, 0) + n
+
+    def gather(self, u: int) -> dict:
+        """qwZ: unit u's parameters, every rank's shard sent as int8 blocks and read back in fp32."""
+        S, W = self.sizes[u][1], self.W
+        mine = pack(self.shard(u), self.block)
+        msgs = np.empty(W * mine.size, np.uint8)
+        self.comm.all_gather(mine, msgs)
+        full = self.mem.track(np.empty(W * S, FLOAT))
+        for r, msg in enumerate(msgs.reshape(W, mine.size)):
+            full[r * S : (r + 1) * S] = unpack(msg, S, self.block)
+        self.traffic["all_gather"] += full.size
+        self._count("all_gather_bytes", msgs.size)
+        return self._views(u, full)
+
+    def reduce(self, u: int, G: dict) -> None:
+        """qgZ: unit u's full local gradient -> this rank's shard of the mean over ranks, each rank's chunk sent as
+        int8 blocks (an all-to-all of sendrecv rounds), read back in fp32 and summed in rank order, then x 1/N."""
+        full, g = G["_flat"], self.shard(u, self.grads)
+        S, W, r = self.sizes[u][1], self.W, self.rank
+        nbytes = packed_bytes(S, self.block)
+        got = np.empty((W, nbytes), np.uint8)  # got[src]: rank src's chunk for this rank
+        got[r] = pack(full[r * S : (r + 1) * S], self.block)
+        for k in range(1, W):
+            dst, src = (r + k) % W, (r - k) % W
+            self.comm.sendrecv(pack(full[dst * S : (dst + 1) * S], self.block), dst, got[src], src)
+        g[...] = unpack(got[0], S, self.block)
+        for src in range(1, W):
+            g += unpack(got[src], S, self.block)
+        self.traffic["reduce_scatter"] += full.size
+        self._count("reduce_scatter_bytes", W * nbytes)
+        if W > 1:
+            g *= FLOAT(1.0 / W)
+
+
+# ================================================================================================================
+# 4. The command: `python -m gpullm_lessons.parallel zero3 ...` on N ranks
 # ================================================================================================================
 
 
@@ -430,6 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--align", type=int, default=64, help="each unit's shard a multiple of this many elements")
     p.add_argument("--json", default=None, help="write the run's losses, memory and traffic here (rank 0)")
+    p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="ZeRO++'s qwZ and qgZ (ZeroPP): the all-gathers and the reduce-scatter move int8 blocks",
+    )
+    p.add_argument("--block", type=int, default=None, help="with --quantized: values per int8 block (default 256)")
     return p
 
 
@@ -445,6 +609,9 @@ def main(argv=None, comm=None) -> dict:
     from .numpy_job import job_from_args
 
     args = build_parser().parse_args(argv)
+    if args.block is not None and not args.quantized:
+        raise ConfigError("--block sets the int8 block of --quantized: pass --quantized too")
+    block = BLOCK if args.block is None else args.block
 
     def check(preset, B, comm):
         W = comm.world_size
@@ -453,11 +620,14 @@ def main(argv=None, comm=None) -> dict:
                 f"--batch-size {B} does not split over {W} ranks: each rank takes B / N rows; pass a multiple of {W}"
             )
 
-    job = job_from_args(args, comm, positive={"--align": args.align}, check=check)
+    job = job_from_args(args, comm, positive={"--align": args.align, "--block": block}, check=check)
     cfg, B, lr, warmup, min_lr, batches, comm = (job.cfg, job.B, job.lr, job.warmup, job.min_lr, job.batches, job.comm)
     W = comm.world_size
     T = cfg.block_size
-    z = Zero3(cfg, comm, init_params(cfg, seed=args.seed), align=args.align)
+    if args.quantized:
+        z = ZeroPP(cfg, comm, init_params(cfg, seed=args.seed), align=args.align, block=block)
+    else:
+        z = Zero3(cfg, comm, init_params(cfg, seed=args.seed), align=args.align)
     model = zero3_memory(cfg, W, args.align)
     traffic = zero3_traffic(cfg, W, args.align)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
@@ -476,6 +646,13 @@ def main(argv=None, comm=None) -> dict:
         f"{traffic['reduce_scatter']:,} = {traffic['total']:,} ({traffic['total'] / traffic['psi']:.2f} Psi); data "
         f"parallel's all-reduce {traffic['dp_all_reduce']:,}"
     )
+    if args.quantized:
+        qt = zeropp_traffic(cfg, W, args.align, block)
+        say(
+            f"zero++ (qwZ + qgZ, int8 blocks of {block}) bytes per step (model): all_gather "
+            f"{qt['all_gather_bytes']:,} + reduce_scatter {qt['reduce_scatter_bytes']:,} = {qt['total_bytes']:,}; "
+            f"zero3's fp32 {qt['zero3_total_bytes']:,} ({qt['ratio']:.2f}x more)"
+        )
     losses, norms, peaks = [], [], []
     for step in range(1, args.steps + 1):
         x, y = next(batches)
@@ -491,6 +668,7 @@ def main(argv=None, comm=None) -> dict:
             f"step {step:4d} | loss {res['loss']:.6f} | grad norm {res['grad_norm']:.4f} | peak bytes per rank "
             + " ".join(f"{b:,}" for b in peak)
             + f" | {res['seconds'] * 1e3:.1f} ms"
+            + (f" | bytes {res['all_gather_bytes'] + res['reduce_scatter_bytes']:,}" if args.quantized else "")
         )
     summary = {
         "world": W,
@@ -502,6 +680,10 @@ def main(argv=None, comm=None) -> dict:
         "traffic": traffic,
         "traffic_measured": {k: res[k] for k in ("all_gather", "reduce_scatter")} if args.steps else None,
     }
+    if args.quantized:
+        summary.update(quantized=True, block=block, traffic_bytes=qt)
+        keys = ("all_gather_bytes", "reduce_scatter_bytes")
+        summary["traffic_bytes_measured"] = {k: res[k] for k in keys} if args.steps else None
     say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; peak bytes per rank {peaks[-1]} (model {model['peak']:,})")
     if comm.rank == 0 and args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
