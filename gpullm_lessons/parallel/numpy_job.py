@@ -6,6 +6,7 @@ command-line wrapper.
     p = job_parser(prog, description)        the shared flags; the command adds its own (and --json)
     job = job_from_args(args, comm, positive={"--micro-batches": m}, check=fn)
                                              the model, batch, learning-rate schedule and batches of the run
+    for step, res in job.run(steps, lambda x, y, lr: ...)   each step: the batches, the schedule, a finite loss
     return run_cli(main, argv)               configuration problems: one "error: ..." line, exit status 2
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 
@@ -51,6 +53,18 @@ class Job:
     min_lr: float
     batches: object
     comm: object
+
+    def run(self, steps: int, step):
+        """Yield (step number from 1, step(x, y, lr)'s result) for `steps` steps: the training job's batches and
+        learning-rate schedule; a non-finite loss raises RuntimeError naming the step."""
+        from ..model.optim import lr_schedule
+
+        for n in range(1, steps + 1):
+            x, y = next(self.batches)
+            res = step(x, y, lr_schedule(n - 1, self.lr, self.warmup, steps, self.min_lr))
+            if not math.isfinite(res["loss"]):
+                raise RuntimeError(f"loss is {res['loss']} at step {n}: training diverged; try a lower --lr")
+            yield n, res
 
 
 def job_from_args(args, comm=None, positive=None, check=None) -> Job:

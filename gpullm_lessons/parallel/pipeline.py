@@ -793,7 +793,6 @@ def main(argv=None, comm=None) -> dict:
     import json
     from pathlib import Path
 
-    from ..model.optim import lr_schedule
     from ..model.params import init_params
     from ..train import ConfigError
     from .numpy_job import job_from_args
@@ -816,7 +815,7 @@ def main(argv=None, comm=None) -> dict:
             )
 
     job = job_from_args(args, comm, positive={"--micro-batches": m}, check=check)
-    cfg, B, lr, warmup, min_lr, batches, comm = (job.cfg, job.B, job.lr, job.warmup, job.min_lr, job.batches, job.comm)
+    cfg, B, lr, comm = job.cfg, job.B, job.lr, job.comm
     p = comm.world_size
     layers = stage_layers(cfg.n_layer, p)
     T = cfg.block_size
@@ -836,12 +835,9 @@ def main(argv=None, comm=None) -> dict:
         f"held at once per stage: {expected}"
     )
     losses, norms, bubbles = [], [], []
-    for step in range(1, args.steps + 1):
-        x, y = next(batches)
-        step_lr = lr_schedule(step - 1, lr, warmup, args.steps, min_lr)  # the training job's schedule
-        res = train_step(stage, comm, schedule, x, y, step_lr, args.weight_decay, args.grad_clip)
-        if not math.isfinite(res["loss"]):
-            raise RuntimeError(f"loss is {res['loss']} at step {step}: training diverged; try a lower --lr")
+    for step, res in job.run(
+        args.steps, lambda x, y, lr: train_step(stage, comm, schedule, x, y, lr, args.weight_decay, args.grad_clip)
+    ):
         losses.append(res["loss"])
         norms.append(res["grad_norm"])
         bubbles.append(res["bubble"])

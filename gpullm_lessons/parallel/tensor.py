@@ -565,7 +565,6 @@ def main(argv=None, comm=None) -> dict:
     import json
     from pathlib import Path
 
-    from ..model.optim import lr_schedule
     from ..model.params import init_params
     from ..train import ConfigError
     from .numpy_job import job_from_args
@@ -581,7 +580,7 @@ def main(argv=None, comm=None) -> dict:
             )
 
     job = job_from_args(args, comm, check=check)
-    cfg, B, lr, warmup, min_lr, batches, comm = (job.cfg, job.B, job.lr, job.warmup, job.min_lr, job.batches, job.comm)
+    cfg, B, lr, comm = job.cfg, job.B, job.lr, job.comm
     W, T = comm.world_size, cfg.block_size
     tp = TensorParallel(cfg, comm, init_params(cfg, seed=args.seed))
     model, traffic = tp_memory(cfg, W), tp_traffic(cfg, W, B, T)
@@ -600,12 +599,7 @@ def main(argv=None, comm=None) -> dict:
         f"{traffic['ring_bytes_per_rank']:,} B per rank"
     )
     losses, norms, mem, res = [], [], [], None
-    for step in range(1, args.steps + 1):
-        x, y = next(batches)
-        step_lr = lr_schedule(step - 1, lr, warmup, args.steps, min_lr)  # the training job's schedule
-        res = tp.train_step(x, y, step_lr, args.weight_decay, args.grad_clip)
-        if not math.isfinite(res["loss"]):
-            raise RuntimeError(f"loss is {res['loss']} at step {step}: training diverged; try a lower --lr")
+    for step, res in job.run(args.steps, lambda x, y, lr: tp.train_step(x, y, lr, args.weight_decay, args.grad_clip)):
         per_rank = [int(v) for v in comm.gather_scalars([res["bytes"]])[:, 0]]
         losses.append(res["loss"])
         norms.append(res["grad_norm"])

@@ -603,7 +603,6 @@ def main(argv=None, comm=None) -> dict:
     import json
     from pathlib import Path
 
-    from ..model.optim import lr_schedule
     from ..model.params import init_params
     from ..train import ConfigError
     from .numpy_job import job_from_args
@@ -621,7 +620,7 @@ def main(argv=None, comm=None) -> dict:
             )
 
     job = job_from_args(args, comm, positive={"--align": args.align, "--block": block}, check=check)
-    cfg, B, lr, warmup, min_lr, batches, comm = (job.cfg, job.B, job.lr, job.warmup, job.min_lr, job.batches, job.comm)
+    cfg, B, lr, comm = job.cfg, job.B, job.lr, job.comm
     W = comm.world_size
     T = cfg.block_size
     if args.quantized:
@@ -654,12 +653,7 @@ def main(argv=None, comm=None) -> dict:
             f"zero3's fp32 {qt['zero3_total_bytes']:,} ({qt['ratio']:.2f}x more)"
         )
     losses, norms, peaks = [], [], []
-    for step in range(1, args.steps + 1):
-        x, y = next(batches)
-        step_lr = lr_schedule(step - 1, lr, warmup, args.steps, min_lr)  # the training job's schedule
-        res = z.train_step(x, y, step_lr, args.weight_decay, args.grad_clip)
-        if not math.isfinite(res["loss"]):
-            raise RuntimeError(f"loss is {res['loss']} at step {step}: training diverged; try a lower --lr")
+    for step, res in job.run(args.steps, lambda x, y, lr: z.train_step(x, y, lr, args.weight_decay, args.grad_clip)):
         peak = [int(v) for v in comm.gather_scalars([res["peak_bytes"]])[:, 0]]
         losses.append(res["loss"])
         norms.append(res["grad_norm"])
