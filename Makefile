@@ -65,7 +65,8 @@ RUFF_FORMATTED += lab/jupyterhub tests/test_jupyterhub.py
 RUFF_FORMATTED += tests/test_pipeline.py tests/test_pipeline_ranks.py
 RUFF_FORMATTED += tests/test_ring_attention.py tests/test_ring_attention_ranks.py
 RUFF_FORMATTED += tests/test_zero3.py tests/test_zero3_ranks.py tests/test_zeropp.py tests/test_zeropp_ranks.py
-RUFF_FORMATTED += tests/test_tensor_parallel.py tests/test_tensor_parallel_ranks.py
+RUFF_FORMATTED += tests/test_tensor_parallel.py tests/test_tensor_parallel_ranks.py tests/test_plan.py tests/test_ulysses.py tests/test_ulysses_ranks.py
+RUFF_FORMATTED += gpullm_lessons/checks/beyond.py tests/test_tasks_13.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests lab
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)

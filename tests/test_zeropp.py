@@ -105,3 +105,28 @@ def test_bad_input_is_named():
     with pytest.raises(ConfigError, match="--block must be a positive integer"):
         run("--quantized", "--block", "0")
     assert "ZeroPP(rank 0/1" in repr(ZP.ZeroPP(CFG, SingleComm(), init_params(CFG, seed=0), block=64))
+
+
+def test_hpz_on_one_rank_is_zeropp_bitwise_and_counts_its_copies():
+    """hpZ (ZeroPP(node=k)) keeps the first gather's int8 messages and reads them back for the second gather, so the
+    losses are ZeroPP's bit for bit; the copies held and the bytes moved are hpz_model's."""
+    base, _ = run("--quantized")
+    res, out = run("--quantized", "--hpz", "1")
+    assert res["losses"] == base["losses"]
+    model = ZP.hpz_model(GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=2, d_model=32), 1, 1)
+    assert res["hpz_model"] == model and res["hpz_measured"] == model and "hpz over nodes of 1" in out
+    assert model["all_gather_bytes"] + model["node_gather_bytes"] == res["traffic_bytes"]["all_gather_bytes"]
+
+
+def test_hpz_copies_that_are_never_used_are_named_and_bad_nodes_refused():
+    z = ZP.ZeroPP(CFG, SingleComm(), init_params(CFG, seed=0), node=1)
+    z.secondary[42] = np.zeros(4, np.uint8)  # a copy kept that no gather consumes
+    rng = np.random.default_rng(0)
+    with pytest.raises(RuntimeError, match=r"hpZ copies of units \[42\] were never used"):
+        z.train_step(rng.integers(0, 64, (2, 16)), rng.integers(0, 64, (2, 16)), 1e-3)
+    with pytest.raises(ValueError, match="node size .* must be a positive integer that divides the 1 ranks"):
+        ZP.ZeroPP(CFG, SingleComm(), init_params(CFG, seed=0), node=2)
+    with pytest.raises(ConfigError, match="pass --quantized too"):
+        run("--hpz", "1")
+    with pytest.raises(ConfigError, match="--hpz 3: the node size must be a positive divisor of the 1 ranks"):
+        run("--quantized", "--hpz", "3")

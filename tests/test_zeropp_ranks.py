@@ -42,3 +42,18 @@ def test_quantised_ranks_follow_the_fp32_run_and_count_the_modelled_bytes(tmp_pa
         f"{nproc} ranks: |loss(int8) - loss(fp32)| max {gap.max():.1e}; bytes {t['total_bytes']:,} vs fp32 "
         f"{t['zero3_total_bytes']:,}"
     )
+
+
+@pytest.mark.parametrize("nproc,node", [(2, 2), (4, 2)])
+def test_hpz_ranks_give_zeropp_losses_bitwise_and_the_modelled_copies_and_bytes(tmp_path, nproc, node):
+    """hpZ's second gathers stay inside nodes of `node` ranks and read back the first gather's messages: the losses
+    are ZeroPP's bit for bit; across nodes the gathers move each unit once (about half of ZeroPP's gather bytes)."""
+    require_mpi()
+    base, _ = launch(nproc, tmp_path / "q.json", "--quantized", "--steps", "3")
+    res, out = launch(nproc, tmp_path / "h.json", "--quantized", "--steps", "3", "--hpz", str(node))
+    assert res["losses"] == base["losses"]
+    model = ZP.hpz_model(CFG, nproc, node)
+    assert res["hpz_measured"] == model == res["hpz_model"]
+    assert model["all_gather_bytes"] + model["node_gather_bytes"] == ZP.zeropp_traffic(CFG, nproc)["all_gather_bytes"]
+    assert model["all_gather_bytes"] < 0.51 * ZP.zeropp_traffic(CFG, nproc)["all_gather_bytes"]
+    assert f"hpz over nodes of {node}" in out

@@ -18,6 +18,8 @@
                                          over the ranks, k/v blocks around the ring, merged by lse (and its backward)
     tensor.TensorParallel(cfg, comm, params)   Megatron tensor parallelism (tensor.py): qkv and fc column-, the
                                          projections row-parallel, 2 all-reduces per block each way (tp_memory)
+    plan.state_per_rank(cfg, N, strategy)  which strategy on how many GPUs (plan.py): each strategy's model state
+                                         per rank, plan.fits_table, and the alpha-beta model of its messages
 
 The training job on N ranks is train.py's own loop (gpullm_lessons.train.train: one loop for 1..N ranks), which
 wraps its engine in DataParallel; `python -m gpullm_lessons.parallel train ...` runs it.

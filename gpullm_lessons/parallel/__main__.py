@@ -1,7 +1,8 @@
 """The command line of the ranks (each rank runs it; start them with the launcher or mpirun): selftest, bench,
 dpbench, train (the training job itself, gpullm_lessons.train, on these ranks), pipeline (pipeline-parallel training
 of the NumPy GPT, one stage per rank: parallel/pipeline.py), tensor (Megatron-style tensor-parallel training of the
-NumPy GPT: parallel/tensor.py) and ring-attention (the self-check of sequence-parallel
+NumPy GPT: parallel/tensor.py), ulysses (sequence-parallel training with all-to-alls around attention:
+parallel/ulysses.py) and ring-attention (the self-check of sequence-parallel
 causal attention: parallel/ring_attention.py). See the package docstring."""
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def main(argv=None) -> int:
         from .tensor import cli as tensor_cli
 
         return tensor_cli(argv[1:])  # configuration problems: "error: ..." and exit status 2
+    if argv and argv[0] == "ulysses":  # DeepSpeed-Ulysses sequence-parallel training (ulysses.py): its flags follow
+        from .ulysses import cli as ulysses_cli
+
+        return ulysses_cli(argv[1:])  # configuration problems: "error: ..." and exit status 2
     if argv and argv[0] == "ring-attention":  # ring attention's self-check (ring_attention.py): its flags follow
         from .ring_attention import cli as ring_attention_cli
 
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
     sub.add_parser("pipeline", help="pipeline-parallel training (GPipe / 1F1B), one stage per rank: its flags follow")
     sub.add_parser("zero3", help="ZeRO-3 (fully sharded data parallel) training of the NumPy GPT: its flags follow")
     sub.add_parser("tensor", help="tensor-parallel (Megatron) training of the NumPy GPT: its flags follow")
+    sub.add_parser("ulysses", help="sequence-parallel (DeepSpeed-Ulysses) training of the NumPy GPT: its flags follow")
     sub.add_parser("ring-attention", help="ring attention (sequence parallel) vs one rank: its flags follow")
     args = p.parse_args(argv)
     comm = from_env()

@@ -321,6 +321,26 @@ class Communicator:
         """Send send_buf to rank dst and receive recv_buf from rank src at the same time (never deadlocks)."""
         raise NotImplementedError
 
+    def all_to_all(self, send, recv):
+        """Chunk j of send (world_size equal chunks) goes to rank j; chunk i of recv comes from rank i. Built from
+        sendrecv for every engine: the own chunk copied, then N-1 steps, at step k sending to rank + k and
+        receiving from rank - k (each step a pair of ranks exchanging: no deadlock)."""
+        s, r = _flat("all_to_all", "send", send), _flat("all_to_all", "recv", recv)
+        N, me = self.world_size, self.rank
+        if s.size != r.size or s.size % N:
+            raise ValueError(
+                f"all_to_all: send has {s.size} elements and recv {r.size}; both must hold world_size = {N} equal "
+                f"chunks"
+            )
+        if s.dtype != r.dtype:
+            raise TypeError(f"all_to_all: send is {s.dtype} and recv {r.dtype}: they must match")
+        n = s.size // N
+        r[me * n : (me + 1) * n] = s[me * n : (me + 1) * n]
+        for k in range(1, N):
+            dst, src = (me + k) % N, (me - k) % N
+            self.sendrecv(s[dst * n : (dst + 1) * n], dst, r[src * n : (src + 1) * n], src)
+        return recv
+
     def barrier(self):
         raise NotImplementedError
 

@@ -10,6 +10,7 @@ while that unit computes.
     zero3_traffic(cfg, world, align)     the elements all-gathered and reduce-scattered per step (and DP's all-reduce)
     ZeroPP(cfg, comm, params, align, block=256)   ZeRO++'s qwZ + qgZ: Zero3 whose gathers and reduce move int8 blocks
     zeropp_traffic(cfg, world, align, block)      its bytes per step, predicted, against ZeRO-3's fp32 bytes
+    ZeroPP(..., node=k), hpz_model(cfg, world, k)  ZeRO++'s hpZ: the second gathers inside nodes of k ranks
 
 CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- \\
@@ -76,9 +77,9 @@ steps. The tests allow 1e-5 absolute on losses of about 5.5 nats over 3 steps.
 
 This is the course's toy: every rank initialises the whole model (init_params, the one-rank values) and keeps only its
 shards. Not here: prefetching the next unit's all_gather during this unit's compute (FSDP's forward and backward
-prefetch, which needs non-blocking collectives), a GPU engine (NCCL, the half copy gathered in bf16), and ZeRO++'s
-secondary copy of the parameters per node (hpZ). ZeRO++'s quantised all_gather (qwZ) and quantised gradient
-reduce-scatter (qgZ), int8 blocks: ZeroPP, below.
+prefetch, which needs non-blocking collectives) and a GPU engine (NCCL, the half copy gathered in bf16). ZeRO++'s
+quantised all_gather (qwZ) and quantised gradient reduce-scatter (qgZ), int8 blocks, and its hierarchical partition
+(hpZ): ZeroPP, below.
 
 ZeRO++ (ZeroPP, the command's --quantized): the quantised communication of ZeRO++ on top of the above, its qwZ
 (the parameters' all-gathers move int8 blocks) and qgZ (the gradients' reduce-scatter moves int8 blocks); the
@@ -97,8 +98,8 @@ updates the fp32 values, only the communicated copy is int8.
 
 qgZ, the gradients' reduce-scatter (ZeroPP.reduce): the unit's full local gradient (N x S_u) is cut into N chunks,
 chunk d destined for rank d; each chunk is quantised in blocks (its own scales), packed as above, and exchanged with
-an all-to-all built from N - 1 rounds of sendrecv (comm.py has no all_to_all; round k sends chunk (r + k) mod N to
-rank r + k and receives from rank r - k: each rank sends N - 1 messages and receives N - 1, never the gathered whole,
+an all-to-all (comm.Communicator.all_to_all: N - 1 rounds of sendrecv, round k sending chunk (r + k) mod N to rank
+r + k and receiving from rank r - k: each rank sends N - 1 messages and receives N - 1, never the gathered whole,
 which an all_gather of every chunk would move: N times more). The rank's own chunk is quantised and read back too (as
 the all-to-all would deliver it to itself), so the shard receives sum_r Q(g_r) with every term treated alike; the
 sum runs in rank order 0, 1, ..., N - 1 (the same on every rank, whatever order the messages arrive in), in fp32,
@@ -126,8 +127,20 @@ gap by LOSS_GAP = 0.04, 3x the largest measured, a tenth of the 0.39 nats the ru
 is far above it: a scale applied twice (each weight times its block's absmax again) 0.37 by step 10, a scale missing
 (each weight read as q / 127, up to 1 in magnitude) 2.3 at the first step.
 
-Not built: ZeRO++'s hpZ (a second, intra-node copy of the parameters so the backward's gathers stay within a node)
-and qgZ's hierarchical all-to-all (intra-node, then inter-node); the int4 gradient codes of the paper (here int8);
+hpZ (ZeroPP(node=k), the command's --quantized --hpz K): ZeRO++'s hierarchical partition. Ranks are grouped in nodes of
+k consecutive ranks (on CPU ranks the nodes are a bookkeeping: the messages that would stay inside a node are counted
+apart). The first gather of a unit that is gathered twice (the embeddings, again at the head; each block, again in
+backward) runs across all ranks as qwZ's, and each rank keeps 1/k of what arrived: the int8 messages of ranks j with
+j mod k = its place in its node, W / k of the W messages. The second gather collects the node's k pieces by sendrecv
+inside the node and reads back the same messages, so the unit computes with exactly the weights of its first gather:
+the losses equal ZeroPP's without hpZ bit for bit. The price is memory: every such unit's piece is held from its
+first gather to its second, all of them at once when the head gathers the embeddings (hpz_model's
+"secondary_peak_bytes", which the step measures). Across nodes the gathers then move every unit once instead of the
+embeddings and blocks twice: about half the cross-node gather bytes, the reduce-scatter unchanged. (The paper keeps
+the secondary copy in fp16 and partitions it by rank within the node; keeping the int8 messages gives the same
+saving in bytes moved and exactly the first gather's weights.)
+
+Not built: qgZ's hierarchical all-to-all (intra-node, then inter-node); the int4 gradient codes of the paper (here int8);
 overlapping the quantisation with communication; a GPU engine.
 """
 
@@ -502,6 +515,34 @@ def unpack(msg, n: int, block: int = BLOCK) -> np.ndarray:
     return dequantize_blockwise(q, s, block, signed=True)
 
 
+def _check_node(fn, node, world):
+    if node is None:
+        return None
+    if isinstance(node, bool) or not isinstance(node, (int, np.integer)) or node < 1 or world % node:
+        raise ValueError(
+            f"{fn}: the node size (ranks per node for hpZ) must be a positive integer that divides the {world} "
+            f"ranks, got {node!r}"
+        )
+    return int(node)
+
+
+def hpz_model(cfg, world: int, node: int, align: int = 64, block: int = BLOCK) -> dict:
+    """hpZ's prediction per step and rank: "secondary_peak_bytes" (the int8 copies a rank holds at once: W / k
+    messages of every unit gathered twice, all alive when the head gathers the embeddings again), and the bytes
+    through the gathers, "all_gather_bytes" (across all ranks: every unit once) and "node_gather_bytes" (inside a
+    node: the embeddings' and the blocks' second gathers); the reduce-scatter is zeropp_traffic's."""
+    world, align = _check_world("hpz_model", world, align)
+    node = _check_node("hpz_model", node, world)
+    block = _check_block("hpz_model", block)
+    per = [world * packed_bytes(s, block) for _, s in unit_sizes(cfg, world, align)]  # one gather of each unit
+    twice = per[:-1]  # the embeddings and the blocks; the final LayerNorm is gathered once
+    return {
+        "secondary_peak_bytes": sum(p // node for p in twice),
+        "all_gather_bytes": sum(per),
+        "node_gather_bytes": sum(twice),
+    }
+
+
 def zeropp_traffic(cfg, world: int, align: int = 64, block: int = BLOCK) -> dict:
     """Bytes through the collectives per step (their sizes, padding included): "all_gather_bytes" and
     "reduce_scatter_bytes" (int8 codes + fp32 scales), "total_bytes", ZeRO-3's fp32 bytes of the same collectives
@@ -529,40 +570,73 @@ class ZeroPP(Zero3):
     block: values per int8 block (lesson 12's quant.BLOCK). train_step's result adds "all_gather_bytes" and
     "reduce_scatter_bytes" (this step's bytes through the collectives, zeropp_traffic's prediction)."""
 
-    def __init__(self, cfg, comm, params, align: int = 64, block: int = BLOCK, betas=None, eps=None):
+    def __init__(self, cfg, comm, params, align: int = 64, block: int = BLOCK, betas=None, eps=None, node=None):
         super().__init__(cfg, comm, params, align=align, betas=betas, eps=eps)
         self.block = _check_block("ZeroPP", block)
+        self.node = _check_node("ZeroPP", node, self.W)
+        self.secondary = {}  # hpZ: unit -> the int8 messages this rank keeps for the unit's second gather
+        self.smem = MemoryTracker()  # their bytes (the price of hpZ), apart from the fp32 peak
 
     def __repr__(self):
-        return super().__repr__().replace("Zero3(", "ZeroPP(", 1)[:-1] + f", int8 blocks of {self.block})"
+        hpz = f", hpZ over nodes of {self.node}" if self.node else ""
+        return super().__repr__().replace("Zero3(", "ZeroPP(", 1)[:-1] + f", int8 blocks of {self.block}{hpz})"
 
     def _count(self, key, n):
         self.traffic[key] = self.traffic.get(key, 0) + n
 
+    def _node_all_gather(self, mine, out):
+        """hpZ's gather inside this rank's node (ranks [n k, (n+1) k)): piece i of out from the node's i-th rank, by
+        k - 1 sendrecv rounds among them (no message leaves the node)."""
+        k, m = self.node, mine.size
+        base, i = self.rank - self.rank % k, self.rank % k
+        out[i * m : (i + 1) * m] = mine
+        for step in range(1, k):
+            dst, src = (i + step) % k, (i - step) % k
+            self.comm.sendrecv(mine, base + dst, out[src * m : (src + 1) * m], base + src)
+        return out
+
     def gather(self, u: int) -> dict:
-        """qwZ: unit u's parameters, every rank's shard sent as int8 blocks and read back in fp32."""
-        S, W = self.sizes[u][1], self.W
-        mine = pack(self.shard(u), self.block)
-        msgs = np.empty(W * mine.size, np.uint8)
-        self.comm.all_gather(mine, msgs)
+        """qwZ: unit u's parameters, every rank's shard sent as int8 blocks and read back in fp32. With hpZ the
+        first gather of a unit that is gathered twice keeps the messages of ranks j = i mod k (i: this rank's place
+        in its node) and the second gathers the messages inside the node instead of across all ranks."""
+        S, W, L = self.sizes[u][1], self.W, self.cfg.n_layer
+        nbytes = packed_bytes(S, self.block)
+        if u in self.secondary:  # hpZ's second gather: the node's k pieces, each W / k messages
+            k = self.node
+            kept = self.secondary.pop(u)
+            pieces = self._node_all_gather(kept, np.empty(k * kept.size, np.uint8)).reshape(k, W // k, nbytes)
+            msgs = np.stack([pieces[j % k, j // k] for j in range(W)])
+            self._count("node_gather_bytes", pieces.size)
+        else:
+            mine = pack(self.shard(u), self.block)
+            msgs = self.comm.all_gather(mine, np.empty(W * nbytes, np.uint8)).reshape(W, nbytes)
+            self._count("all_gather_bytes", msgs.size)
+            if self.node and u <= L:  # the embeddings (again at the head) and the blocks (again in backward)
+                self.secondary[u] = self.smem.track(msgs[self.rank % self.node :: self.node].reshape(-1))
         full = self.mem.track(np.empty(W * S, FLOAT))
-        for r, msg in enumerate(msgs.reshape(W, mine.size)):
+        for r, msg in enumerate(msgs):
             full[r * S : (r + 1) * S] = unpack(msg, S, self.block)
         self.traffic["all_gather"] += full.size
-        self._count("all_gather_bytes", msgs.size)
         return self._views(u, full)
+
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+        """Zero3's step; with hpZ the result adds "secondary_peak_bytes" (the int8 copies held at once, measured)."""
+        self.smem.reset_peak()
+        out = super().train_step(x, y, lr, weight_decay, grad_clip)
+        if self.secondary:
+            raise RuntimeError(f"ZeroPP: hpZ copies of units {sorted(self.secondary)} were never used")
+        if self.node:
+            out["secondary_peak_bytes"] = int(self.smem.peak)
+        return out
 
     def reduce(self, u: int, G: dict) -> None:
         """qgZ: unit u's full local gradient -> this rank's shard of the mean over ranks, each rank's chunk sent as
-        int8 blocks (an all-to-all of sendrecv rounds), read back in fp32 and summed in rank order, then x 1/N."""
+        int8 blocks (comm.all_to_all), read back in fp32 and summed in rank order, then x 1/N."""
         full, g = G["_flat"], self.shard(u, self.grads)
-        S, W, r = self.sizes[u][1], self.W, self.rank
+        S, W = self.sizes[u][1], self.W
         nbytes = packed_bytes(S, self.block)
-        got = np.empty((W, nbytes), np.uint8)  # got[src]: rank src's chunk for this rank
-        got[r] = pack(full[r * S : (r + 1) * S], self.block)
-        for k in range(1, W):
-            dst, src = (r + k) % W, (r - k) % W
-            self.comm.sendrecv(pack(full[dst * S : (dst + 1) * S], self.block), dst, got[src], src)
+        send = np.concatenate([pack(full[d * S : (d + 1) * S], self.block) for d in range(W)])  # chunk d for rank d
+        got = self.comm.all_to_all(send, np.empty_like(send)).reshape(W, nbytes)  # got[src]: rank src's chunk
         g[...] = unpack(got[0], S, self.block)
         for src in range(1, W):
             g += unpack(got[src], S, self.block)
@@ -594,6 +668,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ZeRO++'s qwZ and qgZ (ZeroPP): the all-gathers and the reduce-scatter move int8 blocks",
     )
     p.add_argument("--block", type=int, default=None, help="with --quantized: values per int8 block (default 256)")
+    p.add_argument(
+        "--hpz",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --quantized: ZeRO++'s hpZ over nodes of K ranks (the second gathers stay inside a node)",
+    )
     return p
 
 
@@ -610,10 +691,14 @@ def main(argv=None, comm=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.block is not None and not args.quantized:
         raise ConfigError("--block sets the int8 block of --quantized: pass --quantized too")
+    if args.hpz is not None and not args.quantized:
+        raise ConfigError("--hpz partitions --quantized's int8 gathers within nodes: pass --quantized too")
     block = BLOCK if args.block is None else args.block
 
     def check(preset, B, comm):
         W = comm.world_size
+        if args.hpz is not None and (args.hpz < 1 or W % args.hpz):
+            raise ConfigError(f"--hpz {args.hpz}: the node size must be a positive divisor of the {W} ranks")
         if B % W:
             raise ConfigError(
                 f"--batch-size {B} does not split over {W} ranks: each rank takes B / N rows; pass a multiple of {W}"
@@ -624,7 +709,7 @@ def main(argv=None, comm=None) -> dict:
     W = comm.world_size
     T = cfg.block_size
     if args.quantized:
-        z = ZeroPP(cfg, comm, init_params(cfg, seed=args.seed), align=args.align, block=block)
+        z = ZeroPP(cfg, comm, init_params(cfg, seed=args.seed), align=args.align, block=block, node=args.hpz)
     else:
         z = Zero3(cfg, comm, init_params(cfg, seed=args.seed), align=args.align)
     model = zero3_memory(cfg, W, args.align)
@@ -652,6 +737,12 @@ def main(argv=None, comm=None) -> dict:
             f"{qt['all_gather_bytes']:,} + reduce_scatter {qt['reduce_scatter_bytes']:,} = {qt['total_bytes']:,}; "
             f"zero3's fp32 {qt['zero3_total_bytes']:,} ({qt['ratio']:.2f}x more)"
         )
+    if args.hpz:
+        hz = hpz_model(cfg, W, args.hpz, args.align, block)
+        say(
+            f"hpz over nodes of {args.hpz} rank(s) (model): gathers across nodes {hz['all_gather_bytes']:,} B, inside "
+            f"a node {hz['node_gather_bytes']:,} B; int8 copies held per rank at most {hz['secondary_peak_bytes']:,} B"
+        )
     losses, norms, peaks = [], [], []
     for step, res in job.run(args.steps, lambda x, y, lr: z.train_step(x, y, lr, args.weight_decay, args.grad_clip)):
         peak = [int(v) for v in comm.gather_scalars([res["peak_bytes"]])[:, 0]]
@@ -678,6 +769,9 @@ def main(argv=None, comm=None) -> dict:
         summary.update(quantized=True, block=block, traffic_bytes=qt)
         keys = ("all_gather_bytes", "reduce_scatter_bytes")
         summary["traffic_bytes_measured"] = {k: res[k] for k in keys} if args.steps else None
+    if args.hpz:
+        keys = ("all_gather_bytes", "node_gather_bytes", "secondary_peak_bytes")
+        summary.update(hpz=args.hpz, hpz_model=hz, hpz_measured={k: res[k] for k in keys} if args.steps else None)
     say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; peak bytes per rank {peaks[-1]} (model {model['peak']:,})")
     if comm.rank == 0 and args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -57,5 +57,6 @@ from .l11_flash_attention import (  # noqa: F401
 )
 
 from .l12_memory import format_memory_terms, plot_loss_curves  # noqa: F401
+from .l13_beyond_one_gpu import STRATEGY_STYLE, plot_alpha_beta, plot_state_per_rank  # noqa: F401
 
 _pyplot = pyplot  # its name before viz was a package
