@@ -153,6 +153,10 @@ def test_lesson_01_answers_taken_from_the_reference_are_wrong():
         ("checks.capstone", "check_block_forward", "gpullm_lessons.reference.gpt:block_forward"),
         ("checks.capstone", "check_block_backward", "gpullm_lessons.engine.gpu:GPUEngine._block_backward"),
         ("checks.capstone", "check_optimizer_step", "gpullm_lessons.engine.core:Engine.update"),
+        ("checks.beyond", "check_column_parallel_backward", "gpullm_lessons.reference.linear:linear_backward"),
+        ("checks.beyond", "check_attention_merge", "gpullm_lessons.parallel.ring_attention:merge_partials"),
+        ("checks.beyond", "check_one_f_one_b", "gpullm_lessons.parallel.pipeline:one_f_one_b_schedule"),
+        ("checks.beyond", "check_one_f_one_b", "gpullm_lessons.parallel.pipeline:timed_schedule"),
     ],
 )
 def test_borrowed_answers_to_the_other_checkers_are_wrong_and_named(module, check, spec):
@@ -218,6 +222,15 @@ def test_09_borrowed_through_the_engine_class_and_training_step():
             },
         ),
         ("06_fused_adamw", "checks.optim", {"adamw_mixed": "adamw_step_mixed"}),
+        (
+            "13_beyond_one_gpu",
+            "checks.beyond",
+            {
+                "column_parallel_backward": "column_parallel_backward",
+                "attention_merge": "merge",
+                "one_f_one_b": "one_f_one_b",
+            },
+        ),
         (
             "07_mixed_precision",
             "checks.precision",

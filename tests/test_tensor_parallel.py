@@ -127,3 +127,36 @@ def test_bad_input_is_named():
         TP.simulate_step(ranks[::-1], *batches(1)[0], 1e-3)
     with pytest.raises(ConfigError, match="--n-head 3 does not split over 2 ranks"):
         TP.main(["--n-head", "3", "--d-model", "24"], comm=TP._Rank(0, 2))
+
+
+# ---- sequence parallelism on top (SequenceParallel) ----------------------------------------------------------------
+def test_sequence_parallel_on_one_rank_is_the_numpy_engine_bitwise():
+    eng = engine.build(CFG, "numpy", seed=0)
+    sp = TP.SequenceParallel(CFG, SingleComm(), init_params(CFG, seed=0))
+    for x, y in batches(3):
+        a, b = eng.train_step(x, y, 1e-3, 0.1, 1.0), sp.train_step(x, y, 1e-3, 0.1, 1.0)
+        assert a["loss"] == b["loss"] and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-12)
+    assert np.array_equal(sp.full_params(), eng.params.flat)
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_sequence_parallel_ranks_give_the_one_rank_step_and_split_the_layernorm_activations(N):
+    init = init_params(CFG, seed=0)
+    one, tp, sp = TP.tp_ranks(CFG, 1, init), TP.tp_ranks(CFG, N, init), TP.tp_ranks(CFG, N, init, sequence=True)
+    for x, y in batches(3):
+        a, t, b = (TP.simulate_step(rs, x, y, 1e-3, 0.1, 1.0) for rs in (one, tp, sp))
+        assert b["loss"] == pytest.approx(a["loss"], abs=ATOL) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=1e-5
+        )
+    np.testing.assert_allclose(TP.simulated_full_params(sp), TP.simulated_full_params(one), rtol=0, atol=ATOL)
+    assert all(np.array_equal(r.replicated(), sp[0].replicated()) for r in sp)  # after the partial gradients' sum
+    # the saving: the LayerNorms' inputs and statistics and the token ids, (1 - 1/N) of them (the module docstring)
+    B, T, C, L = 8, 16, CFG.d_model, CFG.n_layer
+    split = 4 * (L * 2 * (B * T * C + 2 * B * T) + B * T)
+    assert [t - s for t, s in zip(t["cache_bytes"], b["cache_bytes"])] == [split * (N - 1) // N] * N
+
+
+def test_sequence_parallel_refuses_a_sequence_the_ranks_cannot_split():
+    sp = TP.tp_ranks(CFG, 2, init_params(CFG, seed=0), sequence=True)
+    with pytest.raises(ValueError, match="T=15 positions do not split over 2 ranks"):
+        TP.simulate_step(sp, np.zeros((2, 15), int), np.zeros((2, 15), int), 1e-3)

@@ -56,3 +56,19 @@ def test_heads_the_ranks_cannot_split_are_refused_on_every_rank():
     lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 2 and len(set(lines)) == 1, p.stderr[-3000:]
     assert "--n-head 1 does not split over 2 ranks" in lines[0]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sequence_parallel_ranks_give_the_one_rank_losses_with_the_same_elements_moved(one_rank, tmp_path, nproc):
+    require_mpi()
+    out = tmp_path / "sp.json"
+    p = launch_subprocess(nproc, ["tensor", *MODEL, "--sequence-parallel", "--json", out], comm="mpi", timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    np.testing.assert_allclose(res["losses"], one_rank, rtol=0, atol=ATOL)
+    t = TP.tp_traffic(CFG, nproc, 8, 16)
+    m = res["traffic_measured"]
+    # every all-reduce of B T C became an all-gather and a reduce-scatter of it, along T
+    assert m["all_gather"] == m["reduce_scatter"] == t["all_reduce"] and m["collectives"] == 2 * t["all_reduces"]
+    assert res["replicated_equal"] is True and res["sequence_parallel"] is True
+    assert "sequence parallel: T=16 as" in p.stdout

@@ -20,4 +20,5 @@ The checkers, one module per topic:
     parallel      the ring all-reduce, shards and buckets (lesson 10)
     flash         flash attention (lesson 11)
     scale         gradient accumulation, 8-bit moments, bucket assignment (lesson 12)
+    beyond        a column-parallel backward, the ring-attention merge, the 1F1B table (lesson 13)
 """

@@ -696,9 +696,10 @@ class _RingComm(Communicator):
 
     name = "ring-threads"
 
-    def __init__(self, rank, world, boxes, calls, barrier, timeout):
+    def __init__(self, rank, world, boxes, calls, barrier, timeout, slots=None):
         super().__init__(rank=rank, world_size=world)
         self._boxes, self._calls, self._barrier, self._timeout = boxes, calls, barrier, timeout
+        self._slots = slots  # one per rank: what each rank brought to a collective (_SumComm)
 
     def sendrecv(self, send_buf, dst, recv_buf, src):
         r, N = self.rank, self.world_size
@@ -753,19 +754,73 @@ class _RingComm(Communicator):
     all_reduce = reduce_scatter = all_gather = broadcast = send = recv = _only
 
 
-def _run_ranks(fn, grads, outs, timeout=1.0):
-    """Run fn(comm_r, grads[r], outs[r]) on N threads. Returns (outcomes, calls, hung): outcomes[r] is None
-    (returned) or the exception the rank raised; calls[r] its number of sendrecv calls; hung: ranks still running."""
-    N = len(grads)
+class _SumComm(_RingComm):
+    """N ranks as N threads with one collective (exercise 13.1): all_reduce(buf) replaces buf, on every rank, with
+    the elementwise sum of the N ranks' bufs (added in rank order, so every rank gets the same bits) and returns it,
+    as the course's communicators do. Every rank must call it the same number of times with arrays of one shape; a
+    rank that waits longer than the timeout for the others raises _Stalled. No point-to-point messages."""
+
+    name = "sum-threads"
+
+    def all_reduce(self, buf, op="sum"):
+        r, N = self.rank, self.world_size
+        k = self._calls[r]
+        self._calls[r] += 1
+        if op != "sum":
+            raise _RingBreak(f"rank {r}, all_reduce call {k}: op={op!r}",
+                             "all_reduce here sums (op='sum', the default): the ranks' parts add up to the whole")
+        if not isinstance(buf, np.ndarray):
+            raise _RingBreak(f"rank {r}, all_reduce call {k}: buf is {type(buf).__name__}, not a NumPy array",
+                             "pass the NumPy array to sum over the ranks: all_reduce replaces its values in place")
+        if not buf.flags.writeable:
+            raise _RingBreak(f"rank {r}, all_reduce call {k}: buf is read-only",
+                             "all_reduce writes the sum into buf: pass an array of your own (a new one, or a copy)")
+        self._slots[r] = (k, np.array(buf, copy=True))
+        self._wait(k)                                  # every rank has brought its part
+        mine = (k, buf.shape)
+        others = [(q, kq, part.shape) for q, (kq, part) in enumerate(self._slots) if (kq, part.shape) != mine]
+        if others:
+            q, kq, shape = others[0]
+            raise _RingBreak(f"rank {r}'s all_reduce call {k} got an array of shape {buf.shape}, rank {q}'s call {kq} "
+                             f"one of shape {shape}",
+                             "every rank calls all_reduce with the same tensors in the same order: one call per tensor "
+                             "to sum, the same shapes on every rank")
+        total = self._slots[0][1].copy()
+        for q in range(1, N):
+            total += self._slots[q][1]
+        self._wait(k)                                  # every rank has read the parts before the next call's arrive
+        buf[...] = total
+        return buf
+
+    def _wait(self, k):
+        try:
+            self._barrier.wait(timeout=self._timeout)
+        except threading.BrokenBarrierError:
+            raise _Stalled(self.rank, k, "all") from None
+
+    def _not_here(self, *a, **k):
+        raise _RingBreak(f"rank {self.rank} called a communicator method other than all_reduce",
+                         "this exercise's comm offers comm.all_reduce(buf) (with comm.rank and comm.world_size): the "
+                         "sum over the ranks, in place")
+
+    sendrecv = reduce_scatter = all_gather = broadcast = send = recv = all_to_all = _not_here
+
+
+def _run_threads(fn, args, timeout=1.0, comm_cls=_RingComm):
+    """Run fn(comm_r, *args[r]) for the N = len(args) ranks, one thread each, each with its comm_cls communicator.
+    Returns (values, outcomes, calls, hung): values[r] what rank r returned (None if it raised), outcomes[r] None
+    (returned) or the exception it raised, calls[r] its number of communicator calls, hung the ranks still running."""
+    N = len(args)
     boxes = [queue.Queue() for _ in range(N)]          # boxes[r]: the messages rank r sent to rank r+1
     calls = [0] * N
     barrier = threading.Barrier(N)
-    outcomes = [None] * N
+    slots = [None] * N
+    values, outcomes = [None] * N, [None] * N
 
     def body(r):
-        comm = _RingComm(r, N, boxes, calls, barrier, timeout)
+        comm = comm_cls(r, N, boxes, calls, barrier, timeout, slots)
         try:
-            fn(comm, grads[r], outs[r])
+            values[r] = fn(comm, *args[r])
         except BaseException as exc:  # noqa: B902 - reported by the checker
             outcomes[r] = exc
 
@@ -776,6 +831,13 @@ def _run_ranks(fn, grads, outs, timeout=1.0):
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
     hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    return values, outcomes, calls, hung
+
+
+def _run_ranks(fn, grads, outs, timeout=1.0):
+    """Run fn(comm_r, grads[r], outs[r]) on N threads. Returns (outcomes, calls, hung): outcomes[r] is None
+    (returned) or the exception the rank raised; calls[r] its number of sendrecv calls; hung: ranks still running."""
+    _, outcomes, calls, hung = _run_threads(fn, list(zip(grads, outs)), timeout)
     return outcomes, calls, hung
 
 

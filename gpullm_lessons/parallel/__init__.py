@@ -18,6 +18,10 @@
                                          over the ranks, k/v blocks around the ring, merged by lse (and its backward)
     tensor.TensorParallel(cfg, comm, params)   Megatron tensor parallelism (tensor.py): qkv and fc column-, the
                                          projections row-parallel, 2 all-reduces per block each way (tp_memory)
+    tensor.SequenceParallel(cfg, comm, params)  the same with Megatron's sequence parallelism (T/N positions outside
+                                         the split linears; all-gathers and reduce-scatters along T)
+    ulysses.Ulysses(cfg, comm, params)   DeepSpeed-Ulysses (ulysses.py): T/N positions per rank, all-to-alls around
+                                         attention (comm.all_to_all)
     plan.state_per_rank(cfg, N, strategy)  which strategy on how many GPUs (plan.py): each strategy's model state
                                          per rank, plan.fits_table, and the alpha-beta model of its messages
 
@@ -33,6 +37,7 @@ CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- zero3 --steps 5
     python -m gpullm_lessons.parallel.launch --nproc 4 --backend mpi --module gpullm_lessons.parallel -- ring-attention
     python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- tensor --n-head 4
+    python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- ulysses --n-head 4
 
 The ring (N ranks, the buffer cut into N chunks; rank r sends to r+1 and receives from r-1, all at once):
     reduce-scatter, steps s = 0 .. N-2: rank r sends chunk (r - s) mod N and adds the chunk (r - s - 1) mod N it

@@ -17,6 +17,8 @@ import dataclasses
 import math
 import sys
 
+import numpy as np
+
 
 def job_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """An ArgumentParser with the training job's model, data and optimizer flags and its defaults."""
@@ -127,3 +129,29 @@ def run_cli(main, argv=None) -> int:
         sys.stderr.flush()
         return 2
     return 0
+
+
+def held_bytes(obj, params=None) -> int:
+    """Bytes of the NumPy arrays reachable from obj (dicts, lists, tuples: an op's cache), each array's own elements
+    (a view counts what it shows, e.g. this rank's positions of the batch), the same view counted once, none that
+    lies inside the flat array `params` (the parameters the ops' caches refer to are the model, not activations)."""
+    skip = (0, 0)
+    if params is not None:
+        at = params.__array_interface__["data"][0]
+        skip = (at, at + params.nbytes)
+    seen = set()
+
+    def walk(o):
+        if isinstance(o, np.ndarray):
+            at = o.__array_interface__["data"][0]
+            if skip[0] <= at < skip[1] or (at, o.nbytes) in seen:
+                return 0
+            seen.add((at, o.nbytes))
+            return o.nbytes
+        if isinstance(o, dict):
+            return sum(walk(v) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return sum(walk(v) for v in o)
+        return 0
+
+    return walk(obj)

@@ -4,6 +4,7 @@ own memory models, and an alpha-beta model of the time their communication takes
     STRATEGIES                          "dp", "zero1", "zero2", "zero3", "tensor", "pipeline"
     state_per_rank(cfg, world, strategy, precision)   bytes per rank of params + half copy + grads + AdamW's m, v
     fits_table(models, card_bytes, worlds, precision)  the fewest ranks on which each strategy holds each model
+    state_curves(cfg, worlds, precision)  strategy -> [(N, bytes per rank)] where the strategy can split the model
     fit_alpha_beta(rows, world)         alpha (s per collective) and beta (s per byte a ring sends per rank) from
                                         all-reduce timings (the rows `python -m gpullm_lessons.parallel bench` writes)
     collective_seconds(kind, nbytes, world, alpha, beta)   one collective's predicted time
@@ -47,7 +48,13 @@ import math
 import numpy as np
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tensor", "pipeline", "ulysses")
-KINDS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "sendrecv": None}  # ring factor x (N-1)/N
+KINDS = {
+    "all_reduce": 2.0,
+    "all_gather": 1.0,
+    "reduce_scatter": 1.0,
+    "all_to_all": 1.0,
+    "sendrecv": None,
+}  # ring factor x (N-1)/N
 
 
 def _precision(fn, precision):
@@ -134,6 +141,14 @@ def fits_table(models: dict, card_bytes: int, worlds=(1, 2, 4, 8, 16, 32, 64), p
             )
         rows.append(row)
     return rows
+
+
+def state_curves(cfg, worlds=(1, 2, 4, 8, 16, 32), precision: str = "bf16") -> dict:
+    """strategy -> [(N, state_per_rank's total)] for the N of `worlds` the strategy can split cfg over."""
+    return {
+        s: [(N, state_per_rank(cfg, N, s, precision)["total"]) for N in worlds if why_not(cfg, N, s) is None]
+        for s in STRATEGIES
+    }
 
 
 def _factor(kind: str, world: int) -> float:

@@ -11,6 +11,8 @@ direction.
     simulate_step(ranks, x, y, lr, ...)   the same step with all N ranks in one process (the all-reduce a sum in rank order)
     tp_memory(cfg, world)                 the predicted bytes of params + grads + AdamW's m and v per rank
     tp_traffic(cfg, world, B, T)          the elements all-reduced per step (and the bytes a ring sends per rank)
+    SequenceParallel(cfg, comm, params)   the same with Megatron's sequence parallelism (below): the regions outside
+                                          the split linears on T/N positions, all-gathers and reduce-scatters along T
 
 CLI (each rank runs it; start the ranks with the launcher or mpirun):
     python -m gpullm_lessons.parallel.launch --nproc 2 --backend mpi --module gpullm_lessons.parallel -- \\
@@ -73,9 +75,26 @@ another order, then the all-reduce's own order) and the f all-reduce sums the N 
 rounding of about 1e-7 relative in float32, carried through the blocks and by AdamW into the next steps. The tests
 allow 1e-5 absolute on losses of about 5.5 nats over 3 steps (and 1e-5 on the parameters after them).
 
-Not here: sequence parallelism (the LayerNorm and residual regions split along T: the g all-reduce becomes a
-reduce_scatter along T and f an all_gather along T, the same bytes, the activations there 1/N), a vocabulary-parallel
-embedding and head (with a parallel cross-entropy), overlap of the all-reduces with compute, a GPU engine (NCCL).
+Sequence parallelism (Megatron's, SequenceParallel, the command's --sequence-parallel). Outside the split linears
+every rank computes the same thing on the whole (B, T, C): the LayerNorms, the residual adds, the embeddings, the head
+and the loss, each position on its own. SequenceParallel gives rank r only positions [r T/N, (r+1) T/N) there, and
+each all-reduce of a region turns into two collectives along T that move the same elements:
+    forward   the LayerNorm's output (B, T/N, C) is all-gathered along T before the column-parallel linear (f becomes
+              an all_gather); the row-parallel linear's partial sums (B, T, C) are reduce-scattered along T (g becomes
+              a reduce_scatter: rank r receives the sum of its positions), then the bias and the residual on T/N.
+    backward  the gradient arriving at the row-parallel linear is all-gathered along T (the whole d(output) its
+              weight gradient needs); the column-parallel linear's partial input gradients are reduce-scattered
+              along T into the LayerNorm's backward on T/N positions.
+The head and the loss run on the rank's positions (each rank's mean over B T/N tokens; the loss is their mean, so
+backward starts from dloss = 1/N). The replicated parameters now see only their rank's positions: the gradients of
+wte, wpe and the LayerNorms are partial sums, added by one all-reduce after the backward (the row-parallel biases'
+come from the gathered, whole gradient and need none). What it saves: the LayerNorms' inputs and statistics and the
+token ids, 1/N of them per rank: L 2 (B T C + 2 B T) + B T elements of one rank's activations become 1/N
+(cache_bytes measures them; the tests check the saving is exactly (1 - 1/N) of that). The gathered LayerNorm output
+the column-parallel linear reads is kept whole here; Megatron keeps the rank's part and gathers it again in backward.
+
+Not here: a vocabulary-parallel embedding and head (with a parallel cross-entropy), overlap of the all-reduces with
+compute, a GPU engine (NCCL).
 This is the course's toy: every rank initialises the whole model (init_params, the one-rank values) and keeps its part.
 """
 
@@ -252,6 +271,13 @@ class TensorParallel:
         """The bytes of what this rank holds: parameters, gradients, AdamW's m and v."""
         return int(sum(a.nbytes for a in (self.params, self.grads, self.m, self.v)))
 
+    def cache_bytes(self) -> int:
+        """The bytes of the activations the forward keeps for the backward (each array once, the parameters the ops'
+        caches refer to left out)."""
+        from .numpy_job import held_bytes
+
+        return held_bytes(self.c, self.params)
+
     # ---- forward regions (per rank; the driver all-reduces between them) -------------------------------------------
     def embed(self, x):
         from ..reference.encoder import encoder_forward
@@ -263,13 +289,20 @@ class TensorParallel:
     def attn_partial(self, l, h):
         """ln1 (replicated), qkv column-parallel, attention on this rank's heads, attproj row-parallel without its
         bias: this rank's partial sum (B, T, C) of attproj's product (g: all-reduced next)."""
-        from ..reference.attention import attention_forward
         from ..reference.layernorm import layernorm_forward
-        from ..reference.linear import linear_forward
 
         p, c = self.p, {}
         self.c["layers"].append(c)
         ln1, c["ln1"] = layernorm_forward(h, p["ln1w"][l], p["ln1b"][l])  # (B, T, C), the same on every rank
+        return self.attn_core(l, ln1)
+
+    def attn_core(self, l, ln1):
+        """qkv column-parallel, attention on this rank's heads, attproj row-parallel without its bias, from the whole
+        ln1 output (B, T, C): the partial sum (B, T, C)."""
+        from ..reference.attention import attention_forward
+        from ..reference.linear import linear_forward
+
+        p, c = self.p, self.c["layers"][l]
         qkv, c["qkv"] = linear_forward(ln1, p["qkvw"][l], p["qkvb"][l])  # (B, T, 3C/N): q_r | k_r | v_r
         atty, c["attention"] = attention_forward(qkv, self.cfg.n_head // self.W)  # (B, T, C/N): this rank's heads
         part, c["attproj"] = linear_forward(atty, p["attprojw"][l])  # (B, T, C) partial
@@ -284,12 +317,19 @@ class TensorParallel:
     def mlp_partial(self, l, h):
         """ln2 (replicated), fc column-parallel, GELU on this rank's 4C/N columns, fcproj row-parallel without its
         bias: this rank's partial sum (B, T, C)."""
-        from ..reference.gelu import gelu_forward
         from ..reference.layernorm import layernorm_forward
-        from ..reference.linear import linear_forward
 
         p, c = self.p, self.c["layers"][l]
         ln2, c["ln2"] = layernorm_forward(h, p["ln2w"][l], p["ln2b"][l])
+        return self.mlp_core(l, ln2)
+
+    def mlp_core(self, l, ln2):
+        """fc column-parallel, GELU on this rank's 4C/N columns, fcproj row-parallel without its bias, from the whole
+        ln2 output (B, T, C): the partial sum (B, T, C)."""
+        from ..reference.gelu import gelu_forward
+        from ..reference.linear import linear_forward
+
+        p, c = self.p, self.c["layers"][l]
         fch, c["fc"] = linear_forward(ln2, p["fcw"][l], p["fcb"][l])  # (B, T, 4C/N)
         fch_gelu, c["gelu"] = gelu_forward(fch)
         part, c["fcproj"] = linear_forward(fch_gelu, p["fcprojw"][l])  # (B, T, C) partial
@@ -300,8 +340,9 @@ class TensorParallel:
 
         return residual_forward(h, summed + self.p["fcprojb"][l])[0]
 
-    def head(self, h, y):
-        """The final LayerNorm, the tied head, the loss and at once their backward (all replicated): (loss, dh)."""
+    def head(self, h, y, dloss=1.0):
+        """The final LayerNorm, the tied head, the loss and at once their backward from dloss (all replicated):
+        (loss, dh)."""
         from ..reference.crossentropy import crossentropy_backward, crossentropy_forward
         from ..reference.layernorm import layernorm_backward, layernorm_forward
         from ..reference.linear import linear_backward, linear_forward
@@ -309,9 +350,9 @@ class TensorParallel:
         lnf, lnf_cache = layernorm_forward(h, self.p["lnfw"], self.p["lnfb"])
         logits, head_cache = linear_forward(lnf, self.p["wte"].T)  # (B, T, V)
         loss, ce_cache = crossentropy_forward(logits, y)
-        dlogits = crossentropy_backward(1.0, ce_cache)
+        dlogits = crossentropy_backward(dloss, ce_cache)
         dlnf, dwte_head, _ = linear_backward(dlogits, head_cache)  # (B, T, C), (C, V)
-        self.c["dwte_head"] = dwte_head.T
+        self.dwte_head = dwte_head.T  # a gradient, held until the embedding backward adds its part
         dh, self.g["lnfw"][...], self.g["lnfb"][...] = layernorm_backward(dlnf, lnf_cache)
         return float(loss), dh
 
@@ -357,7 +398,7 @@ class TensorParallel:
         from ..reference.encoder import encoder_backward
 
         dwte, self.g["wpe"][...] = encoder_backward(dh, self.c["encoder"])
-        self.g["wte"][...] = dwte + self.c["dwte_head"]  # weight tying: both uses (as gpt_backward)
+        self.g["wte"][...] = dwte + self.dwte_head  # weight tying: both uses (as gpt_backward)
         self.c = {}
 
     def sumsq(self) -> tuple:
@@ -408,6 +449,7 @@ class TensorParallel:
             "grad_norm": norm,
             **count,
             "bytes": self.memory_bytes(),
+            "cache_bytes": self.peak_cache,
             "seconds": time.perf_counter() - t0,
         }
 
@@ -467,6 +509,8 @@ def _forward_backward(ranks, x, y, all_reduce) -> list:
         all_reduce(parts)  # g: fcproj's
         hs = [r.mlp_finish(l, h, s) for r, h, s in zip(ranks, hs, parts)]
     out = [r.head(h, y) for r, h in zip(ranks, hs)]
+    for r in ranks:
+        r.peak_cache = r.cache_bytes()
     losses, dhs = [o[0] for o in out], [o[1] for o in out]
     del hs, out
     for l in reversed(range(L)):
@@ -481,15 +525,156 @@ def _forward_backward(ranks, x, y, all_reduce) -> list:
     return losses
 
 
+class SequenceParallel(TensorParallel):
+    """Tensor parallelism with Megatron's sequence parallelism on top: the regions outside the split linears (the
+    LayerNorms, the residual adds, the embeddings, the head and the loss) run on this rank's T/N positions only,
+    and each all-reduce of plain tensor parallelism becomes a pair (the module docstring's "Sequence parallelism").
+    The same parameters, shards and optimizer as TensorParallel."""
+
+    def positions(self, T: int) -> slice:
+        return slice(self.rank * T // self.W, (self.rank + 1) * T // self.W)
+
+    def embed(self, x):
+        from ..reference.encoder import encoder_forward
+
+        pos = self.positions(x.shape[1])
+        h, self.c["encoder"] = encoder_forward(x[:, pos], self.p["wte"], self.p["wpe"][pos])
+        self.c["layers"], self.c["T"] = [], x.shape[1]
+        return h
+
+    def ln1(self, l, h):
+        from ..reference.layernorm import layernorm_forward
+
+        c = {}
+        self.c["layers"].append(c)
+        out, c["ln1"] = layernorm_forward(h, self.p["ln1w"][l], self.p["ln1b"][l])  # (B, T/N, C)
+        return np.ascontiguousarray(out)
+
+    def ln2(self, l, h):
+        from ..reference.layernorm import layernorm_forward
+
+        c = self.c["layers"][l]
+        out, c["ln2"] = layernorm_forward(h, self.p["ln2w"][l], self.p["ln2b"][l])
+        return np.ascontiguousarray(out)
+
+    def embed_back(self, dh):
+        from ..reference.encoder import encoder_backward
+
+        dwte, dwpe = encoder_backward(dh, self.c["encoder"])
+        self.g["wte"][...] = dwte + self.dwte_head
+        self.g["wpe"][...] = 0
+        self.g["wpe"][self.positions(self.c["T"])] = dwpe
+        self.c = {}
+
+    def partial_mask(self):
+        """The elements whose gradients are sums over this rank's positions only (the replicated tensors but the
+        row-parallel biases, which backward computes from the gathered, whole gradient)."""
+        mask = ~self.split_mask.copy()
+        a = 0
+        for name, shape in self.shapes.items():
+            k = math.prod(shape)
+            if name in ("attprojb", "fcprojb"):
+                mask[a : a + k] = False
+            a += k
+        return mask
+
+
+def _sp_forward_backward(ranks, x, y, all_gather, reduce_scatter) -> list:
+    """SequenceParallel's forward and backward on `ranks` (this rank alone, or all N in one process): all_gather(per
+    rank (B, T/N, C)) -> per rank (B, T, C) and reduce_scatter(per rank (B, T, C)) -> per rank (B, T/N, C) of the
+    sum, both along T, between the regions. Returns each rank's local mean loss."""
+    L, N, T = ranks[0].cfg.n_layer, len(ranks) if len(ranks) > 1 else ranks[0].W, x.shape[1]
+    hs = [r.embed(x) for r in ranks]
+    for l in range(L):
+        full = all_gather([r.ln1(l, h) for r, h in zip(ranks, hs)])
+        parts = reduce_scatter([r.attn_core(l, f) for r, f in zip(ranks, full)])
+        hs = [r.attn_finish(l, h, s) for r, h, s in zip(ranks, hs, parts)]
+        full = all_gather([r.ln2(l, h) for r, h in zip(ranks, hs)])
+        parts = reduce_scatter([r.mlp_core(l, f) for r, f in zip(ranks, full)])
+        hs = [r.mlp_finish(l, h, s) for r, h, s in zip(ranks, hs, parts)]
+    out = [r.head(h, y[:, r.positions(T)], 1.0 / N) for r, h in zip(ranks, hs)]
+    for r in ranks:
+        r.peak_cache = r.cache_bytes()
+    losses, dhs = [o[0] for o in out], [o[1] for o in out]
+    del hs, out
+    for l in reversed(range(L)):
+        parts = reduce_scatter([r.mlp_back_partial(l, f) for r, f in zip(ranks, all_gather(dhs))])
+        dhs = [r.mlp_back_finish(l, d, s) for r, d, s in zip(ranks, dhs, parts)]
+        parts = reduce_scatter([r.attn_back_partial(l, f) for r, f in zip(ranks, all_gather(dhs))])
+        dhs = [r.attn_back_finish(l, d, s) for r, d, s in zip(ranks, dhs, parts)]
+    for r, d in zip(ranks, dhs):
+        r.embed_back(d)
+    return losses
+
+
+def _sp_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+    """SequenceParallel.train_step: as TensorParallel's, the all-reduces replaced by all-gathers and reduce-scatters
+    along T, then one all-reduce of the replicated gradients that are sums over positions."""
+    from ..model.optim import clip_coefficient
+
+    x, y = _check_batch("SequenceParallel.train_step", self.cfg, x, y)
+    if x.shape[1] % self.W:
+        raise ValueError(
+            f"SequenceParallel.train_step: T={x.shape[1]} positions do not split over {self.W} ranks; pass a "
+            f"sequence length divisible by {self.W}"
+        )
+    t0 = time.perf_counter()
+    count = {"all_gather": 0, "reduce_scatter": 0, "collectives": 0}
+    N = self.W
+
+    def all_gather(bufs):
+        (b,) = bufs
+        out = np.empty((N,) + b.shape, FLOAT)
+        self.comm.all_gather(b.reshape(-1), out.reshape(-1))
+        count["all_gather"] += out.size
+        count["collectives"] += 1
+        return [np.ascontiguousarray(np.concatenate(list(out), axis=1))]  # rank r's positions at [r T/N, ...)
+
+    def reduce_scatter(bufs):
+        (b,) = bufs
+        B, T, C = b.shape
+        send = np.ascontiguousarray(b.reshape(B, N, T // N, C).transpose(1, 0, 2, 3))  # chunk r: rank r's positions
+        out = np.empty((B, T // N, C), FLOAT)
+        self.comm.reduce_scatter(send.reshape(-1), out.reshape(-1))
+        count["reduce_scatter"] += send.size
+        count["collectives"] += 1
+        return [out]
+
+    (loss,) = _sp_forward_backward([self], x, y, all_gather, reduce_scatter)
+    mask = self.partial_mask()
+    partial = np.ascontiguousarray(self.grads[mask])
+    self.comm.all_reduce(partial)  # sums over every rank's positions
+    self.grads[mask] = partial
+    loss = float(self.comm.all_reduce_scalars([loss])[0]) / N
+    split, rep = self.sumsq()
+    split = float(self.comm.all_reduce_scalars([split])[0])
+    norm = math.sqrt(max(split + rep, 0.0))
+    self.update(lr, weight_decay, clip_coefficient(norm, grad_clip))
+    return {
+        "loss": loss,
+        "grad_norm": norm,
+        **count,
+        "grad_all_reduce": int(partial.size),
+        "bytes": self.memory_bytes(),
+        "cache_bytes": self.peak_cache,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+SequenceParallel.train_step = _sp_step
+
+
 # ================================================================================================================
 # 3. All N ranks in one process
 # ================================================================================================================
 
 
-def tp_ranks(cfg, world: int, params, betas=None, eps=None) -> list:
-    """The N ranks' TensorParallel objects in one process (each with its place, no communicator), for simulate_step."""
+def tp_ranks(cfg, world: int, params, betas=None, eps=None, sequence=False) -> list:
+    """The N ranks' TensorParallel objects (sequence=True: SequenceParallel) in one process (each with its place, no
+    communicator), for simulate_step."""
     N = _check("tp_ranks", cfg, world)
-    return [TensorParallel(cfg, _Rank(r, N), params, betas, eps) for r in range(N)]
+    kind = SequenceParallel if sequence else TensorParallel
+    return [kind(cfg, _Rank(r, N), params, betas, eps) for r in range(N)]
 
 
 def simulate_step(ranks, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
@@ -515,6 +700,8 @@ def simulate_step(ranks, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
         count["all_reduce"] += total.size
         count["all_reduces"] += 1
 
+    if isinstance(ranks[0], SequenceParallel):
+        return _simulate_sp(ranks, x, y, lr, weight_decay, grad_clip)
     losses = _forward_backward(ranks, x, y, all_reduce)
     assert all(v == losses[0] for v in losses)
     sq = [r.sumsq() for r in ranks]
@@ -522,7 +709,47 @@ def simulate_step(ranks, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
     coef = clip_coefficient(norm, grad_clip)
     for r in ranks:
         r.update(lr, weight_decay, coef)
-    return {"loss": losses[0], "grad_norm": norm, **count, "bytes": [r.memory_bytes() for r in ranks]}
+    return {
+        "loss": losses[0],
+        "grad_norm": norm,
+        **count,
+        "bytes": [r.memory_bytes() for r in ranks],
+        "cache_bytes": [r.peak_cache for r in ranks],
+    }
+
+
+def _simulate_sp(ranks, x, y, lr, weight_decay, grad_clip) -> dict:
+    """simulate_step for SequenceParallel ranks: the all-gathers concatenate the ranks' positions, the reduce-scatters
+    sum in rank order and hand each rank its positions, the partial gradients are summed in rank order."""
+    from ..model.optim import clip_coefficient
+
+    N, T = len(ranks), x.shape[1]
+    if T % N:
+        raise ValueError(f"simulate_step: T={T} positions do not split over {N} ranks")
+
+    def all_gather(bufs):
+        full = np.ascontiguousarray(np.concatenate(bufs, axis=1))
+        return [full] * N
+
+    def reduce_scatter(bufs):
+        total = bufs[0].copy()
+        for b in bufs[1:]:
+            total += b
+        return [np.ascontiguousarray(total[:, r * T // N : (r + 1) * T // N]) for r in range(N)]
+
+    losses = _sp_forward_backward(ranks, x, y, all_gather, reduce_scatter)
+    mask = ranks[0].partial_mask()
+    total = ranks[0].grads[mask].copy()
+    for r in ranks[1:]:
+        total += r.grads[mask]
+    for r in ranks:
+        r.grads[mask] = total
+    sq = [r.sumsq() for r in ranks]
+    norm = math.sqrt(max(sum(s for s, _ in sq) + sq[0][1], 0.0))
+    coef = clip_coefficient(norm, grad_clip)
+    for r in ranks:
+        r.update(lr, weight_decay, coef)
+    return {"loss": sum(losses) / N, "grad_norm": norm, "cache_bytes": [r.peak_cache for r in ranks]}
 
 
 def simulated_full_params(ranks, which="p") -> np.ndarray:
@@ -556,6 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
         "python -m gpullm_lessons.parallel.launch --nproc N --backend mpi)",
     )
     p.add_argument("--json", default=None, help="write the run's losses, memory and traffic here (rank 0)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron's sequence parallelism on top: LayerNorms, residuals, embeddings and the loss on T/N positions",
+    )
     return p
 
 
@@ -582,7 +814,13 @@ def main(argv=None, comm=None) -> dict:
     job = job_from_args(args, comm, check=check)
     cfg, B, lr, comm = job.cfg, job.B, job.lr, job.comm
     W, T = comm.world_size, cfg.block_size
-    tp = TensorParallel(cfg, comm, init_params(cfg, seed=args.seed))
+    if args.sequence_parallel and T % W:
+        raise ConfigError(
+            f"--block-size {T} does not split over {W} ranks: sequence parallelism gives each rank T / N positions; "
+            f"pass a multiple of {W}"
+        )
+    kind = SequenceParallel if args.sequence_parallel else TensorParallel
+    tp = kind(cfg, comm, init_params(cfg, seed=args.seed))
     model, traffic = tp_memory(cfg, W), tp_traffic(cfg, W, B, T)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(
@@ -598,15 +836,30 @@ def main(argv=None, comm=None) -> dict:
         f"(2 per block forward, 2 backward) = {traffic['all_reduce']:,} elements, a ring sends "
         f"{traffic['ring_bytes_per_rank']:,} B per rank"
     )
-    losses, norms, mem, res = [], [], [], None
+    if args.sequence_parallel:
+        say(
+            f"sequence parallel: T={T} as {W} x {T // W} positions outside the split linears; each all-reduce becomes "
+            f"an all-gather and a reduce-scatter along T (the same elements), plus one all-reduce of the replicated "
+            f"gradients"
+        )
+    losses, norms, mem, caches, res = [], [], [], [], None
     for step, res in job.run(args.steps, lambda x, y, lr: tp.train_step(x, y, lr, args.weight_decay, args.grad_clip)):
         per_rank = [int(v) for v in comm.gather_scalars([res["bytes"]])[:, 0]]
         losses.append(res["loss"])
         norms.append(res["grad_norm"])
         mem.append(per_rank)
+        caches.append([int(v) for v in comm.gather_scalars([res["cache_bytes"]])[:, 0]])
+        if args.sequence_parallel:
+            moved = (
+                f"all-gathered {res['all_gather']:,} + reduce-scattered {res['reduce_scatter']:,} elements in "
+                f"{res['collectives']}, replicated gradients {res['grad_all_reduce']:,} | activations per rank "
+                + " ".join(f"{b:,}" for b in caches[-1])
+                + " B"
+            )
+        else:
+            moved = f"all-reduced {res['all_reduce']:,} elements in {res['all_reduces']}"
         say(
-            f"step {step:4d} | loss {res['loss']:.6f} | grad norm {res['grad_norm']:.4f} | all-reduced "
-            f"{res['all_reduce']:,} elements in {res['all_reduces']} | bytes per rank "
+            f"step {step:4d} | loss {res['loss']:.6f} | grad norm {res['grad_norm']:.4f} | {moved} | bytes per rank "
             + " ".join(f"{b:,}" for b in per_rank)
             + f" | {res['seconds'] * 1e3:.1f} ms"
         )
@@ -622,9 +875,15 @@ def main(argv=None, comm=None) -> dict:
         "bytes": mem,
         "memory_model": model,
         "traffic": traffic,
-        "traffic_measured": {k: res[k] for k in ("all_reduce", "all_reduces")} if res else None,
         "replicated_equal": bool(mismatched == 0),
+        "cache_bytes": caches,
     }
+    if args.sequence_parallel:
+        keys = ("all_gather", "reduce_scatter", "collectives", "grad_all_reduce")
+        summary.update(sequence_parallel=True)
+    else:
+        keys = ("all_reduce", "all_reduces")
+    summary["traffic_measured"] = {k: res[k] for k in keys} if res else None
     say(
         f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; bytes per rank {mem[-1]} (model {model['total']:,}); "
         f"replicated parameters equal on every rank: {summary['replicated_equal']}"

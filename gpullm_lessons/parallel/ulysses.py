@@ -96,23 +96,6 @@ def ulysses_traffic(cfg, world: int, B: int, T: int) -> dict:
     }
 
 
-def _nbytes(obj, seen, skip=(0, 0)) -> int:
-    """Bytes of the NumPy arrays reachable from obj (dicts, lists, tuples), each array's own elements (a view counts
-    what it shows, e.g. this rank's positions of the batch), the same view counted once, none whose data lies in
-    the address range skip."""
-    if isinstance(obj, np.ndarray):
-        at = obj.__array_interface__["data"][0]
-        if skip[0] <= at < skip[1] or (at, obj.nbytes) in seen:
-            return 0
-        seen.add((at, obj.nbytes))
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(_nbytes(v, seen, skip) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v, seen, skip) for v in obj)
-    return 0
-
-
 class _Rank:
     """A rank of a simulation in one process: no communicator, only its place."""
 
@@ -161,8 +144,9 @@ class Ulysses:
     def cache_bytes(self) -> int:
         """The bytes of the arrays the forward keeps for the backward (each buffer once; the parameters the ops'
         caches refer to are the model's, not activations, and are left out)."""
-        at = self.P.flat.__array_interface__["data"][0]
-        return _nbytes(self.c, set(), (at, at + self.P.flat.nbytes))
+        from .numpy_job import held_bytes
+
+        return held_bytes(self.c, self.P.flat)
 
     # ---- forward regions ---------------------------------------------------------------------------------------------
     def embed(self, x):

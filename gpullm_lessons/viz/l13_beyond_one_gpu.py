@@ -16,21 +16,18 @@ STRATEGY_STYLE = {
 }
 
 
-def plot_state_per_rank(cfg, name: str, worlds=(1, 2, 4, 8, 16, 32), card_bytes=None, precision="bf16", ax=None):
-    """GiB of model state per rank (parallel.plan.state_per_rank) for each strategy against N, log-log; a
-    strategy is drawn only at the N it can split the model over; card_bytes draws the card's memory as a line."""
-    from ..parallel import plan
-
+def plot_state_per_rank(curves: dict, name: str, card_bytes=None, precision="bf16", ax=None):
+    """GiB of model state per rank for each strategy against N, log-log. curves: strategy -> [(N, bytes)] (what
+    parallel.plan.state_curves gives: each strategy only at the N it can split the model over); card_bytes draws the
+    card's memory as a line."""
     fig, ax = figure_and_axes(ax, figsize=(7, 3.8))
-    for strategy in plan.STRATEGIES:
+    worlds = sorted({N for pts in curves.values() for N, _ in pts})
+    for strategy, pts in curves.items():
         label, color, marker = STRATEGY_STYLE[strategy]
-        pts = [
-            (N, plan.state_per_rank(cfg, N, strategy, precision)["total"] / 2**30)
-            for N in worlds
-            if plan.why_not(cfg, N, strategy) is None
-        ]
         if pts:
-            ax.plot(*zip(*pts), marker=marker, color=color, label=label, lw=1.2, ms=4)
+            ax.plot(
+                [N for N, _ in pts], [b / 2**30 for _, b in pts], marker=marker, color=color, label=label, lw=1.2, ms=4
+            )
     if card_bytes:
         ax.axhline(card_bytes / 2**30, color="k", ls="--", lw=1)
         ax.text(worlds[0], card_bytes / 2**30 * 1.08, f"one card: {card_bytes / 2**30:.0f} GiB", fontsize=8)
