@@ -20,8 +20,9 @@ import sys
 import numpy as np
 
 
-def job_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """An ArgumentParser with the training job's model, data and optimizer flags and its defaults."""
+def job_parser(prog: str, description: str, json=None) -> argparse.ArgumentParser:
+    """An ArgumentParser with the training job's model, data and optimizer flags and its defaults; json: what the
+    command's --json file holds (the flag is added when given)."""
     from ..model.params import PRESETS
     from ..train import build_parser as train_parser
 
@@ -40,6 +41,8 @@ def job_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="clip the global gradient norm (0: off)")
     p.add_argument("--data", default=d.data, help="a text file read as bytes (default: Python's help topics)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for init and batches")
+    if json:
+        p.add_argument("--json", default=None, help=f"write the run's {json} here (rank 0)")
     return p
 
 
@@ -155,3 +158,24 @@ def held_bytes(obj, params=None) -> int:
         return 0
 
     return walk(obj)
+
+
+def write_summary(comm, path, summary: dict) -> None:
+    """Rank 0 writes the command's summary as JSON to path (the --json flag; None: nothing), its folder made."""
+    import json
+    from pathlib import Path
+
+    if comm.rank == 0 and path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def whole_params(fn, cfg, params) -> np.ndarray:
+    """The whole model's flat parameters from a ParamBuffer or its flat array (every rank passes the same:
+    init_params(cfg, seed), the one-rank run's values); ValueError naming fn when the count is not the model's."""
+    from ..model.params import num_params
+
+    flat = np.asarray(getattr(params, "flat", params))
+    if flat.shape != (num_params(cfg),):
+        raise ValueError(f"{fn}: params hold {flat.shape} values, this model has ({num_params(cfg)},)")
+    return flat

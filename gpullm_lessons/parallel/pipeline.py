@@ -99,6 +99,8 @@ import time
 
 import numpy as np
 
+from .numpy_job import whole_params
+
 KINDS = ("F", "B")  # a forward, a backward
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -448,7 +450,7 @@ class Stage:
     def __init__(self, cfg, s: int, p: int, params, betas=None, eps=None):
         from ..engine.core import BETAS, EPS
         from ..model.optim import decay_mask_for
-        from ..model.params import GPTConfig, num_params
+        from ..model.params import GPTConfig
 
         if not isinstance(cfg, GPTConfig):
             raise TypeError(f"Stage: cfg must be a GPTConfig, got {type(cfg).__name__}")
@@ -456,9 +458,7 @@ class Stage:
         self.ranges = stage_ranges(cfg, s, p)
         self.l0, self.l1 = stage_layers(cfg.n_layer, p)[s]
         self.first, self.last = self.s == 0, self.s == self.p - 1
-        flat = np.asarray(getattr(params, "flat", params))
-        if flat.shape != (num_params(cfg),):
-            raise ValueError(f"Stage: params hold {flat.shape} values, this model has ({num_params(cfg)},)")
+        flat = whole_params("Stage", cfg, params)
         self.index = np.concatenate([np.arange(lo, hi) for _, lo, hi, _ in self.ranges])  # in the whole buffer
         self.params = flat[self.index].astype(np.float32)
         n = self.params.size
@@ -780,22 +780,20 @@ def build_parser() -> argparse.ArgumentParser:
         "python -m gpullm_lessons.parallel pipeline",
         "pipeline-parallel training of the NumPy GPT: one stage per rank (start the ranks with "
         "python -m gpullm_lessons.parallel.launch --nproc P --backend mpi)",
+        json="losses, bubble and memory",
     )
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the order of the micro-batches' F and B")
     p.add_argument("--micro-batches", type=int, default=4, help="m: micro-batches per step (must divide the batch)")
-    p.add_argument("--json", default=None, help="write the run's losses, bubble and memory here (rank 0)")
     return p
 
 
 def main(argv=None, comm=None) -> dict:
     """The pipeline command on this rank (comm: default the environment's; one stage per rank). Returns the summary
     (on every rank); rank 0 prints the table, each step's loss and bubble, and writes --json."""
-    import json
-    from pathlib import Path
 
     from ..model.params import init_params
     from ..train import ConfigError
-    from .numpy_job import job_from_args
+    from .numpy_job import job_from_args, write_summary
 
     args = build_parser().parse_args(argv)
     m = args.micro_batches
@@ -864,9 +862,7 @@ def main(argv=None, comm=None) -> dict:
         f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; micro-batches held at once per stage: {peaks} (the table: "
         f"{expected}); wte's copies on stages 0 and {p - 1} " + ("equal" if tied else "DIFFER")
     )
-    if comm.rank == 0 and args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    write_summary(comm, args.json, summary)
     if not tied:
         raise RuntimeError("the two copies of wte (stage 0's embedding, the last stage's head) differ")
     return summary

@@ -106,6 +106,8 @@ import time
 
 import numpy as np
 
+from .numpy_job import whole_params
+
 FLOAT = np.float32
 
 # the split tensors: name -> (axis of one block's tensor that is split (0: rows, 1: columns; None: a bias), kind)
@@ -230,15 +232,13 @@ class TensorParallel:
 
     def __init__(self, cfg, comm, params, betas=None, eps=None):
         from ..model.optim import DECAY_NAMES
-        from ..model.params import ParamBuffer, num_params, param_shapes
+        from ..model.params import ParamBuffer, param_shapes
         from ..engine.core import BETAS, EPS
 
         self.cfg, self.comm = cfg, comm
         self.W, self.rank = comm.world_size, comm.rank
         _check("TensorParallel", cfg, self.W)
-        flat = np.asarray(getattr(params, "flat", params))
-        if flat.shape != (num_params(cfg),):
-            raise ValueError(f"TensorParallel: params hold {flat.shape} values, this model has ({num_params(cfg)},)")
+        flat = whole_params("TensorParallel", cfg, params)
         whole = ParamBuffer(cfg, dtype=np.float32)
         whole.flat[...] = flat
         self.shapes = tp_shapes(cfg, self.W)
@@ -781,8 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
         "python -m gpullm_lessons.parallel tensor",
         "Megatron-style tensor-parallel training of the NumPy GPT on CPU ranks (start the ranks with "
         "python -m gpullm_lessons.parallel.launch --nproc N --backend mpi)",
+        json="losses, memory and traffic",
     )
-    p.add_argument("--json", default=None, help="write the run's losses, memory and traffic here (rank 0)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -794,12 +794,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None, comm=None) -> dict:
     """The tensor command on this rank (comm: default the environment's). Returns the summary (on every rank); rank 0
     prints each step's loss, the elements all-reduced and every rank's bytes, and writes --json."""
-    import json
-    from pathlib import Path
 
     from ..model.params import init_params
     from ..train import ConfigError
-    from .numpy_job import job_from_args
+    from .numpy_job import job_from_args, write_summary
 
     args = build_parser().parse_args(argv)
 
@@ -890,9 +888,7 @@ def main(argv=None, comm=None) -> dict:
         if losses
         else "done: no steps"
     )
-    if comm.rank == 0 and args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    write_summary(comm, args.json, summary)
     return summary
 
 

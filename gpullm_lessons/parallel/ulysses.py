@@ -58,6 +58,8 @@ import time
 
 import numpy as np
 
+from .numpy_job import whole_params
+
 FLOAT = np.float32
 
 
@@ -112,14 +114,12 @@ class Ulysses:
     def __init__(self, cfg, comm, params, betas=None, eps=None):
         from ..engine.core import BETAS, EPS
         from ..model.optim import decay_mask_for
-        from ..model.params import ParamBuffer, num_params
+        from ..model.params import ParamBuffer
 
         self.cfg, self.comm = cfg, comm
         self.W, self.rank = comm.world_size, comm.rank
         _check("Ulysses", cfg, self.W)
-        flat = np.asarray(getattr(params, "flat", params))
-        if flat.shape != (num_params(cfg),):
-            raise ValueError(f"Ulysses: params hold {flat.shape} values, this model has ({num_params(cfg)},)")
+        flat = whole_params("Ulysses", cfg, params)
         self.P, self.G = ParamBuffer(cfg, dtype=FLOAT), ParamBuffer(cfg, dtype=FLOAT)
         self.P.flat[...] = flat
         self.m, self.v = np.zeros_like(self.P.flat), np.zeros_like(self.P.flat)
@@ -376,20 +376,18 @@ def build_parser() -> argparse.ArgumentParser:
         "python -m gpullm_lessons.parallel ulysses",
         "DeepSpeed-Ulysses sequence-parallel training of the NumPy GPT on CPU ranks (start the ranks with "
         "python -m gpullm_lessons.parallel.launch --nproc N --backend mpi)",
+        json="losses, activations and traffic",
     )
-    p.add_argument("--json", default=None, help="write the run's losses, activations and traffic here (rank 0)")
     return p
 
 
 def main(argv=None, comm=None) -> dict:
     """The ulysses command on this rank (comm: default the environment's). Returns the summary (on every rank);
     rank 0 prints each step and writes --json."""
-    import json
-    from pathlib import Path
 
     from ..model.params import init_params
     from ..train import ConfigError
-    from .numpy_job import job_from_args
+    from .numpy_job import job_from_args, write_summary
 
     args = build_parser().parse_args(argv)
 
@@ -446,9 +444,7 @@ def main(argv=None, comm=None) -> dict:
         f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; activations per rank {caches[-1] if caches else []} B; "
         f"parameters equal on every rank: {summary['replicas_equal']}"
     )
-    if comm.rank == 0 and args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    write_summary(comm, args.json, summary)
     return summary
 
 

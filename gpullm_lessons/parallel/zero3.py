@@ -155,6 +155,7 @@ import numpy as np
 
 from ..model.quant import BLOCK, dequantize_blockwise, quantize_blockwise
 from .data_parallel import shard_bounds, shard_size
+from .numpy_job import whole_params
 
 FLOAT = np.float32
 
@@ -283,16 +284,14 @@ class Zero3:
     def __init__(self, cfg, comm, params, align: int = 64, betas=None, eps=None):
         from ..engine.core import BETAS, EPS
         from ..model.optim import DECAY_NAMES, shard_decay_table
-        from ..model.params import GPTConfig, num_params
+        from ..model.params import GPTConfig
 
         if not isinstance(cfg, GPTConfig):
             raise TypeError(f"Zero3: cfg must be a GPTConfig, got {type(cfg).__name__}")
         self.cfg, self.comm = cfg, comm
         self.W, self.rank = comm.world_size, comm.rank
         _, self.align = _check_world("Zero3", self.W, align)
-        flat = np.asarray(getattr(params, "flat", params))
-        if flat.shape != (num_params(cfg),):
-            raise ValueError(f"Zero3: params hold {flat.shape} values, this model has ({num_params(cfg)},)")
+        flat = whole_params("Zero3", cfg, params)
         self.units = zero3_units(cfg)
         self.sizes = unit_sizes(cfg, self.W, self.align)
         self.offsets = list(np.cumsum([0] + [s for _, s in self.sizes])[:-1])
@@ -659,9 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
         "python -m gpullm_lessons.parallel zero3",
         "ZeRO-3 (fully sharded data parallel) training of the NumPy GPT on CPU ranks (start the ranks with "
         "python -m gpullm_lessons.parallel.launch --nproc N --backend mpi)",
+        json="losses, memory and traffic",
     )
     p.add_argument("--align", type=int, default=64, help="each unit's shard a multiple of this many elements")
-    p.add_argument("--json", default=None, help="write the run's losses, memory and traffic here (rank 0)")
     p.add_argument(
         "--quantized",
         action="store_true",
@@ -681,12 +680,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None, comm=None) -> dict:
     """The zero3 command on this rank (comm: default the environment's). Returns the summary (on every rank); rank 0
     prints each step's loss and every rank's peak bytes, and writes --json."""
-    import json
-    from pathlib import Path
 
     from ..model.params import init_params
     from ..train import ConfigError
-    from .numpy_job import job_from_args
+    from .numpy_job import job_from_args, write_summary
 
     args = build_parser().parse_args(argv)
     if args.block is not None and not args.quantized:
@@ -773,9 +770,7 @@ def main(argv=None, comm=None) -> dict:
         keys = ("all_gather_bytes", "node_gather_bytes", "secondary_peak_bytes")
         summary.update(hpz=args.hpz, hpz_model=hz, hpz_measured={k: res[k] for k in keys} if args.steps else None)
     say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; peak bytes per rank {peaks[-1]} (model {model['peak']:,})")
-    if comm.rank == 0 and args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    write_summary(comm, args.json, summary)
     return summary
 
 
