@@ -39,7 +39,9 @@ def test_the_quantised_loss_curve_stays_within_the_bound(fp32):
     gap = np.abs(np.array(res["losses"]) - fp32)
     assert gap.max() < ZP.LOSS_GAP  # measured 1.3e-2 (module docstring)
     assert gap.max() > 0  # the quantisation does change the numbers
-    assert fp32[0] - fp32[-1] > 9 * ZP.LOSS_GAP  # the run learns 0.39 nats: about ten times the bound
+    # the run learns far more than the bound: 0.39 nats here, 0.32 on the course's H100 image, whose Python's help
+    # topics (the default corpus) differ; the test asks for five times the bound
+    assert fp32[0] - fp32[-1] > 5 * ZP.LOSS_GAP
     assert "zero++ (qwZ + qgZ, int8 blocks of 256)" in out
     t = ZP.zeropp_traffic(GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=2, d_model=32), 1)
     assert res["traffic_bytes"] == t and res["block"] == 256 and res["quantized"] is True
