@@ -28,7 +28,7 @@ def test_every_stored_result_loads_with_its_card_and_date(name):
 
 
 def test_load_accepts_the_file_name_too():
-    assert stored.load("kernels_h200.json") == stored.load("kernels_h200")
+    assert stored.load("kernels_h100.json") == stored.load("kernels_h100")
 
 
 def test_missing_name_is_none():
@@ -65,7 +65,7 @@ def test_a_corrupt_file_raises_naming_it(fake_package):
 
 
 def test_the_library_loaders_return_what_stored_load_returns():
-    assert bench.stored_kernels() == stored.load("kernels_h200")
+    assert bench.stored_kernels() == stored.load("kernels_h100")
     assert bench.stored_ceilings() == stored.load("ceilings_h200")
     assert ck.load_h200() == stored.load("checkpointing_h200")
 
@@ -81,7 +81,7 @@ def test_load_h200_reads_an_explicit_path(tmp_path):
 def test_missing_files_keep_their_old_behaviour(monkeypatch):
     """stored_kernels/stored_ceilings raise (the lessons cannot do without them); load_h200 says None."""
     monkeypatch.setattr(stored, "load", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="kernels_h200"):
+    with pytest.raises(FileNotFoundError, match="kernels_h100"):
         bench.stored_kernels()
     with pytest.raises(FileNotFoundError, match="ceilings_h200"):
         bench.stored_ceilings()

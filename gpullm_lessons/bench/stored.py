@@ -1,7 +1,7 @@
 """The course's stored measurements: runs on a reference GPU, shipped with the package for machines without one.
 
 Each stored result is one JSON file in ``gpullm_lessons/results/``, named after what was measured and on which card
-(``kernels_h200``, ``allreduce_h200x2``), and says itself where and when it was measured: ``"card"`` (the name the
+(``kernels_h100``, ``allreduce_h200x2``), and says itself where and when it was measured: ``"card"`` (the name the
 driver reported) and ``"date"`` (ISO). Lessons show a stored result beside, or instead of, a live measurement, and
 always say which one they show (``describe``).
 
@@ -30,7 +30,7 @@ def _folder():
 
 def _check_name(name: str) -> str:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name:
-        raise ValueError(f"not a stored result name: {name!r} (a bare name such as 'kernels_h200', "
+        raise ValueError(f"not a stored result name: {name!r} (a bare name such as 'kernels_h100', "
                          f"without a folder or '..')")
     return name[:-len(".json")] if name.endswith(".json") else name
 
