@@ -72,7 +72,7 @@ def test_the_roofline_paragraph_states_what_the_stored_ceilings_give():
 
 def test_no_time_of_a_stored_row_that_is_not_valid_appears_in_the_lesson():
     text = "".join(source(c) for c in cells(L11) if c["cell_type"] == "markdown")
-    for name in ("flash_v6_h200", "ncu_flash_h200"):
+    for name in ("ncu_flash_h200",):
         run = stored.require(name)
         bad = checks_flash.NOT_VALID[run["card"], run["date"]]
         for r in run["rows"]:
