@@ -64,23 +64,16 @@ FLOAT = np.float32
 
 
 def _check(fn, cfg, world, T=None):
-    from ..model.params import GPTConfig
+    """tensor.py's checks of cfg and world (N whole heads per rank), and T / N positions per rank."""
+    from .tensor import _check as heads_split
 
-    if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"{fn}: cfg must be a GPTConfig, got {type(cfg).__name__}")
-    if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
-        raise ValueError(f"{fn}: world must be a positive integer, got {world!r}")
-    if cfg.n_head % world:
-        raise ValueError(
-            f"{fn}: n_head {cfg.n_head} does not split over {world} ranks: attention runs nh / N whole heads per "
-            f"rank; pass a world size that divides n_head"
-        )
+    world = heads_split(fn, cfg, world)
     if T is not None and T % world:
         raise ValueError(
             f"{fn}: T={T} positions do not split over {world} ranks: each rank takes T / N of them; pass a sequence "
             f"length divisible by {world}"
         )
-    return int(world)
+    return world
 
 
 def ulysses_traffic(cfg, world: int, B: int, T: int) -> dict:
