@@ -113,3 +113,16 @@ def test_the_collectives_of_a_step():
     with pytest.raises(ValueError, match="unknown collective"):
         plan.collective_seconds("broadcast", 10, 2, 1e-5, 1e-9)
     assert np.isfinite(plan.comm_seconds(plan.comm_per_step(CFG, B, T, 4, "zero3"), 4, 1e-5, 1e-9))
+
+
+def test_state_curves_and_the_lessons_figures():
+    from gpullm_lessons import viz
+
+    curves = plan.state_curves(CFG, worlds=(1, 2, 3, 4))
+    assert [N for N, _ in curves["tensor"]] == [1, 2, 4]  # 4 heads do not split over 3 ranks
+    assert curves["zero3"][1] == (2, plan.state_per_rank(CFG, 2, "zero3")["total"])
+    fig = viz.plot_state_per_rank(curves, "test", card_bytes=10**6)
+    assert len(fig.axes[0].get_lines()) == len(plan.STRATEGIES) + 1  # one line per strategy and the card's
+    rows = [{"size_bytes": n, "time_us": 1e6 * (2e-5 + n / 3e11)} for n in (1024, 2**20, 2**26)]
+    fig = viz.plot_alpha_beta(rows, plan.fit_alpha_beta(rows, 2), 2, "test")
+    assert len(fig.axes[0].get_lines()) == 2
