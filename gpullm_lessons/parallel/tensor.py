@@ -423,12 +423,21 @@ class TensorParallel:
         )
 
     # ---- the step on ranks -----------------------------------------------------------------------------------------
+    def norm_and_update(self, lr, weight_decay, grad_clip) -> float:
+        """The global norm (the split tensors' squares summed over ranks, the replicated ones once), the clip factor,
+        AdamW; returns the norm."""
+        from ..model.optim import clip_coefficient
+
+        split, rep = self.sumsq()
+        split = float(self.comm.all_reduce_scalars([split])[0])
+        norm = math.sqrt(max(split + rep, 0.0))
+        self.update(lr, weight_decay, clip_coefficient(norm, grad_clip))
+        return norm
+
     def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
         """One step on this rank: x, y the global batch (B, T), the same on every rank (all of it goes through every
         rank). Returns (the same on every rank) {"loss", "grad_norm", "all_reduce" (elements this rank all-reduced),
         "all_reduces", "bytes" (this rank's params + grads + m + v), "seconds"}."""
-        from ..model.optim import clip_coefficient
-
         x, y = _check_batch("TensorParallel.train_step", self.cfg, x, y)
         t0 = time.perf_counter()
         count = {"all_reduce": 0, "all_reduces": 0}
@@ -440,10 +449,7 @@ class TensorParallel:
             count["all_reduces"] += 1
 
         loss = _forward_backward([self], x, y, all_reduce)[0]
-        split, rep = self.sumsq()
-        split = float(self.comm.all_reduce_scalars([split])[0])  # the shards' squares summed over ranks
-        norm = math.sqrt(max(split + rep, 0.0))  # + the replicated ones, once
-        self.update(lr, weight_decay, clip_coefficient(norm, grad_clip))
+        norm = self.norm_and_update(lr, weight_decay, grad_clip)
         return {
             "loss": loss,
             "grad_norm": norm,
@@ -578,12 +584,60 @@ class SequenceParallel(TensorParallel):
             a += k
         return mask
 
+    def train_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
+        """As TensorParallel's, the all-reduces replaced by all-gathers and reduce-scatters along T, then one
+        all-reduce of the replicated gradients that are sums over positions."""
+        x, y = _check_batch("SequenceParallel.train_step", self.cfg, x, y)
+        if x.shape[1] % self.W:
+            raise ValueError(
+                f"SequenceParallel.train_step: T={x.shape[1]} positions do not split over {self.W} ranks; pass a "
+                f"sequence length divisible by {self.W}"
+            )
+        t0 = time.perf_counter()
+        count = {"all_gather": 0, "reduce_scatter": 0, "collectives": 0}
+        N = self.W
+
+        def all_gather(bufs):
+            (b,) = bufs
+            out = np.empty((N,) + b.shape, FLOAT)
+            self.comm.all_gather(b.reshape(-1), out.reshape(-1))
+            count["all_gather"] += out.size
+            count["collectives"] += 1
+            return [np.ascontiguousarray(np.concatenate(list(out), axis=1))]  # rank r's positions at [r T/N, ...)
+
+        def reduce_scatter(bufs):
+            (b,) = bufs
+            B, T, C = b.shape
+            send = np.ascontiguousarray(b.reshape(B, N, T // N, C).transpose(1, 0, 2, 3))  # chunk r: rank r's positions
+            out = np.empty((B, T // N, C), FLOAT)
+            self.comm.reduce_scatter(send.reshape(-1), out.reshape(-1))
+            count["reduce_scatter"] += send.size
+            count["collectives"] += 1
+            return [out]
+
+        (loss,) = _sp_forward_backward([self], x, y, all_gather, reduce_scatter)
+        mask = self.partial_mask()
+        partial = np.ascontiguousarray(self.grads[mask])
+        self.comm.all_reduce(partial)  # sums over every rank's positions
+        self.grads[mask] = partial
+        loss = float(self.comm.all_reduce_scalars([loss])[0]) / N
+        norm = self.norm_and_update(lr, weight_decay, grad_clip)
+        return {
+            "loss": loss,
+            "grad_norm": norm,
+            **count,
+            "grad_all_reduce": int(partial.size),
+            "bytes": self.memory_bytes(),
+            "cache_bytes": self.peak_cache,
+            "seconds": time.perf_counter() - t0,
+        }
+
 
 def _sp_forward_backward(ranks, x, y, all_gather, reduce_scatter) -> list:
     """SequenceParallel's forward and backward on `ranks` (this rank alone, or all N in one process): all_gather(per
     rank (B, T/N, C)) -> per rank (B, T, C) and reduce_scatter(per rank (B, T, C)) -> per rank (B, T/N, C) of the
     sum, both along T, between the regions. Returns each rank's local mean loss."""
-    L, N, T = ranks[0].cfg.n_layer, len(ranks) if len(ranks) > 1 else ranks[0].W, x.shape[1]
+    L, N, T = ranks[0].cfg.n_layer, ranks[0].W, x.shape[1]
     hs = [r.embed(x) for r in ranks]
     for l in range(L):
         full = all_gather([r.ln1(l, h) for r, h in zip(ranks, hs)])
@@ -607,63 +661,6 @@ def _sp_forward_backward(ranks, x, y, all_gather, reduce_scatter) -> list:
     return losses
 
 
-def _sp_step(self, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
-    """SequenceParallel.train_step: as TensorParallel's, the all-reduces replaced by all-gathers and reduce-scatters
-    along T, then one all-reduce of the replicated gradients that are sums over positions."""
-    from ..model.optim import clip_coefficient
-
-    x, y = _check_batch("SequenceParallel.train_step", self.cfg, x, y)
-    if x.shape[1] % self.W:
-        raise ValueError(
-            f"SequenceParallel.train_step: T={x.shape[1]} positions do not split over {self.W} ranks; pass a "
-            f"sequence length divisible by {self.W}"
-        )
-    t0 = time.perf_counter()
-    count = {"all_gather": 0, "reduce_scatter": 0, "collectives": 0}
-    N = self.W
-
-    def all_gather(bufs):
-        (b,) = bufs
-        out = np.empty((N,) + b.shape, FLOAT)
-        self.comm.all_gather(b.reshape(-1), out.reshape(-1))
-        count["all_gather"] += out.size
-        count["collectives"] += 1
-        return [np.ascontiguousarray(np.concatenate(list(out), axis=1))]  # rank r's positions at [r T/N, ...)
-
-    def reduce_scatter(bufs):
-        (b,) = bufs
-        B, T, C = b.shape
-        send = np.ascontiguousarray(b.reshape(B, N, T // N, C).transpose(1, 0, 2, 3))  # chunk r: rank r's positions
-        out = np.empty((B, T // N, C), FLOAT)
-        self.comm.reduce_scatter(send.reshape(-1), out.reshape(-1))
-        count["reduce_scatter"] += send.size
-        count["collectives"] += 1
-        return [out]
-
-    (loss,) = _sp_forward_backward([self], x, y, all_gather, reduce_scatter)
-    mask = self.partial_mask()
-    partial = np.ascontiguousarray(self.grads[mask])
-    self.comm.all_reduce(partial)  # sums over every rank's positions
-    self.grads[mask] = partial
-    loss = float(self.comm.all_reduce_scalars([loss])[0]) / N
-    split, rep = self.sumsq()
-    split = float(self.comm.all_reduce_scalars([split])[0])
-    norm = math.sqrt(max(split + rep, 0.0))
-    self.update(lr, weight_decay, clip_coefficient(norm, grad_clip))
-    return {
-        "loss": loss,
-        "grad_norm": norm,
-        **count,
-        "grad_all_reduce": int(partial.size),
-        "bytes": self.memory_bytes(),
-        "cache_bytes": self.peak_cache,
-        "seconds": time.perf_counter() - t0,
-    }
-
-
-SequenceParallel.train_step = _sp_step
-
-
 # ================================================================================================================
 # 3. All N ranks in one process
 # ================================================================================================================
@@ -679,7 +676,8 @@ def tp_ranks(cfg, world: int, params, betas=None, eps=None, sequence=False) -> l
 
 def simulate_step(ranks, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
     """train_step with all N ranks in one process (tp_ranks): each all-reduce the sum of the ranks' buffers in rank
-    order, given to every rank. Returns {"loss", "grad_norm", "all_reduce" (elements per rank), "all_reduces",
+    order, given to every rank (SequenceParallel ranks: the all-gathers concatenate their positions, the
+    reduce-scatters sum in rank order and hand each rank its positions, then the partial gradients are all-reduced). Returns {"loss", "grad_norm", "all_reduce" (elements per rank), "all_reduces",
     "bytes" (per rank: [N values])}."""
     from ..model.optim import clip_coefficient
 
@@ -700,56 +698,43 @@ def simulate_step(ranks, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
         count["all_reduce"] += total.size
         count["all_reduces"] += 1
 
-    if isinstance(ranks[0], SequenceParallel):
-        return _simulate_sp(ranks, x, y, lr, weight_decay, grad_clip)
-    losses = _forward_backward(ranks, x, y, all_reduce)
-    assert all(v == losses[0] for v in losses)
+    if isinstance(ranks[0], SequenceParallel):  # all-gathers and reduce-scatters along T, then the partial gradients
+        T = x.shape[1]
+        if T % N:
+            raise ValueError(f"simulate_step: T={T} positions do not split over {N} ranks")
+
+        def all_gather(bufs):
+            return [np.ascontiguousarray(np.concatenate(bufs, axis=1))] * N
+
+        def reduce_scatter(bufs):
+            total = bufs[0].copy()
+            for b in bufs[1:]:  # in rank order, as all_reduce above
+                total += b
+            return [np.ascontiguousarray(total[:, r * T // N : (r + 1) * T // N]) for r in range(N)]
+
+        losses = _sp_forward_backward(ranks, x, y, all_gather, reduce_scatter)
+        mask = ranks[0].partial_mask()
+        partial = [np.ascontiguousarray(r.grads[mask]) for r in ranks]
+        all_reduce(partial)
+        for r, g in zip(ranks, partial):
+            r.grads[mask] = g
+        loss = sum(losses) / N
+    else:
+        losses = _forward_backward(ranks, x, y, all_reduce)
+        assert all(v == losses[0] for v in losses)
+        loss = losses[0]
     sq = [r.sumsq() for r in ranks]
     norm = math.sqrt(max(sum(s for s, _ in sq) + sq[0][1], 0.0))  # the shards' summed, the replicated once
     coef = clip_coefficient(norm, grad_clip)
     for r in ranks:
         r.update(lr, weight_decay, coef)
     return {
-        "loss": losses[0],
+        "loss": loss,
         "grad_norm": norm,
         **count,
         "bytes": [r.memory_bytes() for r in ranks],
         "cache_bytes": [r.peak_cache for r in ranks],
     }
-
-
-def _simulate_sp(ranks, x, y, lr, weight_decay, grad_clip) -> dict:
-    """simulate_step for SequenceParallel ranks: the all-gathers concatenate the ranks' positions, the reduce-scatters
-    sum in rank order and hand each rank its positions, the partial gradients are summed in rank order."""
-    from ..model.optim import clip_coefficient
-
-    N, T = len(ranks), x.shape[1]
-    if T % N:
-        raise ValueError(f"simulate_step: T={T} positions do not split over {N} ranks")
-
-    def all_gather(bufs):
-        full = np.ascontiguousarray(np.concatenate(bufs, axis=1))
-        return [full] * N
-
-    def reduce_scatter(bufs):
-        total = bufs[0].copy()
-        for b in bufs[1:]:
-            total += b
-        return [np.ascontiguousarray(total[:, r * T // N : (r + 1) * T // N]) for r in range(N)]
-
-    losses = _sp_forward_backward(ranks, x, y, all_gather, reduce_scatter)
-    mask = ranks[0].partial_mask()
-    total = ranks[0].grads[mask].copy()
-    for r in ranks[1:]:
-        total += r.grads[mask]
-    for r in ranks:
-        r.grads[mask] = total
-    sq = [r.sumsq() for r in ranks]
-    norm = math.sqrt(max(sum(s for s, _ in sq) + sq[0][1], 0.0))
-    coef = clip_coefficient(norm, grad_clip)
-    for r in ranks:
-        r.update(lr, weight_decay, coef)
-    return {"loss": sum(losses) / N, "grad_norm": norm, "cache_bytes": [r.peak_cache for r in ranks]}
 
 
 def simulated_full_params(ranks, which="p") -> np.ndarray:
