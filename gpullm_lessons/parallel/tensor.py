@@ -677,8 +677,9 @@ def tp_ranks(cfg, world: int, params, betas=None, eps=None, sequence=False) -> l
 def simulate_step(ranks, x, y, lr, weight_decay=0.0, grad_clip=0.0) -> dict:
     """train_step with all N ranks in one process (tp_ranks): each all-reduce the sum of the ranks' buffers in rank
     order, given to every rank (SequenceParallel ranks: the all-gathers concatenate their positions, the
-    reduce-scatters sum in rank order and hand each rank its positions, then the partial gradients are all-reduced). Returns {"loss", "grad_norm", "all_reduce" (elements per rank), "all_reduces",
-    "bytes" (per rank: [N values])}."""
+    reduce-scatters sum in rank order and hand each rank its positions, then the partial gradients are
+    all-reduced). Returns {"loss", "grad_norm", "all_reduce" (elements per rank), "all_reduces", "bytes" (per rank:
+    [N values]), "cache_bytes"}."""
     from ..model.optim import clip_coefficient
 
     N = len(ranks)
