@@ -206,6 +206,26 @@ def test_self_check_on_one_rank(tmp_path):
 # ---- refusals --------------------------------------------------------------------------------------------------
 
 
+def test_memory_on_one_rank_is_the_model_and_the_model_adds_up():
+    """One rank: the measured allocations of forward + backward within 10% of memory_model (measured 0.01-0.7% over);
+    the model's phases are its formula (X = B nh T/N hs, L = B nh T/N elements), the scores shrink N^2 times and the
+    planted keep-blocks self-check leaves the numbers right (its memory is tested on 4 MPI ranks)."""
+    mem = RA.measure_memory(SingleComm(), batch=1, n_head=2, seq=128, head_size=16)
+    m = mem["model"]
+    assert mem["ok"] and 1.0 <= mem["ratio"][0] <= 1.0 + RA.MEMORY_TOLERANCE
+    X, L = 1 * 2 * 128 * 16 * 8, 1 * 2 * 128 * 8
+    assert (m["X"], m["L"], m["scores_block"]) == (X, L, 2 * 128 * 128 * 8)
+    assert (
+        m["phases"]["forward exchange"] == X + L + 4 * X and m["phases"]["backward exchange"] == 2 * X + 2 * L + 8 * X
+    )
+    assert m["phases"]["backward step"] == 2 * X + 2 * L + 4 * X + m["step_backward"]
+    assert m["step_backward"] > 2 * m["scores_block"]  # the recomputed P and dS at least
+    m4 = RA.memory_model(1, 2, 128, 16, 4)
+    assert m4["scores_block"] * 16 == m["scores_block"] and m4["peak"] < m["peak"] / 4
+    res = RA.main(["--seq", "16", "--plant", "keep-blocks"], comm=SingleComm())
+    assert res["ok"] and RA.block_attention.__name__ == "block_attention"  # the plant is undone
+
+
 def test_a_sequence_that_does_not_split_is_refused():
     q, k, v, dout = qkv(shape=(1, 2, 10, 4))
     with pytest.raises(ValueError, match=r"T=10 positions do not split into N=4 equal blocks"):

@@ -76,10 +76,11 @@ import sys
 
 import numpy as np
 
-from ..reference.attention import attention_mask, sdpa_forward
+from ..reference.attention import attention_mask, sdpa_backward, sdpa_forward
 
 KINDS = ("full", "causal", "skip")
 TOLERANCES = {"float64": 1e-12, "float32": 1e-5}  # the self-check's limit on max|err| / max|reference| (cli)
+MEMORY_TOLERANCE = 0.10  # measure_memory: each rank's measured peak within 10% of memory_model's
 
 
 # ================================================================================================================
@@ -165,6 +166,7 @@ def _forward_steps(r, N, q, k, v, causal, kind, log):
         part = block_attention(q, kv[0], kv[1], what)
         if part is not None:
             out, lse = merge_partials(out, lse, *part)
+            part = None  # freed before the next step's block (memory_model)
         if s < N - 1:
             kv = yield kv
     return out, lse
@@ -185,6 +187,7 @@ def _backward_steps(r, N, dout, q, k, v, out, lse, causal, kind, log):
             dq += g[0]
             buf[2] += g[1]
             buf[3] += g[2]
+            g = None  # freed before the next step's block (memory_model)
         if s < N - 1:
             buf = yield buf
     dkv = yield np.ascontiguousarray(buf[2:])  # block (r+1) mod N's gradients go home to rank r+1
@@ -199,6 +202,7 @@ def _run_on_comm(comm, gen):
         while True:
             recv = np.empty_like(send)
             comm.sendrecv(send, (r + 1) % N, recv, (r - 1) % N)
+            send = None  # the block passed on is freed before the next step computes (memory_model counts one)
             send = gen.send(recv)
     except StopIteration as done:
         return done.value
@@ -337,7 +341,112 @@ def work_per_rank(N: int, causal: bool = True) -> list:
 
 
 # ================================================================================================================
-# 4. The self-check on real ranks: python -m gpullm_lessons.parallel ring-attention
+# 4. Memory per rank: what a rank allocates, predicted and measured
+# ================================================================================================================
+
+
+def _traced_peak(fn):
+    """(fn's return, bytes allocated at fn's peak over what was allocated when it started): tracemalloc's peak, which
+    NumPy's arrays report to (their data buffers; Python objects are a few hundred bytes)."""
+    import tracemalloc
+
+    was = tracemalloc.is_tracing()
+    if not was:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        res = fn()
+        return res, tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not was:
+            tracemalloc.stop()
+
+
+def _random_blocks(batch, n_head, T, head_size, dtype, count, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((batch, n_head, T, head_size)).astype(dtype) for _ in range(count)]
+
+
+def memory_model(batch, n_head, seq, head_size, N, dtype="float64") -> dict:
+    """Bytes one of N ranks allocates over its forward and backward, from what the ring holds (below) and the peak of
+    one step's block attention (block_attention, block_attention_backward on (T/N, T/N) blocks, measured alone, in
+    this process). With X = B nh (T/N) hs and L = B nh (T/N) elements, a rank allocates out (X) and lse (L) in the
+    forward, which stay; then at each phase, beside them:
+        forward step      the k, v block (2X) + one block's forward
+        forward exchange  the k, v block and the one arriving (2X + 2X)
+        backward step     D (L), dq (X), the k, v, dk, dv block (4X) + one block's backward
+        backward exchange D, dq, the block and the one arriving (4X + 4X); the last hop: dk, dv only (2X + 2X)
+    The peak is the largest phase. one_rank: sdpa_forward + sdpa_backward on all T positions (what one rank without
+    the ring allocates: the (T, T) scores it caches, measured the same way)."""
+    fn = "memory_model"
+    Tb = _check_split(fn, seq, N)
+    e = np.dtype(dtype).itemsize
+    X, L = batch * n_head * Tb * head_size * e, batch * n_head * Tb * e
+    q, k, v, dout = _random_blocks(batch, n_head, Tb, head_size, dtype, 4, seed=0)
+    part, fwd = _traced_peak(lambda: block_attention(q, k, v, "full"))
+    D = (dout * part[0]).sum(-1)
+    _, bwd = _traced_peak(lambda: block_attention_backward(dout, q, k, v, part[1], D, "full"))
+    kept = X + L  # out, lse
+    phases = {
+        "forward step": kept + 2 * X + fwd,
+        "forward exchange": kept + 4 * X,
+        "backward step": kept + L + X + 4 * X + bwd,
+        "backward exchange": kept + L + X + 8 * X,
+    }
+    worst = max(phases, key=phases.get)
+    full = _random_blocks(batch, n_head, seq, head_size, dtype, 4, seed=1)
+
+    def one_rank():
+        out, cache = sdpa_forward(*full[:3], causal=True)
+        return sdpa_backward(full[3], cache)
+
+    _, whole = _traced_peak(one_rank)
+    return {
+        "N": N,
+        "block": Tb,
+        "itemsize": e,
+        "X": X,
+        "L": L,
+        "step_forward": fwd,
+        "step_backward": bwd,
+        "phases": phases,
+        "peak_phase": worst,
+        "peak": phases[worst],
+        "one_rank": whole,
+        "scores_block": batch * n_head * Tb * Tb * e,
+    }
+
+
+def measure_memory(comm, batch=2, n_head=2, seq=32, head_size=8, dtype="float64", seed=0) -> dict:
+    """This rank's forward and backward of ring attention on its own random blocks, under tracemalloc: the bytes it
+    allocates at its peak, beside memory_model's prediction. Every rank returns every rank's measurement."""
+    N, r = comm.world_size, comm.rank
+    Tb = _check_split("measure_memory", seq, N)
+    q, k, v, dout = _random_blocks(batch, n_head, Tb, head_size, dtype, 4, seed=seed + r)
+
+    def both():
+        out, lse = ring_attention_forward(comm, q, k, v)
+        return ring_attention_backward(comm, dout, q, k, v, out, lse)
+
+    comm.barrier()
+    _, mine = _traced_peak(both)
+    peaks = np.zeros(N)
+    peaks[r] = mine
+    comm.all_reduce(peaks, op="sum")
+    model = memory_model(batch, n_head, seq, head_size, N, dtype)
+    ratio = [float(p / model["peak"]) for p in peaks]
+    return {
+        "measured": [int(p) for p in peaks],
+        "model": model,
+        "ratio": ratio,
+        "tolerance": MEMORY_TOLERANCE,
+        "ok": all(abs(x - 1) <= MEMORY_TOLERANCE for x in ratio),
+    }
+
+
+# ================================================================================================================
+# 5. The self-check on real ranks: python -m gpullm_lessons.parallel ring-attention
 # ================================================================================================================
 
 
@@ -353,9 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-size", type=int, default=8)
     p.add_argument("--dtype", choices=("float64", "float32", "both"), default="both")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plant", choices=("none", "see-future"), default="none", help="a planted bug: j > r attended")
+    p.add_argument(
+        "--plant",
+        choices=("none", "see-future", "keep-blocks"),
+        default="none",
+        help="a planted bug: j > r attended (see-future), or every k, v block kept as it passes (keep-blocks)",
+    )
     p.add_argument("--json", default=None, help="write the errors (rank 0)")
     p.add_argument("--save", default=None, help="a folder: each rank writes rank<r>_<dtype>.npz (out, lse, dq, dk, dv)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure each rank's allocations against memory_model (--dtype's first, float64 for both)",
+    )
     return p
 
 
@@ -376,8 +495,6 @@ def check_on_ranks(
     """Forward and backward on comm's ranks against the one-rank computation; every rank returns every rank's
     errors (max|err| / max|reference| of out, lse, dq, dk, dv; lse: max|err| / max(1, max|lse|)). save: a folder
     where this rank writes rank<r>_<dtype>.npz of its results."""
-    from ..reference.attention import sdpa_backward
-
     N, r = comm.world_size, comm.rank
     Tb = _check_split("ring-attention", seq, N)
     q, k, v, dout = self_check_inputs(batch, n_head, seq, head_size, dtype, seed)
@@ -421,7 +538,16 @@ def main(argv=None, comm=None) -> dict:
     args = build_parser().parse_args(argv)
     own = comm is None
     comm = from_env() if own else comm
+    step = globals()["block_attention"]
     try:
+        if args.plant == "keep-blocks":  # what gathering the whole k, v would cost: every block stays alive
+            kept = []
+
+            def keeping(q, k, v, kind):
+                kept.append((k, v))
+                return step(q, k, v, kind)
+
+            globals()["block_attention"] = keeping
         kind = step_kind
         if args.plant == "see-future":
 
@@ -435,6 +561,11 @@ def main(argv=None, comm=None) -> dict:
         ]
         res = {"world": comm.world_size, "comm": comm.name, "T": args.seq, "checks": checks}
         res["ok"] = all(c["ok"] for c in checks)
+        if args.memory:
+            res["memory"] = measure_memory(
+                comm, args.batch, args.n_head, args.seq, args.head_size, dtypes[0], args.seed
+            )
+            res["ok"] = res["ok"] and res["memory"]["ok"]
         if comm.rank == 0:
             for c in checks:
                 worst = ", ".join(f"{n} {max(e):.1e}" for n, e in c["errors"].items())
@@ -443,11 +574,20 @@ def main(argv=None, comm=None) -> dict:
                     f"{args.seq // comm.world_size}, {c['dtype']}: max error vs one rank {worst} "
                     f"(tolerance {c['tolerance']:.0e}): {'ok' if c['ok'] else 'WRONG'}"
                 )
+            if args.memory:
+                mem, model = res["memory"], res["memory"]["model"]
+                print(
+                    f"memory per rank, {dtypes[0]}: measured {', '.join(f'{b:,}' for b in mem['measured'])} B; model "
+                    f"{model['peak']:,} B ({model['peak_phase']}; one block's scores {model['scores_block']:,} B); "
+                    f"one rank over all T: {model['one_rank']:,} B: {'ok' if mem['ok'] else 'OVER'} (within "
+                    f"{mem['tolerance']:.0%})"
+                )
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)
         return res
     finally:
+        globals()["block_attention"] = step
         if own:
             comm.close()
 
