@@ -77,8 +77,9 @@ unit: $(SETUP)
 
 ## browser-test  every lesson and one exercise in JupyterLab + headless Chromium: Run All, then errors, figures,
 ##               widgets (needs /usr/bin/chromium: apt-get install chromium); screenshots in runs/browser/
+##               (make test takes one only of a notebook that fails)
 browser-test: $(SETUP)
-	$(PYTEST) -q -m browser tests/test_browser.py
+	GPULLM_BROWSER_SHOTS=1 $(PYTEST) -q -m browser tests/test_browser.py
 
 ## notebooks   lesson and solution notebooks under nbval only
 notebooks: $(SETUP)

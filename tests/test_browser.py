@@ -13,8 +13,10 @@ and the cell, on what a learner would see as broken:
 The exercise notebook (exercises/00_gpu_orientation) runs with its TODO cells unwritten: its checker cells must say
 *not attempted* and nothing else may fail (no traceback at all: the checkers catch NotImplementedError).
 
-Screenshots of each notebook after Run All go to runs/browser/, with report.txt (Run All's time per notebook and
-the printed lines wider than 100 characters, which JupyterLab wraps anywhere). Needs /usr/bin/chromium (Debian's
+report.txt in runs/browser/ gives Run All's time per notebook and the printed lines wider than 100 characters (which
+JupyterLab wraps anywhere). A notebook that fails leaves a screenshot of itself there; with GPULLM_BROWSER_SHOTS=1
+(`make browser-test` sets it) every notebook does. The pictures are a help, not a verdict: taking them scrolls the
+whole notebook a window at a time, about 10 s a lesson, which `make test` saves. Needs /usr/bin/chromium (Debian's
 `chromium` package) and the `playwright` package (the `dev` extra); `playwright install` is never needed. Run it with
 `make browser-test` (or `pytest -m browser tests/test_browser.py`). `make test` runs it instead of nbval over
 notebooks/ (nbval still runs solutions/); without Chromium it skips there and the lessons go to nbval, except on CI
@@ -40,6 +42,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("GPULLM_CHROMIUM", "/usr/bin/chromium")
 SHOTS = ROOT / "runs" / "browser"
+SHOT_ALWAYS = os.environ.get("GPULLM_BROWSER_SHOTS") == "1"   # a screenshot of every notebook, not only of a failure
 LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 EXERCISE = "00_gpu_orientation.ipynb"
 
@@ -327,7 +330,8 @@ def _run_notebook(browser, lab, folder: str, name: str):
         _run_all(page)
         state = _wait_done(page, lab, RUN_S)
         took = time.monotonic() - t0
-        _full_height_shot(page, folder, name)
+        if SHOT_ALWAYS:
+            _full_height_shot(page, folder, name)
         _report(folder, name, state, took)
         return page, context, state, took
     except Exception:
@@ -391,6 +395,7 @@ def test_lesson_runs_in_the_browser(browser, lab, name):
         problems = _problems(name, "notebooks", state)
         if name.startswith("07_"):
             problems += _check_formats_widget(page, state, name)
+        if problems or (SHOT_ALWAYS and name.startswith("07_")):   # 07: the picture after the widget moved
             _full_height_shot(page, "notebooks", name)
         print(f"{name}: Run All took {took:.0f} s")
         assert not problems, "\n".join(problems)
@@ -412,6 +417,8 @@ def test_exercise_runs_in_the_browser(browser, lab):
                 problems.append(f"exercises/{EXERCISE} cell {i}: a verdict other than 'not attempted': "
                                 f"{c['text'][:300]}")
         print(f"exercises/{EXERCISE}: Run All took {took:.0f} s")
+        if problems:
+            _full_height_shot(page, "exercises", EXERCISE)
         assert not problems, "\n".join(problems)
     finally:
         context.close()

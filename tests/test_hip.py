@@ -47,6 +47,18 @@ def test_an_empty_nvrtc_log_leaves_pythons_cached_bytes_alone():
     assert "a b".encode() == b"a" + bytes([32]) + b"b"
 
 
+def test_the_fast_compile_still_checks_what_ptxas_checks():
+    """The compile checks use NVRTC's fast-compile mode (hip.FAST_COMPILE): less optimisation, the same front end
+    and the same ptxas for sm_90, which rejects bad inline PTX in both modes."""
+    pytest.importorskip("cuda.bindings", reason="NVRTC bindings come with the [dev] extra (numba-cuda[cu13])")
+    src = b'extern "C" __global__ void k(float* x) { float y; asm("bogus.op.f32 %0, %1;" : "=f"(y) : "f"(x[0])); x[0] = y; }'
+    for fast in (True, False):
+        ok, log = hip._nvrtc(src, "k.cu", "sm_90", fast=fast)
+        assert not ok and "ptxas" in log and "bogus" in log, (fast, log)
+    ok, log = hip._nvrtc(src.replace(b"bogus.op.f32", b"mov.f32"), "k.cu", "sm_90")
+    assert ok, log
+
+
 @pytest.mark.parametrize("name", SOURCES)
 def test_compiles_for_amd_with_hipcc(name):
     require_tool("hipcc")

@@ -351,7 +351,13 @@ def compile_nvrtc(name: str, arch: str = "sm_90", options=()) -> tuple[bool, str
     return _nvrtc(expanded_source(name).encode(), f"{name}.cu", arch, options)
 
 
-def _nvrtc(text: bytes, filename: str, arch: str, options=()) -> tuple[bool, str]:
+# These compiles check that a source is valid CUDA (front end, NVVM, ptxas for sm_90), not what the GPU will run (CuPy
+# compiles that with its own options): NVRTC's fast-compile mode (CUDA >= 12.8) skips most optimisation, which makes
+# flash.cu's check six times faster (104 s -> 16 s on 2 cores). An NVRTC without the option compiles as before.
+FAST_COMPILE = "--Ofast-compile=max"
+
+
+def _nvrtc(text: bytes, filename: str, arch: str, options=(), fast: bool = True) -> tuple[bool, str]:
     from cuda.bindings import nvrtc  # lazy: comes with numba-cuda[cu13] / cuda-python
 
     err, prog = nvrtc.nvrtcCreateProgram(text, filename.encode(), 0, [], [])
@@ -360,6 +366,8 @@ def _nvrtc(text: bytes, filename: str, arch: str, options=()) -> tuple[bool, str
     if inc is not None:
         opts.append(f"-I{inc}".encode())
     opts += [o.encode() for o in (*include_options(), *options)]
+    if fast:
+        opts.append(FAST_COMPILE.encode())
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     # NVRTC writes the log into this buffer in place: it must be a bytes object of its own. b" " * 1 is CPython's
@@ -367,7 +375,11 @@ def _nvrtc(text: bytes, filename: str, arch: str, options=()) -> tuple[bool, str
     log = b" " * max(size, 2)
     nvrtc.nvrtcGetProgramLog(prog, log)
     nvrtc.nvrtcDestroyProgram(prog)
-    return res == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace").strip("\x00 \n")
+    log = log.decode(errors="replace").strip("\x00 \n")
+    ok = res == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    if fast and not ok and "Ofast-compile" in log:  # an NVRTC older than 12.8: the same check, at full optimisation
+        return _nvrtc(text, filename, arch, options, fast=False)
+    return ok, log
 
 
 def _run_compiler(cmd: list[str], env=None) -> tuple[bool, str]:
