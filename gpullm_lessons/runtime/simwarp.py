@@ -266,16 +266,59 @@ FUNCTIONS = {f.__name__: f for f in (shfl_sync, shfl_up_sync, shfl_down_sync, sh
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Running a block without starving it
+# --------------------------------------------------------------------------------------------------------------
+def _block_runner(kernel_module):
+    """A BlockManager.run for the simulator: start one Python thread per CUDA thread of the block, then, until all
+    have returned, release the block from cuda.syncthreads() once every live thread waits there and raise the first
+    error a thread hit (after stopping the others). Numba's own loop does the same but checks the threads without
+    pause, holding the interpreter's lock the threads need: yielding it before each check (time.sleep(0)) runs the
+    kernels' threads about twice as fast (a training step of the numba engine on a toy model: 10.2 s -> 4.9 s)."""
+    thread_cls = kernel_module.BlockThread
+
+    def run(self, grid_point, *args):
+        def body():
+            self._f(*args)
+
+        threads = [thread_cls(body, self, grid_point, p, self._debug) for p in np.ndindex(*self._block_dim)]
+        for t in threads:
+            t.start()
+        live = threads
+        while live:
+            time.sleep(0)
+            failed = next((t for t in live if t.exception), None)
+            if failed is not None:
+                for t in threads:  # the others stop at their next syncthreads (the simulator's abort flag)
+                    t.abort, t.syncthreads_blocked = True, False
+                    t.syncthreads_event.set()
+                raise failed.exception[0].with_traceback(failed.exception[1])
+            live = [t for t in live if t.is_alive()]
+            if live and all(t.syncthreads_blocked for t in live):
+                for t in live:
+                    t.syncthreads_blocked = False
+                    t.syncthreads_event.set()
+        for t in threads:  # an error set just before its thread returned
+            if t.exception:
+                raise t.exception[0].with_traceback(t.exception[1])
+
+    run._simwarp = True
+    return run
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Installing
 # --------------------------------------------------------------------------------------------------------------
 def _patch(kernel_module) -> None:
-    """Add the functions to the simulator's fake cuda module (only those it lacks) and register each simulated
-    thread with its block, so a waiting lane can tell a lane that returned from one that is still running."""
+    """Add the functions to the simulator's fake cuda module (only those it lacks), register each simulated thread
+    with its block, so a waiting lane can tell a lane that returned from one that is still running, and run blocks
+    with _block_runner."""
     from numba.cuda.simulator import kernelapi
     fake = kernelapi.FakeCUDAModule
     for name, fn in FUNCTIONS.items():
         if not hasattr(fake, name):
             setattr(fake, name, fn)
+    if not getattr(kernel_module.BlockManager.run, "_simwarp", False):
+        kernel_module.BlockManager.run = _block_runner(kernel_module)
     thread_cls = kernel_module.BlockThread
     if getattr(thread_cls.__init__, "_simwarp", False):
         return
