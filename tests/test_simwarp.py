@@ -236,3 +236,46 @@ def test_disjoint_masks_shuffle_independently():
     out = np.zeros_like(x)
     sub_masks[1, 32](x, out)
     np.testing.assert_array_equal(out, np.r_[np.zeros(16), np.full(16, 16.0)])
+
+
+# ---- the block runner (simwarp's BlockManager.run: the block's threads get the interpreter lock between checks) ----
+
+
+@cuda.jit
+def staged_tree_sum(x, out):
+    """A shared-memory tree: every level reads what other threads wrote before the last syncthreads."""
+    buf = cuda.shared.array(64, np.float32)
+    t = cuda.threadIdx.x
+    buf[t] = x[cuda.blockIdx.x * 64 + t]
+    cuda.syncthreads()
+    step = 32
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()
+        step //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = buf[0]
+
+
+@cuda.jit
+def thread_five_fails(x):
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 5:
+        x[10**6] = 1.0  # out of range: the simulator raises IndexError in this thread
+    cuda.syncthreads()
+    x[cuda.threadIdx.x] = 2.0
+
+
+def test_the_block_runner_is_installed_and_keeps_syncthreads_and_errors():
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    assert getattr(sim_kernel.BlockManager.run, "_simwarp", False)
+    x = np.random.default_rng(0).standard_normal(3 * 64).astype(np.float32)
+    out = np.zeros(3, np.float32)
+    staged_tree_sum[3, 64](x, out)
+    np.testing.assert_allclose(out, x.reshape(3, 64).sum(1), rtol=1e-5)
+    with pytest.raises(IndexError, match=r"tid=\[5, 0, 0\] ctaid=\[0, 0, 0\]"):
+        thread_five_fails[1, 32](np.zeros(32, np.float32))
+    staged_tree_sum[3, 64](x, out)  # the next launch runs as before
+    np.testing.assert_allclose(out, x.reshape(3, 64).sum(1), rtol=1e-5)
