@@ -20,7 +20,7 @@ BROWSER_OR_NBVAL := $$(test -x "$${GPULLM_CHROMIUM:-/usr/bin/chromium}" && $(PY)
 # (tests/conftest.py: ONE_AT_A_TIME). `make test XDIST=` runs the suite in one process.
 XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 
-.PHONY: help setup train test lint unit notebooks browser-test gpu-test sanitize bench lab doctor image exercises grade grade-solutions clean clean-notebooks
+.PHONY: help setup train test lint unit notebooks browser-test gpu-test sanitize strategies bench lab doctor image exercises grade grade-solutions clean clean-notebooks
 
 help:
 	@sed -n 's/^## //p' $(MAKEFILE_LIST)
@@ -66,7 +66,7 @@ RUFF_FORMATTED += tests/test_pipeline.py tests/test_pipeline_ranks.py
 RUFF_FORMATTED += tests/test_ring_attention.py tests/test_ring_attention_ranks.py
 RUFF_FORMATTED += tests/test_zero3.py tests/test_zero3_ranks.py tests/test_zeropp.py tests/test_zeropp_ranks.py
 RUFF_FORMATTED += tests/test_tensor_parallel.py tests/test_tensor_parallel_ranks.py tests/test_plan.py tests/test_ulysses.py tests/test_ulysses_ranks.py
-RUFF_FORMATTED += gpullm_lessons/checks/beyond.py tests/test_tasks_13.py
+RUFF_FORMATTED += gpullm_lessons/checks/beyond.py tests/test_tasks_13.py tests/test_course_check.py
 lint: $(SETUP)
 	$(PY) -m ruff check gpullm_lessons kernels tests lab
 	$(PY) -m ruff format --check $(RUFF_FORMATTED)
@@ -90,6 +90,11 @@ notebooks: $(SETUP)
 ##              runs/gpu-test/summary.json and one line per failure (ARGS="--workers 8" or ARGS="-- -k flash")
 gpu-test: $(SETUP)
 	$(PY) -m gpullm_lessons.bench.gpu_suite $(ARGS)
+
+## strategies  lesson 13's five strategies on the course preset, 2 and 4 CPU ranks against one rank (MPI; minutes):
+##              losses and memory per rank within their tolerances, or a refusal that says why (parallel/course_check.py)
+strategies: $(SETUP)
+	OPENBLAS_NUM_THREADS=1 $(PY) -m gpullm_lessons.parallel.course_check --json runs/strategies_course.json $(ARGS)
 
 ## sanitize    NVIDIA GPU: the kernel tests under compute-sanitizer (memcheck, racecheck), one test file per part
 ##              (ARGS="--tools initcheck --files tests/test_hip_flash.py"; --jobs, --chunk, --shard, --out: see bench/sanitize.py)

@@ -30,7 +30,8 @@ if os.environ.get("GPULLM_CUPY_POOL") == "off" and device.has_gpu():
 ONE_AT_A_TIME = ("tests/test_browser.py", "tests/test_comm.py", "tests/test_parallel.py", "tests/test_train_ranks.py",
                  "tests/test_grad_accum.py", "tests/test_slurm.py", "tests/test_pipeline_ranks.py",
                  "tests/test_ring_attention_ranks.py", "tests/test_zero3_ranks.py", "tests/test_zeropp_ranks.py",
-                 "tests/test_tensor_parallel_ranks.py", "tests/test_ulysses_ranks.py", "notebooks/")
+                 "tests/test_tensor_parallel_ranks.py", "tests/test_ulysses_ranks.py", "tests/test_course_check.py",
+                 "notebooks/")
 
 
 def _one_at_a_time(nodeid: str) -> bool:
