@@ -6,6 +6,8 @@
     simulate_ring_attention(q, k, v, N)             the same arithmetic for N simulated ranks in one process,
     simulate_ring_attention_backward(dout, q, k, v, N)       with the step log (rank, key block, kind) a lesson draws
     step_kind(r, j)                                 what rank r does with key block j: "full", "causal" or "skip"
+    memory_model(B, nh, T, hs, N)                   the bytes a rank allocates, phase by phase, and its peak
+    measure_memory(comm, B, nh, T, hs)              each rank's allocations measured (tracemalloc) beside the model
 
 One sequence of T positions is cut into N contiguous blocks of T/N (N must divide T): rank r holds the queries, keys
 and values of block r, q, k, v each (B, nh, T/N, hs), and ends with the rows of causal attention for block r, the
