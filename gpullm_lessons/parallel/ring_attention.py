@@ -365,11 +365,6 @@ def _traced_peak(fn):
             tracemalloc.stop()
 
 
-def _random_blocks(batch, n_head, T, head_size, dtype, count, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((batch, n_head, T, head_size)).astype(dtype) for _ in range(count)]
-
-
 def memory_model(batch, n_head, seq, head_size, N, dtype="float64") -> dict:
     """Bytes one of N ranks allocates over its forward and backward, from what the ring holds (below) and the peak of
     one step's block attention (block_attention, block_attention_backward on (T/N, T/N) blocks, measured alone, in
@@ -385,7 +380,7 @@ def memory_model(batch, n_head, seq, head_size, N, dtype="float64") -> dict:
     Tb = _check_split(fn, seq, N)
     e = np.dtype(dtype).itemsize
     X, L = batch * n_head * Tb * head_size * e, batch * n_head * Tb * e
-    q, k, v, dout = _random_blocks(batch, n_head, Tb, head_size, dtype, 4, seed=0)
+    q, k, v, dout = self_check_inputs(batch, n_head, Tb, head_size, dtype, seed=0)
     part, fwd = _traced_peak(lambda: block_attention(q, k, v, "full"))
     D = (dout * part[0]).sum(-1)
     _, bwd = _traced_peak(lambda: block_attention_backward(dout, q, k, v, part[1], D, "full"))
@@ -397,7 +392,7 @@ def memory_model(batch, n_head, seq, head_size, N, dtype="float64") -> dict:
         "backward exchange": kept + L + X + 8 * X,
     }
     worst = max(phases, key=phases.get)
-    full = _random_blocks(batch, n_head, seq, head_size, dtype, 4, seed=1)
+    full = self_check_inputs(batch, n_head, seq, head_size, dtype, seed=1)
 
     def one_rank():
         out, cache = sdpa_forward(*full[:3], causal=True)
@@ -425,7 +420,7 @@ def measure_memory(comm, batch=2, n_head=2, seq=32, head_size=8, dtype="float64"
     allocates at its peak, beside memory_model's prediction. Every rank returns every rank's measurement."""
     N, r = comm.world_size, comm.rank
     Tb = _check_split("measure_memory", seq, N)
-    q, k, v, dout = _random_blocks(batch, n_head, Tb, head_size, dtype, 4, seed=seed + r)
+    q, k, v, dout = self_check_inputs(batch, n_head, Tb, head_size, dtype, seed=seed + r)  # this rank's own
 
     def both():
         out, lse = ring_attention_forward(comm, q, k, v)
