@@ -63,6 +63,7 @@ def recorded(monkeypatch):
         zeros=lambda n, dtype: dev(n, dtype),
         float32=np.float32,
         int32=np.int32,
+        uint8=np.uint8,
     )
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(hflash, "_kernel", kernel)
@@ -72,6 +73,9 @@ def recorded(monkeypatch):
     monkeypatch.setattr(
         hflash, "_check_packed", lambda fn, half, nh, pairs: (2, 70, nh, pairs[0][1].shape[2] // 3 // nh)
     )
+    qk = lambda fn, queries, keys, rows, **kw: (*queries[0][1].shape[:3], keys[0][1].shape[2], keys[0][1].shape[3])  # noqa: E731
+    monkeypatch.setattr(hflash, "check_flash_qk_args", qk)
+    monkeypatch.setattr(hflash, "check_attention_mask", lambda fn, causal, mask, Tq, Tk, cupy: mask is not None)
     return calls
 
 
@@ -93,6 +97,61 @@ def run_packed(version, half, hs, fused=False):
     hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half, version=version)
     hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version, fused=fused)
     return {"qkv": qkv, "out": out, "dout": dout, "lse": lse, "dqkv": dqkv}
+
+
+def run_general(half, hs, mask=True):
+    """v3's general kernels: Tq = 70 queries, Tk = 90 keys, not causal, with or without a mask."""
+    B, nh, Tq, Tk = 2, 3, 70, 90
+    q, dout = (dev((B, nh, Tq, hs), np.uint16) for _ in range(2))
+    k, v = (dev((B, nh, Tk, hs), np.uint16) for _ in range(2))
+    out, dq = (dev((B, nh, Tq, hs), np.float32) for _ in range(2))
+    dk, dv = (dev((B, nh, Tk, hs), np.float32) for _ in range(2))
+    lse, m = dev((B, nh, Tq), np.float32), dev((Tq, Tk), np.uint8) if mask else None
+    kw = {"version": "v3", "half": half, "causal": False, "mask": m}
+    hflash.flash_attention_forward(q, k, v, out, lse, **kw)
+    hflash.flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, **kw)
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "dout": dout,
+        "lse": lse,
+        "dq": dq,
+        "dk": dk,
+        "dv": dv,
+        **({"mask": m} if mask else {}),
+    }
+
+
+def general_plan(half, hs) -> list:
+    sfx = "bf16" if half == "bf16" else "f16"
+    return [
+        f"flash_attention_forward_v3_general_hs{hs}_{sfx}",
+        f"flash_attention_backward_v2_delta_{sfx}",
+        f"flash_attention_backward_v3_general_dkdv_hs{hs}_{sfx}",
+        f"flash_attention_backward_v3_general_dq_hs{hs}_{sfx}",
+    ]
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "no-mask"])
+@pytest.mark.parametrize("half", hflash.HALF_FORMATS)
+@pytest.mark.parametrize("hs", hflash.HEAD_SIZES)
+def test_every_general_launch_hands_its_kernel_exactly_the_declared_parameters(recorded, half, hs, mask):
+    arrays = run_general(half, hs, mask)
+    assert [c[0] for c in recorded] == general_plan(half, hs)
+    for name, grid, _, args, _ in recorded:
+        params = FLASH[name]
+        assert len(args) == len(params), (name, params)
+        values = dict(zip((p for _, p in params), args))
+        for (ctype, pname), arg in zip(params, args):
+            if pname in arrays:
+                assert arg is arrays[pname], (name, pname)
+            assert str(arg.dtype) == hip.PARAM_DTYPES[ctype], (name, ctype, pname, arg.dtype)
+        if "Tq" in values:
+            assert (values["Tq"], values["Tk"], values["causal"], values["has_mask"]) == (70, 90, 0, int(mask))
+        rows = 90 if "_dkdv_" in name else 70  # dK dV's blocks own key rows, the others query rows
+        assert "_delta_" in name or grid == (6, -(-rows // hflash.ROWS)), (name, grid)
 
 
 CASES = [(v, False, False) for v in hflash.VERSIONS] + [(v, True, False) for v in hflash.PACKED]
@@ -144,6 +203,7 @@ def test_every_flash_entry_point_is_reached_by_a_launcher():
             for hs in hflash.HEAD_SIZES:
                 reached.add(hflash.forward_entry(version, half, hs, packed))
                 reached.update(f for f, _ in hflash.backward_plan(version, half, hs, packed, fused))
+                reached.update(general_plan(half, hs))
     assert set(FLASH) == reached, sorted(set(FLASH) ^ reached)
 
 

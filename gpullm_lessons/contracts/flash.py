@@ -4,7 +4,8 @@ kernels/numba/flash.py and gpullm_lessons/backends/hip/flash.py (the Numba modul
 Layout: q, k, v, out, dout, dq, dk, dv are (B, nh, T, hs), one head's rows contiguous; lse and delta are (B, nh, T).
 The scale is 1/sqrt(hs) and the mask causal (query t sees keys s <= t), as in reference.attention_forward.
 
-The general form (check_flash_qk_args, check_attention_mask; reference.sdpa_forward is its oracle): q, out, dout, dq
+The general form (check_flash_qk_args, check_attention_mask; reference.sdpa_forward is its oracle; the Numba
+launchers and the HIP launchers' version "v3" run it): q, out, dout, dq
 are (B, nh, Tq, hs), k, v, dk, dv (B, nh, Tk, hs), lse and delta (B, nh, Tq). causal (a bool, default True) means
 query t sees keys s <= t + (Tk - Tq) (bottom-right aligned, causal_offset; causal with Tk < Tq is refused); mask is
 None or a (Tq, Tk) array, uint8 (nonzero = allowed) or bool, C-contiguous, the same for every batch and head, ANDed

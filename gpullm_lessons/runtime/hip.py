@@ -175,7 +175,7 @@ _SIGNATURE = re.compile(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void
                         r"(?:__launch_bounds__\s*\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)")
 # the C type of a parameter -> the NumPy dtype its argument must have (pointers: the array's dtype; scalars: the
 # NumPy scalar type CuPy passes with that width). A type not listed here is not checked.
-PARAM_DTYPES = {"unsigned short*": "uint16", "float*": "float32", "int*": "int32", "unsigned int*": "uint32",
+PARAM_DTYPES = {"unsigned short*": "uint16", "unsigned char*": "uint8", "float*": "float32", "int*": "int32", "unsigned int*": "uint32",
                 "int": "int32", "unsigned int": "uint32", "long long": "int64", "float": "float32"}
 
 

@@ -7,7 +7,8 @@
 //   flash_common.h     (included below) what several versions share: the FLASH_* constants, FLASH_PART,
 //                      half_to_f32, load_rows, row_max / row_sum, RoundTo, zero_tile and the delta pass flash_delta
 //   ==== v2            the products on the matrix units, the softmax through shared memory; FLASH_ENTRIES_V2
-//   ==== v3            the softmax in registers (portable.h's register tiles); FLASH_ENTRIES_V3 (v2's part)
+//   ==== v3            the softmax in registers (portable.h's register tiles); FLASH_ENTRIES_V3 (v2's part), and
+//                      FLASH_ENTRIES_V3_GENERAL: attention in general (not causal, a mask, Tq != Tk) on v3's code
 //   ==== v4, v5, v6    FlashAttention-2's blocks and double-buffered tiles: v4 to v6 share this templated code and
 //                      differ by LV (v4 0, v5 1, v6 2); FLASH_ENTRIES_V4 and FLASH_ENTRIES_PACKED (packed layout)
 //   ==== v5 fused      v5's backward in one kernel (fused=True); FLASH_ENTRIES_FUSED (v5's part)
@@ -388,6 +389,37 @@ FLASH_ENTRIES_V2(64, f16, 2)
 // of K and V (Q and dO in the backward) that every warp of the block reads.
 // (RoundTo and zero_tile, which v4 to v6 use too, are flash_common.h's.)
 
+// Attention in general (v3's general entry points, GEN = true; the math is kernels/numba/flash.py's): Tq = T queries
+// and Tk keys, causal bottom-right aligned (query t sees keys s <= t + off, off = Tk - Tq >= 0) or not, and a (Tq, Tk)
+// uint8 mask (nonzero = allowed, the same for every head) or none. A row that sees no key gets out = 0, lse = -inf and
+// no gradient. With GEN = false each helper below is exactly v3's causal, square test, so the causal entry points
+// compile to the code they had.
+struct FlashGeneral {
+    int Tk, off, causal;
+    const unsigned char* mask;  // row-major (Tq, Tk), or nullptr for none
+};
+template <bool GEN>
+__device__ __forceinline__ bool flash_sees(int t, int s, int Tq, int Tk, const FlashGeneral& g) {
+    if (!GEN) return s <= t;
+    return s < Tk && (!g.causal || s <= t + g.off) && (g.mask == nullptr || (t < Tq && g.mask[(long long)t * Tk + s]));
+}
+// the end of the key tiles a block of queries up to t_last walks (forward, dQ)
+template <bool GEN> __device__ __forceinline__ int flash_key_end(int t_last, int Tk, const FlashGeneral& g) {
+    return !GEN ? t_last + 1 : g.causal ? min(Tk, t_last + g.off + 1) : Tk;
+}
+// whether a key tile starting at s0 is past every key the queries up to t_last see (causal)
+template <bool GEN> __device__ __forceinline__ bool flash_tile_after(int s0, int t_last, const FlashGeneral& g) {
+    return !GEN ? s0 > t_last : g.causal && s0 > t_last + g.off;
+}
+// the first query that can see key s_first (dK dV's walk over the query tiles)
+template <bool GEN> __device__ __forceinline__ int flash_query_begin(int s_first, const FlashGeneral& g) {
+    return !GEN ? s_first : g.causal ? max(0, s_first - g.off) : 0;
+}
+// whether every query up to t_end comes before key s (causal)
+template <bool GEN> __device__ __forceinline__ bool flash_tile_before(int t_end, int s, const FlashGeneral& g) {
+    return !GEN ? t_end < s : g.causal && t_end + g.off < s;
+}
+
 // rows [row0, row0 + 16) of a (T, HS) float32 head from a warp's HS / 16 register tiles, times mul (rows past T
 // left alone)
 template <int HS>
@@ -402,17 +434,18 @@ __device__ __forceinline__ void store_tiles(float* __restrict__ dst, const mma_t
         }
 }
 
-template <int H, int HS>
+template <int H, int HS, bool GEN = false>
 __device__ void flash_forward_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                                  const unsigned short* __restrict__ v, float* __restrict__ out,
-                                 float* __restrict__ lse, int T, float scale) {
+                                 float* __restrict__ lse, int T, float scale, FlashGeneral g = FlashGeneral{0, 0, 1, nullptr}) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE;
     __shared__ __align__(16) unsigned short ks[KT][LD];
     __shared__ __align__(16) unsigned short vs[KT][LD];
     const long long head = blockIdx.x;
+    const int Tk = GEN ? g.Tk : T;  // T is the number of queries (Tq)
     q += head * T * HS;
-    k += head * T * HS;
-    v += head * T * HS;
+    k += head * Tk * HS;
+    v += head * Tk * HS;
     const int warp = threadIdx.x / warpSize;
     const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH_ROWS, tw = t0 + 16 * warp;  // heavy blocks first
     const float sl2 = scale * FLASH_LOG2E;
@@ -429,12 +462,12 @@ __device__ void flash_forward_v3(const unsigned short* __restrict__ q, const uns
 #pragma unroll
     for (int qi = 0; qi < MMA_QPL; qi++) m[qi] = FLASH_NEG_INF, l[qi] = 0.0f;
     const int t_last = min(T, t0 + FLASH_ROWS) - 1;
-    for (int s0 = 0; s0 <= t_last; s0 += KT) {
+    for (int s0 = 0; s0 < flash_key_end<GEN>(t_last, Tk, g); s0 += KT) {
         __syncthreads();
-        load_rows<HS>(ks, k, s0, KT, T);
-        load_rows<HS>(vs, v, s0, KT, T);
+        load_rows<HS>(ks, k, s0, KT, Tk);
+        load_rows<HS>(vs, v, s0, KT, Tk);
         __syncthreads();
-        if (s0 > tw + 15) continue;  // the whole tile is above the diagonal for this warp's rows
+        if (flash_tile_after<GEN>(s0, tw + 15, g)) continue;  // the whole tile is above the diagonal for the warp
         mma_tile s[KT / 16];  // S = Q K^T: 16 rows x 64 keys
 #pragma unroll
         for (int n = 0; n < KT / 16; n++) {
@@ -449,7 +482,7 @@ __device__ void flash_forward_v3(const unsigned short* __restrict__ q, const uns
         for (int n = 0; n < KT / 16; n++)
 #pragma unroll
             for (int e = 0; e < MMA_SE; e++) {
-                bool keep = s0 + 16 * n + mma_tile_col(e) <= tw + mma_tile_row(e);
+                bool keep = flash_sees<GEN>(tw + mma_tile_row(e), s0 + 16 * n + mma_tile_col(e), T, Tk, g);
                 s[n].x[e] = keep ? s[n].x[e] * sl2 : FLASH_NEG_INF;
                 mt[mma_tile_q(e)] = fmaxf(mt[mma_tile_q(e)], s[n].x[e]);
             }
@@ -484,6 +517,10 @@ __device__ void flash_forward_v3(const unsigned short* __restrict__ q, const uns
             for (int j = 0; j < HS / 16; j++) mma_packed_run<H>(o[j], pk, &vs[16 * kk][16 * j], LD);
         }
     }
+    if (GEN)  // a row that sees no key (l = 0): out = 0 and lse = -inf, not 0 / 0
+#pragma unroll
+        for (int qi = 0; qi < MMA_QPL; qi++)
+            if (l[qi] == 0.0f) l[qi] = __int_as_float(0x7f800000), m[qi] = FLASH_NEG_INF;
 #pragma unroll
     for (int j = 0; j < HS / 16; j++)
 #pragma unroll
@@ -493,24 +530,26 @@ __device__ void flash_forward_v3(const unsigned short* __restrict__ q, const uns
 #pragma unroll
         for (int qi = 0; qi < MMA_QPL; qi++) {
             int t = tw + mma_lane_row(qi);
-            if (t < T) lse[head * T + t] = (m[qi] + log2f(l[qi])) * FLASH_LN2;
+            if (t < T)
+                lse[head * T + t] = GEN && m[qi] == FLASH_NEG_INF ? FLASH_NEG_INF : (m[qi] + log2f(l[qi])) * FLASH_LN2;
         }
 }
 
 // dQ: a block owns 64 query rows (16 per warp) and walks the key tiles up to its last row: S = Q K^T and
 // dP = dO V^T in registers, P = 2^(S scale log2 e - lse log2 e), dS = P (dP - delta), dQ += dS K.
-template <int H, int HS>
+template <int H, int HS, bool GEN = false>
 __device__ void flash_dq_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                             const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
-                            int T, float scale) {
+                            int T, float scale, FlashGeneral g = FlashGeneral{0, 0, 1, nullptr}) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE;
     __shared__ __align__(16) unsigned short ks[KT][LD];
     __shared__ __align__(16) unsigned short vs[KT][LD];
     const long long head = blockIdx.x;
+    const int Tk = GEN ? g.Tk : T;  // T is the number of queries (Tq)
     q += head * T * HS;
-    k += head * T * HS;
-    v += head * T * HS;
+    k += head * Tk * HS;
+    v += head * Tk * HS;
     dout += head * T * HS;
     const int warp = threadIdx.x / warpSize;
     const int t0 = (gridDim.y - 1 - blockIdx.y) * FLASH_ROWS, tw = t0 + 16 * warp;
@@ -535,12 +574,12 @@ __device__ void flash_dq_v3(const unsigned short* __restrict__ q, const unsigned
 #pragma unroll
     for (int j = 0; j < HS / 16; j++) zero_tile(dqt[j]);
     const int t_last = min(T, t0 + FLASH_ROWS) - 1;
-    for (int s0 = 0; s0 <= t_last; s0 += KT) {
+    for (int s0 = 0; s0 < flash_key_end<GEN>(t_last, Tk, g); s0 += KT) {
         __syncthreads();
-        load_rows<HS>(ks, k, s0, KT, T);
-        load_rows<HS>(vs, v, s0, KT, T);
+        load_rows<HS>(ks, k, s0, KT, Tk);
+        load_rows<HS>(vs, v, s0, KT, Tk);
         __syncthreads();
-        if (s0 > tw + 15) continue;
+        if (flash_tile_after<GEN>(s0, tw + 15, g)) continue;
         mma_tile s[KT / 16], dp[KT / 16];
 #pragma unroll
         for (int n = 0; n < KT / 16; n++) {
@@ -557,7 +596,7 @@ __device__ void flash_dq_v3(const unsigned short* __restrict__ q, const unsigned
 #pragma unroll
             for (int e = 0; e < MMA_SE; e++) {
                 int t = tw + mma_tile_row(e), qi = mma_tile_q(e);
-                bool keep = s0 + 16 * n + mma_tile_col(e) <= t && t < T;
+                bool keep = flash_sees<GEN>(t, s0 + 16 * n + mma_tile_col(e), T, Tk, g) && t < T;
                 float p = keep ? exp2f(s[n].x[e] * sl2 - lse_r[qi]) : 0.0f;
                 s[n].x[e] = p * (dp[n].x[e] - del_r[qi]);  // dS
             }
@@ -575,19 +614,20 @@ __device__ void flash_dq_v3(const unsigned short* __restrict__ q, const unsigned
 // dK, dV: a block owns 64 key rows (16 per warp) and walks the query tiles from its first key on, the tiles
 // transposed (rows are keys): S^T = K Q^T and dP^T = V dO^T in registers, P^T, dS^T = P^T (dP^T - delta);
 // dV += P^T dO and dK += dS^T Q accumulate in registers.
-template <int H, int HS>
+template <int H, int HS, bool GEN = false>
 __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                               const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
                               const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
-                              float* __restrict__ dv, int T, float scale) {
+                              float* __restrict__ dv, int T, float scale, FlashGeneral g = FlashGeneral{0, 0, 1, nullptr}) {
     constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE;
     __shared__ __align__(16) unsigned short qs[QT][LD];
     __shared__ __align__(16) unsigned short ds[QT][LD];
     __shared__ float lse_s[QT], del_s[QT];
     const long long head = blockIdx.x;
+    const int Tk = GEN ? g.Tk : T;  // T is the number of queries (Tq); the block's rows are keys
     q += head * T * HS;
-    k += head * T * HS;
-    v += head * T * HS;
+    k += head * Tk * HS;
+    v += head * Tk * HS;
     dout += head * T * HS;
     lse += head * T;
     delta += head * T;
@@ -595,8 +635,8 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
     const int s_first = blockIdx.y * FLASH_ROWS, sw = s_first + 16 * warp;  // key block 0 (the longest walk) first
     const float sl2 = scale * FLASH_LOG2E;
     mma_rows<H> kf[HS / 16], vf[HS / 16];  // the warp's rows of K and of V, staged through qs and ds
-    load_rows<HS>(qs, k, s_first, FLASH_ROWS, T);
-    load_rows<HS>(ds, v, s_first, FLASH_ROWS, T);
+    load_rows<HS>(qs, k, s_first, FLASH_ROWS, Tk);
+    load_rows<HS>(ds, v, s_first, FLASH_ROWS, Tk);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < HS / 16; kk++) {
@@ -609,7 +649,9 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
         zero_tile(dkt[j]);
         zero_tile(dvt[j]);
     }
-    for (int t0 = s_first; t0 < T; t0 += QT) {  // s_first is a multiple of the tile: no earlier query can see it
+    // causal: s_first is a multiple of the tile and no earlier query can see it (GEN: the first query that can see
+    // key s_first is s_first - off; none without causal)
+    for (int t0 = flash_query_begin<GEN>(s_first, g); t0 < T; t0 += QT) {
         __syncthreads();
         load_rows<HS>(qs, q, t0, QT, T);
         load_rows<HS>(ds, dout, t0, QT, T);
@@ -618,7 +660,7 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
             del_s[i] = t0 + i < T ? delta[t0 + i] : 0.0f;
         }
         __syncthreads();
-        if (t0 + QT - 1 < sw) continue;  // every query of the tile is before this warp's keys
+        if (flash_tile_before<GEN>(t0 + QT - 1, sw, g)) continue;  // every query of the tile is before the warp's keys
         mma_tile st[QT / 16], dpt[QT / 16];
 #pragma unroll
         for (int n = 0; n < QT / 16; n++) {
@@ -635,7 +677,7 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
 #pragma unroll
             for (int e = 0; e < MMA_SE; e++) {
                 int c = 16 * n + mma_tile_col(e), tq = t0 + c;
-                bool keep = tq >= sw + mma_tile_row(e) && tq < T;
+                bool keep = flash_sees<GEN>(tq, sw + mma_tile_row(e), T, Tk, g) && tq < T;
                 float p = keep ? exp2f(st[n].x[e] * sl2 - lse_s[c]) : 0.0f;
                 st[n].x[e] = p;
                 dpt[n].x[e] = p * (dpt[n].x[e] - del_s[c]);  // dS^T
@@ -652,8 +694,8 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
             }
         }
     }
-    store_tiles<HS>(dk + head * T * HS, dkt, sw, T, scale);
-    store_tiles<HS>(dv + head * T * HS, dvt, sw, T, 1.0f);
+    store_tiles<HS>(dk + head * Tk * HS, dkt, sw, Tk, scale);
+    store_tiles<HS>(dv + head * Tk * HS, dvt, sw, Tk, 1.0f);
 }
 
 // ---- v3's entry points: one per format and head size (part 2, with v2's) --------------------------------------------
@@ -673,17 +715,46 @@ __device__ void flash_dkdv_v3(const unsigned short* __restrict__ q, const unsign
         const float* lse, const float* delta, float* dq, int T, float scale) {                                        \
         flash_dq_v3<H, HS>(q, k, v, dout, lse, delta, dq, T, scale);                                                  \
     }
+// v3's general entry points (attention in general: Tq queries, Tk keys, causal 0 or 1, mask a (Tq, Tk) uint8 array read
+// where has_mask is 1; the backward's delta is the v2 delta pass over the Tq rows)
+#define FLASH_GENERAL (FlashGeneral{Tk, Tk - Tq, causal, has_mask ? mask : nullptr})
+#define FLASH_ENTRIES_V3_GENERAL(HS, FMT, H)                                                                          \
+    extern "C" __global__ void flash_attention_forward_v3_general_hs##HS##_##FMT(                                    \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, float* out, float* lse, int Tq,    \
+        int Tk, int causal, const unsigned char* mask, int has_mask, float scale) {                                   \
+        flash_forward_v3<H, HS, true>(q, k, v, out, lse, Tq, scale, FLASH_GENERAL);                                  \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v3_general_dkdv_hs##HS##_##FMT(                              \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dk, float* dv, int Tq, int Tk, int causal,                       \
+        const unsigned char* mask, int has_mask, float scale) {                                                       \
+        flash_dkdv_v3<H, HS, true>(q, k, v, dout, lse, delta, dk, dv, Tq, scale, FLASH_GENERAL);                      \
+    }                                                                                                                 \
+    extern "C" __global__ void flash_attention_backward_v3_general_dq_hs##HS##_##FMT(                                \
+        const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout,         \
+        const float* lse, const float* delta, float* dq, int Tq, int Tk, int causal, const unsigned char* mask,       \
+        int has_mask, float scale) {                                                                                  \
+        flash_dq_v3<H, HS, true>(q, k, v, dout, lse, delta, dq, Tq, scale, FLASH_GENERAL);                            \
+    }
 #if FLASH_PART(2, 1)  // v3, bf16 (part 2: v2 and v3)
 FLASH_ENTRIES_V3(16, bf16, 1)
 FLASH_ENTRIES_V3(32, bf16, 1)
 FLASH_ENTRIES_V3(48, bf16, 1)
 FLASH_ENTRIES_V3(64, bf16, 1)
+FLASH_ENTRIES_V3_GENERAL(16, bf16, 1)
+FLASH_ENTRIES_V3_GENERAL(32, bf16, 1)
+FLASH_ENTRIES_V3_GENERAL(48, bf16, 1)
+FLASH_ENTRIES_V3_GENERAL(64, bf16, 1)
 #endif
 #if FLASH_PART(2, 2)  // v3, f16
 FLASH_ENTRIES_V3(16, f16, 2)
 FLASH_ENTRIES_V3(32, f16, 2)
 FLASH_ENTRIES_V3(48, f16, 2)
 FLASH_ENTRIES_V3(64, f16, 2)
+FLASH_ENTRIES_V3_GENERAL(16, f16, 2)
+FLASH_ENTRIES_V3_GENERAL(32, f16, 2)
+FLASH_ENTRIES_V3_GENERAL(48, f16, 2)
+FLASH_ENTRIES_V3_GENERAL(64, f16, 2)
 #endif
 
 // ==== v4, v5, v6: more rows per block, tiles copied while the previous one is multiplied =============================

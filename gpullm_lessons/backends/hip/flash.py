@@ -18,6 +18,10 @@ v5 and v6 as its LV levels, v5's fused backward, the delta pass); kernels/hip/fl
 The head size must be one the source is compiled for (HEAD_SIZES). Shapes (B, nh, T, hs), lse (B, nh, T),
 C-contiguous CuPy arrays.
 
+Attention in general (causal=False, a (Tq, Tk) mask, Tq != Tk; contracts/flash.py's form, the math of
+kernels/numba/flash.py's general kernels) runs on v3's general entry points (GENERAL: version="v3"), v3's code with the
+general tests compiled in; a causal call over Tq == Tk without a mask runs the version asked for, as before.
+
 The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4) on the engine's layout: q,
 k, v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
 projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes around
@@ -31,7 +35,7 @@ import math
 import numpy as np
 
 from gpullm_lessons.contracts import check_version
-from gpullm_lessons.contracts.flash import check_flash_args, scale_of
+from gpullm_lessons.contracts.flash import check_attention_mask, check_flash_args, check_flash_qk_args, scale_of
 
 VERSIONS = ("v2", "v3", "v4", "v5", "v6")
 DEFAULT = "v6"
@@ -50,6 +54,9 @@ GEOMETRY = {
     "v6": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
 }
 PACKED = ("v4", "v5", "v6")  # the versions with entry points on the engine's packed layout
+# the versions with entry points for attention in general (causal=False, a mask, Tq != Tk): v3's code with the
+# general tests compiled in (flash.cu's FLASH_ENTRIES_V3_GENERAL); the others run causal attention with Tq == Tk only
+GENERAL = ("v3",)
 DQ_DELTA = ("v6",)  # versions whose dQ kernel computes delta itself (it runs first; no delta pass)
 # other ways to run beside the versions (bench kernels times them as rows of their own): v5's one-kernel backward
 VARIANTS = {"flash_attention_backward": [("v5-fused", {"version": "v5", "fused": True})]}
@@ -203,11 +210,72 @@ def _launch(version, kernel, heads, T):
     return (heads, math.ceil(T / rows)), (warps * hip.warp_size(),)
 
 
-def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
+def _is_general(causal, mask, q, k) -> bool:
+    """Whether a call needs the general kernels: not causal, a mask, or Tq != Tk (the arrays' third dimension;
+    shapes that are not 4-D are left to the checks)."""
+    tq = getattr(q, "shape", (0,) * 4)
+    tk = getattr(k, "shape", (0,) * 4)
+    return not (causal is True and mask is None and len(tq) == 4 and len(tk) == 4 and tq[2] == tk[2])
+
+
+def _check_general(fn, version, half, causal, mask, queries, keys, rows, q_outs, k_outs):
+    """The general form's checks (contracts/flash.py's): returns (B, nh, Tq, Tk, hs) and the mask as uint8 (a one-byte
+    stand-in where there is none: the kernels read it only where has_mask is 1)."""
+    check_version(fn, version, VERSIONS)
+    if version not in GENERAL:
+        raise ValueError(
+            f"{fn}: version {version} runs causal attention with as many keys as queries and no mask; causal=False, "
+            f"a mask or Tq != Tk runs on the general kernels of {' or '.join(GENERAL)}: pass version={GENERAL[0]!r}"
+        )
+    if half not in HALF_FORMATS:
+        raise ValueError(f"{fn}: half={half!r} is not one of {', '.join(HALF_FORMATS)}")
+    B, nh, Tq, Tk, hs = check_flash_qk_args(
+        fn, queries, keys, rows, cupy=True, dtypes=("uint16",), q_outs=q_outs, k_outs=k_outs
+    )
+    has_mask = check_attention_mask(fn, causal, mask, Tq, Tk, cupy=True)
+    if hs not in HEAD_SIZES:
+        raise ValueError(f"{fn}: head size hs = {hs} has no kernel: flash.cu is compiled for hs in {HEAD_SIZES}")
+    if math.ceil(max(Tq, Tk) / ROWS) > MAX_GRID_Y:
+        raise ValueError(f"{fn}: Tq = {Tq}, Tk = {Tk} need more row blocks than the grid's {MAX_GRID_Y}")
+    if B * nh > 2**31 - 1:
+        raise ValueError(f"{fn}: B * nh = {B * nh} heads exceed the grid's x dimension")
+    import cupy as cp
+
+    m = (mask if str(mask.dtype) == "uint8" else mask.view(cp.uint8)) if has_mask else cp.zeros(1, cp.uint8)
+    return (B, nh, Tq, Tk, hs), {
+        "Tq": np.int32(Tq),
+        "Tk": np.int32(Tk),
+        "causal": np.int32(bool(causal)),
+        "mask": m,
+        "has_mask": np.int32(has_mask),
+        "scale": scale_of(hs),
+    }
+
+
+def _general_entry(kind, half, hs) -> str:
+    """v3's general entry point: kind "forward", "dkdv" or "dq"."""
+    what = "forward_v3_general" if kind == "forward" else f"backward_v3_general_{kind}"
+    return f"flash_attention_{what}_hs{hs}_{_SUFFIX[half]}"
+
+
+def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16", *, causal=True, mask=None):
     """out = causal softmax(q k^T / sqrt(hs)) v (float32) and lse = each row's log-sum-exp (float32), from q, k, v
     in half precision (bits), without the (T, T) scores. q, k, v uint16 (B, nh, T, hs); out float32 (B, nh, T, hs);
-    lse float32 (B, nh, T)."""
+    lse float32 (B, nh, T).
+
+    In general (version="v3", contracts/flash.py's form): q (B, nh, Tq, hs), k and v (B, nh, Tk, hs); causal=False,
+    or causal bottom-right aligned (query t sees keys s <= t + Tk - Tq); mask None or a (Tq, Tk) uint8 / bool CuPy
+    array (nonzero = allowed). A query that sees no key gets out = 0 and lse = -inf."""
     fn = "flash_attention_forward"
+    if _is_general(causal, mask, q, k):
+        (B, nh, Tq, Tk, hs), values = _check_general(
+            fn, version, half, causal, mask, [("q", q)], [("k", k), ("v", v)], [("lse", lse)], [("out", out)], []
+        )
+        if B * nh * Tq == 0:
+            return
+        values.update(q=q, k=k, v=v, out=out, lse=lse)
+        _run(_general_entry("forward", half, hs), values, version, half, "forward", B * nh, Tq, hs)
+        return
     B, nh, T, hs = _check(fn, version, half, [("q", q), ("k", k), ("v", v)], [("lse", lse)], [("out", out)])
     if B * nh * T == 0:
         return
@@ -215,13 +283,57 @@ def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16"):
     _run(forward_entry(version, half, hs), values, version, half, "forward", B * nh, T, hs)
 
 
-def flash_attention_backward(q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16", fused=False):
+def flash_attention_backward(
+    q, k, v, out, dout, lse, dq, dk, dv, version=DEFAULT, half="bf16", fused=False, *, causal=True, mask=None
+):
     """dq, dk, dv (float32) of the causal attention out = flash_attention_forward(q, k, v), from the saved out and
     lse; q, k, v, dout uint16 half bits (B, nh, T, hs). The probabilities are recomputed from lse; each element of
     dq, dk, dv is summed in a fixed order: the same bits on every run. fused=True (v5 only): the backward in one
-    kernel, the key blocks adding their dQ in turns (slower than the two kernels on the H200, see lesson 11)."""
+    kernel, the key blocks adding their dQ in turns (slower than the two kernels on the H200, see lesson 11).
+    causal=False, a mask or Tq != Tk: the general kernels (version="v3"), as flash_attention_forward; dq, dout, out
+    are (B, nh, Tq, hs), dk, dv (B, nh, Tk, hs); a query that sees no key gives no gradient."""
     fn = "flash_attention_backward"
     _check_fused(fn, version, fused)
+    if _is_general(causal, mask, q, k):
+        if fused:
+            raise ValueError(f"{fn}: fused=True is v5's causal backward; the general backward has no fused kernel")
+        (B, nh, Tq, Tk, hs), values = _check_general(
+            fn,
+            version,
+            half,
+            causal,
+            mask,
+            [("q", q), ("dout", dout)],
+            [("k", k), ("v", v)],
+            [("lse", lse)],
+            [("out", out), ("dq", dq)],
+            [("dk", dk), ("dv", dv)],
+        )
+        if B * nh * Tq == 0:
+            return
+        import cupy as cp
+
+        for name, a in (("out", out), ("dout", dout)):
+            if a.data.ptr % 16:
+                raise ValueError(f"{fn}: {name} must start on a 16-byte boundary (delta is summed from 16-byte loads)")
+        values.update(
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            dout=dout,
+            lse=lse,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            hs=np.int32(hs),
+            delta=cp.empty((B, nh, Tq), cp.float32),
+            rows=np.int64(B * nh * Tq),
+        )
+        _run(f"flash_attention_backward_v2_delta_{_SUFFIX[half]}", values, version, half, "delta", B * nh, Tq, hs)
+        _run(_general_entry("dkdv", half, hs), values, version, half, "dkdv", B * nh, Tk, hs)
+        _run(_general_entry("dq", half, hs), values, version, half, "dq", B * nh, Tq, hs)
+        return
     heads = [("q", q), ("k", k), ("v", v), ("dout", dout)]
     outs = [("out", out), ("dq", dq), ("dk", dk), ("dv", dv)]
     B, nh, T, hs = _check(fn, version, half, heads, [("lse", lse)], outs)
