@@ -232,6 +232,11 @@ def test_09_borrowed_through_the_engine_class_and_training_step():
             },
         ),
         (
+            "14_past_torch_compile",
+            "checks.epilogue",
+            {"matmul_bias_gelu": "matmul_bias_gelu", "matmul_dgelu_bgrad": "matmul_dgelu_bgrad"},
+        ),
+        (
             "07_mixed_precision",
             "checks.precision",
             {"bf16_rne": "f32_to_bf16_bits", "loss_scaler_update": "update_scale", "bf16_kernel": "f32_to_bf16_gpu"},

@@ -1,0 +1,59 @@
+"""Lesson 14's prose makes claims about its stored measurements (the step beside PyTorch, the share and the bandwidth of
+the passes between the products, the fused step's prediction, the memory model's terms): the lesson's own code cells
+run here (they read stored results and compute on the CPU) and each claim is checked against the values they compute,
+so a re-measured stored run that moves a number past what the text says fails until the text is rewritten."""
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NB = json.loads((ROOT / "notebooks" / "14_past_torch_compile.ipynb").read_text(encoding="utf-8"))
+TEXT = " ".join("".join(c["source"]) for c in NB["cells"] if c["cell_type"] == "markdown").replace("\n", " ")
+
+
+@pytest.fixture(scope="module")
+def ns():
+    space: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for cell in NB["cells"]:
+            if cell["cell_type"] == "code":
+                exec(compile("".join(cell["source"]), f"<lesson 14 {cell['id']}>", "exec"), space)
+    return space
+
+
+def test_the_starting_table(ns):
+    from gpullm_lessons.bench import stored
+
+    for name, we_win in (("train_course_h100", True), ("train_gpt2_h100", False)):
+        rows = {r["who"]: r for r in stored.require(name)["rows"] if r["precision"] == "bf16"}
+        fastest = min(rows, key=lambda w: rows[w]["step_ms"])
+        assert (fastest == "ours+graph") == we_win, name
+        assert rows["ours+graph"]["peak_bytes"] > rows["torch.compile"]["peak_bytes"], name   # "holds more memory"
+    assert "our graph step is the fastest of the three" in TEXT and "torch.compile pulls ahead" in TEXT
+
+
+def test_the_glue_passes_claims(ns):
+    share = ns["glue_ms"] / ns["prof"]["total_ms"]
+    attention = ns["groups"]["flash attention"]
+    assert 1 / 7 < share < 1 / 5 and abs(ns["glue_ms"] - attention) / attention < 0.1   # "a sixth, as much as flash"
+    assert "about a sixth of the step, as much as flash attention" in TEXT
+    fraction = ns["glue_bytes"] / ns["glue_ms"] / 1e6 / ns["copy_gbs"]
+    assert 0.7 < fraction < 0.8 and "three quarters of the card's copy ceiling" in TEXT
+
+
+def test_the_prediction_lands_at_torch_compiles_step(ns):
+    assert 0.95 < ns["predicted"] / ns["compile_ms"] < 1.05
+    assert "the prediction lands at torch.compile's step" in TEXT
+
+
+def test_the_memory_claims(ns):
+    GiB = 2**30
+    assert abs(ns["base"]["total"] - ns["peaks"]["ours"]) / ns["peaks"]["ours"] < 0.01   # "its total matched"
+    assert ns["peaks"]["ours+graph"] > ns["peaks"]["ours"]                               # "the graph step holds more"
+    assert ns["chunked"]["total"] < ns["base"]["total"] - 3 * GiB
+    assert ns["half_pre"] < ns["peaks"]["torch.compile"] < ns["chunked"]["total"]        # "falls below"
+    assert "falls below torch.compile's measured peak" in TEXT
