@@ -21,4 +21,5 @@ The checkers, one module per topic:
     flash         flash attention (lesson 11)
     scale         gradient accumulation, 8-bit moments, bucket assignment (lesson 12)
     beyond        a column-parallel backward, the ring-attention merge, the 1F1B table (lesson 13)
+    epilogue      a tiled product with its forward or backward epilogue fused in (lesson 14)
 """
