@@ -110,6 +110,19 @@ def solution_namespace(name: str, edits=()) -> dict:
     return ns
 
 
+def quiet_solution_namespace(name: str, cell: str, *edits) -> dict:
+    """solution_namespace(name) with edits (old, new) in one cell, the notebook's prints and warnings kept quiet."""
+    import contextlib
+    import io
+    import warnings
+
+    import numpy as np
+
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        return solution_namespace(name, [(cell, old, new) for old, new in edits])
+
+
 def wrong(result, *words):
     """The verdict is wrong (or an error) and its message or hint says every one of `words` (case-insensitive)."""
     assert result.status in ("wrong", "error"), result.message

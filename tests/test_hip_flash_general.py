@@ -16,7 +16,7 @@ must fail it. Without a GPU: the argument errors (they need no device).
 import numpy as np
 import pytest
 from test_hip_flash import TOL, _guarded, _guards_intact, _rounded
-from test_kernels_flash_general import expected, fresh_seed, mismatch
+from test_kernels_flash_general import expected, fresh_seed, mismatch, random_mask
 
 from gpullm_lessons import device
 from gpullm_lessons.backends.hip import flash as hflash
@@ -29,12 +29,7 @@ def make(seed, B, nh, Tq, Tk, hs, half, empty_rows=None, mask_dtype=bool):
     None) whose given rows are all False."""
     rng = np.random.default_rng(seed)
     q, k, v, dout = (_rounded(rng, (B, nh, T, hs), half) for T in (Tq, Tk, Tk, Tq))
-    mask = None
-    if empty_rows is not None:
-        mask = rng.random((Tq, Tk)) < 0.6
-        mask[list(empty_rows)] = False
-        mask = mask.astype(mask_dtype)
-    return q, k, v, dout, mask
+    return q, k, v, dout, random_mask(rng, Tq, Tk, empty_rows, mask_dtype)
 
 
 def launch(bits, causal, mask, half, backward=True):

@@ -35,12 +35,16 @@ def make(seed, B, nh, Tq, Tk, hs, empty_rows=None, mask_dtype=bool):
     q = rng.standard_normal((B, nh, Tq, hs)).astype(np.float32)
     k, v = (rng.standard_normal((B, nh, Tk, hs)).astype(np.float32) for _ in range(2))
     dout = rng.standard_normal((B, nh, Tq, hs)).astype(np.float32)
-    mask = None
-    if empty_rows is not None:
-        mask = rng.random((Tq, Tk)) < 0.6
-        mask[list(empty_rows)] = False
-        mask = mask.astype(mask_dtype)
-    return q, k, v, dout, mask
+    return q, k, v, dout, random_mask(rng, Tq, Tk, empty_rows, mask_dtype)
+
+
+def random_mask(rng, Tq, Tk, empty_rows, mask_dtype=bool):
+    """A (Tq, Tk) mask, 60% of it True, the given rows all False; None when empty_rows is None."""
+    if empty_rows is None:
+        return None
+    mask = rng.random((Tq, Tk)) < 0.6
+    mask[list(empty_rows)] = False
+    return mask.astype(mask_dtype)
 
 
 def expected(q, k, v, dout, causal, mask, reference_mask=None):

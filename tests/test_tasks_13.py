@@ -3,25 +3,20 @@ tick table): the solutions pass on fresh seeds, plausible wrong answers fail wit
 the solution with one edit), the checkers report what the learner's function raised instead of raising it, and an
 answer that uses the course's own implementation is refused in a graded call."""
 
-import contextlib
-import io
-import warnings
 
 import numpy as np
 import pytest
 
 from gpullm_lessons.checks.beyond import check_attention_merge, check_column_parallel_backward, check_one_f_one_b
 
-from conftest import solution_namespace, wrong
+from conftest import quiet_solution_namespace, wrong
 
 NAME = "13_beyond_one_gpu"
 
 
 def edited(cell, *edits):
-    """The solution namespace with edits (old, new) in one cell; the notebook's demo cells print: kept quiet."""
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore")
-        return solution_namespace(NAME, [(cell, old, new) for old, new in edits])
+    """The solution namespace with edits (old, new) in one cell."""
+    return quiet_solution_namespace(NAME, cell, *edits)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,7 @@ rounding that truncates, GELU with erf, a dbias summed from rounded values), a N
 the checkers take arrays="numpy" as well, and a stand-in runs in milliseconds.
 """
 
-import contextlib
-import io
 import math
-import warnings
 
 import ml_dtypes
 import numpy as np
@@ -19,15 +16,14 @@ import pytest
 from gpullm_lessons.checks import epilogue
 from gpullm_lessons.checks.epilogue import check_matmul_bias_gelu, check_matmul_dgelu_bgrad
 
-from conftest import solution_namespace, wrong
+from conftest import quiet_solution_namespace, wrong
 
 NAME = "14_past_torch_compile"
 
 
 def edited(cell, *edits):
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore")
-        return solution_namespace(NAME, [(cell, old, new) for old, new in edits])
+    """The solution namespace with edits (old, new) in one cell."""
+    return quiet_solution_namespace(NAME, cell, *edits)
 
 
 @pytest.fixture(scope="module")

@@ -133,21 +133,28 @@ def _bf16_inputs(rng, shape, scale=1.0):
     return x.view(np.uint16).copy(), x.astype(np.float64)
 
 
-def _start(name, fn, seed, task, quiet, arrays, check):
-    """The common start: fn a launcher (not a Numba kernel), a seed, nothing borrowed, an unfinished kernel named.
-    Returns (seed, a recorded CheckResult or None)."""
+def _start(name, check, fn, arrays, size, seed, task, quiet):
+    """The common start of both checkers: skipped without a GPU for arrays="cupy"; fn a launcher (not a Numba
+    kernel), a seed, nothing borrowed, an unfinished kernel named. Returns (a recorded CheckResult to return at once,
+    or None; rng; the result fields; the three shapes (M, K, P) of the calls)."""
+    if arrays == "cupy" and callable(fn) and not _device.has_gpu():
+        return verdict.skipped(name, task, quiet=quiet, arrays=arrays), None, None, None
     seed = opcheck.learner_fn_and_seed(name, fn, seed)
     kind = type(fn).__name__
     if kind in ("CUDADispatcher", "FakeCUDAKernel"):
         raise TypeError(f"{check}(fn): fn is a Numba kernel; pass the launcher that calls it ({name})")
     taken = borrowed.borrowed_verdict(name, [fn], OWN[name], task=task, seed=seed, quiet=quiet, check=check)
     if taken is not None:
-        return seed, taken
+        return taken, None, None, None
     _arrays.require(arrays)
     stub = opcheck.unfinished_kernel(fn)
     if stub:
-        return seed, verdict.record(verdict.unfinished(name, stub, task=task, seed=seed, arrays=arrays), quiet=quiet)
-    return seed, None
+        result = verdict.record(verdict.unfinished(name, stub, task=task, seed=seed, arrays=arrays), quiet=quiet)
+        return result, None, None, None
+    big = _big(size, arrays)
+    rng = np.random.default_rng(seed)
+    base = dict(name=name, task=task, tol=opcheck.TOLERANCES["float32"], seed=seed, dtype="float32", arrays=arrays)
+    return None, rng, base, [_draw(rng, big), _draw(rng, big), _draw(rng, big, second=True)]
 
 
 def _big(size, arrays):
@@ -265,16 +272,10 @@ def check_matmul_bias_gelu(fn, arrays="numba", size=None, seed=None, task=None, 
     out (M, P) uint16 = bf16 bits of gelu_tanh(aux), nearest even. Three calls with fresh inputs (the last of another
     shape); arrays: "numba" (default) or "cupy" (a GPU). Errors raised by fn are reported, never raised."""
     name, check = NAME_FWD, "check_matmul_bias_gelu"
-    if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        return verdict.skipped(name, task, quiet=quiet, arrays=arrays)
-    seed, early = _start(name, fn, seed, task, quiet, arrays, check)
+    early, rng, base, shapes = _start(name, check, fn, arrays, size, seed, task, quiet)
     if early is not None:
         return early
-    big = _big(size, arrays)
-    rng = np.random.default_rng(seed)
-    tol = opcheck.TOLERANCES["float32"]
-    base = dict(name=name, task=task, tol=tol, seed=seed, dtype="float32", arrays=arrays)
-    shapes = [_draw(rng, big), _draw(rng, big), _draw(rng, big, second=True)]
+    tol, seed = base["tol"], base["seed"]
     result, max_rel = None, 0.0
     for k, (M, K, P) in enumerate(shapes):
         c = _fwd_case(rng, M, K, P)
@@ -388,16 +389,10 @@ def check_matmul_dgelu_bgrad(fn, arrays="numba", size=None, seed=None, task=None
     on the same inputs. Three calls with fresh inputs (the last of another shape), then the first inputs again;
     arrays: "numba" or "cupy". Errors raised by fn are reported, never raised."""
     name, check = NAME_BWD, "check_matmul_dgelu_bgrad"
-    if arrays == "cupy" and callable(fn) and not _device.has_gpu():
-        return verdict.skipped(name, task, quiet=quiet, arrays=arrays)
-    seed, early = _start(name, fn, seed, task, quiet, arrays, check)
+    early, rng, base, shapes = _start(name, check, fn, arrays, size, seed, task, quiet)
     if early is not None:
         return early
-    big = _big(size, arrays)
-    rng = np.random.default_rng(seed)
-    tol = opcheck.TOLERANCES["float32"]
-    base = dict(name=name, task=task, tol=tol, seed=seed, dtype="float32", arrays=arrays)
-    shapes = [_draw(rng, big), _draw(rng, big), _draw(rng, big, second=True)]
+    tol, seed = base["tol"], base["seed"]
     result, max_rel, first = None, 0.0, None
     cases = [_bwd_case(rng, *s) for s in shapes]
     for k, c in enumerate([*cases, cases[0]]):
