@@ -3,7 +3,6 @@ tick table): the solutions pass on fresh seeds, plausible wrong answers fail wit
 the solution with one edit), the checkers report what the learner's function raised instead of raising it, and an
 answer that uses the course's own implementation is refused in a graded call."""
 
-
 import numpy as np
 import pytest
 
