@@ -1,6 +1,7 @@
 """Graded tasks 14.1-14.2 (a matrix product with its epilogue fused in: cuBLASLt's GELU_AUX_BIAS and DGELU_BGRAD,
 written by hand in Numba): the solutions pass on fresh seeds in the simulator, plausible wrong answers fail with a hint
-naming them, and the checkers report what the learner's code raised instead of raising it.
+naming them, and the checkers report what the learner's code raised instead of raising it. On a GPU the same tests
+run the kernels there, at the checkers' GPU sizes.
 
 A wrong answer is the solution with one edit (run in the simulator), or, for the finer points of the comparison (a
 rounding that truncates, GELU with erf, a dbias summed from rounded values), a NumPy stand-in of the same contract:
@@ -13,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from gpullm_lessons import device
 from gpullm_lessons.checks import epilogue
 from gpullm_lessons.checks.epilogue import check_matmul_bias_gelu, check_matmul_dgelu_bgrad
 
@@ -40,7 +42,7 @@ def bwd(fn, seed=3, **kw):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_solutions_pass_in_the_simulator(ns, seed):
+def test_solutions_pass(ns, seed):
     assert fwd(ns["matmul_bias_gelu"], seed).status == "correct"
     r = bwd(ns["matmul_dgelu_bgrad"], seed)
     assert r.status == "correct", r.message
@@ -216,7 +218,9 @@ OUT_LINE = "out[i, j] = f32_to_bf16_bits(numba.float32(0.5) * x * (numba.float32
         (T1, "for k0 in range(0, K, TILE):", "for k0 in range(0, K - K % TILE, TILE):",
          ["last partial tile of the reduction"]),
         (T1, "i = cuda.blockIdx.y * TILE + ty ", "i = ty ", ["never written"]),
-        (T1, "if i < M and k0 + tx < K else", "if k0 + tx < K else", ["IndexError"]),
+        pytest.param(T1, "if i < M and k0 + tx < K else", "if k0 + tx < K else", ["IndexError"],
+                     marks=pytest.mark.skipif(device.numba_on_gpu(), reason="the simulator's bounds check: a GPU reads "
+                                              "past the array without an error")),
         (T2, "g = acc * grad", "g = acc", ["dy @ w.t alone"]),
         (T2, "grad = half * (one + t) + half * x * (one - t * t) * S2PI * (one + numba.float32(3.0) * C3 * x * x)",
          "grad = half * (one + t)", ["second term"]),
