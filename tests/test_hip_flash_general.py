@@ -143,6 +143,8 @@ def test_general_calls_name_the_version_that_runs_them():
 
 def test_general_arguments_are_checked_before_the_gpu():
     q, k, v, out, lse = _np_args()
+    with pytest.raises(TypeError, match="causal must be True or False, got 1"):   # whatever the version
+        hflash.flash_attention_forward(q, k, v, out, lse, causal=1)
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         hflash.flash_attention_forward(q, k, v, out, lse, version="v3", causal=False)
     with pytest.raises(ValueError, match="half='fp8' is not one of bf16, fp16"):

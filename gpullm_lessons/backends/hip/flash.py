@@ -210,12 +210,14 @@ def _launch(version, kernel, heads, T):
     return (heads, math.ceil(T / rows)), (warps * hip.warp_size(),)
 
 
-def _is_general(causal, mask, q, k) -> bool:
+def _is_general(fn, causal, mask, q, k) -> bool:
     """Whether a call needs the general kernels: not causal, a mask, or Tq != Tk (the arrays' third dimension;
-    shapes that are not 4-D are left to the checks)."""
+    shapes that are not 4-D are left to the checks). causal must be a bool, whatever the version."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"{fn}: causal must be True or False, got {causal!r}")
     tq = getattr(q, "shape", (0,) * 4)
     tk = getattr(k, "shape", (0,) * 4)
-    return not (causal is True and mask is None and len(tq) == 4 and len(tk) == 4 and tq[2] == tk[2])
+    return not (bool(causal) and mask is None and len(tq) == 4 and len(tk) == 4 and tq[2] == tk[2])
 
 
 def _check_general(fn, version, half, causal, mask, queries, keys, rows, q_outs, k_outs):
@@ -267,7 +269,7 @@ def flash_attention_forward(q, k, v, out, lse, version=DEFAULT, half="bf16", *, 
     or causal bottom-right aligned (query t sees keys s <= t + Tk - Tq); mask None or a (Tq, Tk) uint8 / bool CuPy
     array (nonzero = allowed). A query that sees no key gets out = 0 and lse = -inf."""
     fn = "flash_attention_forward"
-    if _is_general(causal, mask, q, k):
+    if _is_general(fn, causal, mask, q, k):
         (B, nh, Tq, Tk, hs), values = _check_general(
             fn, version, half, causal, mask, [("q", q)], [("k", k), ("v", v)], [("lse", lse)], [("out", out)], []
         )
@@ -294,7 +296,7 @@ def flash_attention_backward(
     are (B, nh, Tq, hs), dk, dv (B, nh, Tk, hs); a query that sees no key gives no gradient."""
     fn = "flash_attention_backward"
     _check_fused(fn, version, fused)
-    if _is_general(causal, mask, q, k):
+    if _is_general(fn, causal, mask, q, k):
         if fused:
             raise ValueError(f"{fn}: fused=True is v5's causal backward; the general backward has no fused kernel")
         (B, nh, Tq, Tk, hs), values = _check_general(
