@@ -13,8 +13,8 @@ rounded to nearest even. One pass: the float32 product never goes to memory and 
 
     fn(dy, w, aux, dpre, dbias)
 
-dy (M, P) and w (K, P) uint16 bf16 bits (the gradient of the next product's output and that product's weight, stored
-(in, out) = (K, P)... read transposed: dh = dy @ w.T is (M, K)), aux (M, K) float32 (the pre-activation 14.1 kept);
+dy (M, P) and w (K, P) uint16 bf16 bits (the gradient of the next product's output, and that product's weight stored
+(in, out) = (K, P), read transposed: dh = dy @ w.T is (M, K)), aux (M, K) float32 (the pre-activation 14.1 kept);
 dpre (M, K) uint16 and dbias (K,) float32 are written: g = dh * gelu_tanh'(aux) (float32), dpre = the bf16 bits of g
 (nearest even: the input of the two products of the fc layer's backward), dbias = the column sums of g (unrounded:
 the fc layer's bias gradient), the same bits on every call.
@@ -24,11 +24,13 @@ of 8 or 16 and past several tiles in every dimension (K too: a last partial tile
 (an answer that keeps something from the call before shows). The outputs start as a poison (NaN float32, a bf16 NaN
 pattern no rounding produces): an element never written is named. Expected values come from NumPy in float64 on the
 same inputs. The float32 outputs pass with the rule of ``checks`` (float32 tolerance, relative to the output's size
-and to the size of the product's terms); the bf16 bits must be the nearest-even rounding of the exact value, except
-where the exact value lies so close to the middle between two bf16 numbers that float32 arithmetic may land on either
-side (those elements may be either neighbour). The hints name the usual mistakes: no bias, the bias added after GELU or
-per row, aux holding GELU's output, GELU with erf instead of tanh, a truncated rounding, the last partial tile of K
-dropped, a derivative without its second term, dbias summed from the rounded values or accumulated over calls.
+and to the size of the product's terms); the bf16 bits must be the nearest-even rounding of a value within float32's
+reach of the exact one (2^-14 relative, plus a per-element bound for the cancellations in GELU and its derivative):
+where that reach is far below half a bf16 step, the nearest-even bits of the exact value, or at a midpoint either
+neighbour (_bits_ok). The hints name the usual mistakes: no bias, the bias added twice, after GELU or per row, aux
+holding GELU's output, GELU with erf instead of tanh, a truncated rounding, the last partial tile of K dropped, rows
+never written, a derivative without its second term, dbias summed from the rounded values or added into what it held,
+sums whose last bits change between calls.
 """
 
 from __future__ import annotations
