@@ -191,6 +191,49 @@ def test_engine_memory_counts_half_scores():
         long_rows, 8, 256, "fp32", "none")                        # fp32 runs keep fp32 scores
 
 
+def test_engine_memory_counts_a_half_gelu_input():
+    """versions gelu_in "half": each block keeps fc (B*T, 4C) in 2 bytes an element instead of 4; the forward holds
+    the float32 product beside its half copy for one pass (a temporary of 4 B*T*C floats). fp32 runs ignore it."""
+    cfg, B, T = SMALL, 8, 64
+    f32 = engine.engine_memory(cfg, B, T, "bf16", "none")
+    half = engine.engine_memory(cfg, B, T, "bf16", "none", half_gelu_in=True)
+    NC = B * T * cfg.d_model
+    assert f32["activations"] - half["activations"] == cfg.n_layer * 4 * NC * 2
+    assert half["activations_per_block"] == f32["activations_per_block"] - 4 * NC * 2
+    assert engine.engine_memory(cfg, B, T, "fp32", "none", half_gelu_in=True) == engine.engine_memory(
+        cfg, B, T, "fp32", "none")
+    sel = engine.engine_memory(cfg, B, T, "fp16", "selective", half_gelu_in=True)
+    assert sel["activations"] < engine.engine_memory(cfg, B, T, "fp16", "selective")["activations"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_half_gelu_input_keeps_half_bits_and_the_gradients_close(toy_reference, precision):
+    """versions gelu_in "half": the cache holds fc as half bits (uint16); the gradients stay within the half run's
+    bounds of fp32 and differ from the float32 GELU input's (the rounding is really used); selective recompute
+    (gelu_half) gives the same bits as keeping everything."""
+    x, y, loss_ref, g_ref = toy_reference
+    eng = engine.build(TOY, "numba", precision=precision, versions={"gelu_in": "half"})
+    loss, g = grads_of(eng, x, y)
+    assert abs(loss - loss_ref) < 1e-3 * loss_ref
+    assert max_rel(g, g_ref) < (3e-2 if precision == "bf16" else 5e-3)
+    _, g32 = grads_of(engine.build(TOY, "numba", precision=precision), x, y)
+    assert max_rel(g, g32) > 0
+    _, g_sel = grads_of(engine.build(TOY, "numba", precision=precision, policy="selective",
+                                     versions={"gelu_in": "half"}), x, y)
+    assert all(np.array_equal(g_sel[k], g[k]) for k in g)
+
+
+def test_a_half_gelu_input_is_what_the_block_keeps():
+    eng = engine.build(TOY, "numba", precision="bf16", versions={"gelu_in": "half"})
+    x, y = batch(TOY, 2, 8)
+    eng.forward(x, y)
+    kept = [c["fc"] for c in eng._cache["blocks"]]
+    assert len(kept) == TOY.n_layer and all(a.dtype == np.uint16 and a.shape == (16, 4 * TOY.d_model) for a in kept)
+    eng32 = engine.build(TOY, "numba", precision="bf16")
+    eng32.forward(x, y)
+    assert all(c["fc"].dtype == np.float32 for c in eng32._cache["blocks"])
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -204,6 +247,8 @@ def test_build_errors_name_the_problem():
         engine.build({"n_layer": 1}, "numpy")
     with pytest.raises(engine.EngineError, match="scores must be 'f32' or 'half'"):
         engine.build(TOY, "numba", versions={"scores": "fp8"})
+    with pytest.raises(engine.EngineError, match="gelu_in must be 'f32' or 'half', got 'bf16'"):
+        engine.build(TOY, "numba", versions={"gelu_in": "bf16"})
 
 
 @pytest.mark.skipif(device.has_gpu(), reason="this machine has a GPU")
@@ -354,6 +399,35 @@ def test_gpu_half_precision_tracks_fp32(backend, precision, scores, gpu_batches,
     losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
     rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
     assert rel.max() < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpu_half_gelu_input_tracks_fp32_and_recomputes_the_same_bits(backend, precision, gpu_batches,
+                                                                      gpu_reference):
+    """versions gelu_in "half" on a GPU: 10 steps track the fp32 reference like the default; selective and full
+    recompute give the bits of keeping everything."""
+    v = {"gelu_in": "half"}
+    eng = engine.build(SMALL, backend, precision=precision, versions=v)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    x, y = gpu_batches[0]
+    _, g_none = grads_of(engine.build(SMALL, backend, precision=precision, versions=v), x, y)
+    for policy in ("selective", "full"):
+        _, g = grads_of(engine.build(SMALL, backend, precision=precision, policy=policy, versions=v), x, y)
+        assert all(np.array_equal(g[k], g_none[k]) for k in g), policy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_gpu_engine_memory_of_a_half_gelu_input_within_10_percent_of_the_pool_peak(policy):
+    from gpullm_lessons.bench.train_step import measure_engine
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
+    r = measure_engine(cfg, 32, 256, "bf16", policy, steps=2, versions={"gelu_in": "half"})
+    predicted = engine.engine_memory(cfg, 32, 256, "bf16", policy, half_gelu_in=True)["total"]
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
 
 
 @pytest.mark.gpu

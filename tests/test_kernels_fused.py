@@ -170,6 +170,80 @@ def test_bias_gelu_forward_without_pre_leaves_inp_alone(half):
     np.testing.assert_array_equal(out, want)
 
 
+def from_half(bits, half):
+    """uint16 half bits -> float32, exact."""
+    bits = np.asarray(bits, np.uint16)
+    if half == "bf16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C", [(1, 3), (11, 37), (70, 45)])
+def test_bias_gelu_forward_keeps_a_half_pre_and_gelu_half_rebuilds_out(half, N, C):
+    """pre uint16: GELU's input kept as the half bits of inp + bias, and out = half(gelu(that rounded value)), so that
+    gelu_half(pre) (the selective recompute) gives out's bits again. A kernel that takes GELU of the unrounded sum,
+    or a recompute that rounds differently, is caught here (a second call must agree bit for bit)."""
+    rng = np.random.default_rng()
+    inp, bias = (rand(rng, N, C) * 3).astype(np.float32), rand(rng, C)
+    pre, out = empty_out((N, C), half), empty_out((N, C), half)
+    nb.bias_gelu_forward(inp, bias, pre, out, half=half, threads=32)
+    np.testing.assert_array_equal(pre, to_half(inp + bias, half))      # the float32 sum, rounded to nearest even
+    x = from_half(pre, half)
+    f32 = empty_out((N, C), None)                                      # this backend's float32 GELU of the rounded x
+    nb.bias_gelu_forward(x, np.zeros(C, np.float32), empty_out((N, C), None), f32, threads=32)
+    assert_out(out, f32, half)
+    np.testing.assert_allclose(from_half(out, half), gelu64(x), rtol=2 ** -7 if half == "bf16" else 2 ** -10,
+                               atol=1e-6 * max(1.0, float(np.abs(x).max())))
+    again = empty_out((N, C), half)
+    nb.gelu_half(pre, again, half, threads=32)
+    np.testing.assert_array_equal(again, out)
+    if N * C >= 1000:   # GELU of the unrounded sum: other bits on many elements
+        unrounded = empty_out((N, C), half)
+        nb.bias_gelu_forward(inp, bias, None, unrounded, half=half, threads=32)
+        assert not np.array_equal(unrounded, out)
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C", [(1, 1), (70, 23)])
+def test_colsum_convert_with_a_half_gelu_input(half, N, C):
+    """gelu_of uint16 alone (the half pre, its bias in): the bits of the float32 path given the same rounded values
+    and a zero bias, and the float64 chain rule; forgetting the GELU factor is caught."""
+    rng = np.random.default_rng()
+    dgelu, fc, b = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32), rand(rng, C)
+    pre = to_half(fc + b, half)
+    colsum, out = empty_out((C,), None), empty_out((N, C), half)
+    nb.colsum_convert(dgelu, colsum, out=out, half=half, threads=32, gelu_of=pre)
+    colsum2, out2 = empty_out((C,), None), empty_out((N, C), half)
+    nb.colsum_convert(dgelu, colsum2, out=out2, half=half, threads=32, gelu_of=from_half(pre, half),
+                      gelu_bias=np.zeros(C, np.float32))
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(colsum.view(np.uint32), colsum2.view(np.uint32))
+    want = dgelu.astype(np.float64) * gelu_grad64(from_half(pre, half))
+    scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)
+    assert np.all(np.abs(colsum - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)
+    if N * C >= 100:
+        assert not np.all(np.abs(dgelu.sum(axis=0) - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)
+
+
+def test_half_gelu_input_arguments_are_checked():
+    x, b6, u = np.zeros((4, 6), np.float32), np.zeros(6, np.float32), np.zeros((4, 6), np.uint16)
+    with pytest.raises(ValueError, match="bias_gelu_forward: pre is uint16 .* but half=None"):
+        nb.bias_gelu_forward(x, b6, u.copy(), x.copy())
+    with pytest.raises(ValueError, match=r"bias_gelu_forward: pre has shape \(4, 5\), expected \(4, 6\)"):
+        nb.bias_gelu_forward(x, b6, np.zeros((4, 5), np.uint16), u.copy(), half="bf16")
+    with pytest.raises(ValueError, match="colsum_convert: gelu_of is uint16 .* leave gelu_bias=None"):
+        nb.colsum_convert(x, b6.copy(), out=u.copy(), half="bf16", gelu_of=u, gelu_bias=b6)
+    with pytest.raises(ValueError, match="colsum_convert: gelu_of is given but out is None"):
+        nb.colsum_convert(x, b6.copy(), gelu_of=u)
+    with pytest.raises(ValueError, match="gelu_half: half=None must be 'bf16' or 'fp16'"):
+        nb.gelu_half(u, u.copy(), None)
+    with pytest.raises(TypeError, match="gelu_half: inp has dtype float32, expected uint16"):
+        nb.gelu_half(x, u.copy(), "bf16")
+    with pytest.raises(ValueError, match=r"gelu_half: out has shape \(4, 5\), expected \(4, 6\)"):
+        nb.gelu_half(u, np.zeros((4, 5), np.uint16), "fp16")
+
+
 def test_bias_gelu_forward_in_place_pre_is_inp():
     rng = np.random.default_rng()
     inp, bias = rand(rng, 9, 29), rand(rng, 29)
@@ -434,7 +508,8 @@ def test_empty_inputs_launch_nothing():
 def test_modules_list_their_launchers_and_backends_gather_them():
     from gpullm_lessons.backends import hip, numba
     from gpullm_lessons.backends.hip import fused as hip_fused
-    names = {"bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert", "layernorm_forward_half"}
+    names = {"bias_add", "bias_gelu_forward", "gelu_half", "split_heads", "merge_heads", "colsum_convert",
+             "layernorm_forward_half"}
     assert set(nb.LAUNCHERS) == names == set(hip_fused.LAUNCHERS)
     assert names <= set(numba.__all__) and names <= set(hip.__all__)
     import inspect
@@ -467,9 +542,13 @@ def test_hip_entry_points_exist_for_every_launch():
     for op in ("bias_gelu_forward_v1", "split_heads_v1", "split_heads_bias_v1", "merge_heads_v1"):
         assert f"{op}_##SUFFIX" in macro, op
         entries |= {f"{op}_{s}" for s in hf.SUFFIX.values()}
+    for op in ("bias_gelu_forward_v1_hpre", "gelu_half_v1"):   # half formats only
+        assert f"{op}_##SUFFIX" in macro, op
+        entries |= {f"{op}_{s}" for s in ("bf16", "f16")}
     needed = {"bias_add_v1", "bias_add_res_v1", "colsum_partials_v1", "colsum_reduce_v1", "colsum_partials_v1_bf16",
               "colsum_partials_v1_f16", "colsum_partials_v1_gelu_bf16", "colsum_partials_v1_gelu_f16",
               "layernorm_forward_half_v1_bf16", "layernorm_forward_half_v1_f16"}
+    needed |= {f"colsum_partials_v1{x4}_gelu_hpre_{s}" for x4 in ("", "_x4") for s in ("bf16", "f16")}
     assert needed <= entries, needed - entries
 
 
@@ -681,6 +760,50 @@ def test_gpu_colsum_convert_with_gelu(half, N, C):
         mod.colsum_convert(dfc, colsum2, out=out2, half=half)
         np.testing.assert_array_equal(out.get(), out2.get(), err_msg=name)
         np.testing.assert_array_equal(colsum.get().view(np.uint32), colsum2.get().view(np.uint32), err_msg=name)
+        assert np.all(np.abs(colsum.get() - want.sum(axis=0)) <= 1e-5 * scale), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C", [(16384, 3072), (1001, 33)])
+def test_gpu_half_gelu_input(half, N, C):
+    """The engine's half GELU input on each GPU backend: pre = the rounding of inp + bias (bit-exact: one float32 add),
+    out = the half of that backend's float32 GELU of the rounded pre (one step of a half ulp at most, see
+    assert_half_close), gelu_half(pre) = out bit for bit, and the fused backward from the half pre = the float32 path
+    given the rounded values and a zero bias, bit for bit; HIP's x4 path (8-byte loads of pre) = its one-column one."""
+    import cupy as cp
+    rng = np.random.default_rng()
+    inp, bias, dgelu = (rand(rng, N, C) * 3).astype(np.float32), rand(rng, C), rand(rng, N, C)
+    want_pre = to_half(inp + bias, half)
+    zeros = cp.zeros(C, cp.float32)
+    for name, mod in gpu_backends():
+        pre, out = empty_out((N, C), half, "cupy"), empty_out((N, C), half, "cupy")
+        mod.bias_gelu_forward(cp.asarray(inp), cp.asarray(bias), pre, out, half=half)
+        np.testing.assert_array_equal(pre.get(), want_pre, err_msg=name)
+        x = cp.asarray(from_half(want_pre, half))
+        f32 = cp.full((N, C), cp.nan, cp.float32)
+        mod.bias_gelu_forward(x, zeros, None, f32)
+        assert_out(out, f32.get(), half)
+        again = empty_out((N, C), half, "cupy")
+        mod.gelu_half(pre, again, half)
+        np.testing.assert_array_equal(again.get(), out.get(), err_msg=name)
+        d = cp.asarray(dgelu)
+        colsum, dfc = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+        mod.colsum_convert(d, colsum, out=dfc, half=half, gelu_of=pre)
+        colsum2, dfc2 = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+        mod.colsum_convert(d, colsum2, out=dfc2, half=half, gelu_of=x, gelu_bias=zeros)
+        np.testing.assert_array_equal(dfc.get(), dfc2.get(), err_msg=name)
+        np.testing.assert_array_equal(colsum.get().view(np.uint32), colsum2.get().view(np.uint32), err_msg=name)
+        if name == "hip" and C % 4 == 0:   # pre one element (2 bytes) off an 8-byte boundary: the one-column kernel
+            buf = cp.zeros(N * C + 4, cp.uint16)
+            p1 = buf[1:1 + N * C].reshape(N, C)
+            p1[...] = pre
+            colsum1, dfc1 = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+            mod.colsum_convert(d, colsum1, out=dfc1, half=half, gelu_of=p1)
+            np.testing.assert_array_equal(dfc1.get(), dfc.get())
+            np.testing.assert_array_equal(colsum1.get().view(np.uint32), colsum.get().view(np.uint32))
+        want = dgelu.astype(np.float64) * gelu_grad64(from_half(want_pre, half))
+        scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(dgelu).sum(axis=0)
         assert np.all(np.abs(colsum.get() - want.sum(axis=0)) <= 1e-5 * scale), name
 
 

@@ -825,6 +825,11 @@ def main(argv=None) -> int:
     ap.add_argument("--flash-version", choices=("v4", "v5", "v6"), default=None,
                     help="`train` / `gputime`: the version of the flash kernels the engine's flash path runs "
                          "(default v6)")
+    ap.add_argument("--gelu-in", choices=("f32", "half"), default=None,
+                    help="`train` / `gputime`: the format the engine keeps GELU's input in, in half precision "
+                         "(default f32)")
+    ap.add_argument("--ce-chunks", type=int, default=1,
+                    help="`train`: our engine's loss head in that many chunks of rows (default 1)")
     ap.add_argument("--compile", action="store_true", help="`train`: also PyTorch through torch.compile")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
@@ -863,7 +868,8 @@ def main(argv=None) -> int:
             presets = tuple(args.presets.split(","))
             versions = {**({"scores": args.scores} if args.scores else {}),
                         **({"attention": args.attention} if args.attention else {}),
-                        **({"flash": args.flash_version} if args.flash_version else {})}
+                        **({"flash": args.flash_version} if args.flash_version else {}),
+                        **({"gelu_in": args.gelu_in} if args.gelu_in else {})}
             if args.what == "gputime":
                 import importlib.util
                 result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0],
@@ -876,7 +882,7 @@ def main(argv=None) -> int:
             elif args.what == "train":
                 precs = tuple((args.precisions or "fp32,tf32,bf16").split(","))
                 result = bt.bench_train(presets, precs, versions=versions or None, with_compile=args.compile,
-                                        on_config=keep)
+                                        on_config=keep, ce_chunks=args.ce_chunks)
                 print(bt.format_train(result))
             else:
                 precs = tuple((args.precisions or "fp32").split(","))

@@ -363,7 +363,7 @@ def _card():
 
 
 def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"), steps=10, backend="hip",
-                with_torch=True, versions=None, with_compile=False, on_config=None) -> dict:
+                with_torch=True, versions=None, with_compile=False, on_config=None, ce_chunks=1) -> dict:
     """Step time, tokens/s, MFU and peak memory of our engine (launched from Python, and replayed as a CUDA graph)
     beside the same model in PyTorch eager and, with_compile, through torch.compile: every ratio from one run.
 
@@ -373,7 +373,8 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
     (validation.why_not: TORCH_WHY_NOT).
 
     on_config(result): called after each (preset, precision) with the result so far, marked "partial": True (a run cut
-    short keeps what it finished); each configuration's seconds and the NumPy reference's go to stderr."""
+    short keeps what it finished); each configuration's seconds and the NumPy reference's go to stderr.
+    ce_chunks: our engine's loss head in that many chunks of rows (lesson 12; 1: the whole batch at once)."""
     device.require_gpu("benchmarking the training step")
     from ..engine import EngineError
     from .timing import matmul_rate
@@ -388,7 +389,8 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
 
     def result():
         return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows,
-                "versions": dict(versions or {})}  # the engine's versions asked for beyond its defaults
+                "versions": dict(versions or {}),  # the engine's versions asked for beyond its defaults
+                **({"ce_chunks": ce_chunks} if ce_chunks != 1 else {})}
 
     for preset in presets:
         cfg, B = _cfg(preset)
@@ -401,11 +403,11 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
         for prec in precisions:
             started = time.perf_counter()
             runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
-                                                     versions=versions, reference=reference))]
+                                                     versions=versions, reference=reference, ce_chunks=ce_chunks))]
             try:
                 runs.append(("ours+graph", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
                                                                    versions=versions, graphs="on",
-                                                                   reference=reference)))
+                                                                   reference=reference, ce_chunks=ce_chunks)))
             except EngineError as e:  # a step that cannot be captured (fp16: the loss scaler decides on the host)
                 print(f"{preset} {prec}: no CUDA-graph row ({e})", file=sys.stderr)
             if with_torch:
@@ -575,6 +577,8 @@ MEMORY_TECHNIQUES = (
     ("checkpointing full", {"policy": "full"}),
     ("checkpointing sqrt", {"policy": "sqrt"}),
     ("all but offload", {"ce_chunks": 16, "optimizer_state": "int8", "policy": "sqrt"}),
+    ("GELU input half", {"gelu_in": "half"}),
+    ("ce_chunks 8, GELU half", {"ce_chunks": 8, "gelu_in": "half"}),
 )
 
 
@@ -595,11 +599,15 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
         kw = {"policy": opts.get("policy", "none"), "ce_chunks": opts.get("ce_chunks", 1),
               "optimizer_state": opts.get("optimizer_state", "fp32"),
               "offload_optimizer": opts.get("offload_optimizer", False)}
-        pred = engine_memory(cfg, B, T, precision, attention=att, **kw)
+        gelu_in = opts.get("gelu_in", "f32")  # an engine version, not a build() option
+        pred = engine_memory(cfg, B, T, precision, attention=att, half_gelu_in=gelu_in == "half", **kw)
         row = {"technique": name, **kw, "predicted_bytes": int(pred["total"]), "host_bytes": int(pred.get("host", 0))}
+        if gelu_in != "f32":
+            row["gelu_in"] = gelu_in
+        ver = {**(versions or {}), "gelu_in": gelu_in} if gelu_in != "f32" else versions
         try:
-            _measured_or_out_of_memory(row, cfg, B, T, precision, steps=steps, versions=versions, graphs="off", **kw)
-            graph = _measured_or_out_of_memory({}, cfg, B, T, precision, steps=steps, versions=versions,
+            _measured_or_out_of_memory(row, cfg, B, T, precision, steps=steps, versions=ver, graphs="off", **kw)
+            graph = _measured_or_out_of_memory({}, cfg, B, T, precision, steps=steps, versions=ver,
                                                graphs="auto", **kw)
             if graph.get("cuda_graph"):
                 row.update(graph_step_ms=graph["step_ms"], graph_peak_bytes=graph["peak_bytes"])

@@ -51,14 +51,36 @@ def check_bias_add(fn, inp, bias, out, res, check=check_array):
 
 
 def check_bias_gelu(fn, inp, bias, pre, out, half, check=check_array):
-    """pre may be None (not written)."""
+    """pre may be None (not written), float32, or uint16 with half (GELU's input kept as half bits of half's format:
+    the _hpre kernels). Returns (N, C, mode)."""
     mode, odt = half_mode(fn, half, out)
     N, C = _array(fn, "inp", inp, 2, "(N, C)")
     check(fn, "inp", inp, (N, C), "float32")
     check(fn, "bias", bias, (C,), "float32")
     if pre is not None:
-        check(fn, "pre", pre, (N, C), "float32")
+        if half_pre(pre) and half is None:
+            raise ValueError(
+                f"{fn}: pre is uint16 (GELU's input as half bits) but half=None: a half pre needs half='bf16' or "
+                "'fp16' (the format of both pre and out)"
+            )
+        check(fn, "pre", pre, (N, C), "uint16" if half_pre(pre) else "float32")
     check(fn, "out", out, (N, C), odt)
+    return N, C, mode
+
+
+def half_pre(pre) -> bool:
+    """True when bias_gelu_forward's pre / colsum_convert's gelu_of holds half bits (uint16), not float32."""
+    return pre is not None and str(getattr(pre, "dtype", "")) == "uint16"
+
+
+def check_gelu_half(fn, inp, out, half, check=check_array):
+    """gelu_half: inp and out (N, C) uint16, half bits of half ('bf16' / 'fp16'). Returns (N, C, mode)."""
+    if half not in ("bf16", "fp16"):
+        raise ValueError(f"{fn}: half={half!r} must be 'bf16' or 'fp16' (inp and out are half bits of that format)")
+    mode, _ = half_mode(fn, half, out)
+    N, C = _array(fn, "inp", inp, 2, "(N, C)")
+    check(fn, "inp", inp, (N, C), "uint16")
+    check(fn, "out", out, (N, C), "uint16")
     return N, C, mode
 
 
@@ -98,8 +120,14 @@ def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
 
 def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None, gelu_bias=None):
     """Returns (N, C, mode); mode 0 when out is None. GELU's input is gelu_of (N, C) + gelu_bias (C,), float32, given
-    together; they need out."""
-    if (gelu_of is None) != (gelu_bias is None):
+    together, or gelu_of alone as uint16, the half bits of GELU's input with its bias in (bias_gelu_forward's half
+    pre), in half's format; they need out."""
+    if half_pre(gelu_of):
+        if gelu_bias is not None:
+            raise ValueError(
+                f"{fn}: gelu_of is uint16 (GELU's input as half bits, its bias already in): leave gelu_bias=None"
+            )
+    elif (gelu_of is None) != (gelu_bias is None):
         raise ValueError(f"{fn}: give gelu_of and gelu_bias together (GELU's input is gelu_of + gelu_bias[col])")
     if gelu_of is not None and out is None:
         raise ValueError(
@@ -122,7 +150,9 @@ def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None, ge
     check(fn, "colsum", colsum, (C,), "float32")
     if out is not None:
         check(fn, "out", out, (N, C), "uint16")
-    if gelu_of is not None:
+    if half_pre(gelu_of):
+        check(fn, "gelu_of", gelu_of, (N, C), "uint16")
+    elif gelu_of is not None:
         check(fn, "gelu_of", gelu_of, (N, C), "float32")
         check(fn, "gelu_bias", gelu_bias, (C,), "float32")
     return N, C, mode

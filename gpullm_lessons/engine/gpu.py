@@ -25,6 +25,7 @@ _NUMBA_VERSIONS = {
     "adamw": "v2",
     "convert": "v1",
     "scores": "half",
+    "gelu_in": "f32",
     "attention": "cublas",
     "flash": "v6",
     "tf32": "off",
@@ -53,6 +54,10 @@ class GPUEngine(Engine):
     # "scores": the format of the attention scores and their gradient between cuBLAS and the softmax kernels in a
     # half-precision run: "half" (cuBLAS rounds them to the run's half format: half the bytes of the largest
     # activation; GPT-2 bf16 on the H200: 64.2 -> 60.6 ms per step) or "f32" (fp32 products, as before 2026-11-30)
+    # "gelu_in": the format the MLP keeps GELU's input in for the backward, in a half-precision run: "f32" (fc as the
+    # product wrote it, 4 bytes an element, the bias added again in the backward's fused pass) or "half" (the half
+    # bits of fc + bias, 2 bytes an element, as torch.compile keeps it; the GELU and its recompute read that rounded
+    # value; GPT-2 124M B16 T1024 keeps 1.1 GiB less)
     # "attention": "flash" (kernels/hip/flash.cu, lesson 11: the (T, T) scores never in memory, activations linear in
     # T; the hip default in half precision at the head sizes flash.cu is compiled for) or "cublas" (four batched
     # products around the causal-softmax kernels, lesson 05's path; the numba backend's, fp32's and the fallback
@@ -105,6 +110,8 @@ class GPUEngine(Engine):
             self.ver.update(versions)
         if self.ver["scores"] not in ("f32", "half"):
             raise EngineError(f"versions: scores must be 'f32' or 'half', got {self.ver['scores']!r}")
+        if self.ver["gelu_in"] not in ("f32", "half"):
+            raise EngineError(f"versions: gelu_in must be 'f32' or 'half', got {self.ver['gelu_in']!r}")
         if self.ver["attention"] not in ("flash", "cublas"):
             raise EngineError(f"versions: attention must be 'flash' or 'cublas', got {self.ver['attention']!r}")
         if self.ver["attention"] == "flash":
@@ -277,8 +284,9 @@ class GPUEngine(Engine):
 
         One fused pass over dout (colsum_convert) gives the bias gradient (its column sums, deterministic) and the
         half copy the two products read. gelu_in = (pre, bias) (half precision only): dout is the gradient of GELU's
-        output and pre + bias[col] GELU's input; the pass applies GELU's backward on the way (the layer's output
-        gradient is dout * gelu'(pre + bias))."""
+        output and pre + bias[col] GELU's input (pre float32), or pre itself (its half bits, bias None: versions
+        gelu_in "half"); the pass applies GELU's backward on the way (the layer's output gradient is
+        dout * gelu'(GELU's input))."""
         xp = self.xp
         if self.half is None:
             if gelu_in is not None:
@@ -325,11 +333,14 @@ class GPUEngine(Engine):
         return dx
 
     def _gelu_mm(self, fc, l):
-        """GELU of the kept fc (N, 4C) fp32 -> the matmul input: fp32 runs keep fc with its bias (bias_gelu_forward
-        with a zero bias), half runs without it (the bias added on the way, fc not rewritten)."""
+        """GELU of the kept fc (N, 4C) -> the matmul input: fp32 runs keep fc with its bias (bias_gelu_forward with a
+        zero bias), half runs without it (the bias added on the way, fc not rewritten), or as the half bits of
+        fc + bias (versions gelu_in "half": gelu_half, the forward's bits)."""
         out = self._mm_empty(fc.shape)
         if self.half is None:
             self.K.bias_gelu_forward(fc, self._zeros(fc.shape[1]), fc, out)  # fc + 0 = fc: rewritten unchanged
+        elif fc.dtype == self.xp.uint16:
+            self.K.gelu_half(fc, out, self._half)
         else:
             self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, out, half=self._half)
         return out
@@ -352,7 +363,8 @@ class GPUEngine(Engine):
         matmul format, and the packed kernels write y straight into the attention projection's input (no merge, no
         fp32 y). bias_add adds each projection's bias and the residual in one pass; bias_gelu_forward adds the fc
         bias (fc is kept for the GELU backward: with its bias in fp32 runs, without it in half runs, whose backward
-        adds it again in its fused pass) and writes GELU's output in the matmul format."""
+        adds it again in its fused pass, or as the half bits of fc + bias with versions gelu_in "half") and writes
+        GELU's output in the matmul format."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
@@ -390,6 +402,11 @@ class GPUEngine(Engine):
         gelu_mm = self._mm_empty(fc.shape)
         if half is None:
             self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm)  # fc += b; gelu(fc)
+        elif self.ver["gelu_in"] == "half":  # keep half(fc + b), GELU's input, instead of the float32 fc
+            fc_half = self._mm_empty(fc.shape)
+            self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc_half, gelu_mm, half=half)
+            del fc
+            fc = fc_half
         else:  # gelu(fc + b) in the matmul format; fc is not rewritten
             self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, gelu_mm, half=half)
         x2 = self._matmul(gelu_mm, "fcprojw", l, C)
@@ -450,7 +467,8 @@ class GPUEngine(Engine):
             dln2 = self._linear_backward(dfc, c["ln2_mm"], "fcw", "fcb", l, C)
             del dfc
         else:  # GELU's backward inside the fc layer's pass over dfc (colsum_convert): no float32 dfc
-            gelu_in = (c["fc"], self.params["fcb"][l])  # fc kept without its bias
+            # fc kept without its bias (float32), or GELU's input itself as half bits (gelu_in "half")
+            gelu_in = (c["fc"], None if c["fc"].dtype == xp.uint16 else self.params["fcb"][l])
             dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_in=gelu_in)
             del dgelu
         dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)

@@ -18,6 +18,7 @@ def engine_memory(
     ce_chunks=1,
     optimizer_state="fp32",
     offload_optimizer=False,
+    half_gelu_in=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -34,6 +35,8 @@ def engine_memory(
     precision). attention: the engine's versions["attention"], "cublas" (the probabilities (B, nh, T, T) kept),
     "flash" (the log-sum-exp kept instead: linear in T; y is the kept atty_mm) or "auto" (the hip engine's default: flash in half
     precision at the head sizes flash.cu is compiled for, else cublas).
+    half_gelu_in: the engine's versions["gelu_in"] == "half" (GELU's input kept as half bits, 2 bytes an element
+    instead of 4; only in half precision; the float32 product is then a temporary of the forward).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -71,7 +74,8 @@ def engine_memory(
     # what one block keeps, per policy (GPUEngine._block_forward)
     base = NC * f + 4 * N * f  # x, mean1, rstd1, mean2, rstd2
     att = B * nh * T * f if flash else TT * e  # flash: lse; cublas: the probabilities att_mm
-    sel = 3 * NC * e + att + NC * e + NC * f + 4 * NC * f  # q, k, v (flash: qkv_mm), the attention's, atty_mm, x1, fc
+    g = e if (half and half_gelu_in) else f  # bytes of the kept GELU input fc
+    sel = 3 * NC * e + att + NC * e + NC * f + 4 * NC * g  # q, k, v (flash: qkv_mm), the attention's, atty_mm, x1, fc
     rebuilt = NC * e + NC * e + 4 * NC * e  # ln1_mm, ln2_mm, gelu_mm
     full_cache = base + sel + rebuilt
     kept_block = {"none": full_cache, "selective": base + sel, "full": NC * f, "sqrt": NC * f}[policy]
@@ -89,7 +93,8 @@ def engine_memory(
     # selective the matmul inputs that are not kept, under full the whole cache (a local of the forward, dropped on
     # return)
     ts = e if (half and half_scores) else f  # bytes of a score / its gradient
-    temps = max(3 * NC * f, 0 if flash else TT * ts * half, NC * f)
+    # (half_gelu_in: the float32 fc product beside its half copy, until bias_gelu_forward has read it)
+    temps = max(3 * NC * f, 0 if flash else TT * ts * half, NC * f, 4 * NC * f if g != f else 0)
     fwd_block = temps
     if policy == "selective":
         fwd_block += rebuilt

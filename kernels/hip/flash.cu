@@ -5,7 +5,7 @@
 // instantiations of it for bf16 and f16 inside `#if FLASH_PART(V, H)` blocks (a launcher compiles one part:
 // backends/hip/flash.py's part_options). Search for "// ==== " to jump to a section:
 //   flash_common.h     (included below) what several versions share: the FLASH_* constants, FLASH_PART,
-//                      half_to_f32, load_rows, row_max / row_sum, RoundTo, zero_tile and the delta pass flash_delta
+//                      load_rows, row_max / row_sum, RoundTo, zero_tile and the delta pass flash_delta
 //   ==== v2            the products on the matrix units, the softmax through shared memory; FLASH_ENTRIES_V2
 //   ==== v3            the softmax in registers (portable.h's register tiles); FLASH_ENTRIES_V3 (v2's part), and
 //                      FLASH_ENTRIES_V3_GENERAL: attention in general (not causal, a mask, Tq != Tk) on v3's code

@@ -3,7 +3,6 @@
 //   FLASH_* constants    v2's and v3's blocks and tiles (FLASH_KTILE: v4's to v6's tiles too), the padding of every
 //                        version's shared rows (FLASH_PAD), the softmax's FLASH_LOG2E, FLASH_LN2, FLASH_NEG_INF
 //   FLASH_PART(V, H)     the guard of each section's entry points: a launcher compiles one version's part
-//   half_to_f32          a 16-bit value of format H as float32
 //   load_rows            rows of a head into shared memory (v2, v3)
 //   row_max, row_sum     a row's reduction over the lanes that share it (v2's forward, the delta pass)
 //   RoundTo, zero_tile   register-tile helpers of v3, v4 to v6 and v5's fused backward
@@ -34,11 +33,6 @@
 #else
 #define FLASH_PART(V, H) 1
 #endif
-
-// A 16-bit value of format H (its bits) as float32, exactly.
-template <int H> __device__ __forceinline__ float half_to_f32(unsigned short b) {
-    return H == 1 ? __uint_as_float(((unsigned int)b) << 16) : __half2float(__ushort_as_half(b));
-}
 
 // rows [r0, r0 + nrows) of a (T, HS) head into shared memory dst[nrows][HS + FLASH_PAD], 16 bytes per load; rows past
 // T become zeros. Every thread of the block calls it.

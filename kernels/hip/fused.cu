@@ -2,12 +2,16 @@
 // hiprtc/hipcc on AMD). Same names and math as kernels/numba/fused.py. Shapes: N = B*T rows, C = nh*hs channels.
 //   bias_add:          out (N,C) = inp + bias[col] (+ res); out may be inp or res (in place: no __restrict__ there)
 //   bias_gelu_forward: pre (N,C) = inp + bias[col] (pre may be inp); out = gelu_tanh(pre), float32 or half bits;
-//                      the _nopre entries do not write pre (the half runs keep fc without its bias)
+//                      the _nopre entries do not write pre (the half runs keep fc without its bias); the _hpre
+//                      entries write pre as half bits and take GELU of that rounded value (a recompute from pre, gelu_half,
+//                      gives the same bits)
+//   gelu_half:         out (N*C,) = gelu_tanh(inp) of half bits in, half bits out (the selective recompute of _hpre)
 //   split_heads:       out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias[h*hs+d]); inp (N, ld) rows
 //   merge_heads:       out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]; out (N, ld), other columns untouched
 //   colsum_convert:    colsum (C,) = sum over rows of inp (N,C), deterministic two-stage; optionally out = half(inp);
 //                      the _gelu entries sum and convert inp * gelu'(pre + gbias[col]) instead: GELU's backward fused into the
-//                      pass over dfc that the fc layer's backward makes anyway (the float32 dfc is never written)
+//                      pass over dfc that the fc layer's backward makes anyway (the float32 dfc is never written);
+//                      the _gelu_hpre entries read GELU's input as half bits with its bias in (bias_gelu_forward's _hpre)
 //   layernorm_forward_half: LayerNorm (as layernorm.cu) with out as half bits; one warp per row
 // Half outputs are uint16 bits, rounded by half.h (bit-exact with convert.cu, kernels/numba/convert.py, NumPy).
 // Entry points are <op>_v1_<out>, <out> = f32 | bf16 | f16 (the output format; a template parameter inside).
@@ -69,6 +73,11 @@ extern "C" __global__ void bias_add_res_v1(const float* inp, const float* __rest
 }
 
 // ---- bias_gelu_forward: inp, pre, out (N*C,) flat; bias (C,); pre may be inp --------------------------------------
+// gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), gelu.cu's float32 operations in the same order
+__device__ __forceinline__ float gelu_tanh_f32(float x) {
+    float u = GELU_SCALE * (x + GELU_CUBE * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
 template <int H, bool PRE = true>
 __device__ __forceinline__ void bias_gelu_body(const float* inp, const float* __restrict__ bias, float* pre,
                                                typename Out<H>::T* __restrict__ out, long long n, int C) {
@@ -79,8 +88,7 @@ __device__ __forceinline__ void bias_gelu_body(const float* inp, const float* __
     for (long long i = start; i < n; i += stride) {
         float x = inp[i] + bias[col];
         if (PRE) pre[i] = x;
-        float u = GELU_SCALE * (x + GELU_CUBE * x * x * x);
-        out[i] = Out<H>::cvt(0.5f * x * (1.0f + tanhf(u)));
+        out[i] = Out<H>::cvt(gelu_tanh_f32(x));
         col += step;
         if (col >= C) col -= C;
     }
@@ -100,6 +108,45 @@ __device__ __forceinline__ void bias_gelu_body(const float* inp, const float* __
 BIAS_GELU_ENTRY(f32, 0)
 BIAS_GELU_ENTRY(bf16, 1)
 BIAS_GELU_ENTRY(f16, 2)
+
+// _hpre: GELU's input kept in format H (pre, half bits: half the bytes of a float32 fc), and the GELU reads that
+// rounded value, as a recompute from pre does; HIN: inp is half bits too (gelu_half: no bias, no pre)
+template <int H>
+__device__ __forceinline__ void bias_gelu_hpre_body(const float* __restrict__ inp, const float* __restrict__ bias,
+                                                    unsigned short* __restrict__ pre, unsigned short* __restrict__ out,
+                                                    long long n, int C) {
+    long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    if (start >= n) return;
+    int col = (int)(start % C), step = (int)(stride % C);
+    for (long long i = start; i < n; i += stride) {
+        unsigned short p = f32_to_half_bits<H>(inp[i] + bias[col]);
+        pre[i] = p;
+        out[i] = f32_to_half_bits<H>(gelu_tanh_f32(half_to_f32<H>(p)));
+        col += step;
+        if (col >= C) col -= C;
+    }
+}
+template <int H>
+__device__ __forceinline__ void gelu_half_body(const unsigned short* __restrict__ inp, unsigned short* __restrict__ out,
+                                               long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = f32_to_half_bits<H>(gelu_tanh_f32(half_to_f32<H>(inp[i])));
+}
+#define GELU_HALF_ENTRY(SUFFIX, H)                                                                                  \
+    extern "C" __global__ void bias_gelu_forward_v1_hpre_##SUFFIX(const float* __restrict__ inp,                    \
+                                                                  const float* __restrict__ bias,                  \
+                                                                  unsigned short* __restrict__ pre,                \
+                                                                  unsigned short* __restrict__ out, long long n,   \
+                                                                  int C) {                                         \
+        bias_gelu_hpre_body<H>(inp, bias, pre, out, n, C);                                                          \
+    }                                                                                                               \
+    extern "C" __global__ void gelu_half_v1_##SUFFIX(const unsigned short* __restrict__ inp,                        \
+                                                     unsigned short* __restrict__ out, long long n) {              \
+        gelu_half_body<H>(inp, out, n);                                                                             \
+    }
+GELU_HALF_ENTRY(bf16, 1)
+GELU_HALF_ENTRY(f16, 2)
 
 // ---- split_heads: inp (N, ld) rows -> out (B*nh, T, hs); bias (C,) or unused ------------------------------------
 // Thread (x, y): row b*T+t = blockIdx.x * blockDim.y + y (grid-stride), columns c = x, x + blockDim.x, ... of C.
@@ -224,10 +271,33 @@ __device__ __forceinline__ float gelu_local_grad(float x) {
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dudx;
 }
 
-template <int H, bool GELU = false>
+// GELU's input at element i (column col): pre + gbias[col] for a float32 pre; the value of the half bits of format
+// H for an unsigned short pre (bias_gelu_forward's _hpre: the bias is in, gbias is not read). gelu_in4: four of them
+// at a column that is a multiple of 4 (16-byte loads of a float32 pre, 8-byte of a half one).
+template <int H> __device__ __forceinline__ float gelu_in(const float* __restrict__ pre,
+                                                          const float* __restrict__ gbias, long long i, int col) {
+    return pre[i] + gbias[col];
+}
+template <int H> __device__ __forceinline__ float gelu_in(const unsigned short* __restrict__ pre,
+                                                          const float* __restrict__ gbias, long long i, int col) {
+    return half_to_f32<H>(pre[i]);
+}
+template <int H> __device__ __forceinline__ float4 gelu_in4(const float* __restrict__ pre,
+                                                            const float* __restrict__ gbias, long long i, int col) {
+    float4 p = *reinterpret_cast<const float4*>(pre + i);
+    return make_float4(p.x + gbias[col], p.y + gbias[col + 1], p.z + gbias[col + 2], p.w + gbias[col + 3]);
+}
+template <int H> __device__ __forceinline__ float4 gelu_in4(const unsigned short* __restrict__ pre,
+                                                            const float* __restrict__ gbias, long long i, int col) {
+    uint2 w = *reinterpret_cast<const uint2*>(pre + i);
+    return make_float4(half_to_f32<H>((unsigned short)(w.x & 0xFFFFu)), half_to_f32<H>((unsigned short)(w.x >> 16)),
+                       half_to_f32<H>((unsigned short)(w.y & 0xFFFFu)), half_to_f32<H>((unsigned short)(w.y >> 16)));
+}
+
+template <int H, bool GELU = false, typename P = float>
 __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ inp, float* __restrict__ partial,
                                                      unsigned short* __restrict__ out, int N, int C, int chunk_rows,
-                                                     const float* __restrict__ pre = nullptr,
+                                                     const P* __restrict__ pre = nullptr,
                                                      const float* __restrict__ gbias = nullptr) {
     __shared__ float buf[1024];
     int col = blockIdx.x * blockDim.x + threadIdx.x;
@@ -238,7 +308,7 @@ __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ i
         for (int r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
             long long i = (long long)r * C + col;
             float v = inp[i];
-            if (GELU) v = v * gelu_local_grad(pre[i] + gbias[col]);
+            if (GELU) v = v * gelu_local_grad(gelu_in<H>(pre, gbias, i, col));
             s += v;
             if (H != 0) out[i] = f32_to_half_bits<H>(v);
         }
@@ -278,14 +348,29 @@ extern "C" __global__ void colsum_partials_v1_gelu_f16(const float* __restrict__
                                                        int chunk_rows) {
     colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
+// pre = GELU's input as half bits of the output's format, its bias in (bias_gelu_forward's _hpre): no gbias
+extern "C" __global__ void colsum_partials_v1_gelu_hpre_bf16(const float* __restrict__ inp,
+                                                             const unsigned short* __restrict__ pre,
+                                                             float* __restrict__ partial,
+                                                             unsigned short* __restrict__ out, int N, int C,
+                                                             int chunk_rows) {
+    colsum_partials_body<1, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
+}
+extern "C" __global__ void colsum_partials_v1_gelu_hpre_f16(const float* __restrict__ inp,
+                                                            const unsigned short* __restrict__ pre,
+                                                            float* __restrict__ partial,
+                                                            unsigned short* __restrict__ out, int N, int C,
+                                                            int chunk_rows) {
+    colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
+}
 
 // x4: four consecutive columns per thread where C % 4 == 0 (16-byte loads of inp and pre, 8-byte half stores): a
 // block of blockDim.x threads covers 4 blockDim.x columns. Each column gets the same rows per thread and the same
 // order of additions as colsum_partials_body: the same bits, a quarter of the memory instructions.
-template <int H, bool GELU>
+template <int H, bool GELU, typename P = float>
 __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict__ inp, float* __restrict__ partial,
                                                         unsigned short* __restrict__ out, int N, int C, int chunk_rows,
-                                                        const float* __restrict__ pre,
+                                                        const P* __restrict__ pre,
                                                         const float* __restrict__ gbias) {
     __shared__ float4 buf4[256];  // blockDim.x * blockDim.y <= 256 (the launcher's 32 x 8)
     int col = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
@@ -297,11 +382,11 @@ __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict_
             long long i = (long long)r * C + col;
             float4 v = *reinterpret_cast<const float4*>(inp + i);
             if (GELU) {
-                float4 p = *reinterpret_cast<const float4*>(pre + i);
-                v.x = v.x * gelu_local_grad(p.x + gbias[col]);
-                v.y = v.y * gelu_local_grad(p.y + gbias[col + 1]);
-                v.z = v.z * gelu_local_grad(p.z + gbias[col + 2]);
-                v.w = v.w * gelu_local_grad(p.w + gbias[col + 3]);
+                float4 p = gelu_in4<H>(pre, gbias, i, col);
+                v.x = v.x * gelu_local_grad(p.x);
+                v.y = v.y * gelu_local_grad(p.y);
+                v.z = v.z * gelu_local_grad(p.z);
+                v.w = v.w * gelu_local_grad(p.w);
             }
             s.x += v.x;
             s.y += v.y;
@@ -331,7 +416,7 @@ __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict_
                                                              float* __restrict__ partial,                          \
                                                              unsigned short* __restrict__ out, int N, int C,       \
                                                              int chunk_rows) {                                     \
-        colsum_partials_x4_body<H, false>(inp, partial, out, N, C, chunk_rows, nullptr, nullptr);                  \
+        colsum_partials_x4_body<H, false>(inp, partial, out, N, C, chunk_rows, (const float*)nullptr, nullptr);  \
     }
 COLSUM_X4_ENTRY(, 0)
 COLSUM_X4_ENTRY(_bf16, 1)
@@ -349,6 +434,20 @@ extern "C" __global__ void colsum_partials_v1_x4_gelu_f16(const float* __restric
                                                           unsigned short* __restrict__ out, int N, int C,
                                                           int chunk_rows) {
     colsum_partials_x4_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
+}
+extern "C" __global__ void colsum_partials_v1_x4_gelu_hpre_bf16(const float* __restrict__ inp,
+                                                                const unsigned short* __restrict__ pre,
+                                                                float* __restrict__ partial,
+                                                                unsigned short* __restrict__ out, int N, int C,
+                                                                int chunk_rows) {
+    colsum_partials_x4_body<1, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
+}
+extern "C" __global__ void colsum_partials_v1_x4_gelu_hpre_f16(const float* __restrict__ inp,
+                                                               const unsigned short* __restrict__ pre,
+                                                               float* __restrict__ partial,
+                                                               unsigned short* __restrict__ out, int N, int C,
+                                                               int chunk_rows) {
+    colsum_partials_x4_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
 }
 
 // Stage 2: colsum[col] = partial[0, col] + partial[1, col] + ... in chunk order; one thread per column, grid-stride.

@@ -1,4 +1,4 @@
-// half.h: float32 -> 16-bit float bits, shared by convert.cu, attention.cu and fused.cu (hip.py inlines each local
+// half.h: float32 <-> 16-bit float bits, shared by convert.cu, attention.cu and fused.cu (hip.py inlines each local
 // include once; hipcc/nvcc find it with -I kernels/hip). The same rounding as kernels/numba/convert.py and
 // gpullm_lessons/precision.py:
 //   f32 -> bf16: bits + 0x7FFF + (lowest kept bit), keep the top 16 bits (round to nearest even); NaN -> 0x7FC0|sign
@@ -27,6 +27,12 @@ __device__ __forceinline__ unsigned short f32_to_f16_bits(float x) {
 // float32 -> the bits of format H (1: bfloat16, 2: float16), H a compile-time constant: the kernels' half output.
 template <int H> __device__ __forceinline__ unsigned short f32_to_half_bits(float x) {
     return H == 1 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
+}
+
+// A 16-bit value of format H (its bits) as float32, exactly (bf16: the top of 16 zero bits; fp16: __half2float,
+// subnormals, inf and NaN included).
+template <int H> __device__ __forceinline__ float half_to_f32(unsigned short b) {
+    return H == 1 ? __uint_as_float(((unsigned int)b) << 16) : __half2float(__ushort_as_half(b));
 }
 
 // Two float32 values rounded to format H and packed into 32 bits, a in the low half (the element at the lower address

@@ -2,7 +2,11 @@
 
     bias_add(inp, bias, out, res=None)                       out (N,C) = inp + bias[col] (+ res); out may be inp/res
     bias_gelu_forward(inp, bias, pre, out, half=None)        pre = inp + bias (pre may be inp, or None: not
-                                                             written); out = gelu_tanh(pre)
+                                                             written); out = gelu_tanh(pre); pre uint16 (with
+                                                             half): GELU's input kept as half bits, out = gelu_tanh
+                                                             of that rounded value
+    gelu_half(inp, out, half)                                out = gelu_tanh(inp), half bits in and out (the
+                                                             recompute of a half pre: the same bits)
     split_heads(inp, col0, out, B, T, nh, bias=None, half=None)
                                                              out[b*nh+h, t, d] = inp[b*T+t, col0 + h*hs + d] (+ bias)
     merge_heads(inp, out, col0, B, T, nh, half=None)         out[b*T+t, col0 + h*hs + d] = inp[b*nh+h, t, d]
@@ -10,7 +14,8 @@
                                                              colsum (C,) = sum over rows (deterministic); out=half(inp);
                                                              gelu_of, gelu_bias: of inp * gelu'(gelu_of + gelu_bias)
                                                              instead (GELU's backward fused in: the fc layer's dfc
-                                                             without a float32 copy)
+                                                             without a float32 copy); gelu_of uint16 alone:
+                                                             GELU's input as half bits, its bias in
     layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5)
                                                              LayerNorm (as layernorm_forward), out as half bits
 
@@ -24,6 +29,9 @@ Versions (KERNELS keys; a "_half" key is the same kernel compiled for a uint16 o
 bias_add_v1: one thread per element of (N, C), grid-stride; has_res=0 leaves res unread.
 bias_gelu_forward_v1: one thread per element, writes pre (float32; has_pre=0: not written) and out (float32).
 bias_gelu_forward_v1_half: the same kernel, out uint16 (mode 1 bf16, 2 fp16).
+bias_gelu_forward_v1_hpre: one thread per element, pre and out uint16: pre = half(inp + bias), out = half(gelu of the
+    rounded pre), so that gelu_half_v1 of pre rebuilds out bit for bit.
+gelu_half_v1: one thread per element, half bits in and out.
 split_heads_v1: one thread per element of out (B*nh, T, hs), float32 out; has_bias=0 leaves bias unread.
 split_heads_v1_half: the same kernel, out uint16 bits.
 merge_heads_v1: one thread per element of inp (B*nh, T, hs), float32 out (N, ld).
@@ -32,6 +40,7 @@ colsum_partials_v1: colsum stage 1, one thread per (chunk of ROWS_PER_CHUNK rows
     order into partial (chunks, C); with mode 1/2 it also writes the half bits of every element it reads into out.
 colsum_partials_v1_gelu: colsum_partials_v1 (mode 1/2) of inp * gelu'(pre + gbias[c]), the float32 operations of
     gelu_backward_v1 (kernels/numba/gelu.py) in the same order.
+colsum_partials_v1_gelu_hpre: the same with GELU's input read from half bits pre (its bias in, no gbias).
 colsum_reduce_v1: colsum stage 2, one thread per column adds the chunks in order (deterministic: no atomics).
 layernorm_forward_half_v1: one thread per row (mean, variance from a second pass, write), out uint16 bits.
 No version is GPU-only: all of them run in Numba's CUDA simulator.
@@ -44,7 +53,9 @@ from numba import cuda
 
 from gpullm_lessons.contracts import check_threads, check_version
 from gpullm_lessons.contracts.fused import (HALF_MODES, check_bias_add, check_bias_gelu,  # noqa: F401 - re-exported
-                                            check_colsum, check_layernorm_half, check_merge, check_split, half_mode)
+                                            check_colsum, check_gelu_half, check_layernorm_half, check_merge,
+                                            check_split, half_mode, half_pre)
+from gpullm_lessons.kernels.numba.attention import half_bits_to_f32   # mode 1 bf16, 2 fp16: FMT_BF16, FMT_F16
 from gpullm_lessons.kernels.numba.convert import f32_to_half_bits
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
@@ -72,6 +83,20 @@ def bias_add_v1(inp, bias, res, out, has_res):
         out[r, c] = v
 
 
+@cuda.jit(device=True, inline=True)
+def gelu_tanh(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), gelu_forward_v1's float32 operations in the same order."""
+    return F_HALF * x * (F_ONE + math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x)))
+
+
+@cuda.jit(device=True, inline=True)
+def gelu_grad(x):
+    """d gelu_tanh(x) / dx, gelu_backward_v1's float32 operations in the same order."""
+    t = math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x))
+    dudx = GELU_SCALE * (F_ONE + F_THREE * GELU_CUBE * x * x)
+    return F_HALF * (F_ONE + t) + F_HALF * x * (F_ONE - t * t) * dudx
+
+
 # bias_gelu_forward_v1(_half): thread i owns elements i, i + stride, ...; pre may be inp (read before written).
 @cuda.jit
 def bias_gelu_forward_v1(inp, bias, pre, out, mode, has_pre):
@@ -83,11 +108,36 @@ def bias_gelu_forward_v1(inp, bias, pre, out, mode, has_pre):
         x = inp[r, c] + bias[c]
         if has_pre != 0:
             pre[r, c] = x
-        y = F_HALF * x * (F_ONE + math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x)))
+        y = gelu_tanh(x)
         if mode == 0:
             out[r, c] = y
         else:
             out[r, c] = f32_to_half_bits(y, mode)
+
+
+# bias_gelu_forward_v1_hpre: as bias_gelu_forward_v1, pre and out half bits (mode 1 bf16, 2 fp16); the GELU reads
+# the rounded pre, as gelu_half_v1 does when it rebuilds out from pre.
+@cuda.jit
+def bias_gelu_forward_v1_hpre(inp, bias, pre, out, mode):
+    N, C = out.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, N * C, stride):
+        r = i // C
+        c = i - r * C
+        p = f32_to_half_bits(inp[r, c] + bias[c], mode)
+        pre[r, c] = p
+        out[r, c] = f32_to_half_bits(gelu_tanh(half_bits_to_f32(p, mode)), mode)
+
+
+# gelu_half_v1: thread i owns elements i, i + stride, ... of (N, C): half bits in, half bits out.
+@cuda.jit
+def gelu_half_v1(inp, out, mode):
+    N, C = out.shape
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, N * C, stride):
+        r = i // C
+        c = i - r * C
+        out[r, c] = f32_to_half_bits(gelu_tanh(half_bits_to_f32(inp[r, c], mode)), mode)
 
 
 @cuda.jit(device=True, inline=True)
@@ -163,10 +213,24 @@ def colsum_partials_v1_gelu(inp, pre, gbias, partial, out, mode):
         c = j - k * C
         s = F_ZERO
         for r in range(k * ROWS_PER_CHUNK, min(k * ROWS_PER_CHUNK + ROWS_PER_CHUNK, N)):
-            x = pre[r, c] + gbias[c]
-            t = math.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x))
-            dudx = GELU_SCALE * (F_ONE + F_THREE * GELU_CUBE * x * x)
-            v = inp[r, c] * (F_HALF * (F_ONE + t) + F_HALF * x * (F_ONE - t * t) * dudx)
+            v = inp[r, c] * gelu_grad(pre[r, c] + gbias[c])
+            s += v
+            out[r, c] = f32_to_half_bits(v, mode)
+        partial[k, c] = s
+
+
+# colsum_partials_v1_gelu_hpre: colsum_partials_v1_gelu with GELU's input the half bits pre[r, c] (its bias in)
+@cuda.jit
+def colsum_partials_v1_gelu_hpre(inp, pre, partial, out, mode):
+    N, C = inp.shape
+    chunks = partial.shape[0]
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for j in range(start, chunks * C, stride):
+        k = j // C
+        c = j - k * C
+        s = F_ZERO
+        for r in range(k * ROWS_PER_CHUNK, min(k * ROWS_PER_CHUNK + ROWS_PER_CHUNK, N)):
+            v = inp[r, c] * gelu_grad(half_bits_to_f32(pre[r, c], mode))
             s += v
             out[r, c] = f32_to_half_bits(v, mode)
         partial[k, c] = s
@@ -210,6 +274,8 @@ _V, _M, _U = "float32[::1]", "float32[:, ::1]", "uint16[:, ::1]"
 _M3, _U3 = "float32[:, :, ::1]", "uint16[:, :, ::1]"
 KERNELS = {"bias_add_v1": bias_add_v1,
            "bias_gelu_forward_v1": bias_gelu_forward_v1, "bias_gelu_forward_v1_half": bias_gelu_forward_v1,
+           "bias_gelu_forward_v1_hpre": bias_gelu_forward_v1_hpre, "gelu_half_v1": gelu_half_v1,
+           "colsum_partials_v1_gelu_hpre": colsum_partials_v1_gelu_hpre,
            "split_heads_v1": split_heads_v1, "split_heads_v1_half": split_heads_v1,
            "merge_heads_v1": merge_heads_v1, "merge_heads_v1_half": merge_heads_v1,
            "colsum_partials_v1": colsum_partials_v1, "colsum_partials_v1_gelu": colsum_partials_v1_gelu,
@@ -218,6 +284,9 @@ KERNELS = {"bias_add_v1": bias_add_v1,
 SIGNATURES = {"bias_add_v1": f"void({_M}, {_V}, {_M}, {_M}, int64)",                  # inp, bias, res, out, has_res
               "bias_gelu_forward_v1": f"void({_M}, {_V}, {_M}, {_M}, int64, int64)",  # inp, bias, pre, out, mode,
               "bias_gelu_forward_v1_half": f"void({_M}, {_V}, {_M}, {_U}, int64, int64)",  # has_pre
+              "bias_gelu_forward_v1_hpre": f"void({_M}, {_V}, {_U}, {_U}, int64)",  # inp, bias, pre, out, mode
+              "gelu_half_v1": f"void({_U}, {_U}, int64)",                             # inp, out, mode
+              "colsum_partials_v1_gelu_hpre": f"void({_M}, {_U}, {_M}, {_U}, int64)",  # inp, pre, partial, out, mode
               "split_heads_v1": f"void({_M}, {_V}, {_M3}, int64, int64, int64, int64)",   # inp, bias, out, col0,
               "split_heads_v1_half": f"void({_M}, {_V}, {_U3}, int64, int64, int64, int64)",  # nh, has_bias, mode
               "merge_heads_v1": f"void({_M3}, {_M}, int64, int64, int64)",            # inp, out, col0, nh, mode
@@ -242,7 +311,7 @@ def _launch(fn, key, version, threads, n, args):
     KERNELS[key][blocks, threads, launch_stream()](*args)
 
 
-LAUNCHERS = ("bias_add", "bias_gelu_forward", "split_heads", "merge_heads", "colsum_convert",
+LAUNCHERS = ("bias_add", "bias_gelu_forward", "gelu_half", "split_heads", "merge_heads", "colsum_convert",
              "layernorm_forward_half")   # gathered by backends/_collect.py
 
 
@@ -255,10 +324,21 @@ def bias_add(inp, bias, out, res=None, version="v1", threads=256):
 
 def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256):
     """pre (N,C) = inp + bias[col] (pre may be inp; None: not written); out (N,C) = gelu_tanh(pre): float32, or
-    uint16 bits (half)."""
+    uint16 bits (half). pre uint16 (with half): GELU's input kept as half bits, and out = gelu_tanh of that rounded
+    value (gelu_half(pre) gives out's bits again)."""
     N, C, mode = check_bias_gelu("bias_gelu_forward", inp, bias, pre, out, half)
+    if half_pre(pre):
+        _launch("bias_gelu_forward", "bias_gelu_forward_v1_hpre", version, threads, N * C, (inp, bias, pre, out, mode))
+        return
     args = (inp, bias, inp if pre is None else pre, out, mode, 0 if pre is None else 1)  # has_pre 0: inp never written
     _launch("bias_gelu_forward", "bias_gelu_forward_v1", version, threads, N * C, args)
+
+
+def gelu_half(inp, out, half, version="v1", threads=256):
+    """out (N,C) = gelu_tanh(inp) for inp and out uint16, half bits of half ('bf16' / 'fp16'): the selective
+    recompute of the GELU output from a half pre (bias_gelu_forward's), the same bits."""
+    N, C, mode = check_gelu_half("gelu_half", inp, out, half)
+    _launch("gelu_half", "gelu_half_v1", version, threads, N * C, (inp, out, mode))
 
 
 def split_heads(inp, col0, out, B, T, nh, bias=None, half=None, version="v1", threads=256):
@@ -287,7 +367,8 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     """colsum (C,) = inp.sum(axis=0) for inp (N,C) float32, deterministic (two stages, fixed order); with out (N,C)
     uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. gelu_of (N, C) and gelu_bias
     (C,) float32, GELU's input gelu_of + gelu_bias[col] (needs out): inp is the gradient of GELU's output; the pass
-    sums and converts inp * gelu'(gelu_of + gelu_bias) instead, with gelu_backward's bits."""
+    sums and converts inp * gelu'(gelu_of + gelu_bias) instead, with gelu_backward's bits; gelu_of uint16 alone: GELU's
+    input as half bits of half's format, its bias in (bias_gelu_forward's half pre)."""
     fn = "colsum_convert"
     N, C, mode = check_colsum(fn, inp, colsum, out, half, gelu_of=gelu_of, gelu_bias=gelu_bias)
     check_version(fn, version, VERSIONS)
@@ -297,7 +378,9 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     chunks = colsum_chunks(N)
     partial = device_scratch((chunks, C), np.float32)             # scratch, every element written
     dummy = out if out is not None else device_scratch((1, 1), np.uint16)   # mode 0: never written
-    if gelu_of is not None:
+    if half_pre(gelu_of):
+        _launch(fn, "colsum_partials_v1_gelu_hpre", version, threads, chunks * C, (inp, gelu_of, partial, out, mode))
+    elif gelu_of is not None:
         _launch(fn, "colsum_partials_v1_gelu", version, threads, chunks * C, (inp, gelu_of, gelu_bias, partial, out, mode))
     else:
         _launch(fn, "colsum_partials_v1", version, threads, chunks * C, (inp, partial, dummy, mode))

@@ -2,10 +2,11 @@
 
 Same names, signatures and argument checks as kernels/numba/fused.py (read its docstring for the math):
     bias_add(inp, bias, out, res=None)
-    bias_gelu_forward(inp, bias, pre, out, half=None)
+    bias_gelu_forward(inp, bias, pre, out, half=None)        (pre uint16 with half: GELU's input kept as half bits)
+    gelu_half(inp, out, half)                                (the recompute from a half pre)
     split_heads(inp, col0, out, B, T, nh, bias=None, half=None)
     merge_heads(inp, out, col0, B, T, nh, half=None)
-    colsum_convert(inp, colsum, out=None, half=None)
+    colsum_convert(inp, colsum, out=None, half=None, gelu_of=None, gelu_bias=None)
     layernorm_forward_half(inp, weight, bias, out, mean, rstd, half, eps=1e-5)
 each with version="v1", threads=256. half: None (float32 output) or "bf16" / "fp16" (uint16 output: the 16-bit bits,
 rounded by kernels/hip/half.h exactly as convert.cu). Arrays are C-contiguous CuPy arrays; cupy is imported lazily.
@@ -28,14 +29,17 @@ from gpullm_lessons.contracts.fused import (
     check_bias_add,
     check_bias_gelu,
     check_colsum,
+    check_gelu_half,
     check_layernorm_half,
     check_merge,
     check_split,
+    half_pre,
 )
 
 LAUNCHERS = (
     "bias_add",
     "bias_gelu_forward",
+    "gelu_half",
     "split_heads",
     "merge_heads",
     "colsum_convert",
@@ -94,12 +98,17 @@ def bias_add(inp, bias, out, res=None, version="v1", threads=256):
 
 def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256):
     """pre (N,C) = inp + bias[col] (pre may be inp; None: not written); out (N,C) = gelu_tanh(pre): float32, or
-    uint16 bits (half)."""
+    uint16 bits (half). pre uint16 (with half): GELU's input kept as half bits, and out = gelu_tanh of that rounded
+    value (gelu_half(pre) gives out's bits again)."""
     fn = "bias_gelu_forward"
     N, C, mode = check_bias_gelu(fn, inp, bias, pre, out, half, check=_check_cupy)
     threads = _setup(fn, version, threads)
     n = N * C
     if n == 0:
+        return
+    if half_pre(pre):
+        args = (inp, bias, pre, out, np.int64(n), np.int32(C))
+        _kernel(f"bias_gelu_forward_v1_hpre_{SUFFIX[mode]}")((_flat_grid(n, threads),), (threads,), args)
         return
     if pre is None:
         args = (inp, bias, out, np.int64(n), np.int32(C))
@@ -108,6 +117,18 @@ def bias_gelu_forward(inp, bias, pre, out, half=None, version="v1", threads=256)
     _kernel(f"bias_gelu_forward_v1_{SUFFIX[mode]}")(
         (_flat_grid(n, threads),), (threads,), (inp, bias, pre, out, np.int64(n), np.int32(C))
     )
+
+
+def gelu_half(inp, out, half, version="v1", threads=256):
+    """out (N,C) = gelu_tanh(inp) for inp and out uint16 CuPy arrays, half bits of half ('bf16' / 'fp16'): the
+    selective recompute of the GELU output from a half pre (bias_gelu_forward's), the same bits."""
+    fn = "gelu_half"
+    N, C, mode = check_gelu_half(fn, inp, out, half, check=_check_cupy)
+    threads = _setup(fn, version, threads)
+    n = N * C
+    if n == 0:
+        return
+    _kernel(f"gelu_half_v1_{SUFFIX[mode]}")((_flat_grid(n, threads),), (threads,), (inp, out, np.int64(n)))
 
 
 def _heads_launch(name, args, N, C, threads, sizes):
@@ -162,7 +183,8 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. CuPy arrays.
     gelu_of (N, C) and gelu_bias (C,) float32, GELU's input gelu_of + gelu_bias[col] (needs out): inp is the gradient
     of GELU's output, and the pass sums and converts inp * gelu'(gelu_of + gelu_bias) (gelu_backward's bits)
-    instead: the fc layer's dfc without a float32 copy.
+    instead: the fc layer's dfc without a float32 copy. gelu_of uint16 alone: GELU's input as half bits of half's
+    format, its bias in (bias_gelu_forward's half pre).
     threads: the stage-2 block; stage 1 always runs 32 x 8 blocks."""
     fn = "colsum_convert"
     N, C, mode = check_colsum(fn, inp, colsum, out, half, check=_check_cupy, gelu_of=gelu_of, gelu_bias=gelu_bias)
@@ -174,13 +196,16 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     chunks, rows = colsum_chunking(N, C)
     partial = cupy.empty((chunks, C), cupy.float32)  # scratch: every element written by stage 1
     # x4 (four columns per thread, 16-byte loads) where C % 4 == 0 and the rows are aligned for them: the same sums
-    x4 = C % 4 == 0 and all(a.data.ptr % 16 == 0 for a in (inp, gelu_of) if a is not None)
+    hpre = half_pre(gelu_of)  # GELU's input as half bits, its bias in: 8-byte loads of it in x4
+    x4 = C % 4 == 0 and inp.data.ptr % 16 == 0 and (gelu_of is None or gelu_of.data.ptr % (8 if hpre else 16) == 0)
     x4 = x4 and (out is None or out.data.ptr % 8 == 0)
     grid1 = (-(-C // (COLSUM_TILE * (4 if x4 else 1))), chunks)
     block1 = (COLSUM_TILE, COLSUM_ROWS)
     sizes = (np.int32(N), np.int32(C), np.int32(rows))
     name = "colsum_partials_v1" + ("_x4" if x4 else "")
-    if gelu_of is not None:
+    if hpre:
+        _kernel(f"{name}_gelu_hpre_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, partial, out, *sizes))
+    elif gelu_of is not None:
         _kernel(f"{name}_gelu_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, gelu_bias, partial, out, *sizes))
     elif mode == 0 and x4:
         _kernel(name)(grid1, block1, (inp, partial, partial, *sizes))  # out: never written (H = 0)
