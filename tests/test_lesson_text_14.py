@@ -56,4 +56,7 @@ def test_the_memory_claims(ns):
     assert ns["peaks"]["ours+graph"] > ns["peaks"]["ours"]                               # "the graph step holds more"
     assert ns["chunked"]["total"] < ns["base"]["total"] - 3 * GiB
     assert ns["half_pre"] < ns["peaks"]["torch.compile"] < ns["chunked"]["total"]        # "falls below"
+    L, pre = ns["cfg"].n_layer, ns["pre"]                                                # "it halves": the model's
+    assert ns["chunked"]["total"] - ns["half_pre"] == L * pre // 2                       # drop is half of every block's
+    assert 'versions={"gelu_in": "half"}' in TEXT and "half_gelu_in=True" in TEXT
     assert "falls below torch.compile's measured peak" in TEXT

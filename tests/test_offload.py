@@ -236,8 +236,11 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     for name, opts in bt.MEMORY_TECHNIQUES:
         r = rows[name]
         kw = {"policy": "none", "ce_chunks": 1, "optimizer_state": "fp32", "offload_optimizer": False, **opts}
-        want = engine.engine_memory(cfg, B, cfg.block_size, "bf16", attention=result["attention"], **kw)["total"]
+        gelu_half = kw.pop("gelu_in", "f32") == "half"   # an engine version: the model's half_gelu_in
+        want = engine.engine_memory(cfg, B, cfg.block_size, "bf16", attention=result["attention"],
+                                    half_gelu_in=gelu_half, **kw)["total"]
         assert r["predicted_bytes"] == want, name
+        assert r.get("gelu_in", "f32") == ("half" if gelu_half else "f32"), name
         if kw["optimizer_state"] == "int8":
             assert r["error"] == "no int8 here"
         elif kw["offload_optimizer"]:
@@ -245,5 +248,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
         else:
             assert (r["peak_bytes"], r["step_ms"], r["graph_step_ms"]) == (4 * 2**30, 3.0, 2.0), name
     assert {c["graphs"] for c in calls} == {"off", "auto"}
+    half_calls = [c for c in calls if (c.get("versions") or {}).get("gelu_in") == "half"]
+    assert len(half_calls) == 2 * sum(opts.get("gelu_in") == "half" for _, opts in bt.MEMORY_TECHNIQUES)
     text = bt.format_memory(result)
     assert all(name in text for name in rows) and "no int8 here" in text
