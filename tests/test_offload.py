@@ -236,9 +236,10 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     for name, opts in bt.MEMORY_TECHNIQUES:
         r = rows[name]
         kw = {"policy": "none", "ce_chunks": 1, "optimizer_state": "fp32", "offload_optimizer": False, **opts}
-        gelu_half = kw.pop("gelu_in", "f32") == "half"   # an engine version: the model's half_gelu_in
-        want = engine.engine_memory(cfg, B, cfg.block_size, "bf16", attention=result["attention"],
-                                    half_gelu_in=gelu_half, **kw)["total"]
+        gelu_half = kw.pop("gelu_in", "f32") == "half"  # an engine version: the model's half_gelu_in
+        want = engine.engine_memory(
+            cfg, B, cfg.block_size, "bf16", attention=result["attention"], half_gelu_in=gelu_half, **kw
+        )["total"]
         assert r["predicted_bytes"] == want, name
         assert r.get("gelu_in", "f32") == ("half" if gelu_half else "f32"), name
         if kw["optimizer_state"] == "int8":
