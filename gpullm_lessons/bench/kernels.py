@@ -807,7 +807,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpullm_lessons.bench", description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["ceilings", "kernels", "ncu", "timeline", "train", "long", "fits", "memory",
                                      "checkpointing", "profile", "gputime",
-                                     "ncu-target"],
+                                     "inductor", "ncu-target"],
                     help="what to measure (ncu-target: what `ncu` profiles for `ncu`, not for you to run)")
     ap.add_argument("--presets", default="course,gpt2", help="`train` / `checkpointing`: model presets; `profile` / `gputime`: the first one")
     ap.add_argument("--precisions", default=None,
@@ -853,6 +853,11 @@ def main(argv=None) -> int:
             from . import train_step as bt
             result = bt.bench_fits(precision=(args.precisions or "bf16"))
             print(bt.format_fits(result))
+        elif args.what == "inductor":
+            from .inductor import format_anatomy, torch_compile_anatomy
+            result = torch_compile_anatomy(args.presets.split(",")[0] if args.presets != "course,gpt2" else "gpt2",
+                                           precision=(args.precisions or "bf16"))
+            print(format_anatomy(result))
         elif args.what == "memory":
             from . import train_step as bt
             result = bt.bench_memory(args.presets.split(",")[0] if args.presets != "course,gpt2" else "gpt2",

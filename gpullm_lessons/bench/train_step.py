@@ -199,9 +199,9 @@ def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
     return {"step_ms": 1e3 * float(np.median(times)), "peak_bytes": int(peak), "version": torch.__version__}
 
 
-def _torch_step(cfg, precision, compile=False):
-    """(step(x, y), release()): one training step of the PyTorch GPT (measure_torch's), and a call that frees its
-    model and optimizer."""
+def torch_gpt(cfg, device="cuda"):
+    """The course's GPT in PyTorch (measure_torch's and torch_compile_anatomy's): nn.Linear / nn.LayerNorm blocks,
+    SDPA causal attention, tanh GELU, the tied head; forward(idx, targets) returns the mean cross-entropy. Seeded."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -238,7 +238,15 @@ def _torch_step(cfg, precision, compile=False):
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
     torch.manual_seed(0)
-    model = GPT().cuda()
+    return GPT().to(device)
+
+
+def _torch_step(cfg, precision, compile=False):
+    """(step(x, y), release()): one training step of the PyTorch GPT (measure_torch's), and a call that frees its
+    model and optimizer."""
+    import torch
+
+    model = torch_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     if compile:
         model = torch.compile(model)
@@ -261,13 +269,14 @@ def _torch_step(cfg, precision, compile=False):
     return step, release
 
 
-def torch_gpu_time(cfg, B, T, precision="bf16", steps=3) -> dict:
+def torch_gpu_time(cfg, B, T, precision="bf16", steps=3, compile=False) -> dict:
     """GPU time per step of the PyTorch GPT's kernels, kernel by kernel (torch.profiler's CUDA activity, summed over
-    `steps` profiled steps after 3 warm-up steps, divided by steps): {"version", "total_ms", "kernels": {name: ms}}."""
+    `steps` profiled steps after 3 warm-up steps, divided by steps): {"version", "total_ms", "kernels": {name: ms}}.
+    compile: the model through torch.compile (compiled in the warm-up steps)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step, release = _torch_step(cfg, precision)
+    step, release = _torch_step(cfg, precision, compile)
     batches = _batches(cfg, B, T, steps + 3)
     for x, y in batches[:3]:
         step(x, y)
