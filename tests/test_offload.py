@@ -253,3 +253,39 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     assert len(half_calls) == 2 * sum(opts.get("gelu_in") == "half" for _, opts in bt.MEMORY_TECHNIQUES)
     text = bt.format_memory(result)
     assert all(name in text for name in rows) and "no int8 here" in text
+
+
+# ---- bench train's engine options (lesson 14) ------------------------------------------------------------------------
+def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_records_them(monkeypatch):
+    """With stand-ins for the GPU parts: both engine rows (from Python, as a graph) get ce_chunks and versions, the
+    result records them, and the command line reaches bench_train with --ce-chunks and --gelu-in."""
+    from gpullm_lessons import device
+    from gpullm_lessons.bench import kernels as bench
+    from gpullm_lessons.bench import timing
+    from gpullm_lessons.bench import train_step as bt
+
+    calls = []
+
+    def fake_measure(cfg, B, T, precision, **kw):
+        calls.append(kw)
+        return {"step_ms": 2.0, "peak_bytes": 1, "status": "ok"}
+
+    monkeypatch.setattr(device, "require_gpu", lambda why: None)
+    monkeypatch.setattr(bt, "measure_engine", fake_measure)
+    monkeypatch.setattr(bt, "first_step_reference", lambda cfg, x, y: None)
+    monkeypatch.setattr(bt, "_card", lambda: "a card")
+    monkeypatch.setattr(timing, "matmul_rate", lambda dtype: {"TFLOP/s": 100.0})
+    result = bt.bench_train(("course",), ("bf16",), with_torch=False, versions={"gelu_in": "half"}, ce_chunks=8)
+    assert len(calls) == 2 and calls[0].get("graphs", "off") == "off" and calls[1]["graphs"] == "on"
+    assert all(c["ce_chunks"] == 8 and c["versions"] == {"gelu_in": "half"} for c in calls)
+    assert result["ce_chunks"] == 8 and result["versions"] == {"gelu_in": "half"}
+    assert "ce_chunks" not in bt.bench_train(("course",), ("bf16",), with_torch=False)  # the default is not written
+
+    seen = {}
+    monkeypatch.setattr(bt, "bench_train", lambda *a, **kw: seen.update(kw) or {"rows": []})
+    monkeypatch.setattr(bt, "format_train", lambda r: "")
+    assert (
+        bench.main(["train", "--presets", "course", "--precisions", "bf16", "--ce-chunks", "8", "--gelu-in", "half"])
+        == 0
+    )
+    assert seen["ce_chunks"] == 8 and seen["versions"] == {"gelu_in": "half"}
