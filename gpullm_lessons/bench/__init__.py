@@ -4,6 +4,7 @@
                 PyTorch) and the measured ceilings; the command line of every benchmark
     train_step  the training step's benchmarks: ours beside PyTorch eager and torch.compile, memory, long context, GPU
                 time per op
+    inductor    what torch.compile does to the same GPT: what it keeps for the backward, the kernels it runs
     timing      how the course times: validate first (validate_then_time), then the clocks: CUDA events, CUDA
                 graphs, the host's time per call; the copy and matmul ceilings
     profiling   Nsight Compute and CUPTI: counters, stalls, timelines

@@ -6,10 +6,12 @@ GPT of `bench train` (train_step.torch_gpt) three ways:
 - **eager's saved tensors**: every tensor autograd saves for the backward during one forward, through
   torch.autograd.graph.saved_tensors_hooks; the parameters (saved for the products' backward, kept anyway) are left
   out, and a storage is counted once however many views of it are saved;
-- **torch.compile's saved tensors**: the same forward through AOTAutograd with the partitioner Inductor uses
-  (functorch's min_cut_rematerialization_partition): the forward graph's outputs past the loss are what the backward
-  reads; those that are graph inputs (parameters, token ids) are left out. The rest is what the min-cut chose to keep,
-  everything else it recomputes in the backward;
+- **torch.compile's saved tensors**, two ways. "inductor": the compiled model itself (compiled in a first step),
+  its second forward under the same hooks (AOTAutograd's compiled function saves through ctx.save_for_backward).
+  "compile": the same forward through AOTAutograd with Inductor's decompositions and partitioner (functorch's
+  min_cut_rematerialization_partition) but no code generation, to read the partition: the forward graph's outputs past
+  the loss are what the backward reads; those that are graph inputs (parameters, token ids) are left out. The rest is
+  what the min-cut chose to keep; everything else it recomputes in the backward;
 - **Inductor's kernels**: one compiled training step under torch.profiler, kernel by kernel (triton_* are the kernels
   Inductor generated; their names list the ops fused into them), grouped as `bench gputime` groups ours.
 
@@ -104,9 +106,12 @@ def _saved_compiled(model, x, y, autocast):
     def bw(gm, example_inputs):
         return make_boxed_func(gm.forward)
 
-    torch._dynamo.reset()
+    from torch._inductor.decomposition import select_decomp_table
+
+    torch._dynamo.reset()   # Inductor's decompositions first, as compile_fx does: the partitioner sees the same graph
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw,
-                                                         partition_fn=min_cut_rematerialization_partition))
+                                                         partition_fn=min_cut_rematerialization_partition,
+                                                         decompositions=select_decomp_table()))
     with autocast():
         loss = compiled(x, y)
     loss.backward()
@@ -114,6 +119,23 @@ def _saved_compiled(model, x, y, autocast):
     saved = [s for g in graphs for s in g]
     return ([(s["shape"], s["dtype"]) for s in saved if not s["input"]],
             [(s["shape"], s["dtype"]) for s in saved if s["input"]], len(graphs))
+
+
+def _saved_inductor(model, x, y, autocast):
+    """What the compiled step itself saves: torch.compile (Inductor) compiles in a first step outside the hooks, then
+    a second forward runs under saved_tensors_hooks (AOTAutograd's compiled function saves through
+    ctx.save_for_backward, which the hooks see)."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with autocast():
+        loss = compiled(x, y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    kept = _saved_eager(compiled, x, y, autocast)
+    torch._dynamo.reset()
+    return kept
 
 
 def torch_compile_anatomy(preset="gpt2", precision="bf16", steps=3, with_kernels=True, cfg=None, B=None) -> dict:
@@ -136,7 +158,7 @@ def torch_compile_anatomy(preset="gpt2", precision="bf16", steps=3, with_kernels
     x, y = torch.from_numpy(xb).long().cuda(), torch.from_numpy(yb).long().cuda()
     out = {"card": _card(), "date": datetime.date.today().isoformat(), "preset": preset, "B": B, "T": T,
            "precision": precision, "torch": torch.__version__, "saved": {}}
-    for name, fn in (("eager", _saved_eager), ("compile", _saved_compiled)):
+    for name, fn in (("eager", _saved_eager), ("inductor", _saved_inductor), ("compile", _saved_compiled)):
         model = torch_gpt(cfg)
         try:
             got = fn(model, x, y, autocast)
