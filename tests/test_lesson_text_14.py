@@ -60,3 +60,30 @@ def test_the_memory_claims(ns):
     assert ns["chunked"]["total"] - ns["half_pre"] == L * pre // 2                       # drop is half of every block's
     assert 'versions={"gelu_in": "half"}' in TEXT and "half_gelu_in=True" in TEXT
     assert "falls below torch.compile's measured peak" in TEXT
+
+
+def test_the_measured_options(ns):
+    by, rows = ns["by"], ns["rows"]
+    for name in ("plain", "ce_chunks 16", "GELU input half", "ce_chunks 8, GELU half"):   # "within a tenth of a GiB"
+        assert abs(by[name]["predicted_bytes"] - by[name]["peak_bytes"]) < 0.1 * 2**30, name
+    assert "within a tenth of a GiB for each option" in TEXT
+    assert ns["lean_eager"] < 1 < ns["lean_graph"]          # less than torch.compile's from Python, more as a graph
+    assert "Launched from Python, the step with both options needs less memory than torch.compile's" in TEXT
+    plain, half, both = by["plain"], by["GELU input half"], by["ce_chunks 8, GELU half"]
+    for key in ("step_ms", "graph_step_ms"):
+        assert 0 <= half[key] - plain[key] < 0.8, key      # "well under a millisecond"
+        assert 0.5 < both[key] - half[key] < 1.5, key      # "about one more"
+    assert rows["ours"]["validation"]["ok"] and rows["ours+graph"]["validation"]["ok"]
+
+
+def test_what_torch_compile_does(ns):
+    k = ns["k"]["by_kind"]
+    generated = k["generated pointwise"]["ms"] + k["generated reduction"]["ms"]
+    assert generated < 0.5 * k["library"]["ms"] and "less than half the time of the library ones" in TEXT
+    names = [" ".join(r["fused"]) for r in ns["generated"]]
+    assert any("gelu gelu backward" in n for n in names)                       # GELU recomputed in its backward
+    assert any("layer norm backward" in n and "add" in n for n in names)       # the residual add with LayerNorm's
+    assert sum("log softmax" in n for n in names) >= 2                         # the loss: two reductions
+    assert len(ns["bias_epilogue"]) > 0 and "the `bias` in their names" in TEXT
+    top = ns["saved"]["kinds"][0]
+    assert top["dtype"] == "float32" and top["shape"][-1] == 50304           # "the largest item is the logits"
