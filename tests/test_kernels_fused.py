@@ -538,6 +538,7 @@ def test_hip_entry_points_exist_for_every_launch():
     from gpullm_lessons.runtime import hip
     from gpullm_lessons.backends.hip import fused as hf
     entries = set(re.findall(r'extern "C" __global__ void (\w+)', hip.expanded_source("fused")))
+    entries |= set(re.findall(r'extern "C" __global__ void (\w+)', hip.expand_macros(hip.expanded_source("fused"))))
     macro = hip.source_path("fused").read_text()
     for op in ("bias_gelu_forward_v1", "split_heads_v1", "split_heads_bias_v1", "merge_heads_v1"):
         assert f"{op}_##SUFFIX" in macro, op

@@ -348,21 +348,6 @@ extern "C" __global__ void colsum_partials_v1_gelu_f16(const float* __restrict__
                                                        int chunk_rows) {
     colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
-// pre = GELU's input as half bits of the output's format, its bias in (bias_gelu_forward's _hpre): no gbias
-extern "C" __global__ void colsum_partials_v1_gelu_hpre_bf16(const float* __restrict__ inp,
-                                                             const unsigned short* __restrict__ pre,
-                                                             float* __restrict__ partial,
-                                                             unsigned short* __restrict__ out, int N, int C,
-                                                             int chunk_rows) {
-    colsum_partials_body<1, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
-}
-extern "C" __global__ void colsum_partials_v1_gelu_hpre_f16(const float* __restrict__ inp,
-                                                            const unsigned short* __restrict__ pre,
-                                                            float* __restrict__ partial,
-                                                            unsigned short* __restrict__ out, int N, int C,
-                                                            int chunk_rows) {
-    colsum_partials_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
-}
 
 // x4: four consecutive columns per thread where C % 4 == 0 (16-byte loads of inp and pre, 8-byte half stores): a
 // block of blockDim.x threads covers 4 blockDim.x columns. Each column gets the same rows per thread and the same
@@ -435,20 +420,19 @@ extern "C" __global__ void colsum_partials_v1_x4_gelu_f16(const float* __restric
                                                           int chunk_rows) {
     colsum_partials_x4_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, gbias);
 }
-extern "C" __global__ void colsum_partials_v1_x4_gelu_hpre_bf16(const float* __restrict__ inp,
-                                                                const unsigned short* __restrict__ pre,
-                                                                float* __restrict__ partial,
-                                                                unsigned short* __restrict__ out, int N, int C,
-                                                                int chunk_rows) {
-    colsum_partials_x4_body<1, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
-}
-extern "C" __global__ void colsum_partials_v1_x4_gelu_hpre_f16(const float* __restrict__ inp,
-                                                               const unsigned short* __restrict__ pre,
-                                                               float* __restrict__ partial,
-                                                               unsigned short* __restrict__ out, int N, int C,
-                                                               int chunk_rows) {
-    colsum_partials_x4_body<2, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);
-}
+
+// pre = GELU's input as half bits of the output's format, its bias in (bias_gelu_forward's _hpre): no gbias; one
+// entry per format, each body (one column per thread, or x4)
+#define COLSUM_GELU_HPRE_ENTRY(NAME, BODY, H)                                                                       \
+    extern "C" __global__ void NAME(const float* __restrict__ inp, const unsigned short* __restrict__ pre,          \
+                                    float* __restrict__ partial, unsigned short* __restrict__ out, int N, int C,   \
+                                    int chunk_rows) {                                                              \
+        BODY<H, true>(inp, partial, out, N, C, chunk_rows, pre, (const float*)nullptr);                             \
+    }
+COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_gelu_hpre_bf16, colsum_partials_body, 1)
+COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_gelu_hpre_f16, colsum_partials_body, 2)
+COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_x4_gelu_hpre_bf16, colsum_partials_x4_body, 1)
+COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_x4_gelu_hpre_f16, colsum_partials_x4_body, 2)
 
 // Stage 2: colsum[col] = partial[0, col] + partial[1, col] + ... in chunk order; one thread per column, grid-stride.
 extern "C" __global__ void colsum_reduce_v1(const float* __restrict__ partial, float* __restrict__ colsum,
