@@ -55,9 +55,6 @@ def test_gpu_anatomy_of_a_small_gpt():
     eager, comp = r["saved"]["eager"], r["saved"]["compile"]
     assert "error" not in eager and "error" not in comp, (eager, comp)
     assert 0 < comp["bytes"] <= 1.05 * eager["bytes"], (comp["bytes"], eager["bytes"])
-    ind = r["saved"]["inductor"]
-    assert "error" not in ind, ind
-    assert 0 < ind["bytes"] <= 1.05 * eager["bytes"], (ind["bytes"], eager["bytes"])
     sizes = {(tuple(k["shape"]), k["dtype"]) for k in comp["kinds"]}
     assert any(int(__import__("numpy").prod(s)) == B * T * 4 * C for s, _ in sizes), sizes  # the MLP's wide tensor
     k = r["kernels"]

@@ -6,12 +6,10 @@ GPT of `bench train` (train_step.torch_gpt) three ways:
 - **eager's saved tensors**: every tensor autograd saves for the backward during one forward, through
   torch.autograd.graph.saved_tensors_hooks; the parameters (saved for the products' backward, kept anyway) are left
   out, and a storage is counted once however many views of it are saved;
-- **torch.compile's saved tensors**, two ways. "inductor": the compiled model itself (compiled in a first step),
-  its second forward under the same hooks (AOTAutograd's compiled function saves through ctx.save_for_backward).
-  "compile": the same forward through AOTAutograd with Inductor's decompositions and partitioner (functorch's
-  min_cut_rematerialization_partition) but no code generation, to read the partition: the forward graph's outputs past
-  the loss are what the backward reads; those that are graph inputs (parameters, token ids) are left out. The rest is
-  what the min-cut chose to keep; everything else it recomputes in the backward;
+- **torch.compile's saved tensors**: the same forward through AOTAutograd with Inductor's decompositions and
+  partitioner (functorch's min_cut_rematerialization_partition) but no code generation, to read the partition: the
+  forward graph's outputs past the loss are what the backward reads; those that are graph inputs (parameters, token
+  ids) are left out. The rest is what the min-cut chose to keep; everything else it recomputes in the backward;
 - **Inductor's kernels**: one compiled training step under torch.profiler, kernel by kernel (triton_* are the kernels
   Inductor generated; their names list the ops fused into them), grouped as `bench gputime` groups ours.
 
@@ -80,7 +78,7 @@ def _saved_eager(model, x, y, autocast):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         loss = model(x, y)
     loss.backward()
-    return kept
+    return {"kept": kept}
 
 
 def _saved_compiled(model, x, y, autocast):
@@ -117,25 +115,8 @@ def _saved_compiled(model, x, y, autocast):
     loss.backward()
     torch._dynamo.reset()
     saved = [s for g in graphs for s in g]
-    return ([(s["shape"], s["dtype"]) for s in saved if not s["input"]],
-            [(s["shape"], s["dtype"]) for s in saved if s["input"]], len(graphs))
-
-
-def _saved_inductor(model, x, y, autocast):
-    """What the compiled step itself saves: torch.compile (Inductor) compiles in a first step outside the hooks, then
-    a second forward runs under saved_tensors_hooks (AOTAutograd's compiled function saves through
-    ctx.save_for_backward, which the hooks see)."""
-    import torch
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model)
-    with autocast():
-        loss = compiled(x, y)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    kept = _saved_eager(compiled, x, y, autocast)
-    torch._dynamo.reset()
-    return kept
+    return {"kept": [(s["shape"], s["dtype"]) for s in saved if not s["input"]], "graphs": len(graphs),
+            "inputs_kept": tensor_kinds([(s["shape"], s["dtype"]) for s in saved if s["input"]])}
 
 
 def torch_compile_anatomy(preset="gpt2", precision="bf16", steps=3, with_kernels=True, cfg=None, B=None) -> dict:
@@ -158,16 +139,12 @@ def torch_compile_anatomy(preset="gpt2", precision="bf16", steps=3, with_kernels
     x, y = torch.from_numpy(xb).long().cuda(), torch.from_numpy(yb).long().cuda()
     out = {"card": _card(), "date": datetime.date.today().isoformat(), "preset": preset, "B": B, "T": T,
            "precision": precision, "torch": torch.__version__, "saved": {}}
-    for name, fn in (("eager", _saved_eager), ("inductor", _saved_inductor), ("compile", _saved_compiled)):
+    for name, fn in (("eager", _saved_eager), ("compile", _saved_compiled)):
         model = torch_gpt(cfg)
         try:
             got = fn(model, x, y, autocast)
-            kept = got[0] if name == "compile" else got
-            kinds = tensor_kinds(kept)
-            out["saved"][name] = {"bytes": sum(r["bytes"] for r in kinds), "kinds": kinds}
-            if name == "compile":
-                out["saved"][name]["inputs_kept"] = tensor_kinds(got[1])
-                out["saved"][name]["graphs"] = got[2]
+            kinds = tensor_kinds(got.pop("kept"))
+            out["saved"][name] = {"bytes": sum(r["bytes"] for r in kinds), "kinds": kinds, **got}
         except Exception as e:  # noqa: BLE001 - recorded: one run says what it could
             out["saved"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         del model
