@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import stat
+import subprocess
 import time
 
 import pytest
@@ -382,3 +383,62 @@ def test_merge_refuses_summaries_of_other_runs_and_a_part_run_twice(tmp_path, mo
     into = tmp_path / "merged.json"
     assert sanitize.main(["merge", str(one), str(two), "--into", str(into)]) == 2
     assert said in capsys.readouterr().err and not into.exists()
+
+
+def _repo(tmp_path):
+    """A git checkout with three commits: the first; one that only adds a lesson; one that changes a kernel."""
+    root = tmp_path / "repo"
+    (root / "kernels").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (root / "kernels" / "k.cu").write_text("// v1\n")
+    (root / "tests" / "test_sanitize.py").write_text("# the part's tests\n")
+
+    def commit(msg):
+        env = {
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        }
+        subprocess.run(["git", "add", "-A"], cwd=root, check=True, env=env)
+        subprocess.run(["git", "commit", "-qm", msg], cwd=root, check=True, env=env)
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    first = commit("first")
+    (root / "notebooks").mkdir()
+    (root / "notebooks" / "l.ipynb").write_text("{}\n")
+    text_only = commit("a lesson")
+    (root / "kernels" / "k.cu").write_text("// v2\n")
+    kernel = commit("a kernel")
+    return root, first, text_only, kernel
+
+
+def test_shards_of_two_commits_merge_only_where_the_code_they_ran_is_the_same(tmp_path, monkeypatch):
+    """A machine lent for minutes at a time runs the shards in several sittings: a commit in between that only adds
+    a lesson leaves the merge clean (both commits listed); one that changes a kernel, or a commit git does not know,
+    is refused with the reason."""
+    root, first, text_only, kernel = _repo(tmp_path)
+    one, two = _shards(tmp_path, monkeypatch)
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert sanitize.code_changed(first, text_only, a["all_parts"], root) == ""
+    a["commit"], b["commit"] = first, text_only
+    m = sanitize.merge([a, b], ["one", "two"], root=root)
+    assert m["clean"] and m["commits"] == sorted([first, text_only])
+    b["commit"] = kernel
+    with pytest.raises(sanitize.SanitizeError, match=r"the code the parts run differs: kernels/k\.cu"):
+        sanitize.merge([a, b], ["one", "two"], root=root)
+    (root / "tests" / "test_sanitize.py").write_text("# the part's tests, changed\n")
+    subprocess.run(
+        ["git", "commit", "-qam", "a test", "--author", "t <t@t>"],
+        cwd=root,
+        check=True,
+        env={**os.environ, "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"},
+    )
+    assert "tests/test_sanitize.py" in sanitize.code_changed(kernel, "HEAD", a["all_parts"], root)
+    b["commit"] = "0" * 40
+    with pytest.raises(sanitize.SanitizeError, match="git does not know the commit '0000"):
+        sanitize.merge([a, b], ["one", "two"], root=root)

@@ -37,7 +37,8 @@ Fitting a run into a machine lent for a few minutes at a time:
 
     python -m gpullm_lessons.bench.sanitize merge runs/s1/summary.json runs/s2/summary.json ... --into runs/summary.json
 
-merge refuses (exit 2) summaries of different commits, cards or part lists, and a part found in two of them; the
+merge refuses (exit 2) summaries of different cards or part lists, of different commits unless git shows that the
+code the parts run (CODE_PATHS and the test files) is the same at both, and a part found in two of them; the
 merged summary is clean only when every part of the whole run is there and clean (a part in no shard is named under
 "missing"). Its exit status is 0 when clean, else 1.
 """
@@ -76,6 +77,21 @@ DEFAULT_FILES = (
     "tests/test_kernels_adamw.py",
     "tests/test_kernels_transpose.py",
     "tests/test_hip.py",
+)
+# what the kernel tests run: shards of different commits merge only where none of these (nor the tests) changed
+CODE_PATHS = (
+    "kernels",
+    "gpullm_lessons/__init__.py",
+    "gpullm_lessons/device.py",
+    "gpullm_lessons/backends",
+    "gpullm_lessons/contracts",
+    "gpullm_lessons/runtime",
+    "gpullm_lessons/reference",
+    "gpullm_lessons/checks",
+    "gpullm_lessons/model",
+    "gpullm_lessons/classroom",
+    "tests/conftest.py",
+    "pyproject.toml",
 )
 SANITIZER_ENV = "GPULLM_SANITIZER"  # the compute-sanitizer executable (default: found on PATH or in CUDA_PATH)
 _SUMMARY = re.compile(r"=+\s*ERROR SUMMARY:\s*(\d+)\s+errors?")
@@ -441,10 +457,39 @@ def main(argv=None) -> int:
 # ---- merge: shards' summaries into one ------------------------------------------------------------------------------
 
 
-def merge(summaries: list, names: list) -> dict:
+def code_changed(a: str, b: str, all_parts, root=None) -> str:
+    """Why shards run at commits a and b may not be merged ("" when they may): git must know both commits, and the
+    code the parts run (CODE_PATHS and the parts' test files) must be the same at both. A lab machine lent for a few
+    minutes at a time runs the shards in several sittings; a commit that only adds results, lessons or text between
+    them changes nothing the sanitizer looked at."""
+    root = Path(root or ROOT)
+    files = sorted({_part_file(key) for key in all_parts})
+    for c in (a, b):
+        r = subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=root, capture_output=True)
+        if not c or r.returncode != 0:
+            return f"git does not know the commit {c!r} here, so it cannot tell whether the code differs"
+    r = subprocess.run(
+        ["git", "diff", "--name-only", a, b, "--", *CODE_PATHS, *files], cwd=root, capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        return f"git diff failed: {r.stderr.strip()}"
+    changed = r.stdout.split()
+    if changed:
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        return "the code the parts run differs: " + ", ".join(changed[:5]) + more
+    return ""
+
+
+def _part_file(key: str) -> str:
+    """The test file of a part's key ("memcheck tests/test_hip.py [2/5]" -> "tests/test_hip.py")."""
+    return key.split(" ")[1]
+
+
+def merge(summaries: list, names: list, root=None) -> dict:
     """One summary from the shards' (names: where each came from, for the messages).
 
-    Refused (SanitizeError): summaries of different commits, cards, tools, chunk sizes or part lists, or a part found
+    Refused (SanitizeError): summaries of different cards, tools, chunk sizes or part lists, or of different commits
+    between which the code the parts run changed (code_changed; root: the git checkout to ask), or a part found
     twice. The result is clean when every part of the whole run is there and clean; the parts no shard ran are listed
     under "missing"."""
     if not summaries:
@@ -453,11 +498,19 @@ def merge(summaries: list, names: list) -> dict:
         if s.get("what") != "make sanitize" or "all_parts" not in s:
             raise SanitizeError(f"merge: {name} is not a summary of make sanitize --out")
     first, first_name = summaries[0], names[0]
-    for field in ("commit", "card", "tools", "chunk", "all_parts"):
+    for field in ("card", "tools", "chunk", "all_parts"):
         for s, name in zip(summaries[1:], names[1:]):
             if s.get(field) != first.get(field):
                 said = f"{first.get(field)} vs {s.get(field)}" if field != "all_parts" else "the lists differ"
                 raise SanitizeError(f"merge: {first_name} and {name} are of different runs: {field} ({said})")
+    for s, name in zip(summaries[1:], names[1:]):
+        if s.get("commit") != first.get("commit"):
+            why = code_changed(first.get("commit", ""), s.get("commit", ""), first["all_parts"], root)
+            if why:
+                raise SanitizeError(
+                    f"merge: {first_name} and {name} are of different runs: commit "
+                    f"({first.get('commit')} vs {s.get('commit')}): {why}"
+                )
     rows: dict = {}  # part name -> (its row, the summary it came from)
     for s, name in zip(summaries, names):
         for row in s["parts"]:
@@ -477,6 +530,7 @@ def merge(summaries: list, names: list) -> dict:
         "date": started.get("date", ""),  # of the earliest shard
         "started": started.get("started", ""),
         "commit": first["commit"],
+        "commits": sorted({s.get("commit", "") for s in summaries}),  # one, or several with the same code
         "dirty": any(s.get("dirty") for s in summaries),
         "tools": first["tools"],
         "shard": ",".join(s.get("shard", "") for s in summaries),  # the shards merged
