@@ -442,3 +442,31 @@ def test_shards_of_two_commits_merge_only_where_the_code_they_ran_is_the_same(tm
     b["commit"] = "0" * 40
     with pytest.raises(sanitize.SanitizeError, match="git does not know the commit '0000"):
         sanitize.merge([a, b], ["one", "two"], root=root)
+
+
+def test_a_later_sitting_runs_only_the_parts_without_a_verdict_and_merges_over_them(tmp_path, monkeypatch, capsys):
+    """--skip: a part an earlier sitting finished (clean, errors, tests failed) is not run again; one stopped at the
+    deadline or never started is, and merge keeps the finished row. Two finished rows of a part are still refused."""
+    _stand_in_card(monkeypatch)
+    monkeypatch.setenv(sanitize.SANITIZER_ENV, _fake(tmp_path, CLEAN))
+    logs = str(tmp_path / "logs")
+    assert sanitize.main(["--files", TWO_FILES, "--logs", logs, "--out", str(tmp_path / "s1")]) == 0
+    one = tmp_path / "s1" / "summary.json"
+    s = json.loads(one.read_text())
+    s["parts"][1].update(status="timeout", first_error="stopped at --deadline")
+    s["parts"][3].update(status="not run", first_error="not started before --deadline")
+    one.write_text(json.dumps(s))
+    capsys.readouterr()
+    args = ["--files", TWO_FILES, "--logs", logs, "--skip", str(one), "--out", str(tmp_path / "s2")]
+    assert sanitize.main(args) == 0
+    two = tmp_path / "s2" / "summary.json"
+    ran = [sanitize._from_row(p).key for p in json.loads(two.read_text())["parts"]]
+    assert ran == [s["all_parts"][1], s["all_parts"][3]]
+    assert "2 of 4 parts" in capsys.readouterr().out
+    m = sanitize.merge([json.loads(one.read_text()), json.loads(two.read_text())], ["s1", "s2"])
+    assert m["clean"] and [p["status"] for p in m["parts"]] == ["clean"] * 4 and m["missing"] == []
+    s["parts"][1]["status"] = "errors"  # a verdict in both sittings: which one holds is not for merge to choose
+    with pytest.raises(sanitize.SanitizeError, match="is in both"):
+        sanitize.merge([s, json.loads(two.read_text())], ["s1", "s2"])
+    assert sanitize.main(["--files", TWO_FILES, "--skip", str(tmp_path / "none.json")]) == 2
+    assert "--skip: cannot read" in capsys.readouterr().err

@@ -18,7 +18,7 @@ Two settings make the reports mean something:
                            memcheck cannot see it; with one allocation per array it can.
 
 CLI: ``python -m gpullm_lessons.bench.sanitize [--tools memcheck,racecheck] [--files tests/test_hip_flash.py,...]
-[--select K] [--timeout S] [--jobs N] [--chunk M] [--shard I/N] [--out DIR] [--list]``; it prints one line per part as
+[--select K] [--timeout S] [--jobs N] [--chunk M] [--shard I/N] [--skip S,..] [--out DIR] [--list]``; it prints one line per part as
 it finishes, then the table of every part in order, and exits 1 when any part is not clean, 2 on bad usage.
 
 Fitting a run into a machine lent for a few minutes at a time:
@@ -31,6 +31,8 @@ Fitting a run into a machine lent for a few minutes at a time:
                together are the whole run, one shard per call.
   --deadline S the whole run's seconds: a part not started by then is "not run", a running one is stopped
                ("timeout"), and the summary is still written.
+  --skip S,..  the parts that earlier sittings' summaries have a verdict for (clean, errors, tests failed) are not run
+               again: the next sitting picks up what the last one's deadline stopped or never started.
   --out DIR    DIR/summary.json (DIR relative to the checkout, as --logs): card, driver, date, commit, settings and
                each part's status (card, driver and commit as `make gpu-test` finds them, bench/gpu_suite.py), with the
                shard and the whole run's part list (all_parts, parts_total), so that shards can be put together:
@@ -38,7 +40,8 @@ Fitting a run into a machine lent for a few minutes at a time:
     python -m gpullm_lessons.bench.sanitize merge runs/s1/summary.json runs/s2/summary.json ... --into runs/summary.json
 
 merge refuses (exit 2) summaries of different cards or part lists, of different commits unless git shows that the
-code the parts run (CODE_PATHS and the test files) is the same at both, and a part found in two of them; the
+code the parts run (CODE_PATHS and the test files) is the same at both, and a part finished in two of them (one
+that a sitting stopped or never started gives way to the sitting that finished it); the
 merged summary is clean only when every part of the whole run is there and clean (a part in no shard is named under
 "missing"). Its exit status is 0 when clean, else 1.
 """
@@ -383,6 +386,12 @@ def main(argv=None) -> int:
         "still written (for a machine lent for a fixed time)",
     )
     p.add_argument("--logs", default="runs/sanitize", help="where each part's full output goes")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated summary.json files of earlier sittings: the parts they have a verdict for (clean or "
+        "errors) are not run again",
+    )
     p.add_argument("--out", default="", help="write summary.json here")
     p.add_argument("--list", action="store_true", help="print the parts' commands and stop")
     args = p.parse_args(argv)
@@ -401,6 +410,7 @@ def main(argv=None) -> int:
         if args.chunk < 0:
             raise SanitizeError(f"--chunk must be 0 (whole files) or more, got {args.chunk}")
         shard, shards = _shard(args.shard) if args.shard else (1, 1)
+        decided = _decided(_csv(args.skip, None, "skip")) if args.skip else set()
         sanitizer = "compute-sanitizer" if args.list else find_sanitizer()
         # the whole run's parts: files x tools (x chunks); a file's tests are collected once for all the tools
         if args.chunk:
@@ -412,7 +422,7 @@ def main(argv=None) -> int:
     except SanitizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parts = [part for i, part in enumerate(every) if i % shards == shard - 1]
+    parts = [part for i, part in enumerate(every) if i % shards == shard - 1 and part.key not in decided]
     if args.list:
         for part in parts:
             print(" ".join(command(sanitizer, part.tool, part.file, select=args.select, nodeids=part.nodeids)))
@@ -452,6 +462,23 @@ def main(argv=None) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(f"summary: {out / 'summary.json'}")
     return rc
+
+
+VERDICTS = ("clean", "errors", "tests failed")  # a finished part; "timeout", "not run", "no summary" are not
+
+
+def _decided(paths) -> set:
+    """The parts that the summaries at `paths` have a verdict for (--skip)."""
+    keys = set()
+    for name in paths:
+        try:
+            s = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as e:
+            raise SanitizeError(f"--skip: cannot read {name}: {e}") from None
+        if s.get("what") != "make sanitize" or "parts" not in s:
+            raise SanitizeError(f"--skip: {name} is not a summary of make sanitize --out")
+        keys |= {_from_row(row).key for row in s["parts"] if row.get("status") in VERDICTS}
+    return keys
 
 
 # ---- merge: shards' summaries into one ------------------------------------------------------------------------------
@@ -516,7 +543,11 @@ def merge(summaries: list, names: list, root=None) -> dict:
         for row in s["parts"]:
             key = _from_row(row).key
             if key in rows:
-                raise SanitizeError(f"merge: the part {key} is in both {rows[key][1]} and {name}")
+                kept = rows[key][0]
+                if row["status"] not in VERDICTS:  # stopped or never started here: the other sitting's row stays
+                    continue
+                if kept["status"] in VERDICTS:
+                    raise SanitizeError(f"merge: the part {key} is in both {rows[key][1]} and {name}")
             if key not in first["all_parts"]:
                 raise SanitizeError(f"merge: the part {key} of {name} is not in the run's all_parts")
             rows[key] = (row, name)
