@@ -633,6 +633,20 @@ def test_gpu_graph_steps_equal_eager_steps(precision, attention, gpu_batches):
         assert np.array_equal(sa[key], sb[key]), key
 
 
+@pytest.mark.gpu
+def test_gpu_capturing_a_step_takes_no_second_copy_of_the_model_on_the_gpu():
+    """StepGraph's warm-up must leave no trace, so it keeps the model and optimizer state to put back afterwards; kept
+    on the GPU that copy doubled the default pool's peak while it captured. measure_engine's graph peak is now the
+    state (model_bytes, the default pool) plus the graph's private pool, and the graph run trains as the eager one."""
+    from gpullm_lessons.bench.train_step import measure_engine
+
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, d_model=256)
+    r = measure_engine(cfg, 8, 128, "bf16", graphs="on", steps=2)
+    assert r["cuda_graph"] and r["graph_pool_bytes"] > 0
+    default_peak = r["peak_bytes"] - r["graph_pool_bytes"]
+    assert r["model_bytes"] <= default_peak <= 1.05 * r["model_bytes"] + 2**20, (default_peak, r["model_bytes"])
+
+
 @pytest.mark.parametrize("sumsq", [0.0, 1e-12, 0.0625, 0.2499, 0.25, 0.2501, 0.7, 3.7, 5.3, 17.1, 98.6, 1234.5])
 @pytest.mark.parametrize("grad_clip", [0.0, 0.5, 1.0])
 def test_eager_clip_factor_is_the_graph_kernels(sumsq, grad_clip):

@@ -123,9 +123,8 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
 
     graphs="off": every step launched from Python (the peak is the live peak of CuPy's pool, read at every malloc);
     "auto" / "on": the step replayed as a CUDA graph (engine.StepGraph); its activations live in the graph's private
-    pool, so the peak is the default pool's peak + the private pool's size. The default pool's peak comes while
-    StepGraph captures: the model and optimizer state and the copy of them it keeps until the capture is done
-    (model_bytes twice); after the capture the step holds model_bytes + the private pool.
+    pool, so the peak is the default pool's peak (the model and optimizer state, model_bytes: StepGraph keeps its copy
+    of them during the capture in host memory) + the private pool's size ("graph_pool_bytes").
 
     reference: first_step_reference of the first batch: the first step is then validated before anything is timed
     (validated_steps, TRAIN_TOL[precision]) and the result carries "status" and "validation"; a wrong step has no
@@ -169,7 +168,8 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
     pool.free_all_blocks()
     sec = checked.pop("sec", None)
     return {**({"step_ms": 1e3 * sec} if sec is not None else {}), "peak_bytes": int(high[0]),
-            "reserved_bytes": int(reserved), "model_bytes": int(model_bytes), "cuda_graph": graphed, **checked}
+            "reserved_bytes": int(reserved), "model_bytes": int(model_bytes), "cuda_graph": graphed,
+            **({"graph_pool_bytes": int(graph_bytes)} if graphed else {}), **checked}
 
 
 def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
@@ -596,9 +596,9 @@ MEMORY_TECHNIQUES = (
 def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techniques=MEMORY_TECHNIQUES) -> dict:
     """Lesson 12's techniques on one model, in one run: for each, engine_memory's prediction, then the step launched
     from Python (its pool peak is what the prediction describes: "peak_bytes", "step_ms") and, where the step can be
-    captured, replayed as a CUDA graph ("graph_step_ms", "graph_peak_bytes": measure_engine's graph peak, which
-    counts the copy of the model and optimizer state StepGraph keeps while it captures). A technique this engine
-    refuses records the refusal."""
+    captured, replayed as a CUDA graph ("graph_step_ms", "graph_peak_bytes": measure_engine's graph peak, the model
+    and optimizer state plus the graph's pool; runs before StepGraph kept its capture-time copy of that state on the
+    host counted the copy too). A technique this engine refuses records the refusal."""
     device.require_gpu("benchmarking the memory techniques")
     from ..engine import EngineError, engine_memory
 

@@ -12,7 +12,8 @@ class StepGraph:
     Capture (once per shape): static device buffers for the tokens, the targets, AdamW's scalars (hyper) and the
     result (loss, squared gradient norm); a private CuPy memory pool for everything the step allocates; one eager
     warm-up step (it compiles every kernel and fills the private pool with the blocks the step needs; the model and
-    optimizer state are saved before it and restored after it, so it leaves no trace); then the same step captured
+    optimizer state are copied to host memory before it and back after it, so it leaves no trace and the copy takes
+    no GPU memory); then the same step captured
     on a side stream (cudaStreamBeginCapture, relaxed mode) and instantiated. The step calls the same launchers as
     the eager path; only AdamW differs: adamw_step_device reads lr, lr * wd, the bias corrections and the clip
     threshold from `hyper` and the gradient norm from the grad_sumsq output, because a replay re-runs every launch
@@ -37,7 +38,7 @@ class StepGraph:
         prepare_capture()  # cuBLAS handle + workspace for captured matrix products
         extra = (eng.half, getattr(eng, "m_scale", None), getattr(eng, "v_scale", None))  # int8 moments: their scales
         state = [eng.params.flat, eng.grads.flat, eng.m, eng.v] + [a for a in extra if a is not None]
-        saved = [a.copy() for a in state]
+        saved = [cp.asnumpy(a) for a in state]  # on the host: a GPU copy would add the model's size to the peak
         parts = [self._grads, self._update] if self.split else [self._whole]
         self.graphs = []
         try:
@@ -55,7 +56,7 @@ class StepGraph:
             eng._cache = None
             cp.cuda.Device().synchronize()
             for dst, src in zip(state, saved):  # neither run leaves a trace in the model or the optimizer
-                dst[...] = src
+                dst.set(src)
             cp.cuda.Device().synchronize()
 
     def _grads(self):
