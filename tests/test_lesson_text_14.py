@@ -74,7 +74,8 @@ def test_the_measured_options(ns):
         assert 0 <= half[key] - plain[key] < 0.8, key      # "well under a millisecond"
         assert 0.5 < both[key] - half[key] < 1.5, key      # "about one more"
     assert rows["ours"]["validation"]["ok"] and rows["ours+graph"]["validation"]["ok"]
-    # the graph run's peak = the model twice (the capture's copy) + the graph's pool
+    # the stored graph run held the capture's copy on the GPU: its peak = the model twice + the graph's pool
+    assert ns["copy"] == ns["model"] and "that the capture held on the GPU in that run" in TEXT
     assert ns["captured"] < ns["comp"]["peak_bytes"] and "once captured, the graph step holds less" in TEXT
     assert all(0.95 < v < 1.2 for v in ns["pools"].values()) and "up to a fifth more" in TEXT
     assert "graph keeps its buffers" not in TEXT and "every phase" not in TEXT
