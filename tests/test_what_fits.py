@@ -78,6 +78,9 @@ def test_run_metadata_names_the_command_and_the_flash_version_of_step_runs():
         "flash_version": flash.DEFAULT,
         "flash_layout": "packed",
     }
+    for flag in (["--flash-version", "v4"], ["--flash-version=v4"]):  # the version asked for, not the default
+        meta = bench.run_metadata("train", ["train", *flag, "--compile", "--json", "z.json"])
+        assert meta["flash_version"] == "v4" != flash.DEFAULT and meta["command"].endswith("v4 --compile"), meta
     meta = bench.run_metadata("train", ["train", "--json=y.json", "--attention", "cublas", "--compile"])
     assert meta == {"command": "python -m gpullm_lessons.bench train --attention cublas --compile"}
     assert bench.run_metadata("kernels", ["kernels", "--ops", "flash_fwd_bf16"]) == {

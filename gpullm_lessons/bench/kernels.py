@@ -935,7 +935,9 @@ def run_metadata(what: str, argv) -> dict:
     if what in ("train", "gputime", "long", "profile", "timeline") and not any("cublas" in a for a in args):
         from ..backends.hip import flash
 
-        meta.update(flash_version=flash.DEFAULT, flash_layout="packed")
+        asked = [a.split("=", 1)[1] for a in args if a.startswith("--flash-version=")]
+        asked += [b for a, b in zip(args, args[1:]) if a == "--flash-version"]
+        meta.update(flash_version=asked[-1] if asked else flash.DEFAULT, flash_layout="packed")
     return meta
 
 
