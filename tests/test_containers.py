@@ -19,8 +19,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from dockerfile_parse import DockerfileParser
-from dockerfile_parse.util import WordSplitter
+
+try:
+    from dockerfile_parse import DockerfileParser
+    from dockerfile_parse.util import WordSplitter
+except ImportError:  # the dev extra's; a GPU machine set up with fewer packages runs `make gpu-test` without it
+    if os.environ.get("GPULLM_REQUIRE_DEV"):  # CI: a missing dev package is a failure, not a skip
+        raise
+    pytest.skip("dockerfile-parse is not installed (the dev extra: pip install -e '.[dev]')", allow_module_level=True)
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
