@@ -4,6 +4,7 @@
     hip      the HIP/CUDA C++ loader: kernels/hip sources compiled (NVRTC, hipcc) and launched through CuPy; the
              portability lint
     blas     matrix products through cuBLAS / hipBLAS
+    blaslt   matrix products with their epilogues (bias, GELU, the bias gradient): cuBLASLt through nvmath-python
     simwarp  warp shuffles and votes for Numba's CUDA simulator
     doctor   `python -m gpullm_lessons doctor`: one line per check of this installation, each with its fix
 """

@@ -1,0 +1,264 @@
+"""Matrix products with their epilogues: cuBLASLt (NVIDIA) through nvmath-python, or NumPy with the same meaning.
+
+    matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, trans_a=False, trans_b=False, fmt="bf16")
+
+Row-major, C-contiguous, 2-D: P = op(a) @ op(b), (M, K) @ (K, N), half inputs (fmt "bf16": uint16 bits; "fp16":
+float16 or its uint16 bits) multiplied with float32 accumulation; then, before the result leaves the product:
+
+    "bias"           out = P + bias[col]                                   bias (N,) read
+    "gelu_aux_bias"  aux = P + bias[col]; out = gelu(P + bias[col])        bias read, aux (M, N) written (half)
+    "dgelu_bgrad"    g = P * gelu'(aux); out = g; bias[col] = sum_rows g   aux read, bias written (float32)
+    "bgrad_b"        out = P; bias[col] = sum_k op(b)[k, col]              bias written (the weight gradient's
+                                                                           product: a = inp (trans_a), b = dout)
+
+out is float32 or the half format (the value rounded to nearest even on the way out); bias float32; aux half, of
+out's shape. GELU is the tanh approximation (reference/gelu.py). These are cuBLASLt's epilogues BIAS, GELU_AUX_BIAS,
+DGELU_BGRAD and BGRADA (cuBLASLt is column-major: the row-major out (M, N) is its (N, M) matrix D = op(b)' op(a'), so
+b is its first operand A and a bias gradient over b is BGRADA). hipBLASLt (AMD) has the same epilogues; this module
+does not call it: on AMD the engine keeps gemm (runtime/blas.py) and the course's own bias and GELU kernels.
+
+On NumPy arrays the same call runs in NumPy (the simulator, the tests): the float32 product of the widened half
+inputs, the epilogue in float32, the results rounded as the GPU's are. cuBLASLt's order of sums and its GELU's
+instructions differ in the last bits, so the two agree to the rounding of the half output, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blas import _store_half, _to_f32
+
+EPILOGUES = ("bias", "gelu_aux_bias", "dgelu_bgrad", "bgrad_b")
+FORMATS = ("bf16", "fp16")
+_READS_BIAS = ("bias", "gelu_aux_bias")  # bias is an input
+_WRITES_BIAS = ("dgelu_bgrad", "bgrad_b")  # bias is an output (the bias gradient)
+_AUX = ("gelu_aux_bias", "dgelu_bgrad")  # aux written / read
+
+
+class EpilogueError(ValueError):
+    """A matmul_epilogue call whose arguments do not fit (the message names the argument and what it needs)."""
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def _half_dtypes(fmt):
+    return ("uint16",) if fmt == "bf16" else ("float16", "uint16")
+
+
+def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt):
+    """The argument checks of matmul_epilogue; returns (M, N, K)."""
+    if epilogue not in EPILOGUES:
+        raise EpilogueError(f"matmul_epilogue: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    if fmt not in FORMATS:
+        raise EpilogueError(f"matmul_epilogue: fmt must be one of {', '.join(FORMATS)} (half inputs), got {fmt!r}")
+    for name, x in (("a", a), ("b", b), ("out", out)):
+        if getattr(x, "ndim", None) != 2:
+            raise EpilogueError(f"matmul_epilogue: {name} must be a 2-D array, got {getattr(x, 'shape', type(x))}")
+        if not x.flags.c_contiguous:
+            raise EpilogueError(f"matmul_epilogue: {name} must be C-contiguous (row-major), got strides {x.strides}")
+    for name, x in (("a", a), ("b", b)):
+        if str(x.dtype) not in _half_dtypes(fmt):
+            raise EpilogueError(
+                f"matmul_epilogue: {name} is {x.dtype}; fmt={fmt!r} needs {' or '.join(_half_dtypes(fmt))}"
+            )
+    if str(out.dtype) not in ("float32",) + _half_dtypes(fmt):
+        raise EpilogueError(f"matmul_epilogue: out is {out.dtype}; it must be float32 or the {fmt} format")
+    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    K2, N = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    if K != K2 or tuple(out.shape) != (M, N):
+        raise EpilogueError(
+            f"matmul_epilogue: shapes do not chain: op(a) {(M, K)}, op(b) {(K2, N)}, out "
+            f"{tuple(out.shape)} (need out ({M}, {N}))"
+        )
+    if bias is None or tuple(bias.shape) != (N,) or str(bias.dtype) != "float32":
+        what = "None" if bias is None else f"{bias.dtype} {tuple(bias.shape)}"
+        role = "the bias" if epilogue in _READS_BIAS else "where the bias gradient goes"
+        raise EpilogueError(f"matmul_epilogue: {epilogue} needs bias, {role}: float32 of shape ({N},), got {what}")
+    if epilogue in _AUX:
+        if aux is None or tuple(aux.shape) != (M, N) or str(aux.dtype) not in _half_dtypes(fmt):
+            what = "None" if aux is None else f"{aux.dtype} {tuple(aux.shape)}"
+            raise EpilogueError(
+                f"matmul_epilogue: {epilogue} needs aux, GELU's input in {fmt} of out's shape ({M}, {N}), got {what}"
+            )
+        if not aux.flags.c_contiguous:
+            raise EpilogueError("matmul_epilogue: aux must be C-contiguous (row-major)")
+    elif aux is not None:
+        raise EpilogueError(f"matmul_epilogue: {epilogue} takes no aux")
+    arrays = (a, b, out, bias) + ((aux,) if aux is not None else ())
+    if len({_is_cupy(x) for x in arrays}) != 1:
+        raise EpilogueError("matmul_epilogue: a, b, out, bias (and aux) must all be NumPy arrays or all CuPy arrays")
+    return M, N, K
+
+
+def _gelu_parts(x):
+    """(gelu(x), gelu'(x)) in float32, the tanh approximation of reference/gelu.py."""
+    from ..reference.gelu import GELU_CUBE, GELU_SCALE
+
+    t = np.tanh(np.float32(GELU_SCALE) * (x + np.float32(GELU_CUBE) * x * x * x))
+    dudx = np.float32(GELU_SCALE) * (np.float32(1) + np.float32(3 * GELU_CUBE) * x * x)
+    return np.float32(0.5) * x * (np.float32(1) + t), np.float32(0.5) * (1 + t) + np.float32(0.5) * x * (
+        1 - t * t
+    ) * dudx
+
+
+def _store(x, dst, fmt):
+    if str(dst.dtype) == "float32":
+        dst[...] = x
+    else:
+        _store_half(x.astype(np.float32), dst, fmt)
+
+
+def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt):
+    af, bf = _to_f32(a, fmt, np), _to_f32(b, fmt, np)
+    af, bf = (af.T if trans_a else af), (bf.T if trans_b else bf)
+    p = (af @ bf).astype(np.float32)
+    if epilogue == "bias":
+        _store(p + bias, out, fmt)
+    elif epilogue == "gelu_aux_bias":
+        pre = p + bias
+        _store(pre, aux, fmt)
+        _store(_gelu_parts(pre)[0], out, fmt)
+    elif epilogue == "dgelu_bgrad":
+        g = p * _gelu_parts(_to_f32(aux, fmt, np))[1]
+        _store(g, out, fmt)
+        bias[...] = g.sum(axis=0, dtype=np.float32)
+    else:  # bgrad_b
+        _store(p, out, fmt)
+        bias[...] = bf.sum(axis=0, dtype=np.float32)
+    return out
+
+
+def matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, trans_a=False, trans_b=False, fmt="bf16"):
+    """See the module docstring. Returns out."""
+    M, N, K = check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt)
+    if not _is_cupy(out):
+        return _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt)
+    from cupy.cuda import runtime
+
+    if runtime.is_hip:
+        raise EpilogueError(
+            "matmul_epilogue: on AMD the course runs gemm (runtime/blas.py) and its own bias and GELU "
+            "kernels; hipBLASLt's epilogues are not called"
+        )
+    if M == 0 or N == 0 or K == 0:
+        raise EpilogueError(f"matmul_epilogue: an empty product (M {M}, N {N}, K {K})")
+    _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K)
+    return out
+
+
+# ---- cuBLASLt through nvmath-python's bindings ----------------------------------------------------------------------
+_R32F, _R16F, _R16BF, _COMPUTE_32F = 0, 2, 14, 68  # cudaDataType_t, cublasComputeType_t
+WORKSPACE_BYTES = 32 * 2**20
+_STATE: dict = {}  # device id -> (handle, workspace)
+_PLANS: dict = {}  # the call's shape, formats and epilogue -> (descriptor, layouts, algorithm buffer)
+
+
+def _lt():
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        raise EpilogueError(
+            f"matmul_epilogue needs nvmath-python on NVIDIA GPUs (pip install -e '.[cuda13]'): {e}"
+        ) from None
+    return cublasLt
+
+
+def _dtype_code(x, fmt):
+    if str(x.dtype) == "float32":
+        return _R32F
+    return _R16BF if fmt == "bf16" else _R16F
+
+
+def _set(lt, desc, attr, value):
+    v = np.array(value, dtype=lt.get_matmul_desc_attribute_dtype(attr))
+    lt.matmul_desc_set_attribute(desc, attr, v.ctypes.data, v.itemsize)
+
+
+def _aligned(*ptrs) -> int:
+    """The largest power of two up to 256 that divides every pointer (cuBLASLt's algorithms state what they need)."""
+    a = 256
+    for p in ptrs:
+        while p % a:
+            a //= 2
+    return a
+
+
+def _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K):
+    import cupy as cp
+
+    lt = _lt()
+    dev = cp.cuda.Device().id
+    if dev not in _STATE:
+        _STATE[dev] = (lt.create(), cp.cuda.memory.Memory(WORKSPACE_BYTES))  # not from a pool: a graph may capture it
+    handle, workspace = _STATE[dev]
+    ptrs = [a.data.ptr, b.data.ptr, out.data.ptr, bias.data.ptr] + ([aux.data.ptr] if aux is not None else [])
+    align = _aligned(*ptrs)
+    key = (dev, M, N, K, trans_a, trans_b, fmt, str(out.dtype), epilogue, align)
+    if key not in _PLANS:
+        A = lt.MatmulDescAttribute
+        desc = lt.matmul_desc_create(_COMPUTE_32F, _R32F)
+        # column-major D (N, M) = op(b)' (N, K) @ op(a)' (K, M): b is cuBLASLt's A, a its B
+        _set(lt, desc, A.TRANSA, 1 if trans_b else 0)
+        _set(lt, desc, A.TRANSB, 1 if trans_a else 0)
+        code = {
+            "bias": lt.Epilogue.BIAS,
+            "gelu_aux_bias": lt.Epilogue.GELU_AUX_BIAS,
+            "dgelu_bgrad": lt.Epilogue.DGELU_BGRAD,
+            "bgrad_b": lt.Epilogue.BGRADA,
+        }[epilogue]
+        _set(lt, desc, A.EPILOGUE, int(code))
+        _set(lt, desc, A.BIAS_DATA_TYPE, _R32F)
+        if epilogue in _AUX:
+            _set(lt, desc, A.EPILOGUE_AUX_LD, N)
+            _set(lt, desc, A.EPILOGUE_AUX_DATA_TYPE, _R16BF if fmt == "bf16" else _R16F)
+        half = _R16BF if fmt == "bf16" else _R16F
+        # a layout is the stored column-major matrix (rows, cols, ld): row-major (r, c) is column-major (c, r)
+        la = lt.matrix_layout_create(half, *((N, K, N) if not trans_b else (K, N, K)))
+        lb = lt.matrix_layout_create(half, *((K, M, K) if not trans_a else (M, K, M)))
+        ld = lt.matrix_layout_create(_dtype_code(out, fmt), N, M, N)
+        pref = lt.matmul_preference_create()
+        P = lt.MatmulPreferenceAttribute
+        for attr, value in (
+            (P.MAX_WORKSPACE_BYTES, WORKSPACE_BYTES),
+            (P.MIN_ALIGNMENT_A_BYTES, align),
+            (P.MIN_ALIGNMENT_B_BYTES, align),
+            (P.MIN_ALIGNMENT_C_BYTES, align),
+            (P.MIN_ALIGNMENT_D_BYTES, align),
+        ):
+            v = np.array(value, dtype=lt.get_matmul_preference_attribute_dtype(attr))
+            lt.matmul_preference_set_attribute(pref, attr, v.ctypes.data, v.itemsize)
+        found = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        n = np.zeros(1, np.int32)
+        lt.matmul_algo_get_heuristic(handle, desc, la, lb, ld, ld, pref, 1, found.ctypes.data, n.ctypes.data)
+        if n[0] == 0:
+            raise EpilogueError(
+                f"matmul_epilogue: cuBLASLt has no algorithm for {epilogue} at M {M}, N {N}, K {K} "
+                f"({fmt}, out {out.dtype}, pointers aligned to {align} bytes)"
+            )
+        _PLANS[key] = (desc, la, lb, ld, found, np.array(1.0, np.float32), np.array(0.0, np.float32))
+    desc, la, lb, ld, found, one, zero = _PLANS[key]
+    A = lt.MatmulDescAttribute
+    _set(lt, desc, A.BIAS_POINTER, bias.data.ptr)
+    if aux is not None:
+        _set(lt, desc, A.EPILOGUE_AUX_POINTER, aux.data.ptr)
+    algo = found.ctypes.data + found.dtype.fields["algo"][1]
+    lt.matmul(
+        handle,
+        desc,
+        one.ctypes.data,
+        b.data.ptr,
+        la,
+        a.data.ptr,
+        lb,
+        zero.ctypes.data,
+        out.data.ptr,
+        ld,
+        out.data.ptr,
+        ld,
+        algo,
+        workspace.ptr,
+        WORKSPACE_BYTES,
+        cp.cuda.get_current_stream().ptr,
+    )

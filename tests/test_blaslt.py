@@ -1,0 +1,199 @@
+"""runtime/blaslt.py: matrix products with their epilogues (bias; bias + GELU keeping GELU's input; GELU's derivative
+with the bias gradient; the bias gradient of the weight-gradient product).
+
+CPU: the NumPy path against float64 arithmetic on the same half inputs, for every epilogue and both transposes, and
+the argument errors. GPU (`make gpu-test`, NVIDIA with nvmath-python): cuBLASLt against the NumPy path on fresh random
+inputs at GPT-2's fc shape and at awkward ones, a second call with other bias and aux arrays (the cached plan must
+read the new pointers), operands at offsets that are not 256-byte aligned; and the comparison shown to fail on the
+planted wrong answers (no bias, GELU of the wrong value, the bias gradient of the other operand)."""
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import device
+from gpullm_lessons.model.precision import f32_to_bf16_bits
+from gpullm_lessons.reference.gelu import gelu_backward, gelu_forward
+from gpullm_lessons.runtime import blaslt
+from gpullm_lessons.runtime.blaslt import EpilogueError, matmul_epilogue
+
+
+def bits(x):
+    return f32_to_bf16_bits(np.asarray(x, np.float32))
+
+
+def wide(b):
+    return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def case(M, K, N, trans_a=False, trans_b=False, seed=0):
+    rng = np.random.default_rng(seed)
+    a = bits(rng.standard_normal((K, M) if trans_a else (M, K)))
+    b = bits(rng.standard_normal((N, K) if trans_b else (K, N)) / np.sqrt(K))
+    bias = rng.standard_normal(N).astype(np.float32)
+    aux = bits(rng.standard_normal((M, N)))
+    pa, pb = wide(a), wide(b)
+    p = (pa.T if trans_a else pa) @ (pb.T if trans_b else pb)
+    return a, b, bias, aux, p, (pb.T if trans_b else pb)
+
+
+def expected(epilogue, p, bias, aux, opb):
+    """float64: (out, aux written or None, bias written or None)."""
+    if epilogue == "bias":
+        return p + bias, None, None
+    if epilogue == "gelu_aux_bias":
+        pre = p + bias
+        return gelu_forward(pre)[0], pre, None
+    if epilogue == "dgelu_bgrad":
+        g = gelu_backward(p, {"inp": wide(aux)})
+        return g, None, g.sum(0)
+    return p, None, opb.sum(0)
+
+
+def half_close(got_bits, want, what):
+    """Each half result within one bf16 rounding (2^-8 relative) of the float64 value, plus the float32 sum's slack."""
+    got = wide(got_bits)
+    err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
+    assert err.max() <= 2.0**-8 + 1e-5, (what, float(err.max()))
+
+
+@pytest.mark.parametrize("epilogue", blaslt.EPILOGUES)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True)])
+def test_numpy_path_is_the_epilogue_in_float32_rounded_to_half(epilogue, trans_a, trans_b):
+    M, K, N = 37, 24, 40
+    a, b, bias, aux, p, opb = case(M, K, N, trans_a, trans_b)
+    out = np.zeros((M, N), np.uint16)
+    bias_arg = bias.copy() if epilogue in ("bias", "gelu_aux_bias") else np.zeros(N, np.float32)
+    aux_arg = (
+        (np.zeros((M, N), np.uint16) if epilogue == "gelu_aux_bias" else aux.copy())
+        if epilogue in ("gelu_aux_bias", "dgelu_bgrad")
+        else None
+    )
+    matmul_epilogue(a, b, out, epilogue, bias=bias_arg, aux=aux_arg, trans_a=trans_a, trans_b=trans_b)
+    want, want_aux, want_bias = expected(epilogue, p, bias, aux, opb)
+    half_close(out, want, "out")
+    if want_aux is not None:
+        half_close(aux_arg, want_aux, "aux")
+    if want_bias is not None:
+        np.testing.assert_allclose(bias_arg, want_bias, rtol=1e-4, atol=1e-4 * np.abs(want_bias).max())
+    else:
+        assert np.array_equal(bias_arg, bias)  # read, not written
+    # the comparison tells the plausible wrong answers apart: no bias; GELU of the product alone; GELU's derivative
+    # at the product instead of at aux; the bias gradient one row of op(b) short
+    with pytest.raises(AssertionError):
+        if epilogue == "bgrad_b":
+            np.testing.assert_allclose(bias_arg, opb[:-1].sum(0), rtol=1e-4, atol=1e-4 * np.abs(want_bias).max())
+        else:
+            planted = {"bias": p, "gelu_aux_bias": gelu_forward(p)[0], "dgelu_bgrad": gelu_backward(p, {"inp": p})}
+            half_close(out, planted[epilogue], "planted")
+    out32 = np.zeros((M, N), np.float32)  # a float32 out: no rounding
+    matmul_epilogue(
+        a,
+        b,
+        out32,
+        epilogue,
+        bias=bias_arg.copy() if want_bias is None else np.zeros(N, np.float32),
+        aux=None if aux_arg is None else (np.zeros_like(aux_arg) if epilogue == "gelu_aux_bias" else aux),
+        trans_a=trans_a,
+        trans_b=trans_b,
+    )
+    np.testing.assert_allclose(out32, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    "call, said",
+    [
+        (dict(epilogue="relu"), "epilogue must be one of bias, gelu_aux_bias, dgelu_bgrad, bgrad_b"),
+        (dict(fmt="fp32"), "fmt must be one of bf16, fp16"),
+        (dict(b=np.zeros((7, 40), np.uint16)), r"shapes do not chain: op\(a\) \(37, 24\), op\(b\) \(7, 40\)"),
+        (dict(bias=None), r"bias needs bias, the bias: float32 of shape \(40,\), got None"),
+        (dict(bias=np.zeros(39, np.float32)), r"float32 of shape \(40,\), got float32 \(39,\)"),
+        (dict(epilogue="bgrad_b", bias=np.zeros(40, np.float64)), "where the bias gradient goes"),
+        (dict(epilogue="gelu_aux_bias"), r"needs aux, GELU's input in bf16 of out's shape \(37, 40\), got None"),
+        (dict(aux=np.zeros((37, 40), np.uint16)), "bias takes no aux"),
+        (dict(a=np.zeros((37, 24), np.float32)), "a is float32; fmt='bf16' needs uint16"),
+        (dict(out=np.zeros((37, 40), np.float16)), "out is float16; it must be float32 or the bf16 format"),
+        (dict(out=np.zeros((40, 37), np.float32).T), "out must be C-contiguous"),
+    ],
+)
+def test_bad_arguments_are_named(call, said):
+    args = dict(
+        a=np.zeros((37, 24), np.uint16),
+        b=np.zeros((24, 40), np.uint16),
+        out=np.zeros((37, 40), np.float32),
+        epilogue="bias",
+        bias=np.zeros(40, np.float32),
+        aux=None,
+        fmt="bf16",
+    )
+    args.update(call)
+    with pytest.raises(EpilogueError, match=said):
+        matmul_epilogue(**args)
+
+
+# ---- GPU: cuBLASLt against the NumPy path -----------------------------------------------------------------------
+
+needs_nvidia = pytest.mark.skipif(
+    device.kind() != "cuda", reason=f"cuBLASLt runs on NVIDIA GPUs (this machine: {device.kind()})"
+)
+
+
+def _gpu_run(epilogue, a, b, bias, aux, trans_a, trans_b, offset=0):
+    """The cuBLASLt call on copies of the inputs (placed `offset` elements into larger arrays when asked)."""
+    import cupy as cp
+
+    def place(x):
+        if not offset:
+            return cp.asarray(x)
+        big = cp.empty(x.size + offset, x.dtype)
+        view = big[offset:].reshape(x.shape)
+        view[...] = cp.asarray(x)
+        return view
+
+    M, N = (a.shape[1] if trans_a else a.shape[0]), (b.shape[0] if trans_b else b.shape[1])
+    out = place(np.zeros((M, N), np.uint16))
+    gb = place(bias if epilogue in ("bias", "gelu_aux_bias") else np.zeros_like(bias))
+    gx = (
+        None
+        if epilogue not in ("gelu_aux_bias", "dgelu_bgrad")
+        else place(np.zeros_like(aux) if epilogue == "gelu_aux_bias" else aux)
+    )
+    matmul_epilogue(place(a), place(b), out, epilogue, bias=gb, aux=gx, trans_a=trans_a, trans_b=trans_b)
+    cp.cuda.Device().synchronize()
+    return out.get(), gb.get(), None if gx is None else gx.get()
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("epilogue", blaslt.EPILOGUES)
+@pytest.mark.parametrize(
+    "M,K,N,trans_a,trans_b",
+    [
+        (4096, 768, 3072, False, False),
+        (1000, 3072, 768, False, True),
+        (768, 1000, 2304, True, False),
+        (33, 40, 72, False, False),
+    ],
+)
+def test_gpu_cublaslt_epilogues_match_the_reference(epilogue, M, K, N, trans_a, trans_b):
+    if epilogue == "bgrad_b" and not trans_a:
+        pytest.skip("the bias gradient's product is the weight gradient's: a = inp, transposed")
+    if epilogue != "bgrad_b" and trans_a:
+        pytest.skip("the forward and the input gradient's products do not transpose a")
+    for seed, offset in ((1, 0), (2, 8)):  # a second call, fresh arrays at offsets not 256-byte aligned
+        a, b, bias, aux, p, opb = case(M, K, N, trans_a, trans_b, seed=seed)
+        out, gb, gx = _gpu_run(epilogue, a, b, bias, aux, trans_a, trans_b, offset)
+        want, want_aux, want_bias = expected(epilogue, p, bias, aux, opb)
+        half_close(out, want, ("out", seed))
+        if want_aux is not None:
+            half_close(gx, want_aux, ("aux", seed))
+        if want_bias is not None:
+            np.testing.assert_allclose(gb, want_bias, rtol=2e-3, atol=2e-3 * np.abs(want_bias).max())
+        # the comparison fails on the planted wrong answers: no bias; GELU of the product without the bias; the
+        # bias gradient summed over the other operand
+        if epilogue in ("bias", "gelu_aux_bias"):
+            wrong = p if epilogue == "bias" else gelu_forward(p)[0]
+            with pytest.raises(AssertionError):
+                half_close(out, wrong, "planted")
+        if epilogue == "bgrad_b":  # the sum stopped one row of op(b) short
+            with pytest.raises(AssertionError):
+                np.testing.assert_allclose(gb, opb[:-1].sum(0), rtol=2e-3, atol=2e-3 * np.abs(want_bias).max())
