@@ -313,3 +313,17 @@ def test_validate_runs_each_version_once_and_says_ok_or_wrong():
                                                        for v in ("v2", "v4")]
     assert all(r["status"] == "ok" and r["validation"]["max_err"] < r["validation"]["tol"] for r in rows), rows
     assert not any("ms" in r for r in rows)                                              # validated, not timed
+
+
+def test_the_reference_cache_gives_the_computed_step_back_and_keys_on_batch_and_model(toy, tmp_path, monkeypatch):
+    """GPULLM_REFERENCE_CACHE: the first run computes and keeps the NumPy engine's first step, the next reads it
+    (not recomputed: the engine is not even built); another batch or another model is another key."""
+    batches, want = toy
+    monkeypatch.setenv(bt.REFERENCE_CACHE_ENV, str(tmp_path))
+    assert bt.first_step_reference(TOY, *batches[0]) == want
+    assert len(list(tmp_path.glob("first_step_*.json"))) == 1
+    monkeypatch.setattr(engine, "build", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    assert bt.first_step_reference(TOY, *batches[0]) == want
+    other = GPTConfig(**{**vars(TOY), "n_layer": TOY.n_layer + 1})
+    keys = {bt._reference_key(TOY, *batches[0]), bt._reference_key(TOY, *batches[1]), bt._reference_key(other, *batches[0])}
+    assert len(keys) == 3

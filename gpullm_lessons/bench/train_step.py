@@ -86,14 +86,47 @@ TORCH_WHY_NOT = ("PyTorch's GPT starts from its own random weights (torch.manual
                  "loss is not the reference's")
 
 
+REFERENCE_CACHE_ENV = "GPULLM_REFERENCE_CACHE"   # a directory: first_step_reference keeps its results there
+
+
+def _reference_key(cfg, x, y) -> str:
+    """What first_step_reference's result depends on: the model's shape, the batch, and the source of the NumPy
+    engine and everything it computes with (model/, reference/, engine/), so that a changed line is a new key."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256(repr(sorted(vars(cfg).items())).encode())
+    for a in (x, y):
+        h.update(str(a.shape).encode() + np.ascontiguousarray(a).tobytes())
+    root = Path(__file__).resolve().parents[1]
+    for sub in ("model", "reference", "engine"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
 def first_step_reference(cfg, x, y) -> dict:
     """The NumPy engine's first training step on batch (x, y), from the weights every engine starts from (seed 0):
     {"loss", "grad_norm"} (the gradient norm is taken before the update, so lr and clipping do not change it). On
-    a CPU, at GPT-2's size and a batch of 16 x 1024 tokens, this takes about a minute."""
+    a CPU, at GPT-2's size and a batch of 16 x 1024 tokens, this takes about a minute. With GPULLM_REFERENCE_CACHE
+    set to a directory, a result is kept there under _reference_key and read back by the next run (one sitting on a
+    lent GPU runs bench train several times over the same batches)."""
+    import json
+    import os
+    from pathlib import Path
+
     from .. import engine
 
+    where = os.environ.get(REFERENCE_CACHE_ENV)
+    path = Path(where) / f"first_step_{_reference_key(cfg, x, y)}.json" if where else None
+    if path is not None and path.is_file():
+        return json.loads(path.read_text())
     r = engine.build(cfg, "numpy").train_step(x, y, lr=1e-4, weight_decay=0.1, grad_clip=1.0)
-    return {"loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}
+    result = {"loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))
+    return result
 
 
 def validated_steps(step, batches, reference, tol, time_steps=None) -> dict:
