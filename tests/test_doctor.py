@@ -18,7 +18,8 @@ def test_doctor_runs_and_every_line_is_a_verdict():
     verdicts = [ln for ln in lines[1:-1] if not ln.startswith("       fix:")]
     assert all(re.match(r"^\[(OK|FAIL|SKIP)\] \w[\w-]*: ", ln) for ln in verdicts), verdicts
     names = {re.match(r"^\[\w+\] ([\w-]+):", ln).group(1) for ln in verdicts}
-    assert {"python", "numpy", "numba", "simulator", "gpu", "cupy", "nvrtc", "tensor-cores", "nvcc", "hipcc"} <= names
+    assert {"python", "numpy", "numba", "simulator", "gpu", "cupy", "cublaslt", "nvrtc", "tensor-cores", "nvcc",
+            "hipcc"} <= names
     failed = [ln for ln in verdicts if ln.startswith("[FAIL]")]
     assert p.returncode == (1 if failed else 0)
     assert re.match(r"^\d+ ok/skipped, \d+ failed$", lines[-1])
@@ -45,6 +46,16 @@ def test_cupy_missing_with_a_gpu_is_a_failure(monkeypatch):
     monkeypatch.setattr(doctor, "_version", lambda dist: None)
     c = doctor.check_cupy()
     assert c.status == "FAIL" and "[cuda13]" in c.fix
+
+
+def test_cublaslt_missing_on_an_nvidia_gpu_is_a_failure_and_elsewhere_a_skip(monkeypatch):
+    from gpullm_lessons import device
+    monkeypatch.setattr(doctor, "_version", lambda dist: None)
+    for kind, status in (("cuda", "FAIL"), ("rocm", "SKIP"), ("sim", "SKIP")):
+        fake = device.DeviceInfo(kind, device.GPU("nvidia", "H200", 1, 1) if kind != "sim" else None, False, "test")
+        monkeypatch.setattr(device, "info", lambda: fake)
+        c = doctor.check_cublaslt()
+        assert c.status == status and (status == "SKIP" or "[cuda13]" in c.fix), (kind, c.line())
 
 
 def test_missing_tensor_core_headers_fail_with_the_fix(monkeypatch):

@@ -173,11 +173,33 @@ def _first_line(cmd, last=False) -> str:
         return "found"
 
 
+def check_cublaslt() -> Check:
+    """nvmath-python, through which runtime/blaslt.py calls cuBLASLt's matrix products with epilogues (NVIDIA)."""
+    info = device.info()
+    v = _version("nvmath-python")
+    if info.kind != "cuda":
+        return Check("SKIP", "cublaslt", f"{'nvmath-python ' + v if v else 'nvmath-python not installed'}; the "
+                     "epilogues run on NVIDIA GPUs only (elsewhere the same call runs in NumPy)",
+                     "on an NVIDIA GPU server: pip install -e '.[cuda13]'")
+    if not v:
+        return Check("FAIL", "cublaslt", "nvmath-python not installed (cuBLASLt's epilogues, runtime/blaslt.py)",
+                     "pip install -e '.[cuda13]' (or '.[cuda12]')")
+    try:
+        from nvmath.bindings import cublasLt
+
+        lt_version = cublasLt.get_version()
+    except Exception as e:  # noqa: BLE001
+        return Check("FAIL", "cublaslt", f"nvmath-python {v} cannot load cuBLASLt: {type(e).__name__}: {e}",
+                     "reinstall the cuda extra that matches the driver")
+    return Check("OK", "cublaslt", f"nvmath-python {v}, cuBLASLt {lt_version}")
+
+
 def run_checks() -> list[Check]:
     checks = [check_python(), check_numpy()]
     checks += check_numba()
     checks.append(check_gpu())
     checks.append(check_cupy())
+    checks.append(check_cublaslt())
     checks += check_compilers()
     return checks
 
