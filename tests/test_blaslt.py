@@ -99,6 +99,16 @@ def test_numpy_path_is_the_epilogue_in_float32_rounded_to_half(epilogue, trans_a
     np.testing.assert_allclose(out32, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_the_bias_epilogue_adds_the_residual_c_into_a_float32_out():
+    a, b, bias, aux, p, opb = case(37, 24, 40)
+    res = np.random.default_rng(5).standard_normal((37, 40)).astype(np.float32)
+    out = np.zeros((37, 40), np.float32)
+    matmul_epilogue(a, b, out, "bias", bias=bias, c=res)
+    np.testing.assert_allclose(out, p + bias + res, rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):  # without the residual: told apart
+        np.testing.assert_allclose(out, p + bias, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "call, said",
     [
@@ -113,6 +123,8 @@ def test_numpy_path_is_the_epilogue_in_float32_rounded_to_half(epilogue, trans_a
         (dict(a=np.zeros((37, 24), np.float32)), "a is float32; fmt='bf16' needs uint16"),
         (dict(out=np.zeros((37, 40), np.float16)), "out is float16; it must be float32 or the bf16 format"),
         (dict(out=np.zeros((40, 37), np.float32).T), "out must be C-contiguous"),
+        (dict(c=np.zeros((37, 40), np.float32), out=np.zeros((37, 40), np.uint16)), "goes with epilogue 'bias' and a"),
+        (dict(c=np.zeros((37, 41), np.float32)), r"c must be float32 of out's shape \(37, 40\)"),
     ],
 )
 def test_bad_arguments_are_named(call, said):
@@ -123,6 +135,7 @@ def test_bad_arguments_are_named(call, said):
         epilogue="bias",
         bias=np.zeros(40, np.float32),
         aux=None,
+        c=None,
         fmt="bf16",
     )
     args.update(call)
@@ -197,3 +210,20 @@ def test_gpu_cublaslt_epilogues_match_the_reference(epilogue, M, K, N, trans_a, 
         if epilogue == "bgrad_b":  # the sum stopped one row of op(b) short
             with pytest.raises(AssertionError):
                 np.testing.assert_allclose(gb, opb[:-1].sum(0), rtol=2e-3, atol=2e-3 * np.abs(want_bias).max())
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("M,K,N", [(4096, 768, 768), (1000, 3072, 768), (33, 40, 72)])
+def test_gpu_bias_epilogue_with_the_residual_matches_the_reference(M, K, N):
+    import cupy as cp
+
+    for seed in (3, 4):  # a second call: new arrays, the cached plan
+        a, b, bias, aux, p, opb = case(M, K, N, seed=seed)
+        res = np.random.default_rng(seed).standard_normal((M, N)).astype(np.float32)
+        out = cp.empty((M, N), cp.float32)
+        matmul_epilogue(cp.asarray(a), cp.asarray(b), out, "bias", bias=cp.asarray(bias), c=cp.asarray(res))
+        want = p + bias + res
+        np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        with pytest.raises(AssertionError):
+            np.testing.assert_allclose(out.get(), p + bias, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -1,11 +1,12 @@
 """Matrix products with their epilogues: cuBLASLt (NVIDIA) through nvmath-python, or NumPy with the same meaning.
 
-    matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, trans_a=False, trans_b=False, fmt="bf16")
+    matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, c=None, trans_a=False, trans_b=False, fmt="bf16")
 
 Row-major, C-contiguous, 2-D: P = op(a) @ op(b), (M, K) @ (K, N), half inputs (fmt "bf16": uint16 bits; "fp16":
 float16 or its uint16 bits) multiplied with float32 accumulation; then, before the result leaves the product:
 
-    "bias"           out = P + bias[col]                                   bias (N,) read
+    "bias"           out = P + bias[col] (+ c)                             bias (N,) read; c: a float32 (M, N)
+                                                                           added too (the residual), out float32
     "gelu_aux_bias"  aux = P + bias[col]; out = gelu(P + bias[col])        bias read, aux (M, N) written (half)
     "dgelu_bgrad"    g = P * gelu'(aux); out = g; bias[col] = sum_rows g   aux read, bias written (float32)
     "bgrad_b"        out = P; bias[col] = sum_k op(b)[k, col]              bias written (the weight gradient's
@@ -47,7 +48,7 @@ def _half_dtypes(fmt):
     return ("uint16",) if fmt == "bf16" else ("float16", "uint16")
 
 
-def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt):
+def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     """The argument checks of matmul_epilogue; returns (M, N, K)."""
     if epilogue not in EPILOGUES:
         raise EpilogueError(f"matmul_epilogue: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
@@ -86,7 +87,18 @@ def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt):
             raise EpilogueError("matmul_epilogue: aux must be C-contiguous (row-major)")
     elif aux is not None:
         raise EpilogueError(f"matmul_epilogue: {epilogue} takes no aux")
-    arrays = (a, b, out, bias) + ((aux,) if aux is not None else ())
+    if c is not None:
+        if epilogue != "bias" or str(out.dtype) != "float32":
+            raise EpilogueError(
+                "matmul_epilogue: c (the residual added to the product) goes with epilogue 'bias' "
+                f"and a float32 out, got {epilogue!r} and out {out.dtype}"
+            )
+        if tuple(c.shape) != (M, N) or str(c.dtype) != "float32" or not c.flags.c_contiguous:
+            raise EpilogueError(
+                f"matmul_epilogue: c must be float32 of out's shape ({M}, {N}), C-contiguous, got "
+                f"{c.dtype} {tuple(c.shape)}"
+            )
+    arrays = (a, b, out, bias) + tuple(x for x in (aux, c) if x is not None)
     if len({_is_cupy(x) for x in arrays}) != 1:
         raise EpilogueError("matmul_epilogue: a, b, out, bias (and aux) must all be NumPy arrays or all CuPy arrays")
     return M, N, K
@@ -110,12 +122,12 @@ def _store(x, dst, fmt):
         _store_half(x.astype(np.float32), dst, fmt)
 
 
-def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt):
+def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     af, bf = _to_f32(a, fmt, np), _to_f32(b, fmt, np)
     af, bf = (af.T if trans_a else af), (bf.T if trans_b else bf)
     p = (af @ bf).astype(np.float32)
     if epilogue == "bias":
-        _store(p + bias, out, fmt)
+        _store(p + bias if c is None else p + c + bias, out, fmt)
     elif epilogue == "gelu_aux_bias":
         pre = p + bias
         _store(pre, aux, fmt)
@@ -130,11 +142,11 @@ def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt):
     return out
 
 
-def matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, trans_a=False, trans_b=False, fmt="bf16"):
+def matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, c=None, trans_a=False, trans_b=False, fmt="bf16"):
     """See the module docstring. Returns out."""
-    M, N, K = check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt)
+    M, N, K = check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c)
     if not _is_cupy(out):
-        return _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt)
+        return _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c)
     from cupy.cuda import runtime
 
     if runtime.is_hip:
@@ -144,7 +156,7 @@ def matmul_epilogue(a, b, out, epilogue, bias=None, aux=None, trans_a=False, tra
         )
     if M == 0 or N == 0 or K == 0:
         raise EpilogueError(f"matmul_epilogue: an empty product (M {M}, N {N}, K {K})")
-    _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K)
+    _cublaslt(a, b, out, epilogue, bias, aux, c, trans_a, trans_b, fmt, M, N, K)
     return out
 
 
@@ -185,7 +197,7 @@ def _aligned(*ptrs) -> int:
     return a
 
 
-def _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K):
+def _cublaslt(a, b, out, epilogue, bias, aux, c, trans_a, trans_b, fmt, M, N, K):
     import cupy as cp
 
     lt = _lt()
@@ -193,9 +205,9 @@ def _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K):
     if dev not in _STATE:
         _STATE[dev] = (lt.create(), cp.cuda.memory.Memory(WORKSPACE_BYTES))  # not from a pool: a graph may capture it
     handle, workspace = _STATE[dev]
-    ptrs = [a.data.ptr, b.data.ptr, out.data.ptr, bias.data.ptr] + ([aux.data.ptr] if aux is not None else [])
+    ptrs = [a.data.ptr, b.data.ptr, out.data.ptr, bias.data.ptr] + [x.data.ptr for x in (aux, c) if x is not None]
     align = _aligned(*ptrs)
-    key = (dev, M, N, K, trans_a, trans_b, fmt, str(out.dtype), epilogue, align)
+    key = (dev, M, N, K, trans_a, trans_b, fmt, str(out.dtype), epilogue, align, c is not None)
     if key not in _PLANS:
         A = lt.MatmulDescAttribute
         desc = lt.matmul_desc_create(_COMPUTE_32F, _R32F)
@@ -237,8 +249,10 @@ def _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K):
                 f"matmul_epilogue: cuBLASLt has no algorithm for {epilogue} at M {M}, N {N}, K {K} "
                 f"({fmt}, out {out.dtype}, pointers aligned to {align} bytes)"
             )
-        _PLANS[key] = (desc, la, lb, ld, found, np.array(1.0, np.float32), np.array(0.0, np.float32))
-    desc, la, lb, ld, found, one, zero = _PLANS[key]
+        beta = np.array(0.0 if c is None else 1.0, np.float32)  # out = P + beta * c (+ the epilogue)
+        _PLANS[key] = (desc, la, lb, ld, found, np.array(1.0, np.float32), beta)
+    desc, la, lb, ld, found, one, beta = _PLANS[key]
+    src = out if c is None else c  # cuBLASLt's C: out itself (beta 0), or the residual (beta 1)
     A = lt.MatmulDescAttribute
     _set(lt, desc, A.BIAS_POINTER, bias.data.ptr)
     if aux is not None:
@@ -252,8 +266,8 @@ def _cublaslt(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, M, N, K):
         la,
         a.data.ptr,
         lb,
-        zero.ctypes.data,
-        out.data.ptr,
+        beta.ctypes.data,
+        src.data.ptr,
         ld,
         out.data.ptr,
         ld,
