@@ -234,6 +234,40 @@ def test_a_half_gelu_input_is_what_the_block_keeps():
     assert all(c["fc"].dtype == np.float32 for c in eng32._cache["blocks"])
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_epilogues_keep_the_gradients_and_recompute_the_same_bits(toy_reference, precision):
+    """versions epilogue "cublaslt" (here its NumPy twin, runtime/blaslt.py): each projection's bias and the residual
+    are added inside its product; the gradients stay within the half run's bounds of fp32 and close to the unfused
+    run's (the same sums in another order); selective recompute gives the bits of keeping everything."""
+    x, y, loss_ref, g_ref = toy_reference
+    v = {"epilogue": "cublaslt"}
+    loss, g = grads_of(engine.build(TOY, "numba", precision=precision, versions=v), x, y)
+    assert abs(loss - loss_ref) < 1e-3 * loss_ref
+    assert max_rel(g, g_ref) < (3e-2 if precision == "bf16" else 5e-3)
+    _, g_plain = grads_of(engine.build(TOY, "numba", precision=precision), x, y)
+    assert max_rel(g, g_plain) < (1e-2 if precision == "bf16" else 2e-3)
+    _, g_sel = grads_of(engine.build(TOY, "numba", precision=precision, policy="selective", versions=v), x, y)
+    assert all(np.array_equal(g_sel[k], g[k]) for k in g)
+
+
+def test_epilogues_run_the_fused_products_instead_of_the_bias_passes(monkeypatch):
+    """With epilogue "cublaslt" no bias_add pass runs: both projections go through matmul_epilogue with the
+    residual; a product that drops the residual is caught by the gradients."""
+    from gpullm_lessons.runtime import blaslt
+
+    calls = []
+    real = blaslt.matmul_epilogue
+    monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: calls.append(k.get("c") is not None) or real(*a, **k))
+    eng = engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt"})
+    monkeypatch.setattr(eng.K, "bias_add", lambda *a, **k: (_ for _ in ()).throw(AssertionError("bias_add ran")))
+    x, y = batch(TOY, 2, 8)
+    _, g = grads_of(eng, x, y)
+    assert calls == [True, True] * TOY.n_layer
+    monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: real(*a, **{**k, "c": None}))   # residual dropped
+    _, wrong = grads_of(engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt"}), x, y)
+    assert max_rel(wrong, g) > 0.1
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -249,6 +283,10 @@ def test_build_errors_name_the_problem():
         engine.build(TOY, "numba", versions={"scores": "fp8"})
     with pytest.raises(engine.EngineError, match="gelu_in must be 'f32' or 'half', got 'bf16'"):
         engine.build(TOY, "numba", versions={"gelu_in": "bf16"})
+    with pytest.raises(engine.EngineError, match="epilogue must be 'none' or 'cublaslt', got 'lt'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "lt"})
+    with pytest.raises(engine.EngineError, match="precision='fp32' has none"):
+        engine.build(TOY, "numba", versions={"epilogue": "cublaslt"})
 
 
 @pytest.mark.skipif(device.has_gpu(), reason="this machine has a GPU")
@@ -418,6 +456,26 @@ def test_gpu_half_gelu_input_tracks_fp32_and_recomputes_the_same_bits(backend, p
     for policy in ("selective", "full"):
         _, g = grads_of(engine.build(SMALL, backend, precision=precision, policy=policy, versions=v), x, y)
         assert all(np.array_equal(g[k], g_none[k]) for k in g), policy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(device.kind() != "cuda", reason="cuBLASLt's epilogues run on NVIDIA GPUs")
+@pytest.mark.parametrize("attention", ["flash", "cublas"])
+def test_gpu_epilogues_track_fp32_like_the_unfused_step(attention, gpu_batches, gpu_reference):
+    """versions epilogue "cublaslt" on the GPU (the qkv bias in the product that writes the flash kernels' half q, k,
+    v; each projection's bias and residual in its product): 10 bf16 steps track the fp32 reference, the first step's
+    gradients are the unfused step's up to the order of the sums, and selective recompute gives the same bits."""
+    v = {"epilogue": "cublaslt", "attention": attention}
+    eng = engine.build(SMALL, "hip", precision="bf16", versions=v)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    x, y = gpu_batches[0]
+    _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=v), x, y)
+    _, g_plain = grads_of(engine.build(SMALL, "hip", precision="bf16", versions={"attention": attention}), x, y)
+    assert max_rel(g, g_plain) < 1e-2
+    _, g_sel = grads_of(engine.build(SMALL, "hip", precision="bf16", policy="selective", versions=v), x, y)
+    assert all(np.array_equal(g_sel[k], g[k]) for k in g)
 
 
 @pytest.mark.gpu

@@ -289,3 +289,5 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
         == 0
     )
     assert seen["ce_chunks"] == 8 and seen["versions"] == {"gelu_in": "half"}
+    assert bench.main(["train", "--presets", "course", "--precisions", "bf16", "--epilogue", "cublaslt"]) == 0
+    assert seen["versions"] == {"epilogue": "cublaslt"}

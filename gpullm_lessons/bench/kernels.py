@@ -828,6 +828,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gelu-in", choices=("f32", "half"), default=None,
                     help="`train` / `gputime`: the format the engine keeps GELU's input in, in half precision "
                          "(default f32)")
+    ap.add_argument("--epilogue", choices=("none", "cublaslt"), default=None,
+                    help="`train` / `gputime`: the engine's bias and residual adds inside cuBLASLt's products "
+                         "(NVIDIA, half precision; default none)")
     ap.add_argument("--ce-chunks", type=int, default=1,
                     help="`train`: our engine's loss head in that many chunks of rows (default 1)")
     ap.add_argument("--compile", action="store_true", help="`train`: also PyTorch through torch.compile")
@@ -874,7 +877,8 @@ def main(argv=None) -> int:
             versions = {**({"scores": args.scores} if args.scores else {}),
                         **({"attention": args.attention} if args.attention else {}),
                         **({"flash": args.flash_version} if args.flash_version else {}),
-                        **({"gelu_in": args.gelu_in} if args.gelu_in else {})}
+                        **({"gelu_in": args.gelu_in} if args.gelu_in else {}),
+                        **({"epilogue": args.epilogue} if args.epilogue else {})}
             if args.what == "gputime":
                 import importlib.util
                 result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0],

@@ -29,6 +29,7 @@ _NUMBA_VERSIONS = {
     "attention": "cublas",
     "flash": "v6",
     "tf32": "off",
+    "epilogue": "none",
 }
 
 
@@ -64,6 +65,9 @@ class GPUEngine(Engine):
     # where flash cannot run); "flash": the version of flash.cu's kernels on the engine's packed layout (v4, v5 or v6)
     # that the flash path runs; "tf32": "on" reads an fp32 run's matmul inputs as TF32 (10 mantissa bits, fp32
     # accumulation: cuBLAS's TF32 mode on NVIDIA's tensor cores; the simulator rounds the inputs), "off" keeps fp32
+    # "epilogue": "cublaslt" (half precision; NVIDIA, or NumPy in the simulator: runtime/blaslt.py) adds the qkv bias
+    # inside the qkv product, which writes the half q, k, v the flash kernels read, and each projection's bias and the
+    # residual inside its product (out = x + P + b, float32); "none" runs the products and the passes after them
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -120,6 +124,15 @@ class GPUEngine(Engine):
                 raise EngineError(f"versions: attention='flash' cannot run here: {why_not}")
             if why_not:  # the default where flash cannot run (fp32, a head size without a kernel): the cuBLAS path
                 self.ver["attention"] = "cublas"
+        if self.ver["epilogue"] not in ("none", "cublaslt"):
+            raise EngineError(f"versions: epilogue must be 'none' or 'cublaslt', got {self.ver['epilogue']!r}")
+        if self.ver["epilogue"] == "cublaslt" and precision not in ("bf16", "fp16"):
+            raise EngineError(
+                f"versions: epilogue='cublaslt' fuses the bias into half-precision products; precision={precision!r} "
+                "has none (use bf16 or fp16)"
+            )
+        if self.ver["epilogue"] == "cublaslt" and self.on_gpu and device.kind() != "cuda":
+            raise EngineError("versions: epilogue='cublaslt' calls NVIDIA's cuBLASLt; on AMD keep epilogue='none'")
         if self.ver["tf32"] not in ("off", "on"):
             raise EngineError(f"versions: tf32 must be 'off' or 'on', got {self.ver['tf32']!r}")
         if self.ver["tf32"] == "on" and precision != "fp32":
@@ -272,6 +285,18 @@ class GPUEngine(Engine):
         """An uninitialised matmul input in the run's format (float32, or uint16 half bits)."""
         return self.xp.empty(shape, self.xp.float32 if self.half is None else self.xp.uint16)
 
+    def _matmul_bias(self, inp_mm, name_w, name_b, l, out, res=None):
+        """out = inp @ W + b (+ res), the bias (and the residual) added in the product's epilogue (versions
+        epilogue "cublaslt"): out in the matmul format (no res) or float32 (res, float32)."""
+        from ..runtime.blaslt import matmul_epilogue
+
+        a, w = inp_mm.reshape(-1, inp_mm.shape[-1]), self._w(name_w, l)
+        args = dict(bias=self.params[name_b][l], c=None if res is None else res.reshape(out.shape), fmt=self.precision)
+        if self.profiler is not None:
+            what = "gemm+bias+residual" if res is not None else "gemm+bias"
+            return self.profiler.wrap(f"{what} {self.precision} (cuBLASLt)", matmul_epilogue)(a, w, out, "bias", **args)
+        return matmul_epilogue(a, w, out, "bias", **args)
+
     def _matmul(self, inp_mm, name_w, l, out_features):
         """(N, C_in) matmul input -> (N, C_out) fp32 = inp @ W (the bias is added by the fused kernel after it)."""
         out = self.xp.empty((inp_mm.shape[0], out_features), self.xp.float32)
@@ -371,12 +396,17 @@ class GPUEngine(Engine):
         half = self._half
         c = {"x": x}
         ln1_mm, c["mean1"], c["rstd1"] = self._layernorm(x, "ln1w", "ln1b", l)
-        qkv = self._matmul(ln1_mm, "qkvw", l, 3 * C)  # (B*T, 3C), no bias yet
+        fused = self.ver["epilogue"] == "cublaslt"
+        flash = self.ver["attention"] == "flash"
+        qkv = None if fused and flash else self._matmul(ln1_mm, "qkvw", l, 3 * C)  # (B*T, 3C), no bias yet
         qkvb = self.params["qkvb"][l]
-        if self.ver["attention"] == "flash":  # y and each row's log-sum-exp; the (T, T) scores never exist
+        if flash:  # y and each row's log-sum-exp; the (T, T) scores never exist
             atty_mm = self._mm_empty((B * T, C))
             qkv_mm = self._mm_empty((B, T, 3 * C))  # q, k, v side by side, bias added, in the matmul format
-            self.K.split_heads(qkv, 0, qkv_mm, B, T, 1, bias=qkvb, half=half)
+            if fused:  # the product adds the bias and writes the half q, k, v itself
+                self._matmul_bias(ln1_mm, "qkvw", "qkvb", l, qkv_mm.reshape(B * T, 3 * C))
+            else:
+                self.K.split_heads(qkv, 0, qkv_mm, B, T, 1, bias=qkvb, half=half)
             del qkv
             att = {"lse": xp.empty((B, nh, T), xp.float32)}
             self.K.flash_attention_forward_packed(
@@ -395,8 +425,11 @@ class GPUEngine(Engine):
             self.K.merge_heads(y, atty_mm, 0, B, T, nh, half=half)
             del y
             heads = {"q": q, "k": k, "v": v}
-        x1 = self._matmul(atty_mm, "attprojw", l, C)
-        self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)  # x1 = x + atty @ W + b
+        if fused:  # x1 = x + atty @ W + b, in the product
+            x1 = self._matmul_bias(atty_mm, "attprojw", "attprojb", l, xp.empty((B * T, C), xp.float32), res=x)
+        else:
+            x1 = self._matmul(atty_mm, "attprojw", l, C)
+            self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)  # x1 = x + atty @ W + b
         ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
         fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
         gelu_mm = self._mm_empty(fc.shape)
@@ -409,8 +442,11 @@ class GPUEngine(Engine):
             fc = fc_half
         else:  # gelu(fc + b) in the matmul format; fc is not rewritten
             self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, gelu_mm, half=half)
-        x2 = self._matmul(gelu_mm, "fcprojw", l, C)
-        self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)  # x2 = x1 + gelu @ W + b
+        if fused:  # x2 = x1 + gelu @ W + b, in the product
+            x2 = self._matmul_bias(gelu_mm, "fcprojw", "fcprojb", l, xp.empty((B * T, C), xp.float32), res=x1)
+        else:
+            x2 = self._matmul(gelu_mm, "fcprojw", l, C)
+            self.K.bias_add(x2, self.params["fcprojb"][l], x2, res=x1)  # x2 = x1 + gelu @ W + b
         if keep == "none":
             c.update(
                 att,
