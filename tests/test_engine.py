@@ -234,17 +234,19 @@ def test_a_half_gelu_input_is_what_the_block_keeps():
     assert all(c["fc"].dtype == np.float32 for c in eng32._cache["blocks"])
 
 
+@pytest.mark.parametrize("gelu_in", ["f32", "half"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_epilogues_keep_the_gradients_and_recompute_the_same_bits(toy_reference, precision):
+def test_epilogues_keep_the_gradients_and_recompute_the_same_bits(toy_reference, precision, gelu_in):
     """versions epilogue "cublaslt" (here its NumPy twin, runtime/blaslt.py): each projection's bias and the residual
-    are added inside its product; the gradients stay within the half run's bounds of fp32 and close to the unfused
-    run's (the same sums in another order); selective recompute gives the bits of keeping everything."""
+    are added inside its product, and with gelu_in "half" GELU's backward and the fc bias gradient inside the product
+    that makes dfc; the gradients stay within the half run's bounds of fp32 and close to the unfused run's (the same
+    sums in another order); selective recompute gives the bits of keeping everything."""
     x, y, loss_ref, g_ref = toy_reference
-    v = {"epilogue": "cublaslt"}
+    v = {"epilogue": "cublaslt", "gelu_in": gelu_in}
     loss, g = grads_of(engine.build(TOY, "numba", precision=precision, versions=v), x, y)
     assert abs(loss - loss_ref) < 1e-3 * loss_ref
     assert max_rel(g, g_ref) < (3e-2 if precision == "bf16" else 5e-3)
-    _, g_plain = grads_of(engine.build(TOY, "numba", precision=precision), x, y)
+    _, g_plain = grads_of(engine.build(TOY, "numba", precision=precision, versions={"gelu_in": gelu_in}), x, y)
     assert max_rel(g, g_plain) < (1e-2 if precision == "bf16" else 2e-3)
     _, g_sel = grads_of(engine.build(TOY, "numba", precision=precision, policy="selective", versions=v), x, y)
     assert all(np.array_equal(g_sel[k], g[k]) for k in g)
@@ -263,6 +265,12 @@ def test_epilogues_run_the_fused_products_instead_of_the_bias_passes(monkeypatch
     x, y = batch(TOY, 2, 8)
     _, g = grads_of(eng, x, y)
     assert calls == [True, True] * TOY.n_layer
+    eng_half = engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "gelu_in": "half"})
+    seen = []
+    monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    grads_of(eng_half, x, y)   # with the GELU input in half, the fc projection's backward runs DGELU_BGRAD
+    assert seen.count("dgelu_bgrad") == TOY.n_layer and seen.count("bias") == 2 * TOY.n_layer
+    monkeypatch.setattr(blaslt, "matmul_epilogue", real)
     monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: real(*a, **{**k, "c": None}))   # residual dropped
     _, wrong = grads_of(engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt"}), x, y)
     assert max_rel(wrong, g) > 0.1
@@ -460,19 +468,21 @@ def test_gpu_half_gelu_input_tracks_fp32_and_recomputes_the_same_bits(backend, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(device.kind() != "cuda", reason="cuBLASLt's epilogues run on NVIDIA GPUs")
-@pytest.mark.parametrize("attention", ["flash", "cublas"])
-def test_gpu_epilogues_track_fp32_like_the_unfused_step(attention, gpu_batches, gpu_reference):
+@pytest.mark.parametrize("attention,gelu_in", [("flash", "f32"), ("flash", "half"), ("cublas", "half")])
+def test_gpu_epilogues_track_fp32_like_the_unfused_step(attention, gelu_in, gpu_batches, gpu_reference):
     """versions epilogue "cublaslt" on the GPU (the qkv bias in the product that writes the flash kernels' half q, k,
-    v; each projection's bias and residual in its product): 10 bf16 steps track the fp32 reference, the first step's
+    v; each projection's bias and residual in its product; with gelu_in "half" GELU's backward and the fc bias
+    gradient in the product that makes dfc): 10 bf16 steps track the fp32 reference, the first step's
     gradients are the unfused step's up to the order of the sums, and selective recompute gives the same bits."""
-    v = {"epilogue": "cublaslt", "attention": attention}
+    v = {"epilogue": "cublaslt", "attention": attention, "gelu_in": gelu_in}
     eng = engine.build(SMALL, "hip", precision="bf16", versions=v)
     losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
     rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
     assert rel.max() < 2e-2, rel
     x, y = gpu_batches[0]
     _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=v), x, y)
-    _, g_plain = grads_of(engine.build(SMALL, "hip", precision="bf16", versions={"attention": attention}), x, y)
+    plain = {"attention": attention, "gelu_in": gelu_in}
+    _, g_plain = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=plain), x, y)
     assert max_rel(g, g_plain) < 1e-2
     _, g_sel = grads_of(engine.build(SMALL, "hip", precision="bf16", policy="selective", versions=v), x, y)
     assert all(np.array_equal(g_sel[k], g[k]) for k in g)

@@ -484,6 +484,32 @@ class GPUEngine(Engine):
         c["ln2_mm"] = self._layernorm(c["x1"], "ln2w", "ln2b", l)[0]
         c["gelu_mm"] = self._gelu_mm(c["fc"], l)
 
+    def _dgelu_linear_backward(self, dout, gelu_mm, pre_half, l, hidden):
+        """The fc projection's backward with the epilogues (versions epilogue "cublaslt", gelu_in "half"): its bias
+        gradient and the half dout in one pass (colsum_convert), its weight gradient, then dfc = (dout @ W.T) *
+        gelu'(pre) in the product, rounded to half, with the fc bias gradient summed in the same epilogue."""
+        from ..runtime.blaslt import matmul_epilogue
+
+        dout_mm = self._mm_empty(dout.shape)
+        self.K.colsum_convert(dout, self.grads["fcprojb"][l], out=dout_mm, half=self._half)
+        self._gemm(gelu_mm, dout_mm, self.grads["fcprojw"][l], trans_a=True)  # dW = gelu.T @ dout
+        dfc_mm = self._mm_empty((dout.shape[0], hidden))
+        args = (dout_mm, self._w("fcprojw", l), dfc_mm, "dgelu_bgrad")
+        kw = dict(bias=self.grads["fcb"][l], aux=pre_half.reshape(dfc_mm.shape), trans_b=True, fmt=self.precision)
+        if self.profiler is not None:
+            self.profiler.wrap(f"gemm+dgelu+bgrad {self.precision} (cuBLASLt)", matmul_epilogue)(*args, **kw)
+        else:
+            matmul_epilogue(*args, **kw)
+        return dfc_mm
+
+    def _linear_backward_of_half(self, dout_mm, inp_mm, name_w, l, in_features):
+        """A layer's backward from its output gradient already in the matmul format (its bias gradient written
+        elsewhere): dW = inp.T @ dout, and dinp = dout @ W.T in float32."""
+        self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)
+        dinp = self.xp.empty((dout_mm.shape[0], in_features), self.xp.float32)
+        self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)
+        return dinp
+
     def _block_backward(self, dx, c, l, B, T):
         """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
 
@@ -495,8 +521,14 @@ class GPUEngine(Engine):
         hs = C // nh
         half = self._half
         # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
-        dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
-        if half is None:
+        if self.ver["epilogue"] == "cublaslt" and c["fc"].dtype == xp.uint16:
+            # GELU's backward and the fc bias gradient inside the product that makes dgelu (DGELU_BGRAD): the half
+            # dfc comes out of the product, with no float32 dgelu and no pass over it
+            dfc_mm = self._dgelu_linear_backward(dx, c["gelu_mm"], c["fc"], l, 4 * C)
+            dln2 = self._linear_backward_of_half(dfc_mm, c["ln2_mm"], "fcw", l, C)
+            del dfc_mm
+        elif half is None:
+            dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
             dfc = xp.empty_like(dgelu)
             self.K.gelu_backward(dgelu.reshape(-1), c["fc"].reshape(-1), dfc.reshape(-1), version=self.ver["gelu"])
             del dgelu
@@ -504,6 +536,7 @@ class GPUEngine(Engine):
             del dfc
         else:  # GELU's backward inside the fc layer's pass over dfc (colsum_convert): no float32 dfc
             # fc kept without its bias (float32), or GELU's input itself as half bits (gelu_in "half")
+            dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
             gelu_in = (c["fc"], None if c["fc"].dtype == xp.uint16 else self.params["fcb"][l])
             dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_in=gelu_in)
             del dgelu
