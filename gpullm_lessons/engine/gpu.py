@@ -67,7 +67,9 @@ class GPUEngine(Engine):
     # accumulation: cuBLAS's TF32 mode on NVIDIA's tensor cores; the simulator rounds the inputs), "off" keeps fp32
     # "epilogue": "cublaslt" (half precision; NVIDIA, or NumPy in the simulator: runtime/blaslt.py) adds the qkv bias
     # inside the qkv product, which writes the half q, k, v the flash kernels read, and each projection's bias and the
-    # residual inside its product (out = x + P + b, float32); "none" runs the products and the passes after them
+    # residual inside its product (out = x + P + b, float32), and with gelu_in "half" the fc projection's backward
+    # makes the half dfc in its product (DGELU_BGRAD, with the fc bias gradient); "none" runs the products and the
+    # passes after them
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
