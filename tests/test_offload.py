@@ -215,7 +215,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
             raise engine.EngineError("no int8 here")
         graph = kw["graphs"] != "off"
         return {"step_ms": 2.0 if graph else 3.0, "peak_bytes": (5 if graph else 4) * 2**30, "reserved_bytes": 0,
-                "model_bytes": 0, "cuda_graph": graph}  # fmt: skip
+                "model_bytes": 0, "cuda_graph": graph, **({"graph_pool_bytes": 3 * 2**30} if graph else {})}  # fmt: skip
 
     monkeypatch.setattr(device, "require_gpu", lambda why: None)
     monkeypatch.setattr(bt, "measure_engine", fake_measure)
@@ -248,6 +248,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
             assert r["peak_bytes"] == 4 * 2**30 and "graph_step_ms" not in r  # eager only
         else:
             assert (r["peak_bytes"], r["step_ms"], r["graph_step_ms"]) == (4 * 2**30, 3.0, 2.0), name
+            assert r["graph_pool_bytes"] == 3 * 2**30 == bt.graph_pool_of(r, "graph_peak_bytes"), name
     assert {c["graphs"] for c in calls} == {"off", "auto"}
     half_calls = [c for c in calls if (c.get("versions") or {}).get("gelu_in") == "half"]
     assert len(half_calls) == 2 * sum(opts.get("gelu_in") == "half" for _, opts in bt.MEMORY_TECHNIQUES)
@@ -291,3 +292,13 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
     assert seen["ce_chunks"] == 8 and seen["versions"] == {"gelu_in": "half"}
     assert bench.main(["train", "--presets", "course", "--precisions", "bf16", "--epilogue", "cublaslt"]) == 0
     assert seen["versions"] == {"epilogue": "cublaslt"}
+
+
+def test_graph_pool_of_reads_the_pool_or_derives_it_for_runs_that_held_the_copy_on_the_gpu():
+    """Rows that report the graph's pool give it back; rows stored before StepGraph kept its capture-time copy on
+    the host (no graph_pool_bytes) held the model twice beside the pool."""
+    from gpullm_lessons.bench import train_step as bt
+
+    assert bt.graph_pool_of({"peak_bytes": 10, "model_bytes": 3, "graph_pool_bytes": 7}) == 7
+    assert bt.graph_pool_of({"peak_bytes": 10, "model_bytes": 3}) == 4
+    assert bt.graph_pool_of({"graph_peak_bytes": 12, "model_bytes": 3}, "graph_peak_bytes") == 6

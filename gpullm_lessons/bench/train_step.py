@@ -205,6 +205,15 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
             **({"graph_pool_bytes": int(graph_bytes)} if graphed else {}), **checked}
 
 
+def graph_pool_of(row, peak_key="peak_bytes") -> int:
+    """The graph's private pool in a stored graph run's row (measure_engine's, or bench memory's with peak_key
+    "graph_peak_bytes"): as the run reported it, or, for runs from before StepGraph kept its capture-time copy of the
+    model and optimizer state on the host (they report no pool), the peak less that copy and the model itself."""
+    if "graph_pool_bytes" in row:
+        return int(row["graph_pool_bytes"])
+    return int(row[peak_key] - 2 * row["model_bytes"])
+
+
 def measure_torch(cfg, B, T, precision="fp32", steps=10, compile=False) -> dict:
     """The same GPT in PyTorch eager: SDPA causal attention, fused AdamW, bf16 autocast for bf16. compile=True: the
     model through torch.compile (the default inductor backend; the optimizer step stays eager and fused), its
@@ -656,6 +665,8 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
                                                graphs="auto", **kw)
             if graph.get("cuda_graph"):
                 row.update(graph_step_ms=graph["step_ms"], graph_peak_bytes=graph["peak_bytes"])
+                if "graph_pool_bytes" in graph:
+                    row["graph_pool_bytes"] = graph["graph_pool_bytes"]
         except EngineError as e:
             row["error"] = str(e)
         rows.append(row)

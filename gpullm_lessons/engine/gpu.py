@@ -314,7 +314,6 @@ class GPUEngine(Engine):
         output and pre + bias[col] GELU's input (pre float32), or pre itself (its half bits, bias None: versions
         gelu_in "half"); the pass applies GELU's backward on the way (the layer's output gradient is
         dout * gelu'(GELU's input))."""
-        xp = self.xp
         if self.half is None:
             if gelu_in is not None:
                 raise EngineError("_linear_backward: gelu_in needs a half precision run (the fused pass writes half)")
@@ -326,8 +325,13 @@ class GPUEngine(Engine):
             self.K.colsum_convert(
                 dout, self.grads[name_b][l], out=dout_mm, half=self._half, gelu_of=pre, gelu_bias=bias
             )
-        shape = (dout.shape[0], in_features)
-        dinp = self._mm_empty(shape) if out_mm else xp.empty(shape, xp.float32)
+        return self._linear_products(dout_mm, inp_mm, name_w, l, in_features, out_mm)
+
+    def _linear_products(self, dout_mm, inp_mm, name_w, l, in_features, out_mm=False):
+        """A layer's two backward products from its output gradient in the matmul format: dinp = dout @ W.T (float32,
+        or out_mm: the matmul format) and grads[name_w][l] = inp.T @ dout. Returns dinp."""
+        shape = (dout_mm.shape[0], in_features)
+        dinp = self._mm_empty(shape) if out_mm else self.xp.empty(shape, self.xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
         self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
         return dinp
@@ -504,14 +508,6 @@ class GPUEngine(Engine):
             matmul_epilogue(*args, **kw)
         return dfc_mm
 
-    def _linear_backward_of_half(self, dout_mm, inp_mm, name_w, l, in_features):
-        """A layer's backward from its output gradient already in the matmul format (its bias gradient written
-        elsewhere): dW = inp.T @ dout, and dinp = dout @ W.T in float32."""
-        self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)
-        dinp = self.xp.empty((dout_mm.shape[0], in_features), self.xp.float32)
-        self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)
-        return dinp
-
     def _block_backward(self, dx, c, l, B, T):
         """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
 
@@ -527,7 +523,7 @@ class GPUEngine(Engine):
             # GELU's backward and the fc bias gradient inside the product that makes dgelu (DGELU_BGRAD): the half
             # dfc comes out of the product, with no float32 dgelu and no pass over it
             dfc_mm = self._dgelu_linear_backward(dx, c["gelu_mm"], c["fc"], l, 4 * C)
-            dln2 = self._linear_backward_of_half(dfc_mm, c["ln2_mm"], "fcw", l, C)
+            dln2 = self._linear_products(dfc_mm, c["ln2_mm"], "fcw", l, C)  # its bias gradient came with dfc
             del dfc_mm
         elif half is None:
             dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)

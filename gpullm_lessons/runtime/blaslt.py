@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blas import _store_half, _to_f32
+from ..reference.gelu import gelu_backward, gelu_forward
+from .blas import _is_cupy, _store_half, _to_f32
 
 EPILOGUES = ("bias", "gelu_aux_bias", "dgelu_bgrad", "bgrad_b")
 FORMATS = ("bf16", "fp16")
@@ -38,10 +39,6 @@ _AUX = ("gelu_aux_bias", "dgelu_bgrad")  # aux written / read
 
 class EpilogueError(ValueError):
     """A matmul_epilogue call whose arguments do not fit (the message names the argument and what it needs)."""
-
-
-def _is_cupy(x) -> bool:
-    return type(x).__module__.startswith("cupy")
 
 
 def _half_dtypes(fmt):
@@ -104,17 +101,6 @@ def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     return M, N, K
 
 
-def _gelu_parts(x):
-    """(gelu(x), gelu'(x)) in float32, the tanh approximation of reference/gelu.py."""
-    from ..reference.gelu import GELU_CUBE, GELU_SCALE
-
-    t = np.tanh(np.float32(GELU_SCALE) * (x + np.float32(GELU_CUBE) * x * x * x))
-    dudx = np.float32(GELU_SCALE) * (np.float32(1) + np.float32(3 * GELU_CUBE) * x * x)
-    return np.float32(0.5) * x * (np.float32(1) + t), np.float32(0.5) * (1 + t) + np.float32(0.5) * x * (
-        1 - t * t
-    ) * dudx
-
-
 def _store(x, dst, fmt):
     if str(dst.dtype) == "float32":
         dst[...] = x
@@ -131,9 +117,9 @@ def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     elif epilogue == "gelu_aux_bias":
         pre = p + bias
         _store(pre, aux, fmt)
-        _store(_gelu_parts(pre)[0], out, fmt)
+        _store(gelu_forward(pre)[0], out, fmt)  # the reference's GELU, in float32 (pre is float32)
     elif epilogue == "dgelu_bgrad":
-        g = p * _gelu_parts(_to_f32(aux, fmt, np))[1]
+        g = gelu_backward(p, {"inp": _to_f32(aux, fmt, np)})  # p * gelu'(aux), float32
         _store(g, out, fmt)
         bias[...] = g.sum(axis=0, dtype=np.float32)
     else:  # bgrad_b
