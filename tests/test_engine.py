@@ -206,6 +206,23 @@ def test_engine_memory_counts_a_half_gelu_input():
     assert sel["activations"] < engine.engine_memory(cfg, B, T, "fp16", "selective")["activations"]
 
 
+def test_engine_memory_counts_the_epilogue_products():
+    """versions epilogue "cublaslt" with gelu_in "half": the fc projection's backward makes the half dfc in its
+    product, so the block backward's largest stage loses the float32 dgelu beside the half dfc: 2 bytes an element of
+    (B*T, C) less at the backward's peak here, where a block's backward is the largest working set (small vocabulary).
+    The kept activations do not change; without the half GELU input the backward is the unfused one."""
+    cfg, B, T = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128), 8, 64
+    NC = B * T * cfg.d_model
+    plain = engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_gelu_in=True)
+    epi = engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_gelu_in=True, epilogue=True)
+    assert plain["working_set"] - epi["working_set"] == 2 * NC
+    assert epi["activations"] == plain["activations"] and epi["total"] == plain["total"] - 2 * NC
+    f32_in = engine.engine_memory(cfg, B, T, "fp16", attention="cublas")
+    assert engine.engine_memory(cfg, B, T, "fp16", attention="cublas", epilogue=True) == f32_in
+    with pytest.raises(ValueError, match="epilogue.*fp32"):
+        engine.engine_memory(cfg, B, T, "fp32", epilogue=True)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_half_gelu_input_keeps_half_bits_and_the_gradients_close(toy_reference, precision):
     """versions gelu_in "half": the cache holds fc as half bits (uint16); the gradients stay within the half run's
@@ -496,6 +513,19 @@ def test_gpu_engine_memory_of_a_half_gelu_input_within_10_percent_of_the_pool_pe
     r = measure_engine(cfg, 32, 256, "bf16", policy, steps=2, versions={"gelu_in": "half"})
     predicted = engine.engine_memory(cfg, 32, 256, "bf16", policy, half_gelu_in=True)["total"]
     assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
+
+
+@pytest.mark.gpu
+def test_gpu_engine_memory_of_the_epilogue_step_within_10_percent_of_the_pool_peak():
+    from gpullm_lessons import device as dev
+    from gpullm_lessons.bench.train_step import measure_engine
+    if dev.kind() != "cuda":
+        pytest.skip("the epilogue products call NVIDIA's cuBLASLt")
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
+    v = {"gelu_in": "half", "epilogue": "cublaslt", "attention": "flash"}
+    r = measure_engine(cfg, 32, 256, "bf16", "none", steps=2, versions=v)
+    predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True, epilogue=True)
+    assert abs(predicted["total"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted["total"], r["peak_bytes"])
 
 
 @pytest.mark.gpu

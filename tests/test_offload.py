@@ -236,12 +236,14 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     for name, opts in bt.MEMORY_TECHNIQUES:
         r = rows[name]
         kw = {"policy": "none", "ce_chunks": 1, "optimizer_state": "fp32", "offload_optimizer": False, **opts}
-        gelu_half = kw.pop("gelu_in", "f32") == "half"  # an engine version: the model's half_gelu_in
+        gelu_half = kw.pop("gelu_in", "f32") == "half"  # engine versions: the model's half_gelu_in and epilogue
+        epi = kw.pop("epilogue", "none") == "cublaslt"
         want = engine.engine_memory(
-            cfg, B, cfg.block_size, "bf16", attention=result["attention"], half_gelu_in=gelu_half, **kw
+            cfg, B, cfg.block_size, "bf16", attention=result["attention"], half_gelu_in=gelu_half, epilogue=epi, **kw
         )["total"]
         assert r["predicted_bytes"] == want, name
         assert r.get("gelu_in", "f32") == ("half" if gelu_half else "f32"), name
+        assert r.get("epilogue", "none") == ("cublaslt" if epi else "none"), name
         if kw["optimizer_state"] == "int8":
             assert r["error"] == "no int8 here"
         elif kw["offload_optimizer"]:
@@ -252,8 +254,15 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     assert {c["graphs"] for c in calls} == {"off", "auto"}
     half_calls = [c for c in calls if (c.get("versions") or {}).get("gelu_in") == "half"]
     assert len(half_calls) == 2 * sum(opts.get("gelu_in") == "half" for _, opts in bt.MEMORY_TECHNIQUES)
+    epi_calls = [c for c in calls if (c.get("versions") or {}).get("epilogue") == "cublaslt"]
+    assert len(epi_calls) == 2 * sum(opts.get("epilogue") == "cublaslt" for _, opts in bt.MEMORY_TECHNIQUES) > 0
     text = bt.format_memory(result)
     assert all(name in text for name in rows) and "no int8 here" in text
+    # fp32: the epilogue technique is refused in its row (half precision only), the others are measured
+    f32 = {r["technique"]: r for r in bt.bench_memory("course", "fp32", steps=2)["rows"]}
+    epi_rows = [name for name, opts in bt.MEMORY_TECHNIQUES if "epilogue" in opts]
+    assert all("half-precision" in f32[name]["error"] for name in epi_rows)
+    assert "error" not in f32["plain"]
 
 
 # ---- bench train's engine options (lesson 14) ------------------------------------------------------------------------

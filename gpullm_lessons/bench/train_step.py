@@ -632,6 +632,7 @@ MEMORY_TECHNIQUES = (
     ("all but offload", {"ce_chunks": 16, "optimizer_state": "int8", "policy": "sqrt"}),
     ("GELU input half", {"gelu_in": "half"}),
     ("ce_chunks 8, GELU half", {"ce_chunks": 8, "gelu_in": "half"}),
+    ("… and epilogues", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt"}),
 )
 
 
@@ -653,12 +654,20 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
         kw = {"policy": opts.get("policy", "none"), "ce_chunks": opts.get("ce_chunks", 1),
               "optimizer_state": opts.get("optimizer_state", "fp32"),
               "offload_optimizer": opts.get("offload_optimizer", False)}
-        gelu_in = opts.get("gelu_in", "f32")  # an engine version, not a build() option
-        pred = engine_memory(cfg, B, T, precision, attention=att, half_gelu_in=gelu_in == "half", **kw)
+        # engine versions, not build() options: the GELU input's format and the products' epilogues
+        gelu_in, epilogue = opts.get("gelu_in", "f32"), opts.get("epilogue", "none")
+        try:
+            pred = engine_memory(cfg, B, T, precision, attention=att, half_gelu_in=gelu_in == "half",
+                                 epilogue=epilogue == "cublaslt", **kw)
+        except ValueError as e:  # a technique this precision does not have (the epilogues in fp32)
+            rows.append({"technique": name, **kw, "predicted_bytes": 0, "error": str(e)})
+            continue
         row = {"technique": name, **kw, "predicted_bytes": int(pred["total"]), "host_bytes": int(pred.get("host", 0))}
-        if gelu_in != "f32":
-            row["gelu_in"] = gelu_in
-        ver = {**(versions or {}), "gelu_in": gelu_in} if gelu_in != "f32" else versions
+        ver = dict(versions or {})
+        for key, value, default in (("gelu_in", gelu_in, "f32"), ("epilogue", epilogue, "none")):
+            if value != default:
+                row[key] = ver[key] = value
+        ver = ver or None
         try:
             _measured_or_out_of_memory(row, cfg, B, T, precision, steps=steps, versions=ver, graphs="off", **kw)
             graph = _measured_or_out_of_memory({}, cfg, B, T, precision, steps=steps, versions=ver,

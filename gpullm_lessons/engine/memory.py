@@ -19,6 +19,7 @@ def engine_memory(
     optimizer_state="fp32",
     offload_optimizer=False,
     half_gelu_in=False,
+    epilogue=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -37,6 +38,9 @@ def engine_memory(
     precision at the head sizes flash.cu is compiled for, else cublas).
     half_gelu_in: the engine's versions["gelu_in"] == "half" (GELU's input kept as half bits, 2 bytes an element
     instead of 4; only in half precision; the float32 product is then a temporary of the forward).
+    epilogue: the engine's versions["epilogue"] == "cublaslt" (half precision only): with flash attention the qkv
+    product writes the half q, k, v itself (no float32 qkv temporary in the forward); with half_gelu_in the fc
+    projection's backward makes the half dfc in its product (no float32 dgelu in the backward).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -52,6 +56,8 @@ def engine_memory(
         raise ValueError(f"engine_memory: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"engine_memory: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    if epilogue and precision == "fp32":
+        raise ValueError("engine_memory: epilogue=True describes the half-precision epilogue products; precision is fp32")
     policy, k = parse_policy(policy, cfg.n_layer, "engine_memory")  # "sqrt:K" -> ("sqrt", K)
     if attention == "auto":  # the hip engine's default: flash where its kernels run, else the cuBLAS path
         from .gpu import flash_unsupported
@@ -94,7 +100,8 @@ def engine_memory(
     # return)
     ts = e if (half and half_scores) else f  # bytes of a score / its gradient
     # (half_gelu_in: the float32 fc product beside its half copy, until bias_gelu_forward has read it)
-    temps = max(3 * NC * f, 0 if flash else TT * ts * half, NC * f, 4 * NC * f if g != f else 0)
+    qkv_temp = 0 if (epilogue and flash) else 3 * NC * f  # the float32 qkv before split_heads
+    temps = max(qkv_temp, 0 if flash else TT * ts * half, NC * f, 4 * NC * f if g != f else 0)
     fwd_block = temps
     if policy == "selective":
         fwd_block += rebuilt
@@ -109,12 +116,19 @@ def engine_memory(
         head = NC * e + ce_rows * V * (f + (10 if precision == "fp16" else dl)) + N * f + N * 4
         head_bytes = head + NC * f  # and dlnf, filled chunk by chunk
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
-    stages = [
-        NC * h + 4 * NC * f,  # fcproj: dx_mm, dgelu
-        4 * NC * f + (4 * NC * h if half else 4 * NC * f),  # dgelu, dfc (half runs: only dfc_mm, GELU fused)
-        4 * NC * f + 4 * NC * h + NC * f,  # fc: dfc, dfc_mm, dln2
-        2 * NC * f,  # dln2, dx1
-    ]
+    if epilogue and g != f:  # the half dfc out of the fc projection's product (DGELU_BGRAD)
+        stages = [
+            NC * h + 4 * NC * h,  # fcproj: dx_mm, dfc_mm
+            4 * NC * h + NC * f,  # fc: dfc_mm, dln2
+            2 * NC * f,  # dln2, dx1
+        ]
+    else:
+        stages = [
+            NC * h + 4 * NC * f,  # fcproj: dx_mm, dgelu
+            4 * NC * f + (4 * NC * h if half else 4 * NC * f),  # dgelu, dfc (half runs: only dfc_mm, GELU fused)
+            4 * NC * f + 4 * NC * h + NC * f,  # fc: dfc, dfc_mm, dln2
+            2 * NC * f,  # dln2, dx1
+        ]
     if flash:  # the projection's product writes dy in the matmul format; the kernels write dqkv directly
         stages += [
             NC * f + NC * h + NC * e,  # attproj: dx1, dx1_mm, dy
