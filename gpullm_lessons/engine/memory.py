@@ -57,7 +57,9 @@ def engine_memory(
     if not isinstance(cfg, GPTConfig):
         raise TypeError(f"engine_memory: cfg must be a GPTConfig, got {type(cfg).__name__}")
     if epilogue and precision == "fp32":
-        raise ValueError("engine_memory: epilogue=True describes the half-precision epilogue products; precision is fp32")
+        raise ValueError(
+            "engine_memory: epilogue=True describes the half-precision epilogue products; precision is fp32"
+        )
     policy, k = parse_policy(policy, cfg.n_layer, "engine_memory")  # "sqrt:K" -> ("sqrt", K)
     if attention == "auto":  # the hip engine's default: flash where its kernels run, else the cuBLAS path
         from .gpu import flash_unsupported
