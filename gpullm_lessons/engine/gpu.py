@@ -289,11 +289,13 @@ class GPUEngine(Engine):
 
     def _matmul_bias(self, inp_mm, name_w, name_b, l, out, res=None):
         """out = inp @ W + b (+ res), the bias (and the residual) added in the product's epilogue (versions
-        epilogue "cublaslt"): out in the matmul format (no res) or float32 (res, float32)."""
+        epilogue "cublaslt"): out in the matmul format (no res; the bias read from the half copy of the weights,
+        cuBLASLt's bias having out's type) or float32 (res, float32; the float32 bias)."""
         from ..runtime.blaslt import matmul_epilogue
 
         a, w = inp_mm.reshape(-1, inp_mm.shape[-1]), self._w(name_w, l)
-        args = dict(bias=self.params[name_b][l], c=None if res is None else res.reshape(out.shape), fmt=self.precision)
+        bias = self.params[name_b][l] if res is not None else self._w(name_b, l)
+        args = dict(bias=bias, c=None if res is None else res.reshape(out.shape), fmt=self.precision)
         if self.profiler is not None:
             what = "gemm+bias+residual" if res is not None else "gemm+bias"
             return self.profiler.wrap(f"{what} {self.precision} (cuBLASLt)", matmul_epilogue)(a, w, out, "bias", **args)
@@ -493,19 +495,23 @@ class GPUEngine(Engine):
     def _dgelu_linear_backward(self, dout, gelu_mm, pre_half, l, hidden):
         """The fc projection's backward with the epilogues (versions epilogue "cublaslt", gelu_in "half"): its bias
         gradient and the half dout in one pass (colsum_convert), its weight gradient, then dfc = (dout @ W.T) *
-        gelu'(pre) in the product, rounded to half, with the fc bias gradient summed in the same epilogue."""
+        gelu'(pre) in the product, rounded to half, with the fc bias gradient summed in the same epilogue (in half:
+        cuBLASLt writes it in out's type, as PyTorch's autocast does; widened into the float32 gradient here)."""
+        from ..runtime.blas import _to_f32
         from ..runtime.blaslt import matmul_epilogue
 
         dout_mm = self._mm_empty(dout.shape)
         self.K.colsum_convert(dout, self.grads["fcprojb"][l], out=dout_mm, half=self._half)
         self._gemm(gelu_mm, dout_mm, self.grads["fcprojw"][l], trans_a=True)  # dW = gelu.T @ dout
         dfc_mm = self._mm_empty((dout.shape[0], hidden))
+        dfcb = self.xp.empty(hidden, self.xp.uint16)  # the fc bias gradient in half, as cuBLASLt writes it
         args = (dout_mm, self._w("fcprojw", l), dfc_mm, "dgelu_bgrad")
-        kw = dict(bias=self.grads["fcb"][l], aux=pre_half.reshape(dfc_mm.shape), trans_b=True, fmt=self.precision)
+        kw = dict(bias=dfcb, aux=pre_half.reshape(dfc_mm.shape), trans_b=True, fmt=self.precision)
         if self.profiler is not None:
             self.profiler.wrap(f"gemm+dgelu+bgrad {self.precision} (cuBLASLt)", matmul_epilogue)(*args, **kw)
         else:
             matmul_epilogue(*args, **kw)
+        self.grads["fcb"][l][...] = _to_f32(dfcb, self.precision, self.xp)
         return dfc_mm
 
     def _block_backward(self, dx, c, l, B, T):

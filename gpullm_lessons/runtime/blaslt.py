@@ -7,13 +7,17 @@ float16 or its uint16 bits) multiplied with float32 accumulation; then, before t
 
     "bias"           out = P + bias[col] (+ c)                             bias (N,) read; c: a float32 (M, N)
                                                                            added too (the residual), out float32
-    "gelu_aux_bias"  aux = P + bias[col]; out = gelu(P + bias[col])        bias read, aux (M, N) written (half)
-    "dgelu_bgrad"    g = P * gelu'(aux); out = g; bias[col] = sum_rows g   aux read, bias written (float32)
-    "bgrad_b"        out = P; bias[col] = sum_k op(b)[k, col]              bias written (the weight gradient's
-                                                                           product: a = inp (trans_a), b = dout)
+    "gelu_aux_bias"  aux = P + bias[col]; out = gelu(P + bias[col])        bias read, aux (M, N) written; out half
+    "dgelu_bgrad"    g = P * gelu'(aux); out = g; bias[col] = sum_rows g   aux read, bias written; out half
+    "bgrad_b"        out = P; bias[col] = sum_k b[k, col]                  bias written (the weight gradient's
+                                                                           product: a = inp (trans_a), b = dout,
+                                                                           not transposed)
 
-out is float32 or the half format (the value rounded to nearest even on the way out); bias float32; aux half, of
-out's shape. GELU is the tanh approximation (reference/gelu.py). These are cuBLASLt's epilogues BIAS, GELU_AUX_BIAS,
+out is float32 or the half format (the value rounded to nearest even on the way out). The bias, read or written, has
+out's format: cuBLASLt (13.1, measured on an H100) accepts no other bias type, so a half product reads a half bias
+(the rounded copy of the float32 one, as PyTorch's autocast does) and writes its bias gradient rounded to half (the
+caller widens it). aux is half, of out's shape, and so is out where there is an aux (cuBLASLt keeps aux in out's
+type). GELU is the tanh approximation (reference/gelu.py). These are cuBLASLt's epilogues BIAS, GELU_AUX_BIAS,
 DGELU_BGRAD and BGRADA (cuBLASLt is column-major: the row-major out (M, N) is its (N, M) matrix D = op(b)' op(a'), so
 b is its first operand A and a bias gradient over b is BGRADA). hipBLASLt (AMD) has the same epilogues; this module
 does not call it: on AMD the engine keeps gemm (runtime/blas.py) and the course's own bias and GELU kernels.
@@ -70,20 +74,6 @@ def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
             f"matmul_epilogue: shapes do not chain: op(a) {(M, K)}, op(b) {(K2, N)}, out "
             f"{tuple(out.shape)} (need out ({M}, {N}))"
         )
-    if bias is None or tuple(bias.shape) != (N,) or str(bias.dtype) != "float32":
-        what = "None" if bias is None else f"{bias.dtype} {tuple(bias.shape)}"
-        role = "the bias" if epilogue in _READS_BIAS else "where the bias gradient goes"
-        raise EpilogueError(f"matmul_epilogue: {epilogue} needs bias, {role}: float32 of shape ({N},), got {what}")
-    if epilogue in _AUX:
-        if aux is None or tuple(aux.shape) != (M, N) or str(aux.dtype) not in _half_dtypes(fmt):
-            what = "None" if aux is None else f"{aux.dtype} {tuple(aux.shape)}"
-            raise EpilogueError(
-                f"matmul_epilogue: {epilogue} needs aux, GELU's input in {fmt} of out's shape ({M}, {N}), got {what}"
-            )
-        if not aux.flags.c_contiguous:
-            raise EpilogueError("matmul_epilogue: aux must be C-contiguous (row-major)")
-    elif aux is not None:
-        raise EpilogueError(f"matmul_epilogue: {epilogue} takes no aux")
     if c is not None:
         if epilogue != "bias" or str(out.dtype) != "float32":
             raise EpilogueError(
@@ -95,6 +85,36 @@ def check(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
                 f"matmul_epilogue: c must be float32 of out's shape ({M}, {N}), C-contiguous, got "
                 f"{c.dtype} {tuple(c.shape)}"
             )
+    half_out = str(out.dtype) != "float32"
+    if epilogue in _AUX and not half_out:
+        raise EpilogueError(
+            f"matmul_epilogue: {epilogue} writes out in the {fmt} format (cuBLASLt keeps aux in out's type), "
+            "got a float32 out"
+        )
+    if epilogue == "bgrad_b" and trans_b:
+        raise EpilogueError(
+            "matmul_epilogue: bgrad_b sums the rows of b as stored (cuBLASLt's BGRADA takes its A untransposed): "
+            "trans_b must be False"
+        )
+    bias_types = _half_dtypes(fmt) if half_out else ("float32",)
+    if bias is None or tuple(bias.shape) != (N,) or str(bias.dtype) not in bias_types:
+        what = "None" if bias is None else f"{bias.dtype} {tuple(bias.shape)}"
+        role = "the bias" if epilogue in _READS_BIAS else "where the bias gradient goes"
+        kind = f"the {fmt} format, out's" if half_out else "float32, out's format"
+        raise EpilogueError(
+            f"matmul_epilogue: {epilogue} needs bias, {role}: {kind} ({' or '.join(bias_types)}) of shape ({N},), "
+            f"got {what}"
+        )
+    if epilogue in _AUX:
+        if aux is None or tuple(aux.shape) != (M, N) or str(aux.dtype) not in _half_dtypes(fmt):
+            what = "None" if aux is None else f"{aux.dtype} {tuple(aux.shape)}"
+            raise EpilogueError(
+                f"matmul_epilogue: {epilogue} needs aux, GELU's input in {fmt} of out's shape ({M}, {N}), got {what}"
+            )
+        if not aux.flags.c_contiguous:
+            raise EpilogueError("matmul_epilogue: aux must be C-contiguous (row-major)")
+    elif aux is not None:
+        raise EpilogueError(f"matmul_epilogue: {epilogue} takes no aux")
     arrays = (a, b, out, bias) + tuple(x for x in (aux, c) if x is not None)
     if len({_is_cupy(x) for x in arrays}) != 1:
         raise EpilogueError("matmul_epilogue: a, b, out, bias (and aux) must all be NumPy arrays or all CuPy arrays")
@@ -112,19 +132,22 @@ def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     af, bf = _to_f32(a, fmt, np), _to_f32(b, fmt, np)
     af, bf = (af.T if trans_a else af), (bf.T if trans_b else bf)
     p = (af @ bf).astype(np.float32)
+    half_bias = str(bias.dtype) != "float32"  # out's format (check)
+    if epilogue in _READS_BIAS:
+        bias_f = _to_f32(bias, fmt, np) if half_bias else bias
     if epilogue == "bias":
-        _store(p + bias if c is None else p + c + bias, out, fmt)
+        _store(p + bias_f if c is None else p + c + bias_f, out, fmt)
     elif epilogue == "gelu_aux_bias":
-        pre = p + bias
+        pre = p + bias_f
         _store(pre, aux, fmt)
         _store(gelu_forward(pre)[0], out, fmt)  # the reference's GELU, in float32 (pre is float32)
     elif epilogue == "dgelu_bgrad":
         g = gelu_backward(p, {"inp": _to_f32(aux, fmt, np)})  # p * gelu'(aux), float32
         _store(g, out, fmt)
-        bias[...] = g.sum(axis=0, dtype=np.float32)
+        _store(g.sum(axis=0, dtype=np.float32), bias, fmt)
     else:  # bgrad_b
         _store(p, out, fmt)
-        bias[...] = bf.sum(axis=0, dtype=np.float32)
+        _store(bf.sum(axis=0, dtype=np.float32), bias, fmt)
     return out
 
 
@@ -207,7 +230,7 @@ def _cublaslt(a, b, out, epilogue, bias, aux, c, trans_a, trans_b, fmt, M, N, K)
             "bgrad_b": lt.Epilogue.BGRADA,
         }[epilogue]
         _set(lt, desc, A.EPILOGUE, int(code))
-        _set(lt, desc, A.BIAS_DATA_TYPE, _R32F)
+        _set(lt, desc, A.BIAS_DATA_TYPE, _dtype_code(out, fmt))  # out's type: cuBLASLt takes no other
         if epilogue in _AUX:
             _set(lt, desc, A.EPILOGUE_AUX_LD, N)
             _set(lt, desc, A.EPILOGUE_AUX_DATA_TYPE, _R16BF if fmt == "bf16" else _R16F)
