@@ -49,11 +49,12 @@ def expected(epilogue, p, bias, aux, opb):
     return p, None, opb.sum(0)
 
 
-def half_close(got_bits, want, what):
-    """Each half result within one bf16 rounding (2^-8 relative) of the float64 value, plus the float32 sum's slack."""
+def half_close(got_bits, want, what, roundings=1):
+    """Each half result within `roundings` bf16 roundings (2^-8 relative each) of the float64 value, plus the float32
+    sum's slack."""
     got = wide(got_bits)
     err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
-    assert err.max() <= 2.0**-8 + 1e-5, (what, float(err.max()))
+    assert err.max() <= roundings * 2.0**-8 + 1e-5, (what, float(err.max()))
 
 
 def bias_grad_close(got_bits, want, what):
@@ -213,7 +214,9 @@ def test_gpu_cublaslt_epilogues_match_the_reference(epilogue, M, K, N, trans_a, 
         a, b, bias, aux, p, opb = case(M, K, N, trans_a, trans_b, seed=seed)
         out, gb, gx = _gpu_run(epilogue, a, b, bias, aux, trans_a, trans_b, offset)
         want, want_aux, want_bias = expected(epilogue, p, wide(bits(bias)), aux, opb)
-        half_close(out, want, ("out", seed))
+        # cuBLASLt's DGELU comes out within two bf16 roundings of the float64 value (measured on an H100: up to
+        # 0.0076 relative; one rounding is 0.0039), as if the product were rounded to bf16 before gelu' multiplies it
+        half_close(out, want, ("out", seed), roundings=2 if epilogue == "dgelu_bgrad" else 1)
         if want_aux is not None:
             half_close(gx, want_aux, ("aux", seed))
         if want_bias is not None:
@@ -224,6 +227,9 @@ def test_gpu_cublaslt_epilogues_match_the_reference(epilogue, M, K, N, trans_a, 
             wrong = p if epilogue == "bias" else gelu_forward(p)[0]
             with pytest.raises(AssertionError):
                 half_close(out, wrong, "planted")
+        if epilogue == "dgelu_bgrad":  # gelu' at the product instead of at aux: caught at two roundings too
+            with pytest.raises(AssertionError):
+                half_close(out, gelu_backward(p, {"inp": p}), "planted", roundings=2)
         if epilogue == "bgrad_b":  # the sum stopped one row of op(b) short
             with pytest.raises(AssertionError):
                 bias_grad_close(gb, opb[:-1].sum(0), "planted")
