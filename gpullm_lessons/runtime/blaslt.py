@@ -8,7 +8,8 @@ float16 or its uint16 bits) multiplied with float32 accumulation; then, before t
     "bias"           out = P + bias[col] (+ c)                             bias (N,) read; c: a float32 (M, N)
                                                                            added too (the residual), out float32
     "gelu_aux_bias"  aux = P + bias[col]; out = gelu(P + bias[col])        bias read, aux (M, N) written; out half
-    "dgelu_bgrad"    g = P * gelu'(aux); out = g; bias[col] = sum_rows g   aux read, bias written; out half
+    "dgelu_bgrad"    g = P * gelu'(aux); out = g; bias[col] = sum_rows out aux read, bias written; out half
+                                                                           (the sum of the rounded g written)
     "bgrad_b"        out = P; bias[col] = sum_k b[k, col]                  bias written (the weight gradient's
                                                                            product: a = inp (trans_a), b = dout,
                                                                            not transposed)
@@ -144,7 +145,8 @@ def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     elif epilogue == "dgelu_bgrad":
         g = gelu_backward(p, {"inp": _to_f32(aux, fmt, np)})  # p * gelu'(aux), float32
         _store(g, out, fmt)
-        _store(g.sum(axis=0, dtype=np.float32), bias, fmt)
+        written = _to_f32(out, fmt, np) if str(out.dtype) != "float32" else out  # cuBLASLt sums what it writes
+        _store(written.sum(axis=0, dtype=np.float32), bias, fmt)
     else:  # bgrad_b
         _store(p, out, fmt)
         _store(bf.sum(axis=0, dtype=np.float32), bias, fmt)
