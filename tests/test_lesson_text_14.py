@@ -92,3 +92,23 @@ def test_what_torch_compile_does(ns):
     assert len(ns["bias_epilogue"]) > 0 and "the `bias` in their names" in TEXT
     top = ns["saved"]["kinds"][0]
     assert top["dtype"] == "float32" and top["shape"][-1] == 50304           # "the largest item is the logits"
+
+
+def test_the_epilogue_step_claims(ns):
+    """Section 5: the same time with and without the epilogues (within 0.1 ms, about 1.2x torch.compile's), the
+    graph's pool about a fifth of a GiB smaller, the eager peak the same to the byte, and the graph step (model and
+    pool) below torch.compile's peak in the same run."""
+    from gpullm_lessons.bench.train_step import graph_pool_of
+
+    GiB = 2**30
+    rows = {name: {r["who"]: r for r in run["rows"]} for name, run in ns["runs"].items()}
+    plain, epi = rows["no epilogues"], rows["epilogues"]
+    assert abs(epi["ours+graph"]["step_ms"] - plain["ours+graph"]["step_ms"]) < 0.1
+    assert 1.15 < epi["ours+graph"]["step_ms"] / epi["torch.compile"]["step_ms"] < 1.25
+    assert "within a tenth of a millisecond, still about 1.2 times torch.compile's" in TEXT
+    drop = graph_pool_of(plain["ours+graph"]) - graph_pool_of(epi["ours+graph"])
+    assert 0.15 * GiB < drop < 0.25 * GiB and "about a fifth of a GiB smaller" in TEXT
+    assert epi["ours"]["peak_bytes"] == plain["ours"]["peak_bytes"] and "at the same byte" in TEXT
+    g = epi["ours+graph"]
+    assert g["model_bytes"] + graph_pool_of(g) < epi["torch.compile"]["peak_bytes"]
+    assert all(r["ours+graph"]["validation"]["ok"] for r in rows.values())
