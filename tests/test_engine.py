@@ -885,3 +885,29 @@ def test_gpu_time_profile_records_each_distinct_call_with_its_count():
     assert abs(r["total_ms"] - timed_calls * 1e-3) < 1e-9
     text = bt.format_gpu_time(r)
     assert "not capturable, not timed: " + untimed[0]["op"] in text
+
+
+def test_gpu_time_profile_lists_the_epilogue_products():
+    """bench gputime --epilogue cublaslt: the products with an epilogue are ops of the profile ("gemm+bias" twice a
+    layer, "gemm+dgelu_bgrad" once with the half GELU input), in the matrix-product group, replayed by the timer;
+    no bias_add runs; the loss head's chunks reach the engine and the result says so; the recorder is taken off."""
+    from gpullm_lessons.bench import train_step as bt
+    from gpullm_lessons.runtime import blaslt
+
+    real, replayed = blaslt.matmul_epilogue, []
+
+    def timer(fn):
+        fn()
+        replayed.append(1)
+        return 1e-6
+
+    v = {"epilogue": "cublaslt", "gelu_in": "half"}
+    r = bt.gpu_time_profile("toy", "bf16", backend="numba", cfg=TOY, B=2, T=8, timer=timer, warmup=False,
+                            versions=v, ce_chunks=2)
+    calls = {}
+    for row in r["rows"]:
+        calls[row["op"]] = calls.get(row["op"], 0) + row["calls"]
+    assert calls["gemm+bias"] == 2 * TOY.n_layer and calls["gemm+dgelu_bgrad"] == TOY.n_layer
+    assert "bias_add" not in calls and bt.gpu_time_group("gemm+dgelu_bgrad") == "matrix products"
+    assert len(replayed) == len(r["rows"]) and r["ce_chunks"] == 2 and r["versions"]["epilogue"] == "cublaslt"
+    assert blaslt.matmul_epilogue is real

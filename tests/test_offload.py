@@ -301,6 +301,17 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
     assert seen["ce_chunks"] == 8 and seen["versions"] == {"gelu_in": "half"}
     assert bench.main(["train", "--presets", "course", "--precisions", "bf16", "--epilogue", "cublaslt"]) == 0
     assert seen["versions"] == {"epilogue": "cublaslt"}
+    # the profiles of the step take the same options: gputime and timeline
+    from gpullm_lessons.bench import profiling
+
+    for what, fn, fmt, mod in (("gputime", "gpu_time_profile", "format_gpu_time", bt),
+                               ("timeline", "step_timeline", "format_timeline", profiling)):
+        got = {}
+        monkeypatch.setattr(bt, fn, lambda *a, got=got, **kw: got.update(kw) or {"rows": []})
+        monkeypatch.setattr(mod, fmt, lambda r: "")
+        argv = [what, "--presets", "gpt2", "--epilogue", "cublaslt", "--gelu-in", "half", "--ce-chunks", "8"]
+        assert bench.main(argv) == 0, what
+        assert got["ce_chunks"] == 8 and got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half"}, what
 
 
 def test_graph_pool_of_reads_the_pool_or_derives_it_for_runs_that_held_the_copy_on_the_gpu():

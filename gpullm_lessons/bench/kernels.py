@@ -818,21 +818,23 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", help="comma-separated ops for `kernels` (default: all)")
     ap.add_argument("--small", action="store_true", help="smaller shapes (a quick look)")
     ap.add_argument("--scores", choices=("f32", "half"), default=None,
-                    help="`train` / `gputime`: the engine's attention-score format in half precision (default half)")
+                    help="`train` / `gputime` / `timeline`: the engine's attention-score format in half precision "
+                         "(default half)")
     ap.add_argument("--attention", choices=("flash", "cublas"), default=None,
-                    help="`train` / `gputime`: the engine's attention path in half precision (default flash where it "
-                         "runs)")
+                    help="`train` / `gputime` / `timeline`: the engine's attention path in half precision (default "
+                         "flash where it runs)")
     ap.add_argument("--flash-version", choices=("v4", "v5", "v6"), default=None,
-                    help="`train` / `gputime`: the version of the flash kernels the engine's flash path runs "
-                         "(default v6)")
+                    help="`train` / `gputime` / `timeline`: the version of the flash kernels the engine's flash path "
+                         "runs (default v6)")
     ap.add_argument("--gelu-in", choices=("f32", "half"), default=None,
-                    help="`train` / `gputime`: the format the engine keeps GELU's input in, in half precision "
-                         "(default f32)")
+                    help="`train` / `gputime` / `timeline`: the format the engine keeps GELU's input in, in half "
+                         "precision (default f32)")
     ap.add_argument("--epilogue", choices=("none", "cublaslt"), default=None,
-                    help="`train` / `gputime`: the engine's bias and residual adds inside cuBLASLt's products "
-                         "(NVIDIA, half precision; default none)")
+                    help="`train` / `gputime` / `timeline`: the engine's bias and residual adds inside cuBLASLt's "
+                         "products (NVIDIA, half precision; default none)")
     ap.add_argument("--ce-chunks", type=int, default=1,
-                    help="`train`: our engine's loss head in that many chunks of rows (default 1)")
+                    help="`train` / `gputime` / `timeline`: our engine's loss head in that many chunks of rows "
+                         "(default 1)")
     ap.add_argument("--compile", action="store_true", help="`train`: also PyTorch through torch.compile")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
@@ -874,15 +876,11 @@ def main(argv=None) -> int:
         elif args.what in ("train", "checkpointing", "profile", "gputime"):
             from . import train_step as bt
             presets = tuple(args.presets.split(","))
-            versions = {**({"scores": args.scores} if args.scores else {}),
-                        **({"attention": args.attention} if args.attention else {}),
-                        **({"flash": args.flash_version} if args.flash_version else {}),
-                        **({"gelu_in": args.gelu_in} if args.gelu_in else {}),
-                        **({"epilogue": args.epilogue} if args.epilogue else {})}
+            versions = engine_versions(args)
             if args.what == "gputime":
                 import importlib.util
                 result = bt.gpu_time_profile(presets[0], (args.precisions or "bf16").split(",")[0],
-                                             versions=versions or None,
+                                             versions=versions or None, ce_chunks=args.ce_chunks,
                                              with_torch=importlib.util.find_spec("torch") is not None)
                 print(bt.format_gpu_time(result))
             elif args.what == "profile":
@@ -900,7 +898,8 @@ def main(argv=None) -> int:
         elif args.what == "timeline":
             from .train_step import step_timeline
             from .profiling import format_timeline
-            result = step_timeline(args.presets.split(",")[0], (args.precisions or "bf16").split(",")[0])
+            result = step_timeline(args.presets.split(",")[0], (args.precisions or "bf16").split(",")[0],
+                                   versions=engine_versions(args) or None, ce_chunks=args.ce_chunks)
             print(format_timeline(result))
         elif args.what == "ncu":
             from .profiling import format_ncu, ncu_kernels
@@ -921,6 +920,15 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def engine_versions(args) -> dict:
+    """The engine versions the command line asks for (--scores, --attention, --flash-version, --gelu-in, --epilogue)."""
+    return {**({"scores": args.scores} if args.scores else {}),
+            **({"attention": args.attention} if args.attention else {}),
+            **({"flash": args.flash_version} if args.flash_version else {}),
+            **({"gelu_in": args.gelu_in} if args.gelu_in else {}),
+            **({"epilogue": args.epilogue} if args.epilogue else {})}
 
 
 def run_metadata(what: str, argv) -> dict:

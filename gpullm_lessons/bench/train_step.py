@@ -819,8 +819,10 @@ def _call_key(name, args, kwargs):
 
 def record_step_calls(eng, x, y, lr=1e-4) -> list:
     """Every distinct launcher call and matrix product of one eager train_step of a GPUEngine, in first-call order:
-    [{"op", "key", "count", "fn", "args", "kwargs"}] (the arguments are kept, so each call can be replayed)."""
-    from ..runtime import blas
+    [{"op", "key", "count", "fn", "args", "kwargs"}] (the arguments are kept, so each call can be replayed). The
+    products with an epilogue (runtime/blaslt.py, versions epilogue "cublaslt") are ops named "gemm+" and the
+    epilogue ("gemm+bias", "gemm+dgelu_bgrad")."""
+    from ..runtime import blas, blaslt
     from .. import engine
 
     calls = {}
@@ -845,17 +847,23 @@ def record_step_calls(eng, x, y, lr=1e-4) -> list:
 
     if not isinstance(eng, engine.GPUEngine):
         raise TypeError(f"record_step_calls: needs a GPUEngine (hip or numba backend), got {type(eng).__name__}")
-    kernels, gemm, graphs = eng.K, blas.gemm, eng.graphs
+    kernels, gemm, graphs, epilogue = eng.K, blas.gemm, eng.graphs, blaslt.matmul_epilogue
+
+    def with_epilogue(*a, **k):
+        return note("gemm+" + (a[3] if len(a) > 3 else k["epilogue"]), epilogue)(*a, **k)
+
     eng.K, blas.gemm, eng.graphs = Recorded(kernels), note("gemm", gemm), False      # one eager step
+    blaslt.matmul_epilogue = with_epilogue   # the engine imports it at each call: the recorder is what it gets
     try:
         eng.train_step(x, y, lr=lr, weight_decay=0.1, grad_clip=1.0)
     finally:
         eng.K, blas.gemm, eng.graphs = kernels, gemm, graphs
+        blaslt.matmul_epilogue = epilogue
     return list(calls.values())
 
 
 def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B=None, T=None, timer=None,
-                     warmup=True, versions=None, with_torch=False) -> dict:
+                     warmup=True, versions=None, with_torch=False, ce_chunks=1) -> dict:
     """GPU time of one training step, op by op. Each distinct call of an eager step (record_step_calls) is replayed
     alone as a CUDA graph of 10 calls (time_gpu_graph) and multiplied by its count per step.
 
@@ -864,7 +872,9 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
     reach. A call that cannot be captured (one that reads a device value on the host) is listed with ms None.
     timer(fn) -> seconds per call replaces the CUDA-graph timing, warmup=False skips the warm-up step (the tests run
     the bookkeeping in the simulator). with_torch: the same model's PyTorch eager step too, kernel by kernel
-    (torch_gpu_time), under "torch"; format_gpu_time then compares them group by group (grouped_gpu_time)."""
+    (torch_gpu_time), under "torch"; format_gpu_time then compares them group by group (grouped_gpu_time).
+    ce_chunks: the engine's loss head in that many chunks (lesson 12). CuPy's own elementwise operations between the
+    launchers (a residual added into a gradient, a half bias gradient widened) are not launchers: they are not listed."""
     from .. import engine
     from .timing import time_gpu_graph
 
@@ -874,7 +884,7 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
     if cfg is None:
         cfg, B = _cfg(preset)
         T = cfg.block_size
-    eng = engine.build(cfg, backend, precision=precision, graphs="off", versions=versions)
+    eng = engine.build(cfg, backend, precision=precision, graphs="off", versions=versions, ce_chunks=ce_chunks)
     x, y = _batches(cfg, B, T, 1)[0]
     if warmup:
         eng.train_step(x, y, lr=1e-4)                               # compile, fill the pool
@@ -893,7 +903,7 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
         r["share"] = None if r["ms"] is None else r["ms"] / total
     out = {"card": _card() if device.has_gpu() else "the CUDA simulator (CPU)",
            "date": datetime.date.today().isoformat(), "preset": preset, "precision": precision, "backend": backend,
-           "B": B, "T": T, "total_ms": total, "rows": rows, "versions": dict(eng.ver)}
+           "B": B, "T": T, "total_ms": total, "rows": rows, "versions": dict(eng.ver), "ce_chunks": ce_chunks}
     if with_torch:
         eng = None
         gc.collect()
@@ -928,9 +938,12 @@ def format_gpu_time(result, top=20) -> str:
     return "\n".join(lines)
 
 
-def step_timeline(preset: str = "course", precision: str = "bf16", backend: str = "hip") -> dict:
+def step_timeline(preset: str = "course", precision: str = "bf16", backend: str = "hip", versions=None,
+                  ce_chunks=1) -> dict:
     """One eager step and one CUDA-graph step of the engine, traced with CUPTI through torch.profiler: every kernel
-    on the GPU's timeline, every launch call on the CPU's, and the step's phases (forward / backward / optimizer)."""
+    on the GPU's timeline (the libraries' among them, by name: which cuBLAS or cuBLASLt kernel ran each product),
+    every launch call on the CPU's, and the step's phases (forward / backward / optimizer). versions, ce_chunks: the
+    engine's (bench train's --epilogue, --gelu-in, --ce-chunks, ...)."""
     import datetime
 
     import cupy as cp
@@ -946,11 +959,12 @@ def step_timeline(preset: str = "course", precision: str = "bf16", backend: str 
     T = cfg.block_size
     x, y = _batches(cfg, B, T, 1)[0]
     out = {"card": info.gpu.name, "date": datetime.date.today().isoformat(), "preset": preset,
-           "precision": precision, "backend": backend, "B": B, "T": T,
+           "precision": precision, "backend": backend, "B": B, "T": T, "versions": versions or {},
+           "ce_chunks": ce_chunks,
            "tool": f"torch.profiler {torch.__version__} (CUPTI activity trace), one step after 3 warm-up steps"}
     with range_hook(record_function):
         for mode, key in (("off", "eager"), ("on", "graph")):
-            eng = engine.build(cfg, backend, precision=precision, graphs=mode)
+            eng = engine.build(cfg, backend, precision=precision, graphs=mode, versions=versions, ce_chunks=ce_chunks)
             for _ in range(3):
                 eng.train_step(x, y, lr=1e-4)
             cp.cuda.Device().synchronize()
