@@ -304,8 +304,10 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
     # the profiles of the step take the same options: gputime and timeline
     from gpullm_lessons.bench import profiling
 
-    for what, fn, fmt, mod in (("gputime", "gpu_time_profile", "format_gpu_time", bt),
-                               ("timeline", "step_timeline", "format_timeline", profiling)):
+    for what, fn, fmt, mod in (
+        ("gputime", "gpu_time_profile", "format_gpu_time", bt),
+        ("timeline", "step_timeline", "format_timeline", profiling),
+    ):
         got = {}
         monkeypatch.setattr(bt, fn, lambda *a, got=got, **kw: got.update(kw) or {"rows": []})
         monkeypatch.setattr(mod, fmt, lambda r: "")
