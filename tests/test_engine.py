@@ -217,6 +217,11 @@ def test_engine_memory_counts_the_epilogue_products():
     epi = engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_gelu_in=True, epilogue=True)
     assert plain["working_set"] - epi["working_set"] == 2 * NC
     assert epi["activations"] == plain["activations"] and epi["total"] == plain["total"] - 2 * NC
+    # the forward's float32 fc product is gone too: where a block's forward is the peak (full recompute, whose
+    # backward re-runs the forward), the epilogue's peak is lower by it
+    full = {e: engine.engine_memory(cfg, B, T, "bf16", "full", attention="flash", half_gelu_in=True, epilogue=e)
+            for e in (False, True)}
+    assert full[True]["working_set"] < full[False]["working_set"]
     f32_in = engine.engine_memory(cfg, B, T, "fp16", attention="cublas")
     assert engine.engine_memory(cfg, B, T, "fp16", attention="cublas", epilogue=True) == f32_in
     with pytest.raises(ValueError, match="epilogue.*fp32"):
@@ -269,6 +274,41 @@ def test_epilogues_keep_the_gradients_and_recompute_the_same_bits(toy_reference,
         assert all(np.array_equal(g_sel[k], g[k]) for k in g)
 
 
+def with_biases(eng, seed=3):
+    """eng with every bias drawn at random (the same for every engine: a model at init has zero biases, which a
+    product that drops its bias would reproduce exactly)."""
+    for name in eng.params.names:
+        if name.endswith("b") and name not in ("ln1b", "ln2b", "lnfb"):
+            rng = np.random.default_rng([seed, len(name), sum(map(ord, name))])
+            eng.params[name] = 0.5 * rng.standard_normal(np.shape(eng.params[name])).astype(np.float32)
+    if hasattr(eng, "params_changed"):
+        eng.params_changed()
+    return eng
+
+
+def test_epilogues_add_nonzero_biases(monkeypatch):
+    """With every bias non-zero: the epilogue run (bf16, GELU input in half: the qkv, fc and projection products add
+    their biases) keeps the gradients of the fp32 reference with the same biases, and a product that drops its bias
+    is caught."""
+    from gpullm_lessons.runtime import blaslt
+
+    x, y = batch(TOY, 2, 8)
+    loss_ref, g_ref = grads_of(with_biases(engine.build(TOY, "numpy")), x, y)
+    v = {"epilogue": "cublaslt", "gelu_in": "half"}
+    loss, g = grads_of(with_biases(engine.build(TOY, "numba", precision="bf16", versions=v)), x, y)
+    assert abs(loss - loss_ref) < 1e-3 * loss_ref and max_rel(g, g_ref) < 3e-2
+    real = blaslt.matmul_epilogue
+
+    def no_bias(*a, **k):  # the read bias replaced by zeros
+        if a[3] == "bias":
+            k = {**k, "bias": k["bias"] * 0}
+        return real(*a, **k)
+
+    monkeypatch.setattr(blaslt, "matmul_epilogue", no_bias)
+    loss_w, g_w = grads_of(with_biases(engine.build(TOY, "numba", precision="bf16", versions=v)), x, y)
+    assert max_rel(g_w, g_ref) > 0.1
+
+
 def test_epilogues_run_the_fused_products_instead_of_the_bias_passes(monkeypatch):
     """With epilogue "cublaslt" no bias_add pass runs: both projections go through matmul_epilogue with the
     residual; a product that drops the residual is caught by the gradients."""
@@ -283,10 +323,16 @@ def test_epilogues_run_the_fused_products_instead_of_the_bias_passes(monkeypatch
     _, g = grads_of(eng, x, y)
     assert calls == [True, True] * TOY.n_layer
     eng_half = engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "gelu_in": "half"})
+    bias_gelu = eng_half.K.bias_gelu_forward   # the launchers' module is shared: put it back after this engine
+    monkeypatch.setattr(eng_half.K, "bias_gelu_forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     seen = []
-    monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
-    grads_of(eng_half, x, y)   # with the GELU input in half, the fc projection's backward runs DGELU_BGRAD
-    assert seen.count("dgelu_bgrad") == TOY.n_layer and seen.count("bias") == 2 * TOY.n_layer
+    monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: seen.append((a[3], str(a[2].dtype))) or real(*a, **k))
+    grads_of(eng_half, x, y)
+    # with the GELU input in half: the fc product adds its bias and writes the half GELU input (no float32 fc, no
+    # bias_gelu_forward pass), and the fc projection's backward runs DGELU_BGRAD
+    assert seen.count(("dgelu_bgrad", "uint16")) == TOY.n_layer
+    assert seen.count(("bias", "float32")) == 2 * TOY.n_layer and seen.count(("bias", "uint16")) == TOY.n_layer
+    monkeypatch.setattr(eng_half.K, "bias_gelu_forward", bias_gelu)
     monkeypatch.setattr(blaslt, "matmul_epilogue", real)
     monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: real(*a, **{**k, "c": None}))   # residual dropped
     _, wrong = grads_of(engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt"}), x, y)
@@ -907,7 +953,8 @@ def test_gpu_time_profile_lists_the_epilogue_products():
     calls = {}
     for row in r["rows"]:
         calls[row["op"]] = calls.get(row["op"], 0) + row["calls"]
-    assert calls["gemm+bias"] == 2 * TOY.n_layer and calls["gemm+dgelu_bgrad"] == TOY.n_layer
-    assert "bias_add" not in calls and bt.gpu_time_group("gemm+dgelu_bgrad") == "matrix products"
+    assert calls["gemm+bias"] == 3 * TOY.n_layer and calls["gemm+dgelu_bgrad"] == TOY.n_layer  # fc, the projections
+    assert "bias_add" not in calls and "bias_gelu_forward" not in calls and calls["gelu_half"] == TOY.n_layer
+    assert bt.gpu_time_group("gemm+dgelu_bgrad") == "matrix products"
     assert len(replayed) == len(r["rows"]) and r["ce_chunks"] == 2 and r["versions"]["epilogue"] == "cublaslt"
     assert blaslt.matmul_epilogue is real

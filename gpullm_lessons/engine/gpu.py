@@ -67,9 +67,10 @@ class GPUEngine(Engine):
     # accumulation: cuBLAS's TF32 mode on NVIDIA's tensor cores; the simulator rounds the inputs), "off" keeps fp32
     # "epilogue": "cublaslt" (half precision; NVIDIA, or NumPy in the simulator: runtime/blaslt.py) adds the qkv bias
     # inside the qkv product, which writes the half q, k, v the flash kernels read, and each projection's bias and the
-    # residual inside its product (out = x + P + b, float32), and with gelu_in "half" the fc projection's backward
-    # makes the half dfc in its product (DGELU_BGRAD, with the fc bias gradient); "none" runs the products and the
-    # passes after them
+    # residual inside its product (out = x + P + b, float32), and with gelu_in "half" the fc product adds its bias and
+    # writes GELU's half input itself (GELU's output made from those bits, as the recompute makes it) and the fc
+    # projection's backward makes the half dfc in its product (DGELU_BGRAD, with the fc bias gradient); "none" runs
+    # the products and the passes after them
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -397,7 +398,8 @@ class GPUEngine(Engine):
         fp32 y). bias_add adds each projection's bias and the residual in one pass; bias_gelu_forward adds the fc
         bias (fc is kept for the GELU backward: with its bias in fp32 runs, without it in half runs, whose backward
         adds it again in its fused pass, or as the half bits of fc + bias with versions gelu_in "half") and writes
-        GELU's output in the matmul format."""
+        GELU's output in the matmul format. With versions epilogue "cublaslt" the products add the biases (and the
+        residuals) themselves (_matmul_bias): no split, bias_add or bias_gelu_forward pass runs where they do."""
         xp, cfg = self.xp, self.cfg
         C, nh = cfg.d_model, cfg.n_head
         hs = C // nh
@@ -439,17 +441,23 @@ class GPUEngine(Engine):
             x1 = self._matmul(atty_mm, "attprojw", l, C)
             self.K.bias_add(x1, self.params["attprojb"][l], x1, res=x)  # x1 = x + atty @ W + b
         ln2_mm, c["mean2"], c["rstd2"] = self._layernorm(x1, "ln2w", "ln2b", l)
-        fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
-        gelu_mm = self._mm_empty(fc.shape)
-        if half is None:
-            self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm)  # fc += b; gelu(fc)
-        elif self.ver["gelu_in"] == "half":  # keep half(fc + b), GELU's input, instead of the float32 fc
-            fc_half = self._mm_empty(fc.shape)
-            self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc_half, gelu_mm, half=half)
-            del fc
-            fc = fc_half
-        else:  # gelu(fc + b) in the matmul format; fc is not rewritten
-            self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, gelu_mm, half=half)
+        if fused and self.ver["gelu_in"] == "half":
+            # the product adds the fc bias and writes GELU's input in half itself (the kept fc: no float32 product);
+            # GELU's output comes from those half bits, as the selective recompute makes it (_gelu_mm): the same bits
+            fc = self._matmul_bias(ln2_mm, "fcw", "fcb", l, self._mm_empty((B * T, 4 * C)))
+            gelu_mm = self._gelu_mm(fc, l)
+        else:
+            fc = self._matmul(ln2_mm, "fcw", l, 4 * C)
+            gelu_mm = self._mm_empty(fc.shape)
+            if half is None:
+                self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc, gelu_mm)  # fc += b; gelu(fc)
+            elif self.ver["gelu_in"] == "half":  # keep half(fc + b), GELU's input, instead of the float32 fc
+                fc_half = self._mm_empty(fc.shape)
+                self.K.bias_gelu_forward(fc, self.params["fcb"][l], fc_half, gelu_mm, half=half)
+                del fc
+                fc = fc_half
+            else:  # gelu(fc + b) in the matmul format; fc is not rewritten
+                self.K.bias_gelu_forward(fc, self.params["fcb"][l], None, gelu_mm, half=half)
         if fused:  # x2 = x1 + gelu @ W + b, in the product
             x2 = self._matmul_bias(gelu_mm, "fcprojw", "fcprojb", l, xp.empty((B * T, C), xp.float32), res=x1)
         else:

@@ -39,8 +39,9 @@ def engine_memory(
     half_gelu_in: the engine's versions["gelu_in"] == "half" (GELU's input kept as half bits, 2 bytes an element
     instead of 4; only in half precision; the float32 product is then a temporary of the forward).
     epilogue: the engine's versions["epilogue"] == "cublaslt" (half precision only): with flash attention the qkv
-    product writes the half q, k, v itself (no float32 qkv temporary in the forward); with half_gelu_in the fc
-    projection's backward makes the half dfc in its product (no float32 dgelu in the backward).
+    product writes the half q, k, v itself (no float32 qkv temporary in the forward); with half_gelu_in the fc product
+    writes GELU's half input itself (no float32 fc temporary in the forward) and the fc projection's backward makes
+    the half dfc in its product (no float32 dgelu in the backward).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -103,7 +104,8 @@ def engine_memory(
     ts = e if (half and half_scores) else f  # bytes of a score / its gradient
     # (half_gelu_in: the float32 fc product beside its half copy, until bias_gelu_forward has read it)
     qkv_temp = 0 if (epilogue and flash) else 3 * NC * f  # the float32 qkv before split_heads
-    temps = max(qkv_temp, 0 if flash else TT * ts * half, NC * f, 4 * NC * f if g != f else 0)
+    fc_temp = 4 * NC * f if (g != f and not epilogue) else 0  # the float32 fc product (epilogue: written in half)
+    temps = max(qkv_temp, 0 if flash else TT * ts * half, NC * f, fc_temp)
     fwd_block = temps
     if policy == "selective":
         fwd_block += rebuilt
