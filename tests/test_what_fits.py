@@ -2,6 +2,7 @@
 fits a memory budget, found by bisection, checked against the model itself without a GPU."""
 
 import pytest
+from pathlib import Path
 
 from gpullm_lessons.bench import kernels as bench, train_step as bt
 from gpullm_lessons.engine import engine_memory
@@ -73,8 +74,10 @@ def test_run_metadata_names_the_command_and_the_flash_version_of_step_runs():
     from gpullm_lessons.backends.hip import flash
 
     meta = bench.run_metadata("gputime", ["gputime", "--presets", "gpt2", "--json", "x.json"])
+    commit = {"commit": meta["commit"], "dirty": meta["dirty"]}  # the checkout's, as make gpu-test records it
     assert meta == {
         "command": "python -m gpullm_lessons.bench gputime --presets gpt2",
+        **commit,
         "flash_version": flash.DEFAULT,
         "flash_layout": "packed",
     }
@@ -82,7 +85,23 @@ def test_run_metadata_names_the_command_and_the_flash_version_of_step_runs():
         meta = bench.run_metadata("train", ["train", *flag, "--compile", "--json", "z.json"])
         assert meta["flash_version"] == "v4" != flash.DEFAULT and meta["command"].endswith("v4 --compile"), meta
     meta = bench.run_metadata("train", ["train", "--json=y.json", "--attention", "cublas", "--compile"])
-    assert meta == {"command": "python -m gpullm_lessons.bench train --attention cublas --compile"}
+    assert meta == {"command": "python -m gpullm_lessons.bench train --attention cublas --compile", **commit}
     assert bench.run_metadata("kernels", ["kernels", "--ops", "flash_fwd_bf16"]) == {
-        "command": "python -m gpullm_lessons.bench kernels --ops flash_fwd_bf16"
+        "command": "python -m gpullm_lessons.bench kernels --ops flash_fwd_bf16", **commit
     }
+
+
+def test_run_metadata_records_the_commit_measured(monkeypatch):
+    """The commit of the checkout (git), or GPULLM_COMMIT / GPULLM_DIRTY where the tree has no history (a lent
+    machine's copy, a container), as make gpu-test records them."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(bench.__file__).parents[2], capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.delenv("GPULLM_COMMIT", raising=False)
+    if head:
+        assert bench.run_metadata("ceilings", ["ceilings"])["commit"] == head
+    monkeypatch.setenv("GPULLM_COMMIT", "a" * 40)
+    monkeypatch.setenv("GPULLM_DIRTY", "1")
+    meta = bench.run_metadata("ceilings", ["ceilings"])
+    assert meta["commit"] == "a" * 40 and meta["dirty"] is True

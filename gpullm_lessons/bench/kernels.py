@@ -932,7 +932,8 @@ def engine_versions(args) -> dict:
 
 
 def run_metadata(what: str, argv) -> dict:
-    """What a stored result needs to say how it was made: the command (without --json and its path) and, for the
+    """What a stored result needs to say how it was made: the command (without --json and its path), the commit and
+    whether the tree differed from it (as make gpu-test records them) and, for the
     runs of the training step with flash attention, the flash kernels' version and layout (the engine runs the packed
     launchers at their default version)."""
     args, skip = [], False
@@ -943,7 +944,12 @@ def run_metadata(what: str, argv) -> dict:
             skip = True
         elif not a.startswith("--json="):
             args.append(a)
-    meta = {"command": " ".join(["python -m gpullm_lessons.bench", *args])}
+    from pathlib import Path
+
+    from .gpu_suite import _commit
+
+    # the commit measured (GPULLM_COMMIT where the tree has no git history), as make gpu-test records it
+    meta = {"command": " ".join(["python -m gpullm_lessons.bench", *args]), **_commit(Path(__file__).parents[2])}
     if what in ("train", "gputime", "long", "profile", "timeline") and not any("cublas" in a for a in args):
         from ..backends.hip import flash
 
