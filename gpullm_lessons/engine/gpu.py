@@ -292,15 +292,20 @@ class GPUEngine(Engine):
         """out = inp @ W + b (+ res), the bias (and the residual) added in the product's epilogue (versions
         epilogue "cublaslt"): out in the matmul format (no res; the bias read from the half copy of the weights,
         cuBLASLt's bias having out's type) or float32 (res, float32; the float32 bias)."""
-        from ..runtime.blaslt import matmul_epilogue
-
         a, w = inp_mm.reshape(-1, inp_mm.shape[-1]), self._w(name_w, l)
         bias = self.params[name_b][l] if res is not None else self._w(name_b, l)
-        args = dict(bias=bias, c=None if res is None else res.reshape(out.shape), fmt=self.precision)
+        what = "gemm+bias+residual" if res is not None else "gemm+bias"
+        c = None if res is None else res.reshape(out.shape)
+        return self._epilogue_product(what, a, w, out, "bias", bias=bias, c=c)
+
+    def _epilogue_product(self, what, *args, **kw):
+        """runtime/blaslt.py's matmul_epilogue(*args, **kw) in the run's format, timed as `what` when profiling."""
+        from ..runtime.blaslt import matmul_epilogue
+
+        kw["fmt"] = self.precision
         if self.profiler is not None:
-            what = "gemm+bias+residual" if res is not None else "gemm+bias"
-            return self.profiler.wrap(f"{what} {self.precision} (cuBLASLt)", matmul_epilogue)(a, w, out, "bias", **args)
-        return matmul_epilogue(a, w, out, "bias", **args)
+            return self.profiler.wrap(f"{what} {self.precision} (cuBLASLt)", matmul_epilogue)(*args, **kw)
+        return matmul_epilogue(*args, **kw)
 
     def _matmul(self, inp_mm, name_w, l, out_features):
         """(N, C_in) matmul input -> (N, C_out) fp32 = inp @ W (the bias is added by the fused kernel after it)."""
@@ -506,19 +511,22 @@ class GPUEngine(Engine):
         gelu'(pre) in the product, rounded to half, with the fc bias gradient summed in the same epilogue (in half:
         cuBLASLt writes it in out's type, as PyTorch's autocast does; widened into the float32 gradient here)."""
         from ..runtime.blas import _to_f32
-        from ..runtime.blaslt import matmul_epilogue
 
         dout_mm = self._mm_empty(dout.shape)
         self.K.colsum_convert(dout, self.grads["fcprojb"][l], out=dout_mm, half=self._half)
         self._gemm(gelu_mm, dout_mm, self.grads["fcprojw"][l], trans_a=True)  # dW = gelu.T @ dout
         dfc_mm = self._mm_empty((dout.shape[0], hidden))
         dfcb = self.xp.empty(hidden, self.xp.uint16)  # the fc bias gradient in half, as cuBLASLt writes it
-        args = (dout_mm, self._w("fcprojw", l), dfc_mm, "dgelu_bgrad")
-        kw = dict(bias=dfcb, aux=pre_half.reshape(dfc_mm.shape), trans_b=True, fmt=self.precision)
-        if self.profiler is not None:
-            self.profiler.wrap(f"gemm+dgelu+bgrad {self.precision} (cuBLASLt)", matmul_epilogue)(*args, **kw)
-        else:
-            matmul_epilogue(*args, **kw)
+        self._epilogue_product(
+            "gemm+dgelu+bgrad",
+            dout_mm,
+            self._w("fcprojw", l),
+            dfc_mm,
+            "dgelu_bgrad",
+            bias=dfcb,
+            aux=pre_half.reshape(dfc_mm.shape),
+            trans_b=True,
+        )
         self.grads["fcb"][l][...] = _to_f32(dfcb, self.precision, self.xp)
         return dfc_mm
 

@@ -133,9 +133,9 @@ def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     af, bf = _to_f32(a, fmt, np), _to_f32(b, fmt, np)
     af, bf = (af.T if trans_a else af), (bf.T if trans_b else bf)
     p = (af @ bf).astype(np.float32)
-    half_bias = str(bias.dtype) != "float32"  # out's format (check)
+    half = str(out.dtype) != "float32"  # the bias has out's format (check)
     if epilogue in _READS_BIAS:
-        bias_f = _to_f32(bias, fmt, np) if half_bias else bias
+        bias_f = _to_f32(bias, fmt, np) if half else bias
     if epilogue == "bias":
         _store(p + bias_f if c is None else p + c + bias_f, out, fmt)
     elif epilogue == "gelu_aux_bias":
@@ -145,7 +145,7 @@ def _numpy(a, b, out, epilogue, bias, aux, trans_a, trans_b, fmt, c=None):
     elif epilogue == "dgelu_bgrad":
         g = gelu_backward(p, {"inp": _to_f32(aux, fmt, np)})  # p * gelu'(aux), float32
         _store(g, out, fmt)
-        written = _to_f32(out, fmt, np) if str(out.dtype) != "float32" else out  # cuBLASLt sums what it writes
+        written = _to_f32(out, fmt, np) if half else out  # cuBLASLt sums what it writes
         _store(written.sum(axis=0, dtype=np.float32), bias, fmt)
     else:  # bgrad_b
         _store(p, out, fmt)
