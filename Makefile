@@ -58,6 +58,7 @@ RUFF_FORMATTED := gpullm_lessons/engine gpullm_lessons/parallel gpullm_lessons/v
 RUFF_FORMATTED += gpullm_lessons/classroom/gradebook.py tests/test_class.py
 RUFF_FORMATTED += tests/test_checkpointing_sqrt.py
 RUFF_FORMATTED += gpullm_lessons/runtime/blaslt.py tests/test_blaslt.py
+RUFF_FORMATTED += gpullm_lessons/runtime/sm90.py tests/test_sm90.py
 RUFF_FORMATTED += gpullm_lessons/reference/head.py tests/test_ce_chunks.py
 RUFF_FORMATTED += gpullm_lessons/bench/gpu_suite.py tests/test_gpu_suite.py tests/test_flash_launch_args.py gpullm_lessons/checks/borrowed.py \
 	tests/test_borrowed.py tests/test_wheel_class.py

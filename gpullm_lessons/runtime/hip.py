@@ -358,6 +358,11 @@ FAST_COMPILE = "--Ofast-compile=max"
 
 
 def _nvrtc(text: bytes, filename: str, arch: str, options=(), fast: bool = True) -> tuple[bool, str]:
+    return _nvrtc_program(text, filename, arch, options, fast)[:2]
+
+
+def _nvrtc_program(text: bytes, filename: str, arch: str, options=(), fast: bool = True, cubin: bool = False):
+    """(ok, log, the cubin's bytes when cubin=True and ok, else None). arch sm_XX: NVRTC runs ptxas for that GPU."""
     from cuda.bindings import nvrtc  # lazy: comes with numba-cuda[cu13] / cuda-python
 
     err, prog = nvrtc.nvrtcCreateProgram(text, filename.encode(), 0, [], [])
@@ -374,12 +379,17 @@ def _nvrtc(text: bytes, filename: str, arch: str, options=(), fast: bool = True)
     # cached one-byte b" " itself, and an empty log (size 1: its NUL) would turn every b" " of the process into NUL.
     log = b" " * max(size, 2)
     nvrtc.nvrtcGetProgramLog(prog, log)
+    ok = res == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    binary = None
+    if ok and cubin:
+        _, n = nvrtc.nvrtcGetCUBINSize(prog)
+        binary = b" " * n  # filled in place, like the log (n > 1: never CPython's cached one-byte object)
+        nvrtc.nvrtcGetCUBIN(prog, binary)
     nvrtc.nvrtcDestroyProgram(prog)
     log = log.decode(errors="replace").strip("\x00 \n")
-    ok = res == nvrtc.nvrtcResult.NVRTC_SUCCESS
     if fast and not ok and "Ofast-compile" in log:  # an NVRTC older than 12.8: the same check, at full optimisation
-        return _nvrtc(text, filename, arch, options, fast=False)
-    return ok, log
+        return _nvrtc_program(text, filename, arch, options, False, cubin)
+    return ok, log, binary
 
 
 def _run_compiler(cmd: list[str], env=None) -> tuple[bool, str]:

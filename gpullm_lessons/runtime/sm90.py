@@ -1,0 +1,138 @@
+"""NVIDIA-only kernels for Hopper (sm_90a) from ``kernels/sm90``: compiled with NVRTC to a cubin, loaded into CuPy.
+
+The course's kernels live in ``kernels/hip`` and run on NVIDIA and AMD from one source (runtime/hip.py). Hopper's
+warpgroup matrix product (``wgmma``) has no portable form: it is inline PTX that only the architecture-specific
+target ``sm_90a`` accepts (``sm_90`` refuses it: tests/test_sm90.py shows ptxas saying so). CuPy's ``RawModule(code=...)``
+compiles for the device's ``sm_90``, so these sources take another road: NVRTC compiles them here for ``sm_90a`` to a
+cubin (machine code for that GPU, nothing left for the driver to compile), and ``cupy.RawModule(path=...)`` loads it.
+
+``compile_check(name, arch)`` compiles a source without a GPU ((ok, log), the CI check); ``kernel(name, function)``
+returns a ``cupy.RawKernel`` on an sm_90 GPU (H100, H200) and a clear error anywhere else; ``wgmma_gemm(a, b)`` is
+the building block's launcher, checked against NumPy in tests/test_sm90.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .. import device
+
+ARCH = "sm_90a"
+TILE = 64  # kernels/sm90/wgmma.cu: WG_TILE
+
+
+class NotHopperError(RuntimeError):
+    """The kernels of kernels/sm90 need an NVIDIA GPU of compute capability 9.0 (H100, H200)."""
+
+
+def kernel_dir() -> Path:
+    return Path(str(importlib.resources.files("gpullm_lessons.kernels") / "sm90"))
+
+
+def source_path(name: str) -> Path:
+    path = kernel_dir() / (name if name.endswith(".cu") else f"{name}.cu")
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in kernel_dir().glob("*.cu")))
+        raise FileNotFoundError(f"no sm90 kernel source {path.name} in {kernel_dir()} (known: {known})")
+    return path
+
+
+def compile_check(name: str, arch: str = ARCH, fast: bool = True) -> tuple[bool, str]:
+    """Compile kernels/sm90/<name>.cu with NVRTC for arch without a GPU: (ok, log)."""
+    from .hip import _nvrtc
+
+    return _nvrtc(source_path(name).read_bytes(), f"{name}.cu", arch, fast=fast)
+
+
+@functools.lru_cache(maxsize=None)
+def cubin(name: str) -> bytes:
+    """The sm_90a cubin of kernels/sm90/<name>.cu, compiled at full optimisation (raises with NVRTC's log)."""
+    from .hip import _nvrtc_program
+
+    ok, log, binary = _nvrtc_program(source_path(name).read_bytes(), f"{name}.cu", ARCH, fast=False, cubin=True)
+    if not ok:
+        raise RuntimeError(f"NVRTC could not compile kernels/sm90/{name}.cu for {ARCH}:\n{log}")
+    return binary
+
+
+def require_hopper() -> None:
+    """Raise NotHopperError unless this process sees an NVIDIA GPU of compute capability 9.0."""
+    if device.kind() != "cuda":
+        raise NotHopperError(
+            f"kernels/sm90 runs on an NVIDIA Hopper GPU (H100, H200) only; this machine: {device.kind()}"
+        )
+    import cupy
+
+    cc = cupy.cuda.Device().compute_capability
+    if cc != "90":
+        raise NotHopperError(
+            f"kernels/sm90 is compiled for sm_90a (H100, H200); this GPU is sm_{cc}: use the portable kernels"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    import cupy
+
+    binary = cubin(name)
+    folder = Path(tempfile.gettempdir()) / f"gpullm_sm90_{os.getuid() if hasattr(os, 'getuid') else 0}"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}-{hashlib.sha256(binary).hexdigest()[:16]}.cubin"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(binary)
+        tmp.replace(path)  # atomic: a process beside this one never loads half a file
+    return cupy.RawModule(path=str(path))
+
+
+def kernel(name: str, function: str):
+    """The cupy.RawKernel `function` of kernels/sm90/<name>.cu (an sm_90 GPU only)."""
+    require_hopper()
+    return _module(name).get_function(function)
+
+
+def _check_gemm(a, b, out) -> tuple[int, int, int]:
+    """(M, N, K) of wgmma_gemm's arguments, or an error that names the argument and the rule it breaks."""
+    for what, x in (("a", a), ("b", b)):
+        if getattr(x, "dtype", None) != np.uint16 or getattr(x, "ndim", None) != 2:
+            raise TypeError(
+                f"wgmma_gemm: {what} must be a 2-D array of bf16 bits (uint16), got "
+                f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}"
+            )
+        if not x.flags.c_contiguous:
+            raise ValueError(f"wgmma_gemm: {what} must be C-contiguous (row-major)")
+    (M, K), (N, Kb) = a.shape, b.shape
+    if K != Kb:
+        raise ValueError(f"wgmma_gemm: a is {a.shape} and b is {b.shape}: their second dimensions (K) differ")
+    for what, n in (("M", M), ("N", N), ("K", K)):
+        if n <= 0 or n % TILE:
+            raise ValueError(f"wgmma_gemm: {what} = {n} must be a positive multiple of {TILE} (the kernel's tile)")
+    if out is not None and (out.shape != (M, N) or out.dtype != np.float32 or not out.flags.c_contiguous):
+        raise ValueError(
+            f"wgmma_gemm: out must be a C-contiguous float32 ({M}, {N}) array, got {out.dtype} {out.shape}"
+        )
+    return M, N, K
+
+
+def wgmma_gemm(a, b, out=None):
+    """C = a @ b.T in float32 through wgmma: a (M, K) and b (N, K) bf16 bits (uint16) CuPy arrays on an sm_90 GPU,
+    M, N and K multiples of 64. out: a float32 (M, N) CuPy array to write (default: a new one)."""
+    M, N, K = _check_gemm(a, b, out)
+    require_hopper()
+    import cupy
+
+    for what, x in (("a", a), ("b", b), ("out", out)):
+        if x is not None and not isinstance(x, cupy.ndarray):
+            raise TypeError(f"wgmma_gemm: {what} must be a CuPy array on the GPU, got {type(x).__name__}")
+    if out is None:
+        out = cupy.empty((M, N), dtype=cupy.float32)
+    k = kernel("wgmma", "wgmma_gemm_bf16")
+    k((N // TILE, M // TILE), (128,), (a, b, out, np.int32(M), np.int32(N), np.int32(K)))
+    return out

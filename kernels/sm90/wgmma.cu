@@ -1,0 +1,93 @@
+// wgmma.cu: Hopper's warpgroup matrix product (wgmma), the building block of flash attention v7. NVIDIA sm_90a only.
+//
+// The portable kernels of kernels/hip reach the tensor cores through portable.h's register tiles (mma.sync on
+// NVIDIA, MFMA on AMD): a warp multiplies 16x8 tiles it holds in registers. Hopper adds a wider instruction: the four
+// warps of a *warpgroup* (128 threads) multiply a 64 x N tile together, reading both operands straight from shared
+// memory, asynchronously. It exists only as inline PTX for the architecture-specific target sm_90a (no HIP
+// equivalent), so it lives here, beside kernels/hip, and runtime/sm90.py compiles it with NVRTC to an sm_90a cubin.
+//
+// What one instruction needs:
+//   the operands in shared memory in the "core matrix" layout: 8 rows x 16 bytes (8 bf16) stored as 128 contiguous
+//     bytes; here K-major without swizzling (core_offset below);
+//   a 64-bit descriptor per operand (smem_desc): its start address, the byte distance between core matrices
+//     adjacent along K (LBO) and along the rows (SBO), all in units of 16 bytes;
+//   fence.proxy.async after the threads' ordinary stores, so the asynchronous unit reading shared memory sees them;
+//   wgmma.fence before the first product, commit_group after the last, wait_group 0 before the registers are read.
+// The accumulator D (64 x 64 float32) is spread over the 128 threads, 32 registers each: warp w holds rows
+// 16w .. 16w + 15; lane l holds, for each 8-column chunk j, (row l/4, columns 8j + 2(l%4) + {0, 1}) in d[4j], d[4j+1]
+// and the same columns of row l/4 + 8 in d[4j+2], d[4j+3] (the mma.sync 16x8 layout repeated along N).
+// NVRTC compiles this without the C++ standard headers: the fixed-width types by hand.
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+#define WG_TILE 64  // rows of A and B (and so of C) per block, and the K chunk staged in shared memory at a time
+
+// Byte offset of element (r, k) of a tile with `cols` columns in the K-major core-matrix layout without swizzling:
+// 8-row groups are SBO = cols * 2 * 8 bytes apart, core matrices along K are LBO = 128 bytes apart.
+__device__ __forceinline__ uint32_t core_offset(int r, int k, int cols) {
+    return (r / 8) * (cols * 16) + (k / 8) * 128 + (r % 8) * 16 + (k % 8) * 2;
+}
+
+// The shared memory matrix descriptor: bits 0-13 start address / 16, 16-29 LBO / 16, 32-45 SBO / 16; base offset and
+// swizzle mode (bits 49-51, 62-63) zero: no swizzling.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+    uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+           (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32);
+}
+
+// d (64 x 64, float32, the layout above) += A (64 x 16) B (64 x 16)^T, both K-major bf16 in shared memory.
+__device__ __forceinline__ void wgmma_64x64x16(float* d, uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b));
+}
+
+// C (M x N, float32) = A (M x K) B (N x K)^T with A, B bf16 (their bits as uint16), row-major. One warpgroup (128
+// threads) per 64 x 64 tile of C: grid (N / 64, M / 64); M, N and K multiples of 64 (the launcher checks). Each
+// 64-column chunk of K is staged in shared memory and multiplied in four k16 steps.
+extern "C" __global__ void __launch_bounds__(128) wgmma_gemm_bf16(const uint16_t* __restrict__ A,
+                                                                  const uint16_t* __restrict__ B,
+                                                                  float* __restrict__ C, int M, int N, int K) {
+    __shared__ __align__(128) uint16_t sa[WG_TILE * WG_TILE];
+    __shared__ __align__(128) uint16_t sb[WG_TILE * WG_TILE];
+    const int t = threadIdx.x;
+    const long m0 = static_cast<long>(blockIdx.y) * WG_TILE, n0 = static_cast<long>(blockIdx.x) * WG_TILE;
+    float d[32];
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += WG_TILE) {
+        for (int i = t; i < WG_TILE * WG_TILE; i += blockDim.x) {
+            const int r = i / WG_TILE, k = i % WG_TILE;
+            const uint32_t at = core_offset(r, k, WG_TILE) / 2;
+            sa[at] = A[(m0 + r) * K + k0 + k];
+            sb[at] = B[(n0 + r) * K + k0 + k];
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < WG_TILE / 16; ++s)  // a k16 step starts two core matrices (256 bytes) further along K
+            wgmma_64x64x16(d, smem_desc(sa + s * 128, 128, WG_TILE * 16), smem_desc(sb + s * 128, 128, WG_TILE * 16));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        __syncthreads();  // every product has read this chunk before the next one overwrites it
+    }
+    const int warp = t / 32, lane = t % 32;
+    const long row = m0 + 16 * warp + lane / 4;
+    for (int j = 0; j < 8; ++j) {
+        const long col = n0 + 8 * j + 2 * (lane % 4);
+        C[row * N + col] = d[4 * j];
+        C[row * N + col + 1] = d[4 * j + 1];
+        C[(row + 8) * N + col] = d[4 * j + 2];
+        C[(row + 8) * N + col + 1] = d[4 * j + 3];
+    }
+}

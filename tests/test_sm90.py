@@ -1,0 +1,89 @@
+"""kernels/sm90 (runtime/sm90.py): Hopper's warpgroup matrix product, the building block of flash attention v7.
+
+Without a GPU: wgmma.cu compiles with NVRTC for sm_90a, and ptxas refuses it for plain sm_90 (why runtime/sm90.py
+compiles cubins itself instead of going through CuPy's RawModule); bad arguments and a GPU that is not a Hopper are
+named. On an H100 / H200: the wgmma product equals NumPy's on fresh random inputs, over several tiles of C and
+several chunks of K, and a second call into the same output leaves nothing of the first.
+"""
+
+import numpy as np
+import pytest
+
+from gpullm_lessons import device
+from gpullm_lessons.model.precision import f32_to_bf16_bits
+from gpullm_lessons.runtime import sm90
+
+
+def bits(x):
+    return f32_to_bf16_bits(np.asarray(x, np.float32))
+
+
+def wide(b):
+    return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def test_wgmma_compiles_for_sm90a_and_plain_sm90_refuses_it():
+    pytest.importorskip("cuda.bindings", reason="NVRTC bindings come with the [dev] extra (numba-cuda[cu13])")
+    ok, log = sm90.compile_check("wgmma")
+    assert ok, log
+    ok, log = sm90.compile_check("wgmma", arch="sm_90")
+    assert not ok and "wgmma" in log and "not supported on .target 'sm_90'" in log, log
+
+
+@pytest.mark.parametrize(
+    "a, b, said",
+    [
+        (np.zeros((64, 64), np.float32), np.zeros((64, 64), np.uint16), "a must be a 2-D array of bf16 bits"),
+        (np.zeros((64, 64), np.uint16), np.zeros((64,), np.uint16), "b must be a 2-D array of bf16 bits"),
+        (np.zeros((64, 128), np.uint16), np.zeros((64, 64), np.uint16), r"second dimensions \(K\) differ"),
+        (np.zeros((96, 64), np.uint16), np.zeros((64, 64), np.uint16), "M = 96 must be a positive multiple of 64"),
+        (np.zeros((64, 64), np.uint16), np.zeros((32, 64), np.uint16), "N = 32 must be a positive multiple of 64"),
+        (np.zeros((64, 48), np.uint16), np.zeros((64, 48), np.uint16), "K = 48 must be a positive multiple of 64"),
+        (np.zeros((64, 128), np.uint16)[:, ::2], np.zeros((64, 64), np.uint16), "a must be C-contiguous"),
+    ],
+)
+def test_bad_arguments_are_named(a, b, said):
+    with pytest.raises((TypeError, ValueError), match=said):
+        sm90.wgmma_gemm(a, b)
+
+
+def test_a_wrong_out_is_named():
+    a = np.zeros((64, 64), np.uint16)
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous float32 \(64, 64\) array"):
+        sm90.wgmma_gemm(a, a, out=np.zeros((64, 64), np.float64))
+
+
+@pytest.mark.skipif(device.kind() == "cuda", reason="this machine has an NVIDIA GPU")
+def test_without_a_hopper_the_error_says_so():
+    a = np.zeros((64, 64), np.uint16)
+    with pytest.raises(sm90.NotHopperError, match=f"H100, H200.*this machine: {device.kind()}"):
+        sm90.wgmma_gemm(a, a)
+
+
+def _is_hopper() -> bool:
+    if device.kind() != "cuda":
+        return False
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason=f"needs an H100 / H200 (this machine: {device.kind()})")
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", [(64, 64, 64), (128, 192, 320), (320, 128, 1024)])
+def test_gpu_wgmma_product_matches_numpy(M, N, K):
+    import cupy as cp
+
+    rng = np.random.default_rng(M + N + K)
+    out = cp.full((M, N), np.nan, dtype=cp.float32)
+    for call in range(2):  # the second call writes over the first's result: every element must be its own
+        a, b = bits(rng.standard_normal((M, K))), bits(rng.standard_normal((N, K)))
+        got = cp.asnumpy(sm90.wgmma_gemm(cp.asarray(a), cp.asarray(b), out=out)).astype(np.float64)
+        want = wide(a) @ wide(b).T  # the bf16 values multiplied exactly, summed in float64
+        err = np.abs(got - want)
+        where = np.unravel_index(int(np.argmax(err)), err.shape)
+        # float32 accumulation of K products of size ~1: errors ~1e-6 sqrt(K); a wrong layout is off by ~sqrt(K)
+        assert err.max() <= 1e-4 * np.sqrt(K), (call, where, got[where], want[where])
