@@ -3,7 +3,8 @@
 Without a GPU: wgmma.cu compiles with NVRTC for sm_90a, and ptxas refuses it for plain sm_90 (why runtime/sm90.py
 compiles cubins itself instead of going through CuPy's RawModule); bad arguments and a GPU that is not a Hopper are
 named. On an H100 / H200: the wgmma product equals NumPy's on fresh random inputs, over several tiles of C and
-several chunks of K, and a second call into the same output leaves nothing of the first.
+several chunks of K, with A read from shared memory or from registers and B given as (N, K) or
+(K, N), and a second call into the same output leaves nothing of the first.
 """
 
 import numpy as np
@@ -47,6 +48,13 @@ def test_bad_arguments_are_named(a, b, said):
         sm90.wgmma_gemm(a, b)
 
 
+def test_b_as_k_by_n_is_checked_as_such():
+    a, b = np.zeros((64, 128), np.uint16), np.zeros((128, 192), np.uint16)
+    assert sm90._check_gemm(a, b, None, b_kn=True) == (64, 192, 128)
+    with pytest.raises(ValueError, match=r"a's columns and b's rows \(K\) differ"):
+        sm90._check_gemm(a, b.T.copy(), None, b_kn=True)
+
+
 def test_a_wrong_out_is_named():
     a = np.zeros((64, 64), np.uint16)
     with pytest.raises(ValueError, match=r"out must be a C-contiguous float32 \(64, 64\) array"):
@@ -73,15 +81,19 @@ needs_hopper = pytest.mark.skipif(not _is_hopper(), reason=f"needs an H100 / H20
 
 @needs_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_kn", [False, True], ids=["b_nk", "b_kn"])
+@pytest.mark.parametrize("a_regs", [False, True], ids=["a_smem", "a_regs"])
 @pytest.mark.parametrize("M, N, K", [(64, 64, 64), (128, 192, 320), (320, 128, 1024)])
-def test_gpu_wgmma_product_matches_numpy(M, N, K):
+def test_gpu_wgmma_product_matches_numpy(M, N, K, a_regs, b_kn):
     import cupy as cp
 
     rng = np.random.default_rng(M + N + K)
     out = cp.full((M, N), np.nan, dtype=cp.float32)
     for call in range(2):  # the second call writes over the first's result: every element must be its own
         a, b = bits(rng.standard_normal((M, K))), bits(rng.standard_normal((N, K)))
-        got = cp.asnumpy(sm90.wgmma_gemm(cp.asarray(a), cp.asarray(b), out=out)).astype(np.float64)
+        bb = np.ascontiguousarray(b.T) if b_kn else b
+        got = sm90.wgmma_gemm(cp.asarray(a), cp.asarray(bb), out=out, b_kn=b_kn, a_regs=a_regs)
+        got = cp.asnumpy(got).astype(np.float64)
         want = wide(a) @ wide(b).T  # the bf16 values multiplied exactly, summed in float64
         err = np.abs(got - want)
         where = np.unravel_index(int(np.argmax(err)), err.shape)

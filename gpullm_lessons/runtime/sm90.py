@@ -98,7 +98,7 @@ def kernel(name: str, function: str):
     return _module(name).get_function(function)
 
 
-def _check_gemm(a, b, out) -> tuple[int, int, int]:
+def _check_gemm(a, b, out, b_kn=False) -> tuple[int, int, int]:
     """(M, N, K) of wgmma_gemm's arguments, or an error that names the argument and the rule it breaks."""
     for what, x in (("a", a), ("b", b)):
         if getattr(x, "dtype", None) != np.uint16 or getattr(x, "ndim", None) != 2:
@@ -108,9 +108,10 @@ def _check_gemm(a, b, out) -> tuple[int, int, int]:
             )
         if not x.flags.c_contiguous:
             raise ValueError(f"wgmma_gemm: {what} must be C-contiguous (row-major)")
-    (M, K), (N, Kb) = a.shape, b.shape
+    (M, K), (N, Kb) = a.shape, (b.shape[::-1] if b_kn else b.shape)
     if K != Kb:
-        raise ValueError(f"wgmma_gemm: a is {a.shape} and b is {b.shape}: their second dimensions (K) differ")
+        which = "a's columns and b's rows" if b_kn else "their second dimensions"
+        raise ValueError(f"wgmma_gemm: a is {a.shape} and b is {b.shape}: {which} (K) differ")
     for what, n in (("M", M), ("N", N), ("K", K)):
         if n <= 0 or n % TILE:
             raise ValueError(f"wgmma_gemm: {what} = {n} must be a positive multiple of {TILE} (the kernel's tile)")
@@ -121,10 +122,12 @@ def _check_gemm(a, b, out) -> tuple[int, int, int]:
     return M, N, K
 
 
-def wgmma_gemm(a, b, out=None):
+def wgmma_gemm(a, b, out=None, b_kn=False, a_regs=False):
     """C = a @ b.T in float32 through wgmma: a (M, K) and b (N, K) bf16 bits (uint16) CuPy arrays on an sm_90 GPU,
-    M, N and K multiples of 64. out: a float32 (M, N) CuPy array to write (default: a new one)."""
-    M, N, K = _check_gemm(a, b, out)
+    M, N and K multiples of 64. b_kn: b is (K, N) and C = a @ b (the kernel transposes it as it stages it).
+    a_regs: the products read a from registers (loaded in the fragment layout) instead of shared memory.
+    out: a float32 (M, N) CuPy array to write (default: a new one)."""
+    M, N, K = _check_gemm(a, b, out, b_kn)
     require_hopper()
     import cupy
 
@@ -134,5 +137,6 @@ def wgmma_gemm(a, b, out=None):
     if out is None:
         out = cupy.empty((M, N), dtype=cupy.float32)
     k = kernel("wgmma", "wgmma_gemm_bf16")
-    k((N // TILE, M // TILE), (128,), (a, b, out, np.int32(M), np.int32(N), np.int32(K)))
+    args = (a, b, out, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(b_kn)), np.int32(bool(a_regs)))
+    k((N // TILE, M // TILE), (128,), args)
     return out
