@@ -37,7 +37,8 @@ def test_wheel_ships_every_kernel_source(wheel):
     expected = {f"gpullm_lessons/kernels/hip/{p.name}" for p in (ROOT / "kernels" / "hip").iterdir()
                 if p.suffix in (".cu", ".h")}
     expected |= {f"gpullm_lessons/kernels/numba/{p.name}" for p in (ROOT / "kernels" / "numba").glob("*.py")}
-    expected |= {f"gpullm_lessons/kernels/sm90/{p.name}" for p in (ROOT / "kernels" / "sm90").glob("*.cu")}
+    expected |= {f"gpullm_lessons/kernels/sm90/{p.name}" for p in (ROOT / "kernels" / "sm90").iterdir()
+                 if p.suffix in (".cu", ".h")}
     assert expected and expected <= names, sorted(expected - names)
 
 

@@ -1,16 +1,19 @@
-"""kernels/sm90 (runtime/sm90.py): Hopper's warpgroup matrix product, the building block of flash attention v7.
+"""kernels/sm90 (runtime/sm90.py): Hopper's warpgroup matrix product, and flash attention v7's dK dV built on it.
 
-Without a GPU: wgmma.cu compiles with NVRTC for sm_90a, and ptxas refuses it for plain sm_90 (why runtime/sm90.py
+Without a GPU: wgmma.cu and flash_v7.cu compile with NVRTC for sm_90a, and ptxas refuses it for plain sm_90 (why runtime/sm90.py
 compiles cubins itself instead of going through CuPy's RawModule); bad arguments and a GPU that is not a Hopper are
 named. On an H100 / H200: the wgmma product equals NumPy's on fresh random inputs, over several tiles of C and
 several chunks of K, with A read from shared memory or from registers and B given as (N, K) or
-(K, N), and a second call into the same output leaves nothing of the first.
+(K, N), and a second call into the same output leaves nothing of the first; v7's dK and dV equal the float64
+reference's (lesson 01's attention) within v6's tolerance at T = 64 (one tile), 256 and 1024, twice with the same bits,
+without touching dq's columns.
 """
 
 import numpy as np
 import pytest
 
 from gpullm_lessons import device
+from gpullm_lessons.checks.flash import reference
 from gpullm_lessons.model.precision import f32_to_bf16_bits
 from gpullm_lessons.runtime import sm90
 
@@ -23,11 +26,12 @@ def wide(b):
     return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def test_wgmma_compiles_for_sm90a_and_plain_sm90_refuses_it():
+@pytest.mark.parametrize("name", ["wgmma", "flash_v7"])
+def test_compiles_for_sm90a_and_plain_sm90_refuses_it(name):
     pytest.importorskip("cuda.bindings", reason="NVRTC bindings come with the [dev] extra (numba-cuda[cu13])")
-    ok, log = sm90.compile_check("wgmma")
+    ok, log = sm90.compile_check(name)
     assert ok, log
-    ok, log = sm90.compile_check("wgmma", arch="sm_90")
+    ok, log = sm90.compile_check(name, arch="sm_90")
     assert not ok and "wgmma" in log and "not supported on .target 'sm_90'" in log, log
 
 
@@ -99,3 +103,74 @@ def test_gpu_wgmma_product_matches_numpy(M, N, K, a_regs, b_kn):
         where = np.unravel_index(int(np.argmax(err)), err.shape)
         # float32 accumulation of K products of size ~1: errors ~1e-6 sqrt(K); a wrong layout is off by ~sqrt(K)
         assert err.max() <= 1e-4 * np.sqrt(K), (call, where, got[where], want[where])
+
+
+# ---- flash attention v7's dK dV (kernels/sm90/flash_v7.cu) -------------------------------------------------------
+
+
+def v7_args(B=1, nh=2, T=128, hs=64):
+    C = nh * hs
+    return dict(
+        qkv=np.zeros((B, T, 3 * C), np.uint16),
+        dout=np.zeros((B, T, C), np.uint16),
+        lse=np.zeros((B, nh, T), np.float32),
+        delta=np.zeros((B, nh, T), np.float32),
+        dqkv=np.zeros((B, T, 3 * C), np.float32),
+    )
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (dict(qkv=np.zeros((1, 128, 3 * 2 * 32), np.uint16)), "not 3 x 2 heads x 64"),
+        (dict(qkv=np.zeros((1, 128, 384), np.float32)), "qkv must be .B, T, 3C. bf16 bits"),
+        (dict(qkv=np.zeros((1, 100, 384), np.uint16)), "T = 100 must be a multiple of 64"),
+        (dict(dout=np.zeros((1, 128, 192), np.uint16)), r"dout must be a C-contiguous uint16 \(1, 128, 128\)"),
+        (dict(lse=np.zeros((1, 2, 128), np.float64)), "lse must be a C-contiguous float32"),
+        (dict(dqkv=np.zeros((1, 128, 128), np.float32)), r"dqkv must be a C-contiguous float32 \(1, 128, 384\)"),
+    ],
+)
+def test_v7_bad_arguments_are_named(change, said):
+    args = {**v7_args(), **change}
+    with pytest.raises((TypeError, ValueError), match=said):
+        sm90.flash_backward_dkdv_v7(**args, nh=2)
+
+
+def packed(x):
+    """(B, nh, T, hs) -> (B, T, nh hs): the engine's rows."""
+    B, nh, T, hs = x.shape
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(B, T, nh * hs))
+
+
+def heads(x, nh):
+    B, T, C = x.shape
+    return x.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, nh, T", [(1, 1, 64), (2, 3, 256), (1, 12, 1024)])
+def test_gpu_flash_v7_dkdv_matches_the_reference(B, nh, T):
+    import cupy as cp
+
+    rng = np.random.default_rng(B * 1000 + nh * 10 + T)
+    hs = sm90.V7_HS
+    q, k, v, do = (bits(rng.standard_normal((B, nh, T, hs))) for _ in range(4))
+    out, lse, _, dk, dv = reference(wide(q), wide(k), wide(v), wide(do))
+    delta = (wide(do) * out).sum(-1)
+    qkv = np.concatenate([packed(q), packed(k), packed(v)], axis=-1)
+    dqkv = cp.full((B, T, 3 * nh * hs), np.nan, cp.float32)
+    args = [cp.asarray(x) for x in (qkv, packed(do), lse.astype(np.float32), delta.astype(np.float32))]
+    runs = []
+    for _ in range(2):  # the second run gives the same bits
+        sm90.flash_backward_dkdv_v7(*args, dqkv, nh=nh)
+        runs.append(cp.asnumpy(dqkv))
+    assert np.array_equal(runs[0], runs[1], equal_nan=True)
+    got = runs[0]
+    C = nh * hs
+    assert np.isnan(got[..., :C]).all()  # dq's columns are not this kernel's
+    for name, g, w in (("dk", heads(got[..., C : 2 * C], nh), dk), ("dv", heads(got[..., 2 * C :], nh), dv)):
+        err = float(np.abs(g - w).max() / max(float(np.abs(w).max()), 0.1))
+        where = np.unravel_index(int(np.nanargmax(np.abs(g - w))), g.shape)
+        assert err < 2e-2, (name, err, where)  # P and dS rounded to bf16, as v6 does (tests/test_hip_flash.py's TOL)
+    assert float(np.abs(dk - dv).max() / np.abs(dv).max()) > 6e-2  # dk and dv swapped would fail

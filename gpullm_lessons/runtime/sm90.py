@@ -48,7 +48,7 @@ def compile_check(name: str, arch: str = ARCH, fast: bool = True) -> tuple[bool,
     """Compile kernels/sm90/<name>.cu with NVRTC for arch without a GPU: (ok, log)."""
     from .hip import _nvrtc
 
-    return _nvrtc(source_path(name).read_bytes(), f"{name}.cu", arch, fast=fast)
+    return _nvrtc(source_path(name).read_bytes(), f"{name}.cu", arch, (f"-I{kernel_dir()}",), fast=fast)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +56,8 @@ def cubin(name: str) -> bytes:
     """The sm_90a cubin of kernels/sm90/<name>.cu, compiled at full optimisation (raises with NVRTC's log)."""
     from .hip import _nvrtc_program
 
-    ok, log, binary = _nvrtc_program(source_path(name).read_bytes(), f"{name}.cu", ARCH, fast=False, cubin=True)
+    text, opts = source_path(name).read_bytes(), (f"-I{kernel_dir()}",)  # the sources include wgmma.h
+    ok, log, binary = _nvrtc_program(text, f"{name}.cu", ARCH, opts, fast=False, cubin=True)
     if not ok:
         raise RuntimeError(f"NVRTC could not compile kernels/sm90/{name}.cu for {ARCH}:\n{log}")
     return binary
@@ -140,3 +141,49 @@ def wgmma_gemm(a, b, out=None, b_kn=False, a_regs=False):
     args = (a, b, out, np.int32(M), np.int32(N), np.int32(K), np.int32(bool(b_kn)), np.int32(bool(a_regs)))
     k((N // TILE, M // TILE), (128,), args)
     return out
+
+
+V7_HS = 64  # kernels/sm90/flash_v7.cu: the head size it is written for
+
+
+def _check_v7(qkv, dout, lse, delta, dqkv, nh) -> tuple[int, int, int]:
+    """(B, T, C) of flash_backward_dkdv_v7's arguments, or an error naming the argument and the rule it breaks."""
+    if getattr(qkv, "ndim", None) != 3 or qkv.dtype != np.uint16:
+        raise TypeError(
+            f"flash v7: qkv must be (B, T, 3C) bf16 bits (uint16), got {getattr(qkv, 'dtype', '')} "
+            f"{getattr(qkv, 'shape', '')}"
+        )
+    B, T, C3 = qkv.shape
+    if nh <= 0 or C3 != 3 * nh * V7_HS:
+        raise ValueError(
+            f"flash v7: qkv's rows of {C3} are not 3 x {nh} heads x {V7_HS} (v7 is written for head size {V7_HS})"
+        )
+    if T % TILE:
+        raise ValueError(f"flash v7: T = {T} must be a multiple of {TILE} (v7 walks whole tiles; v6 takes any T)")
+    C = C3 // 3
+    want = {
+        "dout": ((B, T, C), np.uint16, dout),
+        "lse": ((B, nh, T), np.float32, lse),
+        "delta": ((B, nh, T), np.float32, delta),
+        "dqkv": ((B, T, 3 * C), np.float32, dqkv),
+    }
+    for name, (shape, dtype, x) in want.items():
+        if getattr(x, "shape", None) != shape or x.dtype != dtype or not x.flags.c_contiguous:
+            raise ValueError(
+                f"flash v7: {name} must be a C-contiguous {np.dtype(dtype).name} {shape} array, got "
+                f"{getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}"
+            )
+    if not qkv.flags.c_contiguous:
+        raise ValueError("flash v7: qkv must be C-contiguous")
+    return B, T, C
+
+
+def flash_backward_dkdv_v7(qkv, dout, lse, delta, dqkv, nh: int, scale: float | None = None):
+    """dK and dV of causal attention into dqkv's k and v columns (its q columns are left as they are), through
+    kernels/sm90/flash_v7.cu: the packed layout of the engine (see that file), bf16, head size 64."""
+    B, T, C = _check_v7(qkv, dout, lse, delta, dqkv, nh)
+    require_hopper()
+    scale = 1.0 / np.sqrt(V7_HS) if scale is None else scale
+    k = kernel("flash_v7", "flash_attention_backward_v7_packed_dkdv_hs64_bf16")
+    k((B * nh, T // TILE), (128,), (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), np.float32(scale)))
+    return dqkv

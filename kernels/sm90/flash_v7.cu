@@ -1,0 +1,124 @@
+// flash_v7.cu: flash attention v7's backward dK dV on Hopper's warpgroup products (wgmma.h). NVIDIA sm_90a only.
+//
+// The math is v6's (kernels/hip/flash.cu, flash_dkdv_v4): a block owns a block of key rows and walks the query tiles
+// from its first key on; per tile S^T = K Q^T and dP^T = V dO^T, P^T = exp(scale S^T - lse) (zero where a query is
+// before its key), dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in registers, dK times scale
+// at the end. What changes is who multiplies: one warpgroup (4 warps, 128 threads) owns 64 key rows, and each product
+// is four wgmma instructions of 64 x 64 x 16 instead of a warp's many 16 x 8 x 16 mma.sync:
+//   K and V are A operands kept in registers for the whole walk (load_a_fragment, once);
+//   Q and dO are staged in shared memory twice each, as rows (the B of S^T and dP^T) and transposed (the B of dK
+//     and dV), in wgmma.h's core-matrix layout;
+//   P^T and dS^T go from the accumulators of S^T and dP^T straight into the A registers of dV's and dK's products
+//     (d_to_a): the accumulator's layout is the A fragment's, column pair by column pair.
+// The packed layout of the engine: qkv (B, T, 3C) and dout (B, T, C) bf16 bits, lse and delta (B, nh, T) float32
+// (lse the natural log of each query's sum; delta rowsum(dO o O), which v6's dQ kernel writes), dqkv (B, T, 3C)
+// float32 of which this kernel writes dk (columns C ..) and dv (2C ..). Head size 64, T a multiple of 64 (the
+// launcher checks).
+#include "wgmma.h"
+
+#define V7_HS 64
+#define V7_LOG2E 1.4426950408889634f
+
+// two floats rounded to bf16 (to nearest even) in one register, lo in the low half
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// A 64 x 64 accumulator (wgmma.h's D layout) as the A fragments of four k16 steps, rounded to bf16: step s takes the
+// column chunks 2s and 2s + 1, which hold exactly the elements load_a_fragment would put in its four registers.
+__device__ __forceinline__ void d_to_a(uint32_t (*a)[4], const float* d) {
+    for (int s = 0; s < 4; ++s) {
+        const float* e = d + 8 * s;
+        a[s][0] = pack_bf16(e[0], e[1]);
+        a[s][1] = pack_bf16(e[2], e[3]);
+        a[s][2] = pack_bf16(e[4], e[5]);
+        a[s][3] = pack_bf16(e[6], e[7]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    flash_attention_backward_v7_packed_dkdv_hs64_bf16(const uint16_t* __restrict__ qkv,
+                                                      const uint16_t* __restrict__ dout,
+                                                      const float* __restrict__ lse, const float* __restrict__ delta,
+                                                      float* __restrict__ dqkv, int T, int nh, float scale) {
+    __shared__ __align__(128) uint16_t sq[WG_TILE * WG_TILE];    // Q's tile, rows = queries (B of S^T)
+    __shared__ __align__(128) uint16_t sqt[WG_TILE * WG_TILE];   // Q's tile transposed, rows = dims (B of dK)
+    __shared__ __align__(128) uint16_t sdo[WG_TILE * WG_TILE];   // dO's tile, rows = queries (B of dP^T)
+    __shared__ __align__(128) uint16_t sdot[WG_TILE * WG_TILE];  // dO's tile transposed (B of dV)
+    __shared__ float s_lse[WG_TILE], s_del[WG_TILE];             // the tile's lse (times log2 e) and delta
+    const long head = blockIdx.x, b = head / nh, h = head % nh, C = static_cast<long>(nh) * V7_HS, ld = 3 * C;
+    const uint16_t* q = qkv + b * T * ld + h * V7_HS;
+    const uint16_t* k = q + C;
+    const uint16_t* v = q + 2 * C;
+    const uint16_t* dO = dout + b * T * C + h * V7_HS;
+    float* dk = dqkv + b * T * ld + h * V7_HS + C;
+    float* dv = dk + C;
+    lse += head * T;
+    delta += head * T;
+    const long s0 = static_cast<long>(blockIdx.y) * WG_TILE;  // key block 0 (the longest walk) first
+    const uint32_t sbo = WG_TILE * 16;
+    const float sl2 = scale * V7_LOG2E;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t kf[4][4], vf[4][4];
+    for (int s = 0; s < 4; ++s) {
+        load_a_fragment(kf[s], k, ld, s0, 16 * s);
+        load_a_fragment(vf[s], v, ld, s0, 16 * s);
+    }
+    float dK[32], dV[32];
+    for (int i = 0; i < 32; ++i) dK[i] = dV[i] = 0.0f;
+    for (long t0 = s0; t0 < T; t0 += WG_TILE) {
+        __syncthreads();  // every thread's products of the previous tile are done with the buffers
+        stage_tile(sq, q, ld, t0, 0, 0);
+        stage_tile(sqt, q, ld, 0, t0, 1);
+        stage_tile(sdo, dO, C, t0, 0, 0);
+        stage_tile(sdot, dO, C, 0, t0, 1);
+        if (threadIdx.x < WG_TILE) {
+            s_lse[threadIdx.x] = lse[t0 + threadIdx.x] * V7_LOG2E;
+            s_del[threadIdx.x] = delta[t0 + threadIdx.x];
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        float S[32], dP[32];
+        for (int i = 0; i < 32; ++i) S[i] = dP[i] = 0.0f;
+        fence_operands(S);
+        fence_operands(dP);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < 4; ++s) {
+            wgmma_64x64x16_rs(S, kf[s], smem_desc(sq + s * 128, 128, sbo));
+            wgmma_64x64x16_rs(dP, vf[s], smem_desc(sdo + s * 128, 128, sbo));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands(S);
+        fence_operands(dP);
+        // element i = 4j + e of a thread's accumulators: key row s0 + 16 warp + lane/4 + 8 (e/2), query
+        // t0 + 8j + 2 (lane%4) + e%2
+        for (int i = 0; i < 32; ++i) {
+            const int row = 16 * warp + lane / 4 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+            const float p = t0 + col >= s0 + row ? exp2f(fmaf(S[i], sl2, -s_lse[col])) : 0.0f;
+            S[i] = p;
+            dP[i] = p * (dP[i] - s_del[col]);
+        }
+        uint32_t pa[4][4], da[4][4];
+        d_to_a(pa, S);
+        d_to_a(da, dP);
+        fence_operands(dK);
+        fence_operands(dV);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < 4; ++s) {
+            wgmma_64x64x16_rs(dV, pa[s], smem_desc(sdot + s * 128, 128, sbo));
+            wgmma_64x64x16_rs(dK, da[s], smem_desc(sqt + s * 128, 128, sbo));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands(dK);
+        fence_operands(dV);
+    }
+    for (int i = 0; i < 32; ++i) {
+        const long row = s0 + 16 * warp + lane / 4 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+        dk[row * ld + col] = dK[i] * scale;
+        dv[row * ld + col] = dV[i];
+    }
+}
