@@ -174,3 +174,36 @@ def test_gpu_flash_v7_dkdv_matches_the_reference(B, nh, T):
         where = np.unravel_index(int(np.nanargmax(np.abs(g - w))), g.shape)
         assert err < 2e-2, (name, err, where)  # P and dS rounded to bf16, as v6 does (tests/test_hip_flash.py's TOL)
     assert float(np.abs(dk - dv).max() / np.abs(dv).max()) > 6e-2  # dk and dv swapped would fail
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, nh, T", [(1, 1, 64), (2, 3, 256), (1, 12, 1024)])
+def test_gpu_flash_v7_backward_matches_the_reference(B, nh, T):
+    """The whole backward: dQ (which writes delta from out in bf16), then dK dV."""
+    import cupy as cp
+
+    rng = np.random.default_rng(B * 1000 + nh * 10 + T + 1)
+    hs = sm90.V7_HS
+    q, k, v, do = (bits(rng.standard_normal((B, nh, T, hs))) for _ in range(4))
+    out, lse, dq, dk, dv = reference(wide(q), wide(k), wide(v), wide(do))
+    qkv = np.concatenate([packed(q), packed(k), packed(v)], axis=-1)
+    out_bits = packed(bits(out))
+    delta = cp.full((B, nh, T), np.nan, cp.float32)
+    dqkv = cp.full((B, T, 3 * nh * hs), np.nan, cp.float32)
+    args = [cp.asarray(x) for x in (qkv, out_bits, packed(do), lse.astype(np.float32))]
+    sm90.flash_backward_v7(*args, delta, dqkv, nh=nh)
+    got, C = cp.asnumpy(dqkv), nh * hs
+    want_delta = (wide(do) * wide(bits(out))).sum(-1)
+    assert np.abs(cp.asnumpy(delta) - want_delta).max() <= 1e-4 * max(1.0, float(np.abs(want_delta).max()))
+    parts = {"dq": (got[..., :C], dq), "dk": (got[..., C : 2 * C], dk), "dv": (got[..., 2 * C :], dv)}
+    for name, (g, w) in parts.items():
+        g = heads(g, nh)
+        err = float(np.abs(g - w).max() / max(float(np.abs(w).max()), 0.1))
+        assert err < 2e-2, (name, err)
+
+
+def test_v7_backward_names_a_wrong_out():
+    args = v7_args()
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous uint16 \(1, 128, 128\) array"):
+        sm90.flash_backward_v7(out=np.zeros((1, 128, 128), np.float32), **args, nh=2)

@@ -146,7 +146,7 @@ def wgmma_gemm(a, b, out=None, b_kn=False, a_regs=False):
 V7_HS = 64  # kernels/sm90/flash_v7.cu: the head size it is written for
 
 
-def _check_v7(qkv, dout, lse, delta, dqkv, nh) -> tuple[int, int, int]:
+def _check_v7(qkv, dout, lse, delta, dqkv, nh, out=None) -> tuple[int, int, int]:
     """(B, T, C) of flash_backward_dkdv_v7's arguments, or an error naming the argument and the rule it breaks."""
     if getattr(qkv, "ndim", None) != 3 or qkv.dtype != np.uint16:
         raise TypeError(
@@ -167,6 +167,8 @@ def _check_v7(qkv, dout, lse, delta, dqkv, nh) -> tuple[int, int, int]:
         "delta": ((B, nh, T), np.float32, delta),
         "dqkv": ((B, T, 3 * C), np.float32, dqkv),
     }
+    if out is not None:
+        want["out"] = ((B, T, C), np.uint16, out)
     for name, (shape, dtype, x) in want.items():
         if getattr(x, "shape", None) != shape or x.dtype != dtype or not x.flags.c_contiguous:
             raise ValueError(
@@ -187,3 +189,15 @@ def flash_backward_dkdv_v7(qkv, dout, lse, delta, dqkv, nh: int, scale: float | 
     k = kernel("flash_v7", "flash_attention_backward_v7_packed_dkdv_hs64_bf16")
     k((B * nh, T // TILE), (128,), (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), np.float32(scale)))
     return dqkv
+
+
+def flash_backward_v7(qkv, out, dout, lse, delta, dqkv, nh: int, scale: float | None = None):
+    """dq, dk and dv of causal attention into dqkv, through kernels/sm90/flash_v7.cu: the dQ kernel first (it also
+    writes delta = rowsum(dout o out) into `delta` for the next), then dK dV. The packed layout of the engine (out:
+    (B, T, C) bf16 bits, as the forward wrote it), bf16, head size 64, T a multiple of 64."""
+    B, T, C = _check_v7(qkv, dout, lse, delta, dqkv, nh, out=out)
+    require_hopper()
+    scale = 1.0 / np.sqrt(V7_HS) if scale is None else scale
+    k = kernel("flash_v7", "flash_attention_backward_v7_packed_dq_hs64_bf16")
+    k((B * nh, T // TILE), (128,), (qkv, out, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), np.float32(scale)))
+    return flash_backward_dkdv_v7(qkv, dout, lse, delta, dqkv, nh, scale)

@@ -122,3 +122,93 @@ extern "C" __global__ void __launch_bounds__(128)
         dv[row * ld + col] = dV[i];
     }
 }
+
+// dQ (and delta): a block owns 64 query rows and walks the key tiles up to its own; per tile S = Q K^T and
+// dP = dO V^T (Q and dO as register A operands, K and V staged as rows), P = exp(scale S - lse), dS = P (dP - delta),
+// dQ += dS K (dS from the accumulators into A registers, K staged transposed); dQ times scale at the end. It runs
+// before dK dV and writes delta = rowsum(dO o O) for it, from out in bf16 (out: (B, T, C) bf16 bits, as the
+// forward left it), as v6's dQ kernel does.
+extern "C" __global__ void __launch_bounds__(128)
+    flash_attention_backward_v7_packed_dq_hs64_bf16(const uint16_t* __restrict__ qkv, const uint16_t* __restrict__ out,
+                                                    const uint16_t* __restrict__ dout, const float* __restrict__ lse,
+                                                    float* __restrict__ delta, float* __restrict__ dqkv, int T, int nh,
+                                                    float scale) {
+    __shared__ __align__(128) uint16_t sk[WG_TILE * WG_TILE];   // K's tile, rows = keys (B of S)
+    __shared__ __align__(128) uint16_t sv[WG_TILE * WG_TILE];   // V's tile, rows = keys (B of dP)
+    __shared__ __align__(128) uint16_t skt[WG_TILE * WG_TILE];  // K's tile transposed, rows = dims (B of dQ)
+    __shared__ float s_del[WG_TILE];
+    const long head = blockIdx.x, b = head / nh, h = head % nh, C = static_cast<long>(nh) * V7_HS, ld = 3 * C;
+    const uint16_t* q = qkv + b * T * ld + h * V7_HS;
+    const uint16_t* k = q + C;
+    const uint16_t* v = q + 2 * C;
+    const uint16_t* dO = dout + b * T * C + h * V7_HS;
+    const uint16_t* o = out + b * T * C + h * V7_HS;
+    float* dq = dqkv + b * T * ld + h * V7_HS;
+    lse += head * T;
+    delta += head * T;
+    const long qb = static_cast<long>(gridDim.y - 1 - blockIdx.y);  // the last query block (the longest walk) first
+    const long t0 = qb * WG_TILE;
+    const uint32_t sbo = WG_TILE * 16;
+    const float sl2 = scale * V7_LOG2E;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x < WG_TILE) {  // delta of the block's rows, one thread a row
+        const long r = t0 + threadIdx.x;
+        float acc = 0.0f;
+        for (int c = 0; c < V7_HS; ++c) {
+            const float x = __uint_as_float(static_cast<uint32_t>(dO[r * C + c]) << 16);
+            const float y = __uint_as_float(static_cast<uint32_t>(o[r * C + c]) << 16);
+            acc = fmaf(x, y, acc);
+        }
+        delta[r] = acc;
+        s_del[threadIdx.x] = acc;
+    }
+    uint32_t qf[4][4], of[4][4];
+    for (int s = 0; s < 4; ++s) {
+        load_a_fragment(qf[s], q, ld, t0, 16 * s);
+        load_a_fragment(of[s], dO, C, t0, 16 * s);
+    }
+    __syncthreads();  // s_del written
+    const int r_lo = 16 * warp + lane / 4;  // this thread's two rows of the tile: r_lo and r_lo + 8
+    const float lse2[2] = {lse[t0 + r_lo] * V7_LOG2E, lse[t0 + r_lo + 8] * V7_LOG2E};
+    const float del[2] = {s_del[r_lo], s_del[r_lo + 8]};
+    float dQ[32];
+    for (int i = 0; i < 32; ++i) dQ[i] = 0.0f;
+    for (long k0 = 0; k0 <= t0; k0 += WG_TILE) {
+        __syncthreads();  // every thread's products of the previous tile are done with the buffers
+        stage_tile(sk, k, ld, k0, 0, 0);
+        stage_tile(sv, v, ld, k0, 0, 0);
+        stage_tile(skt, k, ld, 0, k0, 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        float S[32], dP[32];
+        for (int i = 0; i < 32; ++i) S[i] = dP[i] = 0.0f;
+        fence_operands(S);
+        fence_operands(dP);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < 4; ++s) {
+            wgmma_64x64x16_rs(S, qf[s], smem_desc(sk + s * 128, 128, sbo));
+            wgmma_64x64x16_rs(dP, of[s], smem_desc(sv + s * 128, 128, sbo));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands(S);
+        fence_operands(dP);
+        for (int i = 0; i < 32; ++i) {  // query t0 + r_lo + 8 hi, key k0 + 8 (i / 4) + 2 (lane % 4) + i % 2
+            const int hi = (i % 4) / 2, col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+            const float p = k0 + col <= t0 + r_lo + 8 * hi ? exp2f(fmaf(S[i], sl2, -lse2[hi])) : 0.0f;
+            S[i] = p * (dP[i] - del[hi]);  // dS
+        }
+        uint32_t da[4][4];
+        d_to_a(da, S);
+        fence_operands(dQ);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < 4; ++s) wgmma_64x64x16_rs(dQ, da[s], smem_desc(skt + s * 128, 128, sbo));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands(dQ);
+    }
+    for (int i = 0; i < 32; ++i) {
+        const long row = t0 + r_lo + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+        dq[row * ld + col] = dQ[i] * scale;
+    }
+}
