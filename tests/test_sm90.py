@@ -1,12 +1,12 @@
-"""kernels/sm90 (runtime/sm90.py): Hopper's warpgroup matrix product, and flash attention v7's dK dV built on it.
+"""kernels/sm90 (runtime/sm90.py): Hopper's warpgroup matrix product, and flash attention v7 built on it.
 
 Without a GPU: wgmma.cu and flash_v7.cu compile with NVRTC for sm_90a, and ptxas refuses it for plain sm_90 (why runtime/sm90.py
 compiles cubins itself instead of going through CuPy's RawModule); bad arguments and a GPU that is not a Hopper are
 named. On an H100 / H200: the wgmma product equals NumPy's on fresh random inputs, over several tiles of C and
 several chunks of K, with A read from shared memory or from registers and B given as (N, K) or
-(K, N), and a second call into the same output leaves nothing of the first; v7's dK and dV equal the float64
-reference's (lesson 01's attention) within v6's tolerance at T = 64 (one tile), 256 and 1024, twice with the same bits,
-without touching dq's columns.
+(K, N), and a second call into the same output leaves nothing of the first; v7's forward (out, lse), its dK dV
+alone (twice with the same bits, dq's columns untouched) and its whole backward (dQ writing delta, then dK dV) equal
+the float64 reference's (lesson 01's attention) within v6's tolerance at T = 64 (one tile), 256 and 1024.
 """
 
 import numpy as np
@@ -207,3 +207,31 @@ def test_v7_backward_names_a_wrong_out():
     args = v7_args()
     with pytest.raises(ValueError, match=r"out must be a C-contiguous uint16 \(1, 128, 128\) array"):
         sm90.flash_backward_v7(out=np.zeros((1, 128, 128), np.float32), **args, nh=2)
+
+
+def test_v7_forward_names_a_wrong_argument():
+    args = v7_args()
+    with pytest.raises(ValueError, match=r"lse must be a C-contiguous float32 \(1, 2, 128\) array"):
+        sm90.flash_forward_v7(args["qkv"], args["dout"], np.zeros((1, 128, 2), np.float32), nh=2)
+    with pytest.raises(ValueError, match="T = 100 must be a multiple of 64"):
+        sm90.flash_forward_v7(np.zeros((1, 100, 384), np.uint16), args["dout"], args["lse"], nh=2)
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, nh, T", [(1, 1, 64), (2, 3, 256), (1, 12, 1024)])
+def test_gpu_flash_v7_forward_matches_the_reference(B, nh, T):
+    import cupy as cp
+
+    rng = np.random.default_rng(B * 1000 + nh * 10 + T + 2)
+    hs = sm90.V7_HS
+    q, k, v = (bits(rng.standard_normal((B, nh, T, hs))) for _ in range(3))
+    want_out, want_lse = reference(wide(q), wide(k), wide(v))
+    qkv = cp.asarray(np.concatenate([packed(q), packed(k), packed(v)], axis=-1))
+    out = cp.zeros((B, T, nh * hs), cp.uint16)
+    lse = cp.full((B, nh, T), np.nan, cp.float32)
+    sm90.flash_forward_v7(qkv, out, lse, nh=nh)
+    got_out = heads(wide(cp.asnumpy(out)), nh)
+    err = float(np.abs(got_out - want_out).max() / max(float(np.abs(want_out).max()), 0.1))
+    assert err < 2e-2, ("out", err)  # P rounded to bf16 for the product, out rounded to bf16
+    assert np.abs(cp.asnumpy(lse) - want_lse).max() < 1e-3 * max(1.0, float(np.abs(want_lse).max()))

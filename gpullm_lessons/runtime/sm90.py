@@ -7,8 +7,10 @@ compiles for the device's ``sm_90``, so these sources take another road: NVRTC c
 cubin (machine code for that GPU, nothing left for the driver to compile), and ``cupy.RawModule(path=...)`` loads it.
 
 ``compile_check(name, arch)`` compiles a source without a GPU ((ok, log), the CI check); ``kernel(name, function)``
-returns a ``cupy.RawKernel`` on an sm_90 GPU (H100, H200) and a clear error anywhere else; ``wgmma_gemm(a, b)`` is
-the building block's launcher, checked against NumPy in tests/test_sm90.py.
+returns a ``cupy.RawKernel`` on an sm_90 GPU (H100, H200) and a clear error anywhere else. The launchers:
+``wgmma_gemm(a, b)``, the building block (wgmma.cu); ``flash_forward_v7`` and ``flash_backward_v7`` (flash_v7.cu),
+flash attention in the engine's packed layout, bf16, head size 64. tests/test_sm90.py checks each against NumPy's
+float64 reference.
 """
 
 from __future__ import annotations
@@ -146,13 +148,15 @@ def wgmma_gemm(a, b, out=None, b_kn=False, a_regs=False):
 V7_HS = 64  # kernels/sm90/flash_v7.cu: the head size it is written for
 
 
-def _check_v7(qkv, dout, lse, delta, dqkv, nh, out=None) -> tuple[int, int, int]:
-    """(B, T, C) of flash_backward_dkdv_v7's arguments, or an error naming the argument and the rule it breaks."""
+def _v7_shape(qkv, nh) -> tuple[int, int, int]:
+    """(B, T, C) of a v7 call's qkv, or an error naming what v7 cannot take."""
     if getattr(qkv, "ndim", None) != 3 or qkv.dtype != np.uint16:
         raise TypeError(
             f"flash v7: qkv must be (B, T, 3C) bf16 bits (uint16), got {getattr(qkv, 'dtype', '')} "
             f"{getattr(qkv, 'shape', '')}"
         )
+    if not qkv.flags.c_contiguous:
+        raise ValueError("flash v7: qkv must be C-contiguous")
     B, T, C3 = qkv.shape
     if nh <= 0 or C3 != 3 * nh * V7_HS:
         raise ValueError(
@@ -160,23 +164,30 @@ def _check_v7(qkv, dout, lse, delta, dqkv, nh, out=None) -> tuple[int, int, int]
         )
     if T % TILE:
         raise ValueError(f"flash v7: T = {T} must be a multiple of {TILE} (v7 walks whole tiles; v6 takes any T)")
-    C = C3 // 3
-    want = {
-        "dout": ((B, T, C), np.uint16, dout),
-        "lse": ((B, nh, T), np.float32, lse),
-        "delta": ((B, nh, T), np.float32, delta),
-        "dqkv": ((B, T, 3 * C), np.float32, dqkv),
-    }
-    if out is not None:
-        want["out"] = ((B, T, C), np.uint16, out)
+    return B, T, C3 // 3
+
+
+def _check_arrays(**want) -> None:
+    """want: name=(shape, dtype, array); an error names the first array that is not a C-contiguous one of those."""
     for name, (shape, dtype, x) in want.items():
         if getattr(x, "shape", None) != shape or x.dtype != dtype or not x.flags.c_contiguous:
             raise ValueError(
                 f"flash v7: {name} must be a C-contiguous {np.dtype(dtype).name} {shape} array, got "
                 f"{getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}"
             )
-    if not qkv.flags.c_contiguous:
-        raise ValueError("flash v7: qkv must be C-contiguous")
+
+
+def _check_v7(qkv, dout, lse, delta, dqkv, nh, out=None) -> tuple[int, int, int]:
+    """(B, T, C) of the backward's arguments, or an error naming the argument and the rule it breaks."""
+    B, T, C = _v7_shape(qkv, nh)
+    _check_arrays(
+        dout=((B, T, C), np.uint16, dout),
+        lse=((B, nh, T), np.float32, lse),
+        delta=((B, nh, T), np.float32, delta),
+        dqkv=((B, T, 3 * C), np.float32, dqkv),
+    )
+    if out is not None:
+        _check_arrays(out=((B, T, C), np.uint16, out))
     return B, T, C
 
 
@@ -201,3 +212,16 @@ def flash_backward_v7(qkv, out, dout, lse, delta, dqkv, nh: int, scale: float | 
     k = kernel("flash_v7", "flash_attention_backward_v7_packed_dq_hs64_bf16")
     k((B * nh, T // TILE), (128,), (qkv, out, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), np.float32(scale)))
     return flash_backward_dkdv_v7(qkv, dout, lse, delta, dqkv, nh, scale)
+
+
+def flash_forward_v7(qkv, out, lse, nh: int, scale: float | None = None):
+    """Causal attention's forward through kernels/sm90/flash_v7.cu: out (B, T, C) bf16 bits and lse (B, nh, T)
+    float32 (natural log) from qkv (B, T, 3C) bf16 bits, the packed layout of the engine; head size 64, T a multiple
+    of 64."""
+    B, T, C = _v7_shape(qkv, nh)
+    _check_arrays(out=((B, T, C), np.uint16, out), lse=((B, nh, T), np.float32, lse))
+    require_hopper()
+    scale = 1.0 / np.sqrt(V7_HS) if scale is None else scale
+    k = kernel("flash_v7", "flash_attention_forward_v7_packed_hs64_bf16")
+    k((B * nh, T // TILE), (128,), (qkv, out, lse, np.int32(T), np.int32(nh), np.float32(scale)))
+    return out, lse

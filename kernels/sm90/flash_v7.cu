@@ -18,6 +18,7 @@
 
 #define V7_HS 64
 #define V7_LOG2E 1.4426950408889634f
+#define V7_NEG_INF (-__int_as_float(0x7f800000))
 
 // two floats rounded to bf16 (to nearest even) in one register, lo in the low half
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -211,4 +212,91 @@ extern "C" __global__ void __launch_bounds__(128)
         const long row = t0 + r_lo + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
         dq[row * ld + col] = dQ[i] * scale;
     }
+}
+
+// Forward: a block owns 64 query rows (Q as register A operands) and walks the key tiles up to its own with the
+// online softmax: S = Q K^T (K staged as rows), each row's running max m and sum l (a thread holds two rows, r_lo
+// and r_lo + 8, sixteen columns each; the four lanes that share a row combine theirs with two shuffles), P =
+// exp(scale S - m) from the accumulator into A registers, O = O exp(m_old - m) + P V (V staged transposed). At the
+// end out = O / l in bf16 and lse = m + log l (natural log), both in the engine's packed layout.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    flash_attention_forward_v7_packed_hs64_bf16(const uint16_t* __restrict__ qkv, uint16_t* __restrict__ out,
+                                                float* __restrict__ lse, int T, int nh, float scale) {
+    __shared__ __align__(128) uint16_t sk[WG_TILE * WG_TILE];   // K's tile, rows = keys (B of S)
+    __shared__ __align__(128) uint16_t svt[WG_TILE * WG_TILE];  // V's tile transposed, rows = dims (B of O)
+    const long head = blockIdx.x, b = head / nh, h = head % nh, C = static_cast<long>(nh) * V7_HS, ld = 3 * C;
+    const uint16_t* q = qkv + b * T * ld + h * V7_HS;
+    const uint16_t* k = q + C;
+    const uint16_t* v = q + 2 * C;
+    uint16_t* o = out + b * T * C + h * V7_HS;
+    lse += head * T;
+    const long t0 = static_cast<long>(gridDim.y - 1 - blockIdx.y) * WG_TILE;  // the longest walk first
+    const uint32_t sbo = WG_TILE * 16;
+    const float sl2 = scale * V7_LOG2E;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r_lo = 16 * warp + lane / 4;
+    uint32_t qf[4][4];
+    for (int s = 0; s < 4; ++s) load_a_fragment(qf[s], q, ld, t0, 16 * s);
+    float O[32], m[2] = {V7_NEG_INF, V7_NEG_INF}, l[2] = {0.0f, 0.0f};  // m in units of log2 (scaled scores)
+    for (int i = 0; i < 32; ++i) O[i] = 0.0f;
+    for (long k0 = 0; k0 <= t0; k0 += WG_TILE) {
+        __syncthreads();
+        stage_tile(sk, k, ld, k0, 0, 0);
+        stage_tile(svt, v, ld, 0, k0, 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        float S[32];
+        for (int i = 0; i < 32; ++i) S[i] = 0.0f;
+        fence_operands(S);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < 4; ++s) wgmma_64x64x16_rs(S, qf[s], smem_desc(sk + s * 128, 128, sbo));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands(S);
+        float mt[2] = {V7_NEG_INF, V7_NEG_INF};
+        for (int i = 0; i < 32; ++i) {
+            const int hi = (i % 4) / 2, col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+            S[i] = k0 + col <= t0 + r_lo + 8 * hi ? S[i] * sl2 : V7_NEG_INF;
+            mt[hi] = fmaxf(mt[hi], S[i]);
+        }
+        float alpha[2], ls[2] = {0.0f, 0.0f};
+        for (int hi = 0; hi < 2; ++hi) {  // every row has a key in every tile it visits (key k0 <= its query)
+            const float mn = fmaxf(m[hi], quad_max(mt[hi]));
+            alpha[hi] = exp2f(m[hi] - mn);
+            m[hi] = mn;
+        }
+        for (int i = 0; i < 32; ++i) {
+            const int hi = (i % 4) / 2;
+            S[i] = exp2f(S[i] - m[hi]);
+            ls[hi] += S[i];
+            O[i] *= alpha[hi];
+        }
+        for (int hi = 0; hi < 2; ++hi) l[hi] = l[hi] * alpha[hi] + quad_sum(ls[hi]);
+        uint32_t pa[4][4];
+        d_to_a(pa, S);
+        fence_operands(O);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        for (int s = 0; s < 4; ++s) wgmma_64x64x16_rs(O, pa[s], smem_desc(svt + s * 128, 128, sbo));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        fence_operands(O);
+    }
+    for (int i = 0; i < 32; i += 2) {  // two neighbouring columns per 32-bit store
+        const int hi = (i % 4) / 2, col = 8 * (i / 4) + 2 * (lane % 4);
+        const long row = t0 + r_lo + 8 * hi;
+        const float inv = 1.0f / l[hi];
+        *reinterpret_cast<uint32_t*>(o + row * C + col) = pack_bf16(O[i] * inv, O[i + 1] * inv);
+    }
+    if (lane % 4 == 0)
+        for (int hi = 0; hi < 2; ++hi) lse[t0 + r_lo + 8 * hi] = (m[hi] + log2f(l[hi])) / V7_LOG2E;
 }
