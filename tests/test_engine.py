@@ -635,6 +635,35 @@ def test_gpu_each_flash_version_the_engine_can_run_gives_the_default_s_gradients
     assert max_rel(g, g6) < 3e-2
 
 
+def _hopper() -> bool:
+    if device.kind() != "cuda":
+        return False
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason=f"flash v7 runs on an H100 / H200 (this machine: {device.kind()})")
+def test_gpu_flash_v7_in_the_engine_tracks_v6():
+    """versions={"flash": "v7"} (kernels/sm90, Hopper's wgmma) at head size 64 and T = 128 (two tiles): the first
+    step's gradients are v6's within bf16's rounding, and 10 steps give v6's losses within 2%."""
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=2, d_model=128)  # hs = 64
+    batches = [batch(cfg, 4, 128, seed=100 + s) for s in range(10)]
+    x, y = batches[0]
+    _, g6 = grads_of(engine.build(cfg, "hip", precision="bf16"), x, y)
+    eng = engine.build(cfg, "hip", precision="bf16", versions={"flash": "v7"})
+    assert eng.ver["flash"] == "v7" and eng.ver["attention"] == "flash"
+    _, g7 = grads_of(eng, x, y)
+    assert 0 < max_rel(g7, g6) < 3e-2  # 0 would mean v6 ran twice
+    runs = {}
+    for v in ("v6", "v7"):
+        e = engine.build(cfg, "hip", precision="bf16", versions={"flash": v})
+        runs[v] = [e.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in batches]
+    rel = np.abs(np.array(runs["v7"]) - runs["v6"]) / np.array(runs["v6"])
+    assert rel.max() < 2e-2, rel
+
+
 def test_flash_attention_is_refused_by_name_where_it_cannot_run():
     from gpullm_lessons.engine.gpu import flash_unsupported
 
@@ -647,9 +676,32 @@ def test_flash_attention_is_refused_by_name_where_it_cannot_run():
         engine.build(TOY, "numba", precision="bf16", versions={"attention": "flash"})
     with pytest.raises(engine.EngineError, match="attention must be 'flash' or 'cublas'"):
         engine.build(TOY, "numba", versions={"attention": "sdpa"})
-    with pytest.raises(engine.EngineError, match="flash must be one of v4, v5, v6, got 'v2'"):
+    with pytest.raises(engine.EngineError, match="flash must be one of v4, v5, v6, v7, got 'v2'"):
         engine.build(TOY, "numba", versions={"flash": "v2"})  # v2 and v3 have no kernels on the packed layout
     assert engine.build(TOY, "numba", precision="bf16").ver["attention"] == "cublas"  # the default
+
+
+def test_flash_v7_is_refused_where_it_cannot_run():
+    """v7 (kernels/sm90, Hopper's wgmma) runs the flash path in bf16 at head size 64 on an H100 / H200: anything else
+    is refused by name (the rules, checked without a GPU on a stand-in engine)."""
+    from types import SimpleNamespace
+
+    from gpullm_lessons.engine.gpu import GPUEngine
+
+    hs64 = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, d_model=128)
+    hs32 = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=4, d_model=128)
+    flash_cpu = SimpleNamespace(ver={"attention": "flash"}, on_gpu=False)
+    cases = [
+        (SimpleNamespace(ver={"attention": "cublas"}, on_gpu=True), hs64, "bf16", "attention is 'cublas'"),
+        (flash_cpu, hs64, "fp16", r"written for bf16 \(precision='fp16'\)"),
+        (flash_cpu, hs32, "bf16", r"written for head size 64 \(this model: 32\)"),
+        (flash_cpu, hs64, "bf16", "NVIDIA H100 / H200 only"),
+    ]
+    for stand_in, cfg, precision, said in cases:
+        with pytest.raises(engine.EngineError, match=f"flash='v7' cannot run here: .*{said}"):
+            GPUEngine._check_v7(stand_in, cfg, precision)
+    with pytest.raises(engine.EngineError, match="flash='v7' cannot run here: it is a flash kernel"):
+        engine.build(hs64, "numba", precision="bf16", versions={"flash": "v7"})
 
 
 def test_engine_memory_of_flash_attention_is_linear_in_T():

@@ -823,7 +823,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=("flash", "cublas"), default=None,
                     help="`train` / `gputime` / `timeline`: the engine's attention path in half precision (default "
                          "flash where it runs)")
-    ap.add_argument("--flash-version", choices=("v4", "v5", "v6"), default=None,
+    ap.add_argument("--flash-version", choices=("v4", "v5", "v6", "v7"), default=None,
                     help="`train` / `gputime` / `timeline`: the version of the flash kernels the engine's flash path "
                          "runs (default v6)")
     ap.add_argument("--gelu-in", choices=("f32", "half"), default=None,

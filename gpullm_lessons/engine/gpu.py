@@ -145,10 +145,12 @@ class GPUEngine(Engine):
             )
         if self.ver["tf32"] == "on" and self.on_gpu and device.kind() == "rocm":
             raise EngineError("versions: tf32='on' is cuBLAS's TF32 mode (NVIDIA); on AMD keep tf32='off'")
-        from ..backends.hip.flash import PACKED
+        from ..backends.hip.flash import PACKED, SM90
 
-        if self.ver["flash"] not in PACKED:
-            raise EngineError(f"versions: flash must be one of {', '.join(PACKED)}, got {self.ver['flash']!r}")
+        if self.ver["flash"] not in PACKED + SM90:
+            raise EngineError(f"versions: flash must be one of {', '.join(PACKED + SM90)}, got {self.ver['flash']!r}")
+        if self.ver["flash"] in SM90:
+            self._check_v7(cfg, precision)
         if backend == "hip" and self.ver["adamw"] == "v3" and num_params(cfg) % 4:
             self.ver["adamw"] = "v2"  # v3 reads float4: the buffer length must be a multiple of 4
         if optimizer_state in ("bf16", "int8") and not (versions and "adamw" in versions):
@@ -297,6 +299,27 @@ class GPUEngine(Engine):
         what = "gemm+bias+residual" if res is not None else "gemm+bias"
         c = None if res is None else res.reshape(out.shape)
         return self._epilogue_product(what, a, w, out, "bias", bias=bias, c=c)
+
+    def _check_v7(self, cfg, precision):
+        """versions flash 'v7' (kernels/sm90, Hopper's wgmma): the flash path, bf16, head size 64, an H100 / H200."""
+        from ..runtime import sm90
+
+        why = None
+        if self.ver["attention"] != "flash":
+            why = f"it is a flash kernel and attention is {self.ver['attention']!r}"
+        elif precision != "bf16":
+            why = f"its kernels are written for bf16 (precision={precision!r})"
+        elif cfg.d_model // cfg.n_head != sm90.V7_HS:
+            why = f"its kernels are written for head size {sm90.V7_HS} (this model: {cfg.d_model // cfg.n_head})"
+        elif not self.on_gpu:
+            why = "it runs on an NVIDIA H100 / H200 only (the simulator cannot run wgmma): use flash='v6'"
+        else:
+            try:
+                sm90.require_hopper()
+            except sm90.NotHopperError as e:
+                why = str(e)
+        if why:
+            raise EngineError(f"versions: flash='v7' cannot run here: {why}")
 
     def _epilogue_product(self, what, *args, **kw):
         """runtime/blaslt.py's matmul_epilogue(*args, **kw) in the run's format, timed as `what` when profiling."""

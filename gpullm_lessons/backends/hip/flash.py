@@ -22,7 +22,8 @@ Attention in general (causal=False, a (Tq, Tk) mask, Tq != Tk; contracts/flash.p
 kernels/numba/flash.py's general kernels) runs on v3's general entry points (GENERAL: version="v3"), v3's code with the
 general tests compiled in; a causal call over Tq == Tk without a mask runs the version asked for, as before.
 
-The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4) on the engine's layout: q,
+The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4; or v7 on an H100 / H200,
+runtime/sm90.py) on the engine's layout: q,
 k, v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
 projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes around
 the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
@@ -54,6 +55,9 @@ GEOMETRY = {
     "v6": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
 }
 PACKED = ("v4", "v5", "v6")  # the versions with entry points on the engine's packed layout
+# v7: Hopper's warpgroup products (kernels/sm90/flash_v7.cu through runtime/sm90.py), NVIDIA H100 / H200 only, on the
+# packed layout alone, bf16, head size 64, T a multiple of 64; not a version of flash.cu (no AMD form)
+SM90 = ("v7",)
 # the versions with entry points for attention in general (causal=False, a mask, Tq != Tk): v3's code with the
 # general tests compiled in (flash.cu's FLASH_ENTRIES_V3_GENERAL); the others run causal attention with Tq == Tk only
 GENERAL = ("v3",)
@@ -399,16 +403,27 @@ def _check_packed(fn, half, nh, pairs):
     return B, T, nh, hs
 
 
+def _check_v7(fn, half):
+    if half != "bf16":
+        raise ValueError(f"{fn}: version='v7' is written for bf16 (Hopper's wgmma kernels), got half={half!r}")
+
+
 def flash_attention_forward_packed(qkv, out, lse, nh, half="bf16", version=DEFAULT):
     """The forward on the engine's layout (version v6, v5 or v4): out (B, T, C) uint16 in format `half` = y with its heads
     side by side, lse (B, nh, T) float32, from qkv (B, T, 3C) uint16 (q, k, v side by side in each row, the bias
     already added); C = nh * hs."""
     fn = "flash_attention_forward_packed"
-    check_version(fn, version, PACKED)
+    check_version(fn, version, PACKED + SM90)
     B, T, nh, hs = _check_packed(
         fn, half, nh, [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("lse", lse, 0, "float32")]
     )
     if B * T == 0:
+        return
+    if version in SM90:
+        from gpullm_lessons.runtime import sm90
+
+        _check_v7(fn, half)
+        sm90.flash_forward_v7(qkv, out, lse, nh)
         return
     values = {"qkv": qkv, "out": out, "lse": lse, "T": np.int32(T), "nh": np.int32(nh), "scale": scale_of(hs)}
     _run(forward_entry(version, half, hs, packed=True), values, version, half, "forward", B * nh, T, hs)
@@ -420,7 +435,7 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
     run). Every element of dqkv is written. version: v6 (dQ computing delta, then dK dV), v5 or v4 (the delta pass, dK
     dV, then dQ); fused=True: v5's one-kernel backward (with version="v5")."""
     fn = "flash_attention_backward_packed"
-    check_version(fn, version, PACKED)
+    check_version(fn, version, PACKED + SM90)
     _check_fused(fn, version, fused)
     pairs = [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("dout", dout, 1, "uint16")]
     pairs += [("lse", lse, 0, "float32"), ("dqkv", dqkv, 3, "float32")]
@@ -429,6 +444,12 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
         return
     import cupy as cp
 
+    if version in SM90:
+        from gpullm_lessons.runtime import sm90
+
+        _check_v7(fn, half)
+        sm90.flash_backward_v7(qkv, out, dout, lse, cp.empty((B, nh, T), cp.float32), dqkv, nh)
+        return
     values = {
         "qkv": qkv,
         "out": out,
