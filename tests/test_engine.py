@@ -277,10 +277,13 @@ def test_epilogues_keep_the_gradients_and_recompute_the_same_bits(toy_reference,
 def with_biases(eng, seed=3):
     """eng with every bias drawn at random (the same for every engine: a model at init has zero biases, which a
     product that drops its bias would reproduce exactly)."""
+    from gpullm_lessons.runtime.arrays import backend_of, to_backend
+
     for name in eng.params.names:
         if name.endswith("b") and name not in ("ln1b", "ln2b", "lnfb"):
             rng = np.random.default_rng([seed, len(name), sum(map(ord, name))])
-            eng.params[name] = 0.5 * rng.standard_normal(np.shape(eng.params[name])).astype(np.float32)
+            value = 0.5 * rng.standard_normal(np.shape(eng.params[name])).astype(np.float32)
+            eng.params[name] = to_backend(value, backend_of(eng.params.flat))  # a GPU engine's buffer is CuPy's
     if hasattr(eng, "params_changed"):
         eng.params_changed()
     return eng
