@@ -147,18 +147,38 @@ def heads(x, nh):
     return x.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
 
 
+def v7_case(B, nh, T, seed):
+    """Fresh bf16 q, k, v, dout (B, nh, T, 64) as bits, and qkv packed as the engine's rows (NumPy)."""
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (bits(rng.standard_normal((B, nh, T, sm90.V7_HS))) for _ in range(4))
+    return q, k, v, do, np.concatenate([packed(q), packed(k), packed(v)], axis=-1)
+
+
+def rel_err(got, want):
+    """max |error| over max |expected| (at least 0.1), as tests/test_hip_flash.py measures the other versions."""
+    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 0.1))
+
+
+def test_the_packed_rows_hold_each_head_where_the_kernels_read_it():
+    """The GPU tests' own layout helpers: head h of q at columns h*64 .. of qkv's first C, k and v after it."""
+    q, k, v, _, qkv = v7_case(2, 3, 128, seed=0)
+    C = 3 * sm90.V7_HS
+    for i, x in enumerate((q, k, v)):
+        assert np.array_equal(heads(qkv[..., i * C : (i + 1) * C], 3), x)
+    assert np.array_equal(qkv[1, 5, C + 2 * 64 : C + 3 * 64], k[1, 2, 5])  # batch 1, row 5, head 2 of k
+    assert rel_err(np.ones(3), np.ones(3)) == 0 and rel_err(np.zeros(3), np.full(3, 0.01)) == pytest.approx(0.1)
+
+
 @needs_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, nh, T", [(1, 1, 64), (2, 3, 256), (1, 12, 1024)])
 def test_gpu_flash_v7_dkdv_matches_the_reference(B, nh, T):
     import cupy as cp
 
-    rng = np.random.default_rng(B * 1000 + nh * 10 + T)
     hs = sm90.V7_HS
-    q, k, v, do = (bits(rng.standard_normal((B, nh, T, hs))) for _ in range(4))
+    q, k, v, do, qkv = v7_case(B, nh, T, seed=B * 1000 + nh * 10 + T)
     out, lse, _, dk, dv = reference(wide(q), wide(k), wide(v), wide(do))
     delta = (wide(do) * out).sum(-1)
-    qkv = np.concatenate([packed(q), packed(k), packed(v)], axis=-1)
     dqkv = cp.full((B, T, 3 * nh * hs), np.nan, cp.float32)
     args = [cp.asarray(x) for x in (qkv, packed(do), lse.astype(np.float32), delta.astype(np.float32))]
     runs = []
@@ -170,8 +190,7 @@ def test_gpu_flash_v7_dkdv_matches_the_reference(B, nh, T):
     C = nh * hs
     assert np.isnan(got[..., :C]).all()  # dq's columns are not this kernel's
     for name, g, w in (("dk", heads(got[..., C : 2 * C], nh), dk), ("dv", heads(got[..., 2 * C :], nh), dv)):
-        err = float(np.abs(g - w).max() / max(float(np.abs(w).max()), 0.1))
-        where = np.unravel_index(int(np.nanargmax(np.abs(g - w))), g.shape)
+        err, where = rel_err(g, w), np.unravel_index(int(np.nanargmax(np.abs(g - w))), g.shape)
         assert err < 2e-2, (name, err, where)  # P and dS rounded to bf16, as v6 does (tests/test_hip_flash.py's TOL)
     assert float(np.abs(dk - dv).max() / np.abs(dv).max()) > 6e-2  # dk and dv swapped would fail
 
@@ -183,11 +202,9 @@ def test_gpu_flash_v7_backward_matches_the_reference(B, nh, T):
     """The whole backward: dQ (which writes delta from out in bf16), then dK dV."""
     import cupy as cp
 
-    rng = np.random.default_rng(B * 1000 + nh * 10 + T + 1)
     hs = sm90.V7_HS
-    q, k, v, do = (bits(rng.standard_normal((B, nh, T, hs))) for _ in range(4))
+    q, k, v, do, qkv = v7_case(B, nh, T, seed=B * 1000 + nh * 10 + T + 1)
     out, lse, dq, dk, dv = reference(wide(q), wide(k), wide(v), wide(do))
-    qkv = np.concatenate([packed(q), packed(k), packed(v)], axis=-1)
     out_bits = packed(bits(out))
     delta = cp.full((B, nh, T), np.nan, cp.float32)
     dqkv = cp.full((B, T, 3 * nh * hs), np.nan, cp.float32)
@@ -198,8 +215,7 @@ def test_gpu_flash_v7_backward_matches_the_reference(B, nh, T):
     assert np.abs(cp.asnumpy(delta) - want_delta).max() <= 1e-4 * max(1.0, float(np.abs(want_delta).max()))
     parts = {"dq": (got[..., :C], dq), "dk": (got[..., C : 2 * C], dk), "dv": (got[..., 2 * C :], dv)}
     for name, (g, w) in parts.items():
-        g = heads(g, nh)
-        err = float(np.abs(g - w).max() / max(float(np.abs(w).max()), 0.1))
+        err = rel_err(heads(g, nh), w)
         assert err < 2e-2, (name, err)
 
 
@@ -223,15 +239,14 @@ def test_v7_forward_names_a_wrong_argument():
 def test_gpu_flash_v7_forward_matches_the_reference(B, nh, T):
     import cupy as cp
 
-    rng = np.random.default_rng(B * 1000 + nh * 10 + T + 2)
     hs = sm90.V7_HS
-    q, k, v = (bits(rng.standard_normal((B, nh, T, hs))) for _ in range(3))
+    q, k, v, _, qkv = v7_case(B, nh, T, seed=B * 1000 + nh * 10 + T + 2)
     want_out, want_lse = reference(wide(q), wide(k), wide(v))
-    qkv = cp.asarray(np.concatenate([packed(q), packed(k), packed(v)], axis=-1))
+    qkv = cp.asarray(qkv)
     out = cp.zeros((B, T, nh * hs), cp.uint16)
     lse = cp.full((B, nh, T), np.nan, cp.float32)
     sm90.flash_forward_v7(qkv, out, lse, nh=nh)
     got_out = heads(wide(cp.asnumpy(out)), nh)
-    err = float(np.abs(got_out - want_out).max() / max(float(np.abs(want_out).max()), 0.1))
+    err = rel_err(got_out, want_out)
     assert err < 2e-2, ("out", err)  # P rounded to bf16 for the product, out rounded to bf16
     assert np.abs(cp.asnumpy(lse) - want_lse).max() < 1e-3 * max(1.0, float(np.abs(want_lse).max()))
