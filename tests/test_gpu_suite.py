@@ -191,3 +191,53 @@ def test_a_real_illegal_access_costs_one_failure(tmp_path):
     )
     _, out = run_two_workers(tmp_path, "test_planted.py")
     assert "1 failed" in out and f"{N_AFTER} passed" in out, out
+
+
+def test_a_notebook_whose_kernel_never_started_runs_again_and_only_that():
+    """nbval's "Kernel died before replying to kernel_info" on every cell: the notebook tested nothing, so it runs
+    again alone and its second result replaces the first; a notebook with any other failure, or with a cell that ran,
+    is not run again (a stand-in runner plays pytest)."""
+
+    class Report:
+        def __init__(self, nodeid, outcome, message=""):
+            self.nodeid, self.outcome, self.duration = nodeid, outcome, 0.1
+            self.failed, self.skipped = outcome == "failed", outcome == "skipped"
+            self.longreprtext, self.longrepr = message, None
+
+    died = f"RuntimeError: {gpu_suite.NO_KERNEL}"
+    c = gpu_suite.Collector()
+    first = [
+        Report("notebooks/08_a.ipynb::Cell 0", "failed", died),
+        Report("notebooks/08_a.ipynb::Cell 1", "failed", died),
+        Report("notebooks/09_b.ipynb::Cell 0", "passed"),
+        Report("notebooks/09_b.ipynb::Cell 1", "failed", died),  # a cell ran: its kernel died later, a real failure
+        Report("solutions/10_c.ipynb::Cell 0", "failed", "AssertionError: wrong"),
+        Report("solutions/11_d.ipynb::Cell 0", "failed", died),
+        Report("tests/test_x.py::test_y", "failed", died),  # not a notebook
+    ]
+    for r in first:
+        c.pytest_runtest_logreport(r)
+    assert gpu_suite.unstarted_notebooks(c) == ["notebooks/08_a.ipynb", "solutions/11_d.ipynb"]
+    calls = []
+
+    def runner(args, plugins):
+        calls.append(args)
+        (collector,) = plugins
+        collector.pytest_runtest_logreport(Report("notebooks/08_a.ipynb::Cell 0", "passed"))
+        collector.pytest_runtest_logreport(Report("notebooks/08_a.ipynb::Cell 1", "passed"))
+        collector.pytest_runtest_logreport(Report("solutions/11_d.ipynb::Cell 0", "failed", died))  # again: it stands
+        return 1
+
+    again = gpu_suite.rerun_unstarted(c, ["-q"], run=runner)
+    assert again == ["notebooks/08_a.ipynb", "solutions/11_d.ipynb"]
+    assert calls == [["-q", "-n", "0", "notebooks/08_a.ipynb", "solutions/11_d.ipynb"]]
+    s = gpu_suite.summarise(c, ["tests", "notebooks", "solutions"], {})
+    failed = {f["nodeid"] for f in s["failures"]}
+    assert failed == {
+        "notebooks/09_b.ipynb::Cell 1",
+        "solutions/10_c.ipynb::Cell 0",
+        "solutions/11_d.ipynb::Cell 0",
+        "tests/test_x.py::test_y",
+    }
+    assert s["parts"]["notebooks"]["passed"] == 3 and [r["nodeid"] for r in s["reruns"]] == again
+    assert gpu_suite.rerun_unstarted(gpu_suite.Collector(), ["-q"], run=runner) == [] and len(calls) == 1

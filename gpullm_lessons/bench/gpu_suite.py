@@ -19,6 +19,10 @@ exits before it starts another test; pytest-xdist replaces it with a fresh proce
 it had been given run there. The unit the dead worker was about to start is reported as "rerun" (it never ran there),
 not as a failure. One bad kernel costs one failure, not every test after it.
 
+A notebook whose Jupyter kernel died before any of its cells ran (nbval: "Kernel died before replying to
+kernel_info") tested nothing: it runs again alone after the suite, in place of its first result, and the summary lists
+it among the reruns. Any other failure stands.
+
 The same plugin is loaded by `pytest -p gpullm_lessons.bench.gpu_suite` for a hand-picked part of the suite.
 """
 
@@ -242,6 +246,39 @@ def _first_line(report) -> str:
     return ((errors or lines or ["failed"])[-1])[:300]
 
 
+NO_KERNEL = "Kernel died before replying to kernel_info"  # nbval: the notebook's Jupyter kernel never started
+
+
+def unstarted_notebooks(collector: Collector) -> list:
+    """The notebooks (lessons, solutions) whose every cell failed because their Jupyter kernel died before it
+    started: no cell of theirs ran, so nothing of the course was tested (seen once on an H100, with sixteen kernels
+    starting at once; the same lesson passed alone right after)."""
+    rows: dict = {}
+    for nodeid, r in collector.rows.items():
+        if r["part"] in ("notebooks", "solutions"):
+            rows.setdefault(unit_of(nodeid), []).append(r)
+    return sorted(
+        f for f, rs in rows.items() if all(r["outcome"] == "failed" and NO_KERNEL in r["message"] for r in rs)
+    )
+
+
+def rerun_unstarted(collector: Collector, pytest_args: list, run=pytest.main) -> list:
+    """Run the unstarted notebooks again, one at a time after the suite, in place of their first results; each is
+    listed among the summary's reruns with the reason. A notebook that fails again counts as failed, whatever the
+    reason. Returns the notebooks run again."""
+    again = unstarted_notebooks(collector)
+    if not again:
+        return []
+    for f in again:
+        for nodeid in [n for n in collector.rows if unit_of(n) == f]:
+            del collector.rows[nodeid]
+        collector.reruns.append(
+            {"nodeid": f, "message": f"its Jupyter kernel died before any cell ran ({NO_KERNEL}): run again alone"}
+        )
+    run([*pytest_args, "-n", "0", *again], plugins=[collector])
+    return again
+
+
 def summarise(collector: Collector, parts, meta: dict) -> dict:
     out = dict(meta)
     out["minutes"] = round((time.time() - collector.start) / 60, 2)
@@ -334,15 +371,14 @@ def main(argv=None) -> int:
         "--nbval-lax",
         "--nbval-current-env",
         "--nbval-cell-timeout=900",
-        "-n",
-        str(args.workers),
-        "--dist",
-        "loadscope",
-        "--no-loadscope-reorder",
         *args.pytest_args,
-        *parts,
     ]
-    rc = pytest.main(pytest_args, plugins=[collector])
+    rc = pytest.main(
+        [*pytest_args, "-n", str(args.workers), "--dist", "loadscope", "--no-loadscope-reorder", *parts],
+        plugins=[collector],
+    )
+    if rerun_unstarted(collector, pytest_args) and rc in (0, 1):
+        rc = 1 if any(r["outcome"] == "failed" for r in collector.rows.values()) else 0
     summary = summarise(collector, parts, meta)
     summary["exit_status"] = int(rc)
     out = root / args.out
