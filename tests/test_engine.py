@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gpullm_lessons import device, engine
+from gpullm_lessons.runtime import sm90
 from gpullm_lessons.runtime.blas import gemm
 from gpullm_lessons.model.params import GPTConfig
 from gpullm_lessons.model.precision import bf16_bits_to_f32, f32_to_bf16_bits
@@ -638,16 +639,8 @@ def test_gpu_each_flash_version_the_engine_can_run_gives_the_default_s_gradients
     assert max_rel(g, g6) < 3e-2
 
 
-def _hopper() -> bool:
-    if device.kind() != "cuda":
-        return False
-    import cupy
-
-    return cupy.cuda.Device().compute_capability == "90"
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason=f"flash v7 runs on an H100 / H200 (this machine: {device.kind()})")
+@pytest.mark.skipif(not sm90.is_hopper(), reason=f"flash v7 runs on an H100 / H200 (this machine: {device.kind()})")
 def test_gpu_flash_v7_in_the_engine_tracks_v6():
     """versions={"flash": "v7"} (kernels/sm90, Hopper's wgmma) at head size 64 and T = 128 (two tiles): the first
     step's gradients are v6's within bf16's rounding, and 10 steps give v6's losses within 2%."""

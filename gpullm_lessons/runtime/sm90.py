@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import device
+from ..contracts import check_array, is_cupy
+from ..contracts.flash import scale_of
 
 ARCH = "sm_90a"
 TILE = 64  # kernels/sm90/wgmma.cu: WG_TILE
@@ -80,6 +82,15 @@ def require_hopper() -> None:
         )
 
 
+def is_hopper() -> bool:
+    """Whether require_hopper() would pass: kernels/sm90 can run here (the GPU tests' skip condition)."""
+    try:
+        require_hopper()
+    except NotHopperError:
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name: str):
     import cupy
@@ -118,10 +129,8 @@ def _check_gemm(a, b, out, b_kn=False) -> tuple[int, int, int]:
     for what, n in (("M", M), ("N", N), ("K", K)):
         if n <= 0 or n % TILE:
             raise ValueError(f"wgmma_gemm: {what} = {n} must be a positive multiple of {TILE} (the kernel's tile)")
-    if out is not None and (out.shape != (M, N) or out.dtype != np.float32 or not out.flags.c_contiguous):
-        raise ValueError(
-            f"wgmma_gemm: out must be a C-contiguous float32 ({M}, {N}) array, got {out.dtype} {out.shape}"
-        )
+    if out is not None:
+        check_array("wgmma_gemm", "out", out, (M, N), "float32")
     return M, N, K
 
 
@@ -135,7 +144,7 @@ def wgmma_gemm(a, b, out=None, b_kn=False, a_regs=False):
     import cupy
 
     for what, x in (("a", a), ("b", b), ("out", out)):
-        if x is not None and not isinstance(x, cupy.ndarray):
+        if x is not None and not is_cupy(x):
             raise TypeError(f"wgmma_gemm: {what} must be a CuPy array on the GPU, got {type(x).__name__}")
     if out is None:
         out = cupy.empty((M, N), dtype=cupy.float32)
@@ -167,27 +176,14 @@ def _v7_shape(qkv, nh) -> tuple[int, int, int]:
     return B, T, C3 // 3
 
 
-def _check_arrays(**want) -> None:
-    """want: name=(shape, dtype, array); an error names the first array that is not a C-contiguous one of those."""
-    for name, (shape, dtype, x) in want.items():
-        if getattr(x, "shape", None) != shape or x.dtype != dtype or not x.flags.c_contiguous:
-            raise ValueError(
-                f"flash v7: {name} must be a C-contiguous {np.dtype(dtype).name} {shape} array, got "
-                f"{getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}"
-            )
-
-
 def _check_v7(qkv, dout, lse, delta, dqkv, nh, out=None) -> tuple[int, int, int]:
     """(B, T, C) of the backward's arguments, or an error naming the argument and the rule it breaks."""
     B, T, C = _v7_shape(qkv, nh)
-    _check_arrays(
-        dout=((B, T, C), np.uint16, dout),
-        lse=((B, nh, T), np.float32, lse),
-        delta=((B, nh, T), np.float32, delta),
-        dqkv=((B, T, 3 * C), np.float32, dqkv),
-    )
-    if out is not None:
-        _check_arrays(out=((B, T, C), np.uint16, out))
+    arrays = [("dout", dout, (B, T, C), "uint16"), ("lse", lse, (B, nh, T), "float32")]
+    arrays += [("delta", delta, (B, nh, T), "float32"), ("dqkv", dqkv, (B, T, 3 * C), "float32")]
+    arrays += [("out", out, (B, T, C), "uint16")] if out is not None else []
+    for name, a, shape, dtype in arrays:
+        check_array("flash v7 backward", name, a, shape, dtype)
     return B, T, C
 
 
@@ -196,7 +192,7 @@ def flash_backward_dkdv_v7(qkv, dout, lse, delta, dqkv, nh: int, scale: float | 
     kernels/sm90/flash_v7.cu: the packed layout of the engine (see that file), bf16, head size 64."""
     B, T, C = _check_v7(qkv, dout, lse, delta, dqkv, nh)
     require_hopper()
-    scale = 1.0 / np.sqrt(V7_HS) if scale is None else scale
+    scale = scale_of(V7_HS) if scale is None else scale
     k = kernel("flash_v7", "flash_attention_backward_v7_packed_dkdv_hs64_bf16")
     k((B * nh, T // TILE), (128,), (qkv, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), np.float32(scale)))
     return dqkv
@@ -208,7 +204,7 @@ def flash_backward_v7(qkv, out, dout, lse, delta, dqkv, nh: int, scale: float | 
     (B, T, C) bf16 bits, as the forward wrote it), bf16, head size 64, T a multiple of 64."""
     B, T, C = _check_v7(qkv, dout, lse, delta, dqkv, nh, out=out)
     require_hopper()
-    scale = 1.0 / np.sqrt(V7_HS) if scale is None else scale
+    scale = scale_of(V7_HS) if scale is None else scale
     k = kernel("flash_v7", "flash_attention_backward_v7_packed_dq_hs64_bf16")
     k((B * nh, T // TILE), (128,), (qkv, out, dout, lse, delta, dqkv, np.int32(T), np.int32(nh), np.float32(scale)))
     return flash_backward_dkdv_v7(qkv, dout, lse, delta, dqkv, nh, scale)
@@ -219,9 +215,10 @@ def flash_forward_v7(qkv, out, lse, nh: int, scale: float | None = None):
     float32 (natural log) from qkv (B, T, 3C) bf16 bits, the packed layout of the engine; head size 64, T a multiple
     of 64."""
     B, T, C = _v7_shape(qkv, nh)
-    _check_arrays(out=((B, T, C), np.uint16, out), lse=((B, nh, T), np.float32, lse))
+    check_array("flash v7 forward", "out", out, (B, T, C), "uint16")
+    check_array("flash v7 forward", "lse", lse, (B, nh, T), "float32")
     require_hopper()
-    scale = 1.0 / np.sqrt(V7_HS) if scale is None else scale
+    scale = scale_of(V7_HS) if scale is None else scale
     k = kernel("flash_v7", "flash_attention_forward_v7_packed_hs64_bf16")
     k((B * nh, T // TILE), (128,), (qkv, out, lse, np.int32(T), np.int32(nh), np.float32(scale)))
     return out, lse
