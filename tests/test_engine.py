@@ -223,6 +223,10 @@ def test_engine_memory_counts_the_epilogue_products():
     full = {e: engine.engine_memory(cfg, B, T, "bf16", "full", attention="flash", half_gelu_in=True, epilogue=e)
             for e in (False, True)}
     assert full[True]["working_set"] < full[False]["working_set"]
+    # versions dgelu "kernel": dfc made as without the epilogues (the float32 dgelu is back at the backward's peak)
+    kernel = engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_gelu_in=True, epilogue=True,
+                                  dgelu_epilogue=False)
+    assert kernel["working_set"] == plain["working_set"] and kernel["activations"] == epi["activations"]
     f32_in = engine.engine_memory(cfg, B, T, "fp16", attention="cublas")
     assert engine.engine_memory(cfg, B, T, "fp16", attention="cublas", epilogue=True) == f32_in
     with pytest.raises(ValueError, match="epilogue.*fp32"):
@@ -343,6 +347,33 @@ def test_epilogues_run_the_fused_products_instead_of_the_bias_passes(monkeypatch
     assert max_rel(wrong, g) > 0.1
 
 
+def test_dgelu_kernel_makes_dfc_in_the_pass_and_keeps_the_other_epilogues(monkeypatch):
+    """versions dgelu "kernel" (with epilogue "cublaslt", gelu_in "half"): no DGELU_BGRAD product runs; the fc
+    projection's backward is a plain product and colsum_convert's pass with GELU's derivative (gelu_of) makes dfc and
+    the fc bias gradient, while the forward's epilogues stay; the gradients are the DGELU_BGRAD run's up to the order
+    of the sums, with non-zero biases, and a pass that drops GELU's derivative is caught."""
+    from gpullm_lessons.runtime import blaslt
+
+    x, y = batch(TOY, 2, 8)
+    v = {"epilogue": "cublaslt", "gelu_in": "half"}
+    _, g_fused = grads_of(with_biases(engine.build(TOY, "numba", precision="bf16", versions=v)), x, y)
+    seen, gelu_passes = [], []
+    real, colsum = blaslt.matmul_epilogue, None
+    monkeypatch.setattr(blaslt, "matmul_epilogue", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    eng = with_biases(engine.build(TOY, "numba", precision="bf16", versions={**v, "dgelu": "kernel"}))
+    colsum = eng.K.colsum_convert
+    monkeypatch.setattr(eng.K, "colsum_convert",
+                        lambda *a, **k: gelu_passes.append(k.get("gelu_of") is not None) or colsum(*a, **k))
+    _, g = grads_of(eng, x, y)
+    assert "dgelu_bgrad" not in seen and seen.count("bias") == 3 * TOY.n_layer
+    assert sum(gelu_passes) == TOY.n_layer
+    assert max_rel(g, g_fused) < 1e-2
+    monkeypatch.setattr(eng.K, "colsum_convert", lambda *a, **k: colsum(*a, **{**k, "gelu_of": None, "gelu_bias": None}))
+    _, wrong = grads_of(eng, x, y)
+    monkeypatch.setattr(eng.K, "colsum_convert", colsum)
+    assert max_rel(wrong, g_fused) > 0.1
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -362,6 +393,13 @@ def test_build_errors_name_the_problem():
         engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "lt"})
     with pytest.raises(engine.EngineError, match="precision='fp32' has none"):
         engine.build(TOY, "numba", versions={"epilogue": "cublaslt"})
+    with pytest.raises(engine.EngineError, match="dgelu must be 'cublaslt' or 'kernel', got 'numba'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "gelu_in": "half",
+                                                               "dgelu": "numba"})
+    with pytest.raises(engine.EngineError, match="this run has epilogue='cublaslt', gelu_in='f32'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "dgelu": "kernel"})
+    with pytest.raises(engine.EngineError, match="this run has epilogue='none', gelu_in='half'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"gelu_in": "half", "dgelu": "cublaslt"})
 
 
 @pytest.mark.skipif(device.has_gpu(), reason="this machine has a GPU")
@@ -535,13 +573,16 @@ def test_gpu_half_gelu_input_tracks_fp32_and_recomputes_the_same_bits(backend, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(device.kind() != "cuda", reason="cuBLASLt's epilogues run on NVIDIA GPUs")
-@pytest.mark.parametrize("attention,gelu_in", [("flash", "f32"), ("flash", "half"), ("cublas", "half")])
-def test_gpu_epilogues_track_fp32_like_the_unfused_step(attention, gelu_in, gpu_batches, gpu_reference):
+@pytest.mark.parametrize(
+    "attention,gelu_in,dgelu",
+    [("flash", "f32", None), ("flash", "half", None), ("cublas", "half", None), ("flash", "half", "kernel")],
+)
+def test_gpu_epilogues_track_fp32_like_the_unfused_step(attention, gelu_in, dgelu, gpu_batches, gpu_reference):
     """versions epilogue "cublaslt" on the GPU (the qkv bias in the product that writes the flash kernels' half q, k,
     v; each projection's bias and residual in its product; with gelu_in "half" GELU's backward and the fc bias
     gradient in the product that makes dfc): 10 bf16 steps track the fp32 reference, the first step's
     gradients are the unfused step's up to the order of the sums, and selective recompute gives the same bits."""
-    v = {"epilogue": "cublaslt", "attention": attention, "gelu_in": gelu_in}
+    v = {"epilogue": "cublaslt", "attention": attention, "gelu_in": gelu_in, **({"dgelu": dgelu} if dgelu else {})}
     eng = engine.build(SMALL, "hip", precision="bf16", versions=v)
     losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
     rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
@@ -566,15 +607,17 @@ def test_gpu_engine_memory_of_a_half_gelu_input_within_10_percent_of_the_pool_pe
 
 
 @pytest.mark.gpu
-def test_gpu_engine_memory_of_the_epilogue_step_within_10_percent_of_the_pool_peak():
+@pytest.mark.parametrize("dgelu", ["cublaslt", "kernel"])
+def test_gpu_engine_memory_of_the_epilogue_step_within_10_percent_of_the_pool_peak(dgelu):
     from gpullm_lessons import device as dev
     from gpullm_lessons.bench.train_step import measure_engine
     if dev.kind() != "cuda":
         pytest.skip("the epilogue products call NVIDIA's cuBLASLt")
     cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
-    v = {"gelu_in": "half", "epilogue": "cublaslt", "attention": "flash"}
+    v = {"gelu_in": "half", "epilogue": "cublaslt", "attention": "flash", "dgelu": dgelu}
     r = measure_engine(cfg, 32, 256, "bf16", "none", steps=2, versions=v)
-    predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True, epilogue=True)
+    predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True, epilogue=True,
+                                     dgelu_epilogue=dgelu == "cublaslt")
     assert abs(predicted["total"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted["total"], r["peak_bytes"])
 
 

@@ -238,12 +238,22 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
         kw = {"policy": "none", "ce_chunks": 1, "optimizer_state": "fp32", "offload_optimizer": False, **opts}
         gelu_half = kw.pop("gelu_in", "f32") == "half"  # engine versions: the model's half_gelu_in and epilogue
         epi = kw.pop("epilogue", "none") == "cublaslt"
+        dgelu = kw.pop("dgelu", "cublaslt")
         want = engine.engine_memory(
-            cfg, B, cfg.block_size, "bf16", attention=result["attention"], half_gelu_in=gelu_half, epilogue=epi, **kw
+            cfg,
+            B,
+            cfg.block_size,
+            "bf16",
+            attention=result["attention"],
+            half_gelu_in=gelu_half,
+            epilogue=epi,
+            dgelu_epilogue=dgelu == "cublaslt",
+            **kw,
         )["total"]
         assert r["predicted_bytes"] == want, name
         assert r.get("gelu_in", "f32") == ("half" if gelu_half else "f32"), name
         assert r.get("epilogue", "none") == ("cublaslt" if epi else "none"), name
+        assert r.get("dgelu", "cublaslt") == dgelu, name
         if kw["optimizer_state"] == "int8":
             assert r["error"] == "no int8 here"
         elif kw["offload_optimizer"]:
@@ -256,6 +266,8 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     assert len(half_calls) == 2 * sum(opts.get("gelu_in") == "half" for _, opts in bt.MEMORY_TECHNIQUES)
     epi_calls = [c for c in calls if (c.get("versions") or {}).get("epilogue") == "cublaslt"]
     assert len(epi_calls) == 2 * sum(opts.get("epilogue") == "cublaslt" for _, opts in bt.MEMORY_TECHNIQUES) > 0
+    kernel_calls = [c for c in calls if (c.get("versions") or {}).get("dgelu") == "kernel"]
+    assert len(kernel_calls) == 2 * sum(opts.get("dgelu") == "kernel" for _, opts in bt.MEMORY_TECHNIQUES) > 0
     text = bt.format_memory(result)
     assert all(name in text for name in rows) and "no int8 here" in text
     # fp32: the epilogue technique is refused in its row (half precision only), the others are measured
@@ -301,6 +313,9 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
     assert seen["ce_chunks"] == 8 and seen["versions"] == {"gelu_in": "half"}
     assert bench.main(["train", "--presets", "course", "--precisions", "bf16", "--epilogue", "cublaslt"]) == 0
     assert seen["versions"] == {"epilogue": "cublaslt"}
+    argv = ["train", "--presets", "course", "--precisions", "bf16", "--epilogue", "cublaslt", "--dgelu", "kernel"]
+    assert bench.main(argv) == 0
+    assert seen["versions"] == {"epilogue": "cublaslt", "dgelu": "kernel"}
     # the profiles of the step take the same options: gputime and timeline
     from gpullm_lessons.bench import profiling
 
@@ -314,6 +329,8 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
         argv = [what, "--presets", "gpt2", "--epilogue", "cublaslt", "--gelu-in", "half", "--ce-chunks", "8"]
         assert bench.main(argv) == 0, what
         assert got["ce_chunks"] == 8 and got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half"}, what
+        assert bench.main(argv + ["--dgelu", "kernel"]) == 0, what
+        assert got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half", "dgelu": "kernel"}, what
 
 
 def test_graph_pool_of_reads_the_pool_or_derives_it_for_runs_that_held_the_copy_on_the_gpu():

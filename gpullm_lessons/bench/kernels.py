@@ -832,6 +832,10 @@ def main(argv=None) -> int:
     ap.add_argument("--epilogue", choices=("none", "cublaslt"), default=None,
                     help="`train` / `gputime` / `timeline`: the engine's bias and residual adds inside cuBLASLt's "
                          "products (NVIDIA, half precision; default none)")
+    ap.add_argument("--dgelu", choices=("cublaslt", "kernel"), default=None,
+                    help="`train` / `gputime` / `timeline`: with --epilogue cublaslt --gelu-in half, where the fc "
+                         "projection's backward makes dfc: in its product (DGELU_BGRAD, the default) or in a pass of "
+                         "the course's colsum_convert after a plain product")
     ap.add_argument("--ce-chunks", type=int, default=1,
                     help="`train` / `gputime` / `timeline`: our engine's loss head in that many chunks of rows "
                          "(default 1)")
@@ -923,12 +927,14 @@ def main(argv=None) -> int:
 
 
 def engine_versions(args) -> dict:
-    """The engine versions the command line asks for (--scores, --attention, --flash-version, --gelu-in, --epilogue)."""
+    """The engine versions the command line asks for (--scores, --attention, --flash-version, --gelu-in, --epilogue,
+    --dgelu)."""
     return {**({"scores": args.scores} if args.scores else {}),
             **({"attention": args.attention} if args.attention else {}),
             **({"flash": args.flash_version} if args.flash_version else {}),
             **({"gelu_in": args.gelu_in} if args.gelu_in else {}),
-            **({"epilogue": args.epilogue} if args.epilogue else {})}
+            **({"epilogue": args.epilogue} if args.epilogue else {}),
+            **({"dgelu": args.dgelu} if args.dgelu else {})}
 
 
 def run_metadata(what: str, argv) -> dict:

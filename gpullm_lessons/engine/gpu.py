@@ -30,6 +30,7 @@ _NUMBA_VERSIONS = {
     "flash": "v6",
     "tf32": "off",
     "epilogue": "none",
+    "dgelu": "cublaslt",
 }
 
 
@@ -71,6 +72,11 @@ class GPUEngine(Engine):
     # writes GELU's half input itself (GELU's output made from those bits, as the recompute makes it) and the fc
     # projection's backward makes the half dfc in its product (DGELU_BGRAD, with the fc bias gradient); "none" runs
     # the products and the passes after them
+    # "dgelu": where that fc projection's backward makes the half dfc under epilogue "cublaslt" and gelu_in "half":
+    # "cublaslt" (in the product, DGELU_BGRAD) or "kernel" (a plain product to float32, then colsum_convert's one
+    # pass: GELU's derivative, the half dfc and the fc bias gradient, as without the epilogues). On an H100 the
+    # DGELU_BGRAD product ran at a quarter of the rate of the step's other products of its size
+    # (results/gputime_gpt2_lean_epilogue_h100.json); "kernel" is the choice to measure beside it
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -133,6 +139,13 @@ class GPUEngine(Engine):
             raise EngineError(
                 f"versions: epilogue='cublaslt' fuses the bias into half-precision products; precision={precision!r} "
                 "has none (use bf16 or fp16)"
+            )
+        if self.ver["dgelu"] not in ("cublaslt", "kernel"):
+            raise EngineError(f"versions: dgelu must be 'cublaslt' or 'kernel', got {self.ver['dgelu']!r}")
+        if versions and "dgelu" in versions and (self.ver["epilogue"], self.ver["gelu_in"]) != ("cublaslt", "half"):
+            raise EngineError(
+                "versions: dgelu chooses where the fc projection's backward makes dfc under epilogue='cublaslt' and "
+                f"gelu_in='half'; this run has epilogue={self.ver['epilogue']!r}, gelu_in={self.ver['gelu_in']!r}"
             )
         if self.ver["epilogue"] == "cublaslt" and self.on_gpu and device.kind() != "cuda":
             raise EngineError("versions: epilogue='cublaslt' calls NVIDIA's cuBLASLt; on AMD keep epilogue='none'")
@@ -564,7 +577,7 @@ class GPUEngine(Engine):
         hs = C // nh
         half = self._half
         # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
-        if self.ver["epilogue"] == "cublaslt" and c["fc"].dtype == xp.uint16:
+        if self.ver["epilogue"] == "cublaslt" and c["fc"].dtype == xp.uint16 and self.ver["dgelu"] == "cublaslt":
             # GELU's backward and the fc bias gradient inside the product that makes dgelu (DGELU_BGRAD): the half
             # dfc comes out of the product, with no float32 dgelu and no pass over it
             dfc_mm = self._dgelu_linear_backward(dx, c["gelu_mm"], c["fc"], l, 4 * C)

@@ -20,6 +20,7 @@ def engine_memory(
     offload_optimizer=False,
     half_gelu_in=False,
     epilogue=False,
+    dgelu_epilogue=True,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -41,7 +42,8 @@ def engine_memory(
     epilogue: the engine's versions["epilogue"] == "cublaslt" (half precision only): with flash attention the qkv
     product writes the half q, k, v itself (no float32 qkv temporary in the forward); with half_gelu_in the fc product
     writes GELU's half input itself (no float32 fc temporary in the forward) and the fc projection's backward makes
-    the half dfc in its product (no float32 dgelu in the backward).
+    the half dfc in its product (no float32 dgelu in the backward). dgelu_epilogue: the engine's versions["dgelu"] ==
+    "cublaslt" (the default); False ("kernel") makes dfc as without the epilogues (a float32 dgelu, then one pass).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -120,7 +122,7 @@ def engine_memory(
         head = NC * e + ce_rows * V * (f + (10 if precision == "fp16" else dl)) + N * f + N * 4
         head_bytes = head + NC * f  # and dlnf, filled chunk by chunk
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
-    if epilogue and g != f:  # the half dfc out of the fc projection's product (DGELU_BGRAD)
+    if epilogue and g != f and dgelu_epilogue:  # the half dfc out of the fc projection's product (DGELU_BGRAD)
         stages = [
             NC * h + 4 * NC * h,  # fcproj: dx_mm, dfc_mm
             4 * NC * h + NC * f,  # fc: dfc_mm, dln2
