@@ -1,6 +1,6 @@
 """softmax_backward kernels (kernels/numba/softmax.py, kernels/hip/softmax.cu) against check_softmax_backward.
 
-Simulator (CI): v1 and v2 with toy block sizes (the simulator runs one Python thread per CUDA thread), broken launches
+Simulator (CI): v1 and v2 with toy block sizes (the simulator runs every CUDA thread in Python), broken launches
 the checker must catch, wrapper validation. GPU (`make gpu-test`): every version on both backends at the checker's
 large sizes and at awkward ones (n not a multiple of the block, n much longer than the block, one row).
 """

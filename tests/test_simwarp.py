@@ -1,9 +1,13 @@
 """gpullm_lessons.runtime.simwarp: warp shuffles and votes in Numba's CUDA simulator, checked against NumPy.
 
 Reductions on blocks of 32, 64 and 48 threads (a partial last warp), the xor butterfly, the shfl_down tree, an
-inclusive scan with shfl_up, broadcasts, 2-D blocks, votes; and the errors for what a GPU would hang on.
+inclusive scan with shfl_up, broadcasts, 2-D blocks, votes; and the errors for what a GPU would hang on. The block
+runner: greenlets, no thread started; barriers (also with threads that returned), syncthreads_count / _and / _or,
+debug mode's division check, an error that ends the block's paused threads.
 On a GPU these kernels are Numba's own intrinsics; the tests run where the simulator does.
 """
+import threading
+
 import numpy as np
 import pytest
 
@@ -279,3 +283,103 @@ def test_the_block_runner_is_installed_and_keeps_syncthreads_and_errors():
         thread_five_fails[1, 32](np.zeros(32, np.float32))
     staged_tree_sum[3, 64](x, out)  # the next launch runs as before
     np.testing.assert_allclose(out, x.reshape(3, 64).sum(1), rtol=1e-5)
+
+
+@cuda.jit
+def other_warp_op(x, out):
+    # lanes 0..15 shuffle with the whole warp's mask; lanes 16..31 with a mask of themselves and lane 0: neither
+    # round can complete (on a GPU: a hang)
+    i = cuda.threadIdx.x
+    if i < 16:
+        out[i] = cuda.shfl_xor_sync(FULL, x[i], 1)
+    else:
+        out[i] = cuda.shfl_down_sync(0xFFFF0001, x[i], 1)
+
+
+def test_lanes_at_another_warp_operation_make_the_shuffle_fail_at_once():
+    with pytest.raises(simwarp.WarpError, match=r"lanes 16\.\.31 wait at cuda.shfl_down_sync with mask 0xffff0001"):
+        other_warp_op[1, 32](np.ones(32, np.float32), np.zeros(32, np.float32))
+
+
+@cuda.jit
+def barrier_votes(x, out):
+    t = cuda.threadIdx.x
+    if t >= 40:
+        return                  # threads that return do not hold the barrier up
+    p = x[t] > 0
+    out[0, t] = cuda.syncthreads_count(p)
+    out[1, t] = cuda.syncthreads_and(p)
+    out[2, t] = cuda.syncthreads_or(p)
+
+
+def test_barrier_votes_count_and_or_with_threads_that_returned():
+    x = np.where(np.arange(48) % 3 == 0, 1.0, -1.0).astype(np.float32)
+    out = np.full((3, 48), -7, np.int32)
+    barrier_votes[1, 48](x, out)
+    assert (out[0, :40] == np.count_nonzero(x[:40] > 0)).all()
+    assert (out[1, :40] == 0).all() and (out[2, :40] == 1).all()
+    assert (out[:, 40:] == -7).all()
+    x[:] = 1.0
+    barrier_votes[1, 48](x, out)
+    assert (out[0, :40] == 40).all() and (out[1, :40] == 1).all()
+
+
+def test_a_block_runs_without_starting_a_thread(monkeypatch):
+    """The block's CUDA threads are greenlets in the launching Python thread: barriers and shuffles included."""
+
+    def no_thread(self):
+        raise AssertionError(f"the simulator started a Python thread ({self.name})")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    x = np.random.default_rng(1).standard_normal(2 * 64).astype(np.float32)
+    out = np.zeros(2, np.float32)
+    staged_tree_sum[2, 64](x, out)
+    np.testing.assert_allclose(out, x.reshape(2, 64).sum(1), rtol=1e-5)
+    sums = np.zeros(64, np.float32)
+    xor_sum[1, 64](x[:64], sums)
+    np.testing.assert_allclose(sums[:32], x[:32].sum(), rtol=1e-5)
+
+
+@cuda.jit(debug=True, opt=False)
+def divide_debug(x, y, out):
+    i = cuda.threadIdx.x
+    out[i] = x[i] / y[i]
+
+
+@cuda.jit
+def divide(x, y, out):
+    i = cuda.threadIdx.x
+    out[i] = x[i] / y[i]
+
+
+def test_debug_mode_raises_on_a_division_by_zero_naming_the_thread():
+    x, y = np.ones(4, np.float32), np.array([1, 2, 0, 4], np.float32)
+    with pytest.raises(FloatingPointError, match=r"tid=\[2, 0, 0\]"):
+        divide_debug[1, 4](x, y, np.zeros(4, np.float32))
+    out = np.zeros(4, np.float32)
+    with pytest.warns(RuntimeWarning, match="divide by zero"):   # without debug: a warning, inf, and on
+        divide[1, 4](x, y, out)
+    assert np.isinf(out[2]) and out[3] == 0.25
+
+
+@cuda.jit
+def fails_after_the_barrier(x, log):
+    t = cuda.threadIdx.x
+    try:
+        cuda.syncthreads()
+        if t == 3:
+            x[10**6] = 1.0
+        cuda.syncthreads()
+        x[t] = 2.0
+    finally:
+        log[t] += 1              # every thread's frame unwinds once, the paused ones included
+
+
+def test_an_error_ends_the_paused_threads_and_the_next_launch_is_clean():
+    x, log = cuda.to_device(np.zeros(8, np.float32)), cuda.to_device(np.zeros(8, np.int32))  # written in place
+    with pytest.raises(IndexError, match=r"tid=\[3, 0, 0\]"):
+        fails_after_the_barrier[1, 8](x, log)
+    assert (log.copy_to_host() == 1).all() and (x.copy_to_host() == 0).all()
+    out = np.zeros(1, np.float32)
+    staged_tree_sum[1, 64](np.ones(64, np.float32), out)
+    assert out[0] == 64.0

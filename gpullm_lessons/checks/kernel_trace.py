@@ -10,7 +10,7 @@
 
 `fn` is your launcher (a Python function that launches kernels) or a configured kernel (`my_kernel[2, 32]`);
 the arguments are NumPy arrays, simulator device arrays and scalars, exactly as you would call it. Use a tiny
-input (a few blocks of 32 threads): every simulated CUDA thread is a Python thread. A (block, thread) pair is
+input (a few blocks of 32 threads): every simulated CUDA thread runs its kernel in Python. A (block, thread) pair is
 (blockIdx.x, threadIdx.x) for a 1-D launch and a pair of tuples (x, y) for a 2-D one.
 
 How: while fn runs, the simulator's array indexing, `cuda.shared.array`, atomics and kernel launches are wrapped
@@ -53,6 +53,8 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from ..runtime import simwarp
 
 SECTOR = 32          # bytes per memory sector (the unit global loads are served in)
 BANKS = 32           # shared-memory banks
@@ -962,7 +964,7 @@ class _Recorder:
 
     # -- accesses -------------------------------------------------------------------------------------------
     def _thread_state(self):
-        t = threading.current_thread()
+        t = simwarp.current_thread()
         st = getattr(t, "_kt_state", None)
         if st is None or st[0] is not self:
             L = self.launch
@@ -1049,10 +1051,8 @@ def _install_hooks(rec: _Recorder):
         saved.append((cls, name, cls.__dict__[name]))
         setattr(cls, name, new)
 
-    from numba.cuda.simulator.kernel import BlockThread
-
     orig_get = FakeWithinKernelCUDAArray.__getitem__
-    orig_sync = BlockThread.syncthreads
+    orig_sync = simwarp.SimThread.syncthreads
 
     def syncthreads(self):
         if _REC is rec:
@@ -1144,7 +1144,7 @@ def _install_hooks(rec: _Recorder):
         patch(FakeWithinKernelCUDAArray, "__setitem__", set_item)
         patch(FakeCUDAKernel, "__call__", kernel_call)
         patch(FakeCUDAShared, "array", shared_array)
-        patch(BlockThread, "syncthreads", syncthreads)
+        patch(simwarp.SimThread, "syncthreads", syncthreads)
         if "syncwarp" in FakeCUDAModule.__dict__:  # the simulator's, or simwarp's
             orig_syncwarp = FakeCUDAModule.__dict__["syncwarp"]
 

@@ -118,7 +118,7 @@ _VERSION_KEYS = {
     "f32_to_f16": "convert",
 }
 # launchers whose block size is free (grid-stride or thread-per-row kernels): in the CUDA simulator, where every
-# thread is a Python thread, eng.K launches them with SIM_THREADS threads per block unless the call says otherwise
+# thread runs in Python, eng.K launches them with SIM_THREADS threads per block unless the call says otherwise
 SIM_THREADS = 32
 _SIM_THREADS_OK = (
     "bias_add",
@@ -154,7 +154,7 @@ class Launchers:
     """eng.K: the backend's launcher module, with the engine's default kernel version filled in where a launcher
     takes version= and the call leaves it out (the simulator runs the one-thread-per-row versions, ~50x faster
     there; a GPU the fastest ones). simulator=True: the launchers of _SIM_THREADS_OK get threads=SIM_THREADS unless
-    the call passes threads (a block of 256 simulated threads is 256 Python threads, most of them idle at the
+    the call passes threads (a block of 256 simulated threads runs 256 threads in Python, most of them idle at the
     simulator's sizes)."""
 
     def __init__(self, module, versions: dict, simulator=False):

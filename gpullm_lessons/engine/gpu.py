@@ -80,8 +80,8 @@ class GPUEngine(Engine):
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
-        # the CUDA simulator runs one Python thread per CUDA thread and makes every barrier expensive: the
-        # one-thread-per-row versions are ~50x faster there than the block-per-row ones
+        # the CUDA simulator runs every CUDA thread in Python: the one-thread-per-row versions run far fewer
+        # simulated threads and barriers there than the block-per-row ones
         "numba-sim": {**_NUMBA_VERSIONS, "layernorm_forward": "v1", "layernorm_backward": "v1"},
     }
 
@@ -858,7 +858,7 @@ class GPUEngine(Engine):
 
     def _int8_args(self) -> dict:
         """The AdamW launchers' int8 keywords: the scales; in the CUDA simulator 64 threads per block (each simulated
-        thread is a Python thread: a quarter of the threads does the same work ~4x faster)."""
+        thread runs in Python: a quarter of the threads does the same work with fewer thread start-ups)."""
         sim = {} if self.on_gpu or self.m_scale is None else {"threads": 64}
         return {**self._int8_scales(), **sim}
 

@@ -77,9 +77,8 @@ from gpullm_lessons.kernels.numba import launch_stream
 
 ZERO = numba.float32(0.0)
 MAX_BLOCKS = 4096   # grid cap: enough blocks to fill any GPU; the grid-stride loop covers the rest
-SIM_MAX_BLOCKS = 4  # the cap in the CUDA simulator: each simulated thread is a Python thread, so fewer threads
-                    # striding further do the same work without thousands of thread start-ups (the AdamW step of
-                    # a 1-layer d16 model: 2.4 s -> 0.4 s)
+SIM_MAX_BLOCKS = 4  # the cap in the CUDA simulator: each simulated thread runs in Python, so fewer threads
+                    # striding further do the same work without thousands of thread start-ups
 
 
 def _max_blocks() -> int:
@@ -562,9 +561,9 @@ def adamw_step_device(params, grads, m, v, hyper, sumsq, beta1, beta2, eps, deca
                                           f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
 
 
-SUMSQ_BLOCKS = 64       # grad_sumsq's default grid on a GPU; in the CUDA simulator 1 (every simulated thread is a
-                        # Python thread and every barrier a wait on all of them: 64 blocks of a tiny model's buffer
-                        # took 22 s there, three quarters of its training step)
+SUMSQ_BLOCKS = 64       # grad_sumsq's default grid on a GPU; in the CUDA simulator 1 (every simulated thread runs in
+                        # Python, and one block of a tiny model's buffer does the work of 64 with 1/64 of the
+                        # thread start-ups)
 
 
 def grad_sumsq(flat, out, blocks=None):

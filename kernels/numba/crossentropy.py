@@ -359,7 +359,7 @@ VERSIONS = ("v1", "v2", "v3")     # what `version=` accepts (v2_fused is crossen
 
 
 def _pick(fn, version, threads, allowed=VERSIONS):
-    """Validate version and threads; the block size defaults to 32 in the simulator (one Python thread each)."""
+    """Validate version and threads; the block size defaults to 32 in the simulator (each thread runs in Python)."""
     if version not in allowed:
         raise ValueError(f"{fn}: version={version!r}, expected one of {', '.join(allowed)}")
     if version in GPU_ONLY and not device.numba_on_gpu():

@@ -105,8 +105,8 @@ def encoder_backward_v2_dwpe(dout, dwpe):
 FLT_MAX = 3.4028234663852886e38
 AMAX_BLOCKS = 1024          # partial maxima: at most this many blocks (grid-stride), one partial each
 ADD_BLOCKS = 65535          # v3_add / v3_zero / v3_finish: grid-stride beyond this many blocks
-SIM_BLOCKS = 2              # in the simulator (a Python thread per GPU thread) every v3 kernel: at most 2 blocks,
-SIM_REDUCE_THREADS = 16     # and the block reductions at most 16 threads (its syncthreads is slow)
+SIM_BLOCKS = 2              # in the simulator (every GPU thread runs in Python) every v3 kernel: at most 2 blocks,
+SIM_REDUCE_THREADS = 16     # and the block reductions at most 16 threads (fewer simulated threads)
 
 
 @cuda.jit(device=True, inline=True)   # inlined: a kernel calling a device function compiles to PTX without a GPU

@@ -164,7 +164,7 @@ def softmax_backward(dout, out, dinp, version=None, threads=None):
     dout, out, dinp: float32 (N, n), C-contiguous; NumPy or Numba simulator arrays under the simulator, Numba
     device arrays or CuPy arrays on a GPU. version: "v1".."v4"; None picks v3 on a GPU, v2 in the simulator.
     threads: threads per block (v2: a power of two; v3, v4: a multiple of 32; at most 1024); None picks a
-    default (at most 32 in the simulator, which runs one Python thread per CUDA thread).
+    default (at most 32 in the simulator, which runs every CUDA thread in Python).
     """
     fn = "softmax_backward"
     simulating = bool(numba.config.ENABLE_CUDASIM)
