@@ -94,3 +94,17 @@ def test_nvrtc_missing_is_a_skip_on_an_amd_gpu_only(monkeypatch):
     monkeypatch.setattr(device, "info", lambda: laptop)
     (nvrtc,) = [c for c in doctor.check_compilers() if c.name == "nvrtc"]
     assert nvrtc.status == "FAIL" and "libnvrtc" in nvrtc.detail
+
+
+def test_the_simulator_without_greenlet_fails_with_the_fix(monkeypatch):
+    import pytest
+
+    from gpullm_lessons import device
+    if not device.info().simulator:
+        pytest.skip("the simulator is off on this machine")
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda dist: None if dist == "greenlet" else real(dist))
+    sim = next(c for c in doctor.check_numba() if c.name == "simulator")
+    assert sim.status == "FAIL" and "greenlet" in sim.detail and sim.fix == "pip install 'greenlet>=3'"
+    monkeypatch.setattr(doctor, "_version", real)
+    assert next(c for c in doctor.check_numba() if c.name == "simulator").status == "OK"

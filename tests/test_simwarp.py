@@ -383,3 +383,11 @@ def test_an_error_ends_the_paused_threads_and_the_next_launch_is_clean():
     out = np.zeros(1, np.float32)
     staged_tree_sum[1, 64](np.ones(64, np.float32), out)
     assert out[0] == 64.0
+
+
+def test_a_launch_without_greenlet_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "greenlet", None)   # as if it were not installed: `import greenlet` fails
+    with pytest.raises(ImportError, match=r"needs the greenlet package .* pip install 'greenlet>=3'"):
+        staged_tree_sum[1, 64](np.ones(64, np.float32), np.zeros(1, np.float32))

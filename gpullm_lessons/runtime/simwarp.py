@@ -309,6 +309,8 @@ class _Block:
         self.scheduler.switch()
 
 
+GREENLET_MISSING = ("the CUDA simulator's block runner needs the greenlet package (a dependency of gpullm-lessons), "
+                    "which is not installed: pip install 'greenlet>=3'")
 _current = threading.local()     # .thread: the SimThread running now in this Python thread (None between threads)
 _dim3 = None                     # the simulator's Dim3, set by _patch
 
@@ -331,7 +333,10 @@ def _with_indices(e: Exception, t: SimThread) -> Exception:
 def _run_block(manager, grid_point, args):
     """Run one block: each thread in turn until it returns or must wait; open the barrier when every live thread
     waits at it; raise the first error a thread hits, or a WarpError when no thread can go on."""
-    from greenlet import greenlet
+    try:
+        from greenlet import greenlet
+    except ImportError:
+        raise ImportError(GREENLET_MISSING) from None
 
     block = _Block(manager._block_dim, greenlet.getcurrent())
     f = manager._f
