@@ -1,6 +1,7 @@
 """Packaging: a non-editable install ships kernels/, cupy stays optional, environment.yml agrees with pyproject.toml."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -22,14 +23,23 @@ def _spec(req: str) -> str:
     return req[len(_name(req)):].replace(" ", "")
 
 
+def build_wheel(tmp: Path) -> Path:
+    """The course's wheel, built from a copy of the checkout under tmp: setuptools writes build/ and *.egg-info into
+    the folder it builds, and no test writes into the checkout (tests/test_slurm.py checks that a job wrote nothing
+    there, while this may run on the other worker; two builds at once would share one build/)."""
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info",
+                                                             "__pycache__", ".whl", "node_modules", ".nvm"))
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (whl,) = (tmp / "dist").glob("gpullm_lessons-*.whl")
+    return whl
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                        str(ROOT)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    (whl,) = out.glob("gpullm_lessons-*.whl")
-    return whl
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def test_wheel_ships_every_kernel_source(wheel):

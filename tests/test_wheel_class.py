@@ -13,7 +13,6 @@ hand in with the wheel's `submit` and the wheel grades the drop box (`grade --cl
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +22,7 @@ import nbformat
 import pytest
 from test_class import FORGERIES, FORGETS_DOUT, NB01, TASKS01
 from test_grading import needs_kernel
+from test_packaging import build_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
@@ -32,15 +32,7 @@ TIMEOUT = 60
 def venv(tmp_path_factory):
     """A fresh venv with the course installed from its wheel: its python."""
     tmp = tmp_path_factory.mktemp("wheel-venv")
-    # built from a copy: tests/test_packaging.py builds from the checkout at the same time on the other worker, and
-    # setuptools' build/ folder is not for two builds at once
-    src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info",
-                                                             "__pycache__", ".whl", "node_modules"))  # fmt: skip
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-2000:]
-    (whl,) = (tmp / "dist").glob("gpullm_lessons-*.whl")
+    whl = build_wheel(tmp)  # from a copy of the checkout
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True, timeout=120)
     py = tmp / "venv" / "bin" / "python"
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
