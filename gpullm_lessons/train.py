@@ -9,7 +9,7 @@ The model runs in a training engine (gpullm_lessons.engine.build): one GPT, its 
 optimizer step (forward, backward, global-norm clipping, AdamW) on a backend:
     numpy  the NumPy reference GPT and AdamW on the CPU, fp32 (the default without a GPU)
     hip    the course's HIP kernels through CuPy (the default on a GPU)
-    numba  the course's Numba kernels: on an NVIDIA GPU, or in the CUDA simulator (toy sizes only: ~10 s a step)
+    numba  the course's Numba kernels: on an NVIDIA GPU, or in the CUDA simulator (toy sizes only: ~2 s a step)
 --precision bf16 / fp16 (kernel backends) keeps fp32 master weights and runs the matrix products in half precision,
 fp16 with dynamic loss scaling; --checkpointing selective / full / sqrt recomputes activations in backward.
 
@@ -631,7 +631,7 @@ def describe_run(run: Run) -> None:
         say(f"warning: {run.n_params:,} parameters with the NumPy reference on the CPU is slow "
             f"(this preset is meant for the GPU backends: --backend hip or numba)", file=sys.stderr)
     if run.backend == "numba" and not getattr(run.eng, "on_gpu", False) and B * T // W > SIM_SLOW_TOKENS:
-        say(f"warning: the numba backend runs in the CUDA simulator here, ~10 s a step for B*T = 16 tokens and "
+        say(f"warning: the numba backend runs in the CUDA simulator here, ~2 s a step for B*T = 16 tokens and "
             f"slower with more (this run: B*T = {B * T // W} per rank); try --n-layer 1 --d-model 16 --block-size 8 "
             f"--batch-size 2", file=sys.stderr)
 

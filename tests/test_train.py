@@ -208,7 +208,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# the numba backend (in the CUDA simulator without a GPU: ~10 s a step at this size)
+# the numba backend (in the CUDA simulator without a GPU: ~2 s a step at this size)
 
 def test_numba_backend_matches_numpy(tmp_path):
     toy = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--block-size", "8", "--batch-size", "2",
