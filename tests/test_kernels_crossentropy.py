@@ -1,8 +1,9 @@
 """Fused softmax + cross-entropy kernels: kernels/numba/crossentropy.py and kernels/hip/crossentropy.cu.
 
 In the simulator: v1 and v2 (and v2_fused) against check_crossentropy_backward, the forward against the reference
-loss, broken launches caught, wrapper validation. On a GPU (`pytest -m gpu`): every version, Numba and HIP, at the
-checker's large size (V = 50257) and awkward block sizes. PTX for every KERNELS entry: tests/test_kernels_numba.py.
+loss, v3 the same way with the wrappers' GPU guard lifted (simwarp's shuffles), broken launches caught, wrapper
+validation. On a GPU (`pytest -m gpu`): every version, Numba and HIP, at the checker's large size (V = 50257) and
+awkward block sizes. PTX for every KERNELS entry: tests/test_kernels_numba.py.
 """
 import numpy as np
 import pytest
@@ -120,6 +121,21 @@ def test_validation_errors():
 def test_gpu_only_version_refused_in_simulator():
     with pytest.raises(RuntimeError, match="simulator does not support"):
         ce.crossentropy_backward(*_arrays(), version="v3")
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="the GPU runs v3 in test_numba_on_gpu")
+def test_v3_passes_in_the_simulator_with_the_guard_lifted(monkeypatch):
+    """The wrappers keep v3 (warp shuffles) for a GPU; with that guard lifted its backward passes the checker and
+    its forward gives the reference's row losses here, on simwarp's shuffles, at 64 threads (two warps a block)."""
+    monkeypatch.setattr(ce, "GPU_ONLY", set())
+    r = check_crossentropy_backward(lambda *a: ce.crossentropy_backward(*a, version="v3", threads=64),
+                                    arrays="numba", quiet=True)
+    assert r.passed, r.message
+    logits, targets = _inputs(13, 37, seed=2)
+    losses = to_backend(np.full(13, np.nan, np.float32), "numba")
+    ce.crossentropy_forward(to_backend(logits, "numba"), to_backend(targets, "numba"), losses, version="v3",
+                            threads=64)
+    np.testing.assert_allclose(to_numpy(losses), _row_losses(logits, targets), rtol=1e-5, atol=1e-6)
 
 
 def test_hip_wrapper_validation_without_gpu():

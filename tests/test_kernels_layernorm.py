@@ -2,7 +2,8 @@
 gpullm_lessons.backends.hip.layernorm).
 
 Backward: check_layernorm_backward (fresh random inputs, NaN-poisoned outputs). Forward: compared here with
-gpullm_lessons.reference.layernorm_forward in float64, outputs NaN-poisoned. Simulator runs keep sizes toy;
+gpullm_lessons.reference.layernorm_forward in float64, outputs NaN-poisoned. Simulator runs keep sizes toy (v3 with
+the wrappers' GPU guard lifted: simwarp's shuffles);
 @pytest.mark.gpu tests (every version, both backends, large and awkward sizes) run on a GPU.
 """
 import secrets
@@ -121,6 +122,19 @@ def test_gpu_only_version_refused_in_simulator():
         nb.layernorm_backward(a, a, v, s, s, a.copy(), v.copy(), v.copy(), version="v3")
     with pytest.raises(NoGPUError, match="simulator"):
         nb.layernorm_forward(a, v, v, a.copy(), s, s.copy(), version="v3")
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="on a GPU v3 runs in the gpu tests")
+def test_v3_passes_in_the_simulator_with_the_guard_lifted(monkeypatch):
+    """The wrappers keep v3 (warp shuffles) for a GPU; with that guard lifted its forward and backward run here on
+    simwarp's shuffles, at 64 threads (two warps a block), against the reference."""
+    monkeypatch.setattr(nb, "GPU_ONLY", set())
+    r = check_layernorm_backward(lambda *a: nb.layernorm_backward(*a, version="v3", threads=64), arrays="numba",
+                                 quiet=True)
+    assert r.passed, r.message
+    rng = np.random.default_rng()
+    N, C = int(rng.integers(3, 30)), int(rng.integers(33, 100))
+    check_forward(lambda *a: nb.layernorm_forward(*a, version="v3", threads=64), "numba", N, C)
 
 
 # ---- (b) wrapper input validation (Numba, and the HIP wrapper's checks that need no GPU) -----------------------------

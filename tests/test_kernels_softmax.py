@@ -1,6 +1,7 @@
 """softmax_backward kernels (kernels/numba/softmax.py, kernels/hip/softmax.cu) against check_softmax_backward.
 
-Simulator (CI): v1 and v2 with toy block sizes (the simulator runs every CUDA thread in Python), broken launches
+Simulator (CI): v1 and v2 with toy block sizes (the simulator runs every CUDA thread in Python), v3 and v4 with the
+launcher's GPU guard lifted (simwarp's shuffles), broken launches
 the checker must catch, wrapper validation. GPU (`make gpu-test`): every version on both backends at the checker's
 large sizes and at awkward ones (n not a multiple of the block, n much longer than the block, one row).
 """
@@ -76,6 +77,17 @@ def test_gpu_only_versions_refuse_the_simulator(version):
     dout, out, _ = inputs(3, 5)
     with pytest.raises(RuntimeError, match="simulator"):
         nb.softmax_backward(dout, out, np.empty_like(out), version=version)
+
+
+@pytest.mark.skipif(device.numba_on_gpu(), reason="on a GPU test_numba_on_gpu runs them")
+@pytest.mark.parametrize("version", sorted(nb.GPU_ONLY))
+def test_warp_versions_pass_the_checker_in_the_simulator(version, monkeypatch):
+    """The launcher keeps v3 and v4 for a GPU; with that guard lifted they run here on simwarp's shuffles, through
+    the checker, at 64 threads (two warps a block)."""
+    monkeypatch.setattr(nb, "GPU_ONLY", set())
+    r = check_softmax_backward(lambda *a: nb.softmax_backward(*a, version=version, threads=64), arrays="numba",
+                               quiet=True)
+    assert r.passed, r.message
 
 
 def test_docstring_names_every_version_and_gpu_only_ones():
