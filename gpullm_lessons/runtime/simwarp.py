@@ -244,7 +244,7 @@ FUNCTIONS = {f.__name__: f for f in (shfl_sync, shfl_up_sync, shfl_down_sync, sh
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Running a block without starving it
+# Running a block: its CUDA threads as greenlets, one at a time
 # --------------------------------------------------------------------------------------------------------------
 class SimThread:
     """One CUDA thread of a block in the simulator: its indices (what the simulator's `cuda` module asks of it), its
