@@ -229,6 +229,33 @@ def test_chunks_pass_the_gpu_tests_node_ids_a_few_at_a_time(tmp_path, monkeypatc
     assert logs == sorted(f"test_chunky.{k}of3.{tool}.log" for tool in ("memcheck", "racecheck") for k in (1, 2, 3))
 
 
+def test_one_tool_can_take_smaller_chunks(tmp_path, monkeypatch):
+    """--chunk 2,racecheck=1: memcheck's parts hold 2 tests, racecheck's 1 (racecheck is the slow one); initcheck,
+    with no size of its own, takes the default; the summary says each tool's size."""
+    test_file = tmp_path / "test_chunky.py"
+    test_file.write_text(CHUNKY)
+    monkeypatch.setenv(sanitize.SANITIZER_ENV, _recording(tmp_path))
+    args = ["--files", str(test_file), "--tools", "memcheck,racecheck,initcheck", "--chunk", "2,racecheck=1"]
+    assert sanitize.main(args + ["--jobs", "3", "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(p["tool"], p["chunk"]) for p in summary["parts"]] == (
+        [("memcheck", f"{k}/3") for k in (1, 2, 3)]
+        + [("racecheck", f"{k}/5") for k in (1, 2, 3, 4, 5)]
+        + [("initcheck", f"{k}/3") for k in (1, 2, 3)]
+    )
+    assert summary["chunk"] == {"memcheck": 2, "racecheck": 1, "initcheck": 2}
+    runs = [f.read_text().splitlines() for f in (tmp_path / "runs").glob("*.args")]
+    sizes = sorted((argv[1], len(argv) - argv.index("gpu") - 2) for argv in runs)  # after "-m gpu -x": the ids
+    assert sizes.count(("racecheck", 1)) == 5 and sizes.count(("memcheck", 2)) == 2 and ("memcheck", 1) in sizes
+
+
+@pytest.mark.parametrize("bad", ["-1", "x", "2,racecheck", "2,racecheck=", "2,leakcheck=1", "racecheck=-2"])
+def test_a_bad_chunk_is_refused_with_its_form(bad, capsys):
+    assert sanitize.main(["--files", "tests/test_sanitize.py", "--chunk", bad, "--list"]) == 2
+    err = capsys.readouterr().err
+    assert "--chunk" in err and (f"got '{bad.split(',')[-1]}'" in err or "not one of memcheck" in err), err
+
+
 def test_a_file_whose_gpu_tests_cannot_be_collected_is_named(tmp_path, capsys):
     broken = tmp_path / "test_broken.py"
     broken.write_text("def test_(:\n")

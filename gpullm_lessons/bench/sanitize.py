@@ -18,7 +18,7 @@ Two settings make the reports mean something:
                            memcheck cannot see it; with one allocation per array it can.
 
 CLI: ``python -m gpullm_lessons.bench.sanitize [--tools memcheck,racecheck] [--files tests/test_hip_flash.py,...]
-[--select K] [--timeout S] [--jobs N] [--chunk M] [--shard I/N] [--skip S,..] [--out DIR] [--list]``; it prints one line per part as
+[--select K] [--timeout S] [--jobs N] [--chunk M[,tool=K]] [--shard I/N] [--skip S,..] [--out DIR] [--list]``; it prints one line per part as
 it finishes, then the table of every part in order, and exits 1 when any part is not clean, 2 on bad usage.
 
 Fitting a run into a machine lent for a few minutes at a time:
@@ -27,6 +27,9 @@ Fitting a run into a machine lent for a few minutes at a time:
   --chunk M    a part is at most M GPU tests of one file instead of the whole file: the file's tests are collected
                first (pytest --collect-only -m gpu FILE) and a part passes its node ids to pytest. Its name carries
                the chunk ("tests/test_hip_flash.py [2/5]"), and so does its log (test_hip_flash.2of5.memcheck.log).
+               "M,tool=K" gives one tool parts of K tests: racecheck is many times slower than memcheck (an H100,
+               2026-12-07: 12 flash tests under racecheck did not finish in 450 s), so "12,racecheck=2" keeps its
+               parts inside a 10-minute call.
   --shard I/N  only the parts whose index (in the list of files x tools x chunks) is I-1 modulo N: the N shards
                together are the whole run, one shard per call.
   --deadline S the whole run's seconds: a part not started by then is "not run", a running one is stopped
@@ -324,6 +327,26 @@ def _csv(text: str, allowed=None, what="") -> list:
     return items
 
 
+def _chunk_sizes(text: str, tools: list) -> dict:
+    """--chunk "M" or "M,tool=K,...": tests per part for each tool (0: whole files). racecheck runs a test many times
+    slower than memcheck, so it may take smaller parts ("12,racecheck=3")."""
+    sizes, default = {}, 0
+    for item in [s.strip() for s in str(text).split(",") if s.strip()] or ["0"]:
+        tool, eq, number = item.rpartition("=")
+        if not number.strip().isdigit():
+            raise SanitizeError(
+                f"--chunk must be 0 (whole files) or more tests per part, or tool=N for one tool "
+                f"(e.g. 12,racecheck=3), got {item!r}"
+            )
+        if not eq:
+            default = int(number)
+        elif tool.strip() not in TOOLS:
+            raise SanitizeError(f"--chunk {item!r}: {tool.strip()!r} not one of {', '.join(TOOLS)}")
+        else:
+            sizes[tool.strip()] = int(number)
+    return {tool: sizes.get(tool, default) for tool in tools}
+
+
 def _shard(text: str) -> tuple:
     """--shard "I/N" as (I, N), 1 <= I <= N."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
@@ -376,7 +399,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parts at a time (default: cores, <= 8)"
     )
-    p.add_argument("--chunk", type=int, default=0, help="at most this many tests per part (default 0: whole files)")
+    p.add_argument(
+        "--chunk",
+        default="0",
+        help="at most this many tests per part (default 0: whole files); tool=N sets one tool's (12,racecheck=3)",
+    )
     p.add_argument("--shard", default="", help="I/N: run only the I-th of N shards of the parts")
     p.add_argument(
         "--deadline",
@@ -407,18 +434,20 @@ def main(argv=None) -> int:
             raise SanitizeError(f"--deadline must be 0 (none) or more seconds, got {args.deadline}")
         if args.jobs < 1:
             raise SanitizeError(f"--jobs must be at least 1, got {args.jobs}")
-        if args.chunk < 0:
-            raise SanitizeError(f"--chunk must be 0 (whole files) or more, got {args.chunk}")
+        size = _chunk_sizes(args.chunk, tools)
         shard, shards = _shard(args.shard) if args.shard else (1, 1)
         decided = _decided(_csv(args.skip, None, "skip")) if args.skip else set()
         sanitizer = "compute-sanitizer" if args.list else find_sanitizer()
         # the whole run's parts: files x tools (x chunks); a file's tests are collected once for all the tools
-        if args.chunk:
+        if any(size.values()):
             with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
                 ids = dict(zip(files, pool.map(lambda f: collect(f, args.select, args.timeout), files)))
-            every = [part for f in files for tool in tools for part in chunks(f, tool, ids[f], args.chunk)]
-        else:
-            every = [Part(tool, f) for f in files for tool in tools]
+        every = [
+            part
+            for f in files
+            for tool in tools
+            for part in (chunks(f, tool, ids[f], size[tool]) if size[tool] else [Part(tool, f)])
+        ]
     except SanitizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -448,7 +477,7 @@ def main(argv=None) -> int:
             "shard": f"{shard}/{shards}",
             "jobs": args.jobs,
             "deadline_s": args.deadline,
-            "chunk": args.chunk,
+            "chunk": size[tools[0]] if len(set(size.values())) == 1 else size,  # one size, or each tool's
             "command": "python -m gpullm_lessons.bench.sanitize " + shlex.join(argv),
             "minutes": round((time.time() - start) / 60, 2),
             "parts": [_part_row(part) for part in parts],
