@@ -152,8 +152,8 @@ TOOLBOX = (
 
 class Launchers:
     """eng.K: the backend's launcher module, with the engine's default kernel version filled in where a launcher
-    takes version= and the call leaves it out (the simulator runs the one-thread-per-row versions, ~50x faster
-    there; a GPU the fastest ones). simulator=True: the launchers of _SIM_THREADS_OK get threads=SIM_THREADS unless
+    takes version= and the call leaves it out (the simulator runs the one-thread-per-row versions, far fewer
+    simulated threads there; a GPU the fastest ones). simulator=True: the launchers of _SIM_THREADS_OK get threads=SIM_THREADS unless
     the call passes threads (a block of 256 simulated threads runs 256 threads in Python, most of them idle at the
     simulator's sizes)."""
 

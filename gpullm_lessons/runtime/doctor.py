@@ -80,8 +80,8 @@ def check_numba() -> list[Check]:
         out.append(Check("FAIL", "simulator", "should be on (no NVIDIA GPU) but numba was imported before it was set",
                          "import gpullm_lessons before numba, or export NUMBA_ENABLE_CUDASIM=1"))
     elif sim_on and _version("greenlet") is None:
-        from .simwarp import GREENLET_MISSING
-        out.append(Check("FAIL", "simulator", GREENLET_MISSING.split(": pip")[0], "pip install 'greenlet>=3'"))
+        from .simwarp import GREENLET_FIX, GREENLET_MISSING
+        out.append(Check("FAIL", "simulator", GREENLET_MISSING, GREENLET_FIX))
     elif sim_on:
         out.append(Check("OK", "simulator", "ON: Numba kernels run on the CPU in the CUDA simulator (slow, tiny sizes)"))
     elif info.kind == "cuda":

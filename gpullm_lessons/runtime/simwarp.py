@@ -35,8 +35,9 @@ Numba's own simulator starts an operating-system thread per CUDA thread and lets
 lock; the greenlets run the same kernels, in a fixed order (a thread runs until it must wait), several times faster:
 a forward and backward of the numba engine on a toy model (tests/test_grad_accum.py's TOY, batch 4 x 8), best of 3
 on one core of a 2-core machine, 2026-12-07: 3.45 s on threads, 0.74 s on greenlets.
-A kernel that spins until another thread of its block writes a flag, with no barrier between, never ends here (on a
-GPU it may, or may hang): CUDA guarantees no such progress either, so the course's kernels do not do it.
+A kernel that spins until another thread of its block writes a flag, with no barrier between, never ends here. On
+a GPU it depends on the hardware's scheduling (NVIDIA's since Volta lets the writer run; AMD's wavefronts and older
+warps may hang), so the course's kernels, written for both vendors, do not do it.
 Installed by ``import gpullm_lessons`` (its __init__, right after ``device.configure()``) when the simulator is on;
 with Numba on a GPU it is never installed: the real intrinsics run.
 """
@@ -310,7 +311,8 @@ class _Block:
 
 
 GREENLET_MISSING = ("the CUDA simulator's block runner needs the greenlet package (a dependency of gpullm-lessons), "
-                    "which is not installed: pip install 'greenlet>=3'")
+                    "which is not installed")
+GREENLET_FIX = "pip install 'greenlet>=3'"
 _current = threading.local()     # .thread: the SimThread running now in this Python thread (None between threads)
 _dim3 = None                     # the simulator's Dim3, set by _patch
 
@@ -336,7 +338,7 @@ def _run_block(manager, grid_point, args):
     try:
         from greenlet import greenlet
     except ImportError:
-        raise ImportError(GREENLET_MISSING) from None
+        raise ImportError(f"{GREENLET_MISSING}: {GREENLET_FIX}") from None
 
     block = _Block(manager._block_dim, greenlet.getcurrent())
     f = manager._f
