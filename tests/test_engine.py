@@ -373,6 +373,66 @@ def test_dgelu_kernel_makes_dfc_in_the_pass_and_keeps_the_other_epilogues(monkey
     assert max_rel(wrong, g_fused) > 0.1
 
 
+# ---- versions logits "half": the head's product writes bf16 logits, the loss kernel writes dlogits over them -------
+def _rounded_logits_loss(eng32, x, y):
+    """The mean cross-entropy (float64) of the bf16-rounded logits of a logits "f32" engine: what logits "half"
+    computes, the product's fp32 result rounded on the way out."""
+    logits, _ = eng32.forward(x, y)
+    z = bf16_bits_to_f32(f32_to_bf16_bits(host(logits).reshape(-1, TOY.vocab_size))).astype(np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    return float(np.mean(lse - z[np.arange(z.shape[0]), y.reshape(-1)]))
+
+
+@pytest.mark.parametrize("ce_chunks", [1, 3])
+def test_half_logits_give_the_loss_of_the_rounded_logits_and_close_gradients(toy_reference, ce_chunks):
+    """versions logits "half" (bf16): forward returns no logits (the dlogits were written over them); the loss is the
+    loss of the bf16-rounded logits, not the float32 ones; the gradients stay within bf16's bounds of the fp32
+    reference and close to the float32-logits run, chunked (3 chunks of rows, the last one smaller) or not."""
+    x, y, loss_ref, g_ref = toy_reference
+    eng = engine.build(TOY, "numba", precision="bf16", versions={"logits": "half"}, ce_chunks=ce_chunks)
+    logits, loss = eng.forward(x, y)
+    assert logits is None
+    eng32 = engine.build(TOY, "numba", precision="bf16", ce_chunks=ce_chunks)
+    rounded = _rounded_logits_loss(engine.build(TOY, "numba", precision="bf16"), x, y)
+    assert abs(loss - rounded) < 1e-5 * rounded
+    assert loss != eng32.forward(x, y)[1]  # the rounding is really used
+    eng.backward()
+    g = {k: host(eng.grads[k]).copy() for k in eng.grads.names}
+    _, g32 = grads_of(engine.build(TOY, "numba", precision="bf16", ce_chunks=ce_chunks), x, y)
+    assert max_rel(g, g_ref) < 3e-2 and max_rel(g, g32) < 2e-2
+    assert max_rel(g, g32) > 0
+
+
+def test_half_logits_are_one_bf16_buffer_and_evaluation_keeps_float32():
+    """The unchunked head keeps one (B*T, V) uint16 buffer (the dlogits, written over the logits); evaluation and
+    next_logits still compute float32 logits (no gradients to write over them)."""
+    eng = engine.build(TOY, "numba", precision="bf16", versions={"logits": "half"})
+    x, y = batch(TOY, 2, 8)
+    eng.forward(x, y)
+    assert eng._cache["dlogits"].dtype == np.uint16 and eng._cache["dlogits"].shape == (16, TOY.vocab_size)
+    eng32 = engine.build(TOY, "numba", precision="bf16")
+    assert eng.eval_loss(x, y) == eng32.eval_loss(x, y)
+    np.testing.assert_array_equal(eng.next_logits(x[0]), eng32.next_logits(x[0]))
+
+
+def test_engine_memory_counts_half_logits():
+    """logits "half": no float32 logits beside the dlogits: the head's working set loses 4 bytes per logit of the
+    whole batch (unchunked) or of one chunk."""
+    cfg, B, T = GPTConfig(vocab_size=4096, block_size=64, n_layer=1, n_head=4, d_model=64), 8, 64
+    N, V = B * T, cfg.vocab_size
+    f32 = engine.engine_memory(cfg, B, T, "bf16")
+    half = engine.engine_memory(cfg, B, T, "bf16", half_logits=True)
+    assert f32["head"] - half["head"] == 4 * N * V and f32["activations"] == half["activations"]
+    # the head is this model's largest working set: the peak falls, to the next largest phase's
+    assert 0.5 * 4 * N * V < f32["total"] - half["total"] <= 4 * N * V
+    c32 = engine.engine_memory(cfg, B, T, "bf16", ce_chunks=4)
+    chalf = engine.engine_memory(cfg, B, T, "bf16", ce_chunks=4, half_logits=True)
+    assert c32["head"] - chalf["head"] == 4 * (N // 4) * V
+    with pytest.raises(ValueError, match="half_logits=True describes bf16 logits; precision is 'fp16'"):
+        engine.engine_memory(cfg, B, T, "fp16", half_logits=True)
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -399,6 +459,11 @@ def test_build_errors_name_the_problem():
         engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "dgelu": "kernel"})
     with pytest.raises(engine.EngineError, match="this run has epilogue='none', gelu_in='half'"):
         engine.build(TOY, "numba", precision="bf16", versions={"gelu_in": "half", "dgelu": "cublaslt"})
+    with pytest.raises(engine.EngineError, match="logits must be 'f32' or 'half', got 'bf16'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"logits": "bf16"})
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(engine.EngineError, match=f"logits='half' .*precision='{precision}'"):
+            engine.build(TOY, "numba", precision=precision, versions={"logits": "half"})
 
 
 @pytest.mark.skipif(device.has_gpu(), reason="this machine has a GPU")
@@ -619,6 +684,28 @@ def test_gpu_engine_memory_of_the_epilogue_step_within_10_percent_of_the_pool_pe
     predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True, epilogue=True,
                                      dgelu_epilogue=dgelu == "cublaslt")
     assert abs(predicted["total"] - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted["total"], r["peak_bytes"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ce_chunks", [1, 3])
+def test_gpu_half_logits_track_fp32_and_the_float32_logits_run(ce_chunks, gpu_batches, gpu_reference):
+    """versions logits "half" on the GPU (the head's product writes bf16 logits, crossentropy_forward_backward_hh*
+    writes the dlogits over them): 10 bf16 steps track the fp32 reference; the first step's gradients are the
+    float32-logits run's within bf16's rounding; the predicted peak is within 10% of the pool's."""
+    from gpullm_lessons.bench.train_step import measure_engine
+    v = {"logits": "half"}
+    eng = engine.build(SMALL, "hip", precision="bf16", versions=v, ce_chunks=ce_chunks)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    x, y = gpu_batches[0]
+    _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=v, ce_chunks=ce_chunks), x, y)
+    _, g32 = grads_of(engine.build(SMALL, "hip", precision="bf16", ce_chunks=ce_chunks), x, y)
+    assert 0 < max_rel(g, g32) < 2e-2
+    cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=2, n_head=6, d_model=384)  # the head is the peak
+    r = measure_engine(cfg, 16, 256, "bf16", "none", steps=2, versions=v, ce_chunks=ce_chunks)
+    predicted = engine.engine_memory(cfg, 16, 256, "bf16", ce_chunks=ce_chunks, half_logits=True)["total"]
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
 
 
 @pytest.mark.gpu

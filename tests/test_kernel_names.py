@@ -59,6 +59,8 @@ NOT_CONVENTION = {
     "attention_dpre_w*": "warp-per-row family w{K} x format pair, SOFTMAX_FWD_WARP's output",
     "crossentropy_forward_backward_half_*": "the engine's half-dlogits kernel, one entry per format",
     "crossentropy_forward_backward_half4_*": "its float4 form; _half4_bf16 is stored in results/timeline_*.json",
+    "crossentropy_forward_backward_hh_*": "half logits in, half dlogits out (in place allowed), one entry per format",
+    "crossentropy_forward_backward_hh4_*": "its 4-per-load form, one entry per format",
 }
 
 # (b1) Twins under two names (Numba -> HIP): the same kernel, not renamed because the names are stored or taught.
@@ -98,6 +100,7 @@ SINGLE_BACKEND = {
     "block_sum": "lesson 00's warpSize demo, a HIP-only lesson",
     "crossentropy_backward_v4": "float4 loads (HIP only, lesson 05's tuning)",
     "crossentropy_forward_backward_half*": "half dlogits written directly; Numba converts in a second kernel",
+    "crossentropy_forward_backward_hh*": "half logits read directly; Numba widens them in a kernel first",
     "layernorm_backward_v4*": "lesson 04's tuned stage-1/2 pair, HIP only",
     "colsum_partials_v1_x4*": "v1 with four columns per thread (float4 loads), HIP only; v1's sums bit for bit",
     "layernorm_backward_v5_*": "register-blocked family w{W}_k{K} + its reduce, HIP only",

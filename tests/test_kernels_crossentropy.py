@@ -280,6 +280,90 @@ def test_half_dlogits_errors():
         ce.crossentropy_forward_backward_half(logits, targets, losses, np.zeros((3, 7), np.uint16), half="bf16")
 
 
+# ---- logits in half too (the head's product rounds them on the way out), dlogits beside them or over them ------------
+def _to_half_bits(x, half):
+    if half == "bf16":
+        from gpullm_lessons.model.precision import f32_to_bf16_bits
+        return f32_to_bf16_bits(x)
+    return x.astype(np.float16).view(np.uint16)
+
+
+def _check_half_logits(mod, arrays, N, V, half, seed, in_place, offset=0):
+    """The kernel against the float64 reference on the half logits' own values (what it was given), the losses and
+    dlogits both. in_place: dlogits is the logits array (the engine's use). offset: the arrays start `offset`
+    elements into a buffer (offset 1: rows on 2 bytes, the launcher's scalar entry point)."""
+    logits32, targets = _inputs(N, V, seed=seed)
+    targets[0], targets[-1] = V - 1, 0                        # the one-hot at both ends of a row
+    targets[N // 2] = min(V - 1, 4 * 37 + 1)                  # a target past the first few warps' elements
+    bits = _to_half_bits(logits32, half)
+    values = _half_values(bits, half).astype(np.float32)      # exactly the values the kernel reads
+    buf = np.zeros(N * V + offset, np.uint16)
+    buf[offset:] = bits.reshape(-1)
+    buf = to_backend(buf, arrays)
+    logits = buf[offset:].reshape(N, V)
+    losses = to_backend(np.full(N, np.nan, np.float32), arrays)
+    dl = logits if in_place else to_backend(np.full((N, V), 0xFFFF, np.uint16), arrays)
+    mod.crossentropy_forward_backward_half(logits, to_backend(targets, arrays), losses, dl, half=half)
+    got, want = _half_values(to_numpy(dl), half), _half_expected(values, targets, half)
+    ulp, floor = (2.0 ** -7, 0.0) if half == "bf16" else (2.0 ** -10, 2.0 ** -24)
+    err = np.abs(got - want)
+    assert np.all(err <= ulp * np.abs(want) + floor), (err.max(), np.unravel_index(err.argmax(), err.shape))
+    assert (err > 0).mean() <= 1e-2
+    np.testing.assert_allclose(to_numpy(losses), _row_losses(values, targets), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in_place"])
+def test_half_logits_in_simulator(half, in_place):
+    _check_half_logits(ce, "numba", 5, 33, half, seed=2, in_place=in_place)
+
+
+def test_half_logits_checker_catches_float32_reads():
+    """The check above fails a kernel that treats the half logits' values as exact float32 logits of another
+    rounding (here: the float32 logits before rounding, a plausible 'forgot the product rounds' mistake)."""
+    class Wrong:
+        @staticmethod
+        def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half):
+            N, V = logits.shape
+            x = _half_values(np.asarray(logits), half).astype(np.float32) + np.float32(0.05)  # off by a shift
+            x[np.arange(N), targets] += np.float32(0.02)                                       # and at the target
+            ce.crossentropy_forward_backward_half(x, targets, losses, dlogits, half=half)
+    with pytest.raises(AssertionError):
+        _check_half_logits(Wrong, "numpy", 5, 33, "bf16", seed=2, in_place=False)
+
+
+def test_half_logits_errors():
+    logits, targets = _inputs(3, 8, seed=0)
+    losses = np.zeros(3, np.float32)
+    dl = np.zeros((3, 8), np.uint16)
+    with pytest.raises(TypeError, match=r"logits has dtype float64, expected float32 or uint16 \(the bf16 bits"):
+        ce.crossentropy_forward_backward_half(logits.astype(np.float64), targets, losses, dl, half="bf16")
+    with pytest.raises(ValueError, match=r"logits must be 2-D"):
+        ce.crossentropy_forward_backward_half(dl.reshape(-1), targets, losses, dl, half="bf16")
+    with pytest.raises(ValueError, match=r"dlogits has shape \(3, 7\)"):
+        ce.crossentropy_forward_backward_half(dl, targets, losses, np.zeros((3, 7), np.uint16), half="bf16")
+    with pytest.raises(TypeError, match="targets has dtype int64"):
+        ce.crossentropy_forward_backward_half(dl, targets.astype(np.int64), losses, dl, half="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hip", "numba"])
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in_place"])
+@pytest.mark.parametrize("N, V, offset", [(257, 50304, 0), (33, 50304, 1), (33, 50257, 0), (7, 4, 0)],
+                         ids=["50304", "50304-odd", "50257", "4"])
+def test_half_logits_on_gpu(backend, half, in_place, N, V, offset):
+    """HIP: V % 4 == 0 on 8-byte rows runs hh4 (4 logits per load), V = 50257 or a 2-byte offset the scalar hh."""
+    if backend == "numba" and not device.numba_on_gpu():
+        pytest.skip("Numba on an NVIDIA GPU only")
+    if backend == "hip":
+        from gpullm_lessons.backends.hip import crossentropy as mod
+        arrays = "cupy"
+    else:
+        mod, arrays = ce, "numba"
+    _check_half_logits(mod, arrays, N, V, half, seed=11, in_place=in_place, offset=offset)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hip", "numba"])
 @pytest.mark.parametrize("half", ["bf16", "fp16"])

@@ -836,6 +836,9 @@ def main(argv=None) -> int:
                     help="`train` / `gputime` / `timeline`: with --epilogue cublaslt --gelu-in half, where the fc "
                          "projection's backward makes dfc: in its product (DGELU_BGRAD, the default) or in a pass of "
                          "the course's colsum_convert after a plain product")
+    ap.add_argument("--logits", choices=("f32", "half"), default=None,
+                    help="`train` / `gputime` / `timeline`: the format the engine's tied head writes the logits in, "
+                         "in bf16 (default f32; half: bf16 logits, the bf16 dlogits written over them)")
     ap.add_argument("--ce-chunks", type=int, default=1,
                     help="`train` / `gputime` / `timeline`: our engine's loss head in that many chunks of rows "
                          "(default 1)")
@@ -928,13 +931,14 @@ def main(argv=None) -> int:
 
 def engine_versions(args) -> dict:
     """The engine versions the command line asks for (--scores, --attention, --flash-version, --gelu-in, --epilogue,
-    --dgelu)."""
+    --dgelu, --logits)."""
     return {**({"scores": args.scores} if args.scores else {}),
             **({"attention": args.attention} if args.attention else {}),
             **({"flash": args.flash_version} if args.flash_version else {}),
             **({"gelu_in": args.gelu_in} if args.gelu_in else {}),
             **({"epilogue": args.epilogue} if args.epilogue else {}),
-            **({"dgelu": args.dgelu} if args.dgelu else {})}
+            **({"dgelu": args.dgelu} if args.dgelu else {}),
+            **({"logits": args.logits} if args.logits else {})}
 
 
 def run_metadata(what: str, argv) -> dict:

@@ -657,16 +657,18 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
               "offload_optimizer": opts.get("offload_optimizer", False)}
         # engine versions, not build() options: the GELU input's format and the products' epilogues
         gelu_in, epilogue = opts.get("gelu_in", "f32"), opts.get("epilogue", "none")
-        dgelu = opts.get("dgelu", "cublaslt")
+        dgelu, logits = opts.get("dgelu", "cublaslt"), opts.get("logits", "f32")
         try:
             pred = engine_memory(cfg, B, T, precision, attention=att, half_gelu_in=gelu_in == "half",
-                                 epilogue=epilogue == "cublaslt", dgelu_epilogue=dgelu == "cublaslt", **kw)
+                                 epilogue=epilogue == "cublaslt", dgelu_epilogue=dgelu == "cublaslt",
+                                 half_logits=logits == "half", **kw)
         except ValueError as e:  # a technique this precision does not have (the epilogues in fp32)
             rows.append({"technique": name, **kw, "predicted_bytes": 0, "error": str(e)})
             continue
         row = {"technique": name, **kw, "predicted_bytes": int(pred["total"]), "host_bytes": int(pred.get("host", 0))}
         ver = dict(versions or {})
-        for key, value, default in (("gelu_in", gelu_in, "f32"), ("epilogue", epilogue, "none"), ("dgelu", dgelu, "cublaslt")):
+        for key, value, default in (("gelu_in", gelu_in, "f32"), ("epilogue", epilogue, "none"),
+                                    ("dgelu", dgelu, "cublaslt"), ("logits", logits, "f32")):
             if value != default:
                 row[key] = ver[key] = value
         ver = ver or None

@@ -1,6 +1,6 @@
 """crossentropy's contract: the checks of the cross-entropy launchers' arguments (logits (N, V) float32, targets (N,)
-int32, the outputs; the half-bits dlogits of crossentropy_forward_backward_half), shared by
-kernels/numba/crossentropy.py and gpullm_lessons/backends/hip/crossentropy.py (cupy=True: CuPy arrays only)."""
+int32, the outputs; the half-bits dlogits, and the float32 or half-bits logits, of crossentropy_forward_backward_half),
+shared by kernels/numba/crossentropy.py and gpullm_lessons/backends/hip/crossentropy.py (cupy=True: CuPy arrays only)."""
 
 from gpullm_lessons.contracts import check_array
 
@@ -21,7 +21,9 @@ def check_inputs(fn, logits, targets, *, cupy=False, **outputs):
 
 
 def check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=False):
-    """crossentropy_forward_backward_half's arguments: dlogits uint16 (N, V), half "bf16" | "fp16". Returns (N, V)."""
+    """crossentropy_forward_backward_half's arguments: dlogits uint16 (N, V), half "bf16" | "fp16"; logits float32
+    (N, V), or uint16 (N, V): the half bits of the same format (dlogits may then be the logits array itself, written
+    in place). Returns (N, V)."""
     if half not in HALF_FORMATS:
         raise ValueError(f"{fn}: half must be one of {', '.join(HALF_FORMATS)}, got {half!r}")
     if not hasattr(dlogits, "dtype") or str(dlogits.dtype) != "uint16":
@@ -29,7 +31,19 @@ def check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=False):
             f"{fn}: dlogits must be a uint16 array (the half bits), got "
             f"{getattr(dlogits, 'dtype', type(dlogits).__name__)}"
         )
-    N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy)
+    if hasattr(logits, "dtype") and str(logits.dtype) == "uint16":  # half logits: check them as float32's shape
+        if len(logits.shape) != 2:
+            raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {tuple(logits.shape)}")
+        N, V = logits.shape
+        check_array(fn, "logits", logits, (N, V), "uint16", cupy=cupy)
+        check_array(fn, "targets", targets, (N,), "int32", cupy=cupy)
+        check_array(fn, "losses", losses, (N,), "float32", cupy=cupy)
+    elif hasattr(logits, "dtype") and str(logits.dtype) != "float32":
+        raise TypeError(
+            f"{fn}: logits has dtype {logits.dtype}, expected float32 or uint16 (the {half} bits, as dlogits)"
+        )
+    else:
+        N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy)
     if tuple(dlogits.shape) != (N, V):
         raise ValueError(f"{fn}: dlogits has shape {tuple(dlogits.shape)}, expected {(N, V)}")
     if not (dlogits.flags.c_contiguous if cupy else dlogits.flags["C_CONTIGUOUS"]):

@@ -31,6 +31,7 @@ _NUMBA_VERSIONS = {
     "tf32": "off",
     "epilogue": "none",
     "dgelu": "cublaslt",
+    "logits": "f32",
 }
 
 
@@ -77,6 +78,11 @@ class GPUEngine(Engine):
     # pass: GELU's derivative, the half dfc and the fc bias gradient, as without the epilogues). On an H100 the
     # DGELU_BGRAD product ran at a quarter of the rate of the step's other products of its size
     # (results/gputime_gpt2_lean_epilogue_h100.json); "kernel" is the choice to measure beside it
+    # "logits": the format the tied head's product writes the logits in, with targets in a bf16 run: "f32" (cuBLAS
+    # writes float32 logits, the loss kernel writes bf16 dlogits beside them) or "half" (cuBLAS rounds the logits to
+    # bf16 on the way out, as PyTorch's autocast keeps them; the loss kernel reads them and writes the bf16 dlogits
+    # over them: half the bytes written by the product and read by the loss, and one (rows, V) buffer instead of
+    # two). The loss is then the loss of the rounded logits. Evaluation and next_logits keep float32 logits
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -146,6 +152,13 @@ class GPUEngine(Engine):
             raise EngineError(
                 "versions: dgelu chooses where the fc projection's backward makes dfc under epilogue='cublaslt' and "
                 f"gelu_in='half'; this run has epilogue={self.ver['epilogue']!r}, gelu_in={self.ver['gelu_in']!r}"
+            )
+        if self.ver["logits"] not in ("f32", "half"):
+            raise EngineError(f"versions: logits must be 'f32' or 'half', got {self.ver['logits']!r}")
+        if self.ver["logits"] == "half" and precision != "bf16":
+            raise EngineError(
+                f"versions: logits='half' has the head's product write bf16 logits; precision={precision!r} "
+                "(fp16's loss scaling multiplies float32 dlogits before rounding them: use bf16)"
             )
         if self.ver["epilogue"] == "cublaslt" and self.on_gpu and device.kind() != "cuda":
             raise EngineError("versions: epilogue='cublaslt' calls NVIDIA's cuBLASLt; on AMD keep epilogue='none'")
@@ -665,7 +678,8 @@ class GPUEngine(Engine):
 
     def forward(self, x, y=None):
         """Logits (B, T, V) fp32 and, with targets, the mean loss; keeps what backward needs (the policy's cache).
-        With ce_chunks > 1 and targets the logits never exist whole (_head_chunked): (None, loss)."""
+        With ce_chunks > 1 and targets the logits never exist whole (_head_chunked): (None, loss); with versions
+        logits "half" and targets the dlogits are written over them: (None, loss) too."""
         x, y = self._check_batch("forward", x, y)
         return self._forward(x, y, keep=self.policy)
 
@@ -695,13 +709,18 @@ class GPUEngine(Engine):
                     B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, dlnf=dlnf, scale=scale
                 )
             return None, loss
-        logits = xp.empty((B * T, V), xp.float32)
+        half_logits = y is not None and grads and self.ver["logits"] == "half"
+        logits = xp.empty((B * T, V), xp.uint16 if half_logits else xp.float32)
         self._gemm(lnf_mm, self._w("wte"), logits, trans_b=True)  # tied head: lnf @ wte.T
         loss = None
         if y is not None:
             targets = xp.asarray(y).reshape(-1)
             losses = xp.empty(B * T, xp.float32)
-            if self.precision == "bf16":  # dlogits written in bf16 by the loss kernel: the head products' input
+            if half_logits:  # bf16 logits in, bf16 dlogits written over them (the logits are gone: none returned)
+                dlogits = logits
+                self.K.crossentropy_forward_backward_half(logits, targets, losses, dlogits, half="bf16")
+                logits = None
+            elif self.precision == "bf16":  # dlogits written in bf16 by the loss kernel: the head products' input
                 dlogits = xp.empty((B * T, V), xp.uint16)
                 self.K.crossentropy_forward_backward_half(logits, targets, losses, dlogits, half="bf16")
             else:  # fp32; fp16 scales dlogits by the loss scale before rounding (backward)
@@ -711,7 +730,7 @@ class GPUEngine(Engine):
             self._cache = dict(
                 B=B, T=T, idx=idx, blocks=blocks, h=h, meanf=meanf, rstdf=rstdf, lnf_mm=lnf_mm, dlogits=dlogits
             )
-        return logits.reshape(B, T, V), loss
+        return (None if logits is None else logits.reshape(B, T, V)), loss
 
     def backward(self, loss_scale=1.0, grads_ready=None):
         """Every gradient of the last forward's loss (times loss_scale) written into self.grads; grads_ready(k) right
@@ -789,7 +808,7 @@ class GPUEngine(Engine):
         Returns (losses (N,) fp32, dlnf (N, C) fp32; None with grads=False: the loss kernel alone per chunk).
 
         Half copies: in bf16 the loss kernel writes the chunk's dlogits as bf16 bits (no fp32 dlogits), the products'
-        input, as without chunks; in fp16 it writes fp32 dlogits, which are multiplied by the loss scale (and n / N)
+        input, as without chunks (versions logits "half": over the chunk's bf16 logits, one buffer); in fp16 it writes fp32 dlogits, which are multiplied by the loss scale (and n / N)
         and rounded to fp16 chunk by chunk, right before the chunk's two products (without chunks: in backward, on
         the whole (N, V)). fp16 uses the loss scale of this step (self.scaler.scale), which backward applies when
         the head has not."""
@@ -798,7 +817,8 @@ class GPUEngine(Engine):
 
         bounds = chunk_bounds(N, self.ce_chunks)
         rows = bounds[0][1]  # the largest chunk (the first)
-        logits_buf = xp.empty((rows, V), xp.float32)
+        half_logits = grads and self.ver["logits"] == "half"  # bf16 logits, the dlogits written over them
+        logits_buf = xp.empty((rows, V), xp.uint16 if half_logits else xp.float32)
         losses = xp.empty(N, xp.float32)
         if not grads:
             for lo, hi in bounds:
@@ -807,7 +827,10 @@ class GPUEngine(Engine):
                 self.K.crossentropy_forward(logits, targets[lo:hi], losses[lo:hi], version=self.ver["crossentropy"])
             return losses, None
         dlnf = xp.empty((N, self.cfg.d_model), xp.float32)
-        dl_buf = xp.empty((rows, V), xp.uint16 if self.precision == "bf16" else xp.float32)
+        if half_logits:
+            dl_buf = logits_buf
+        else:
+            dl_buf = xp.empty((rows, V), xp.uint16 if self.precision == "bf16" else xp.float32)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         for i, (lo, hi) in enumerate(bounds):
             logits, dlogits, t = logits_buf[: hi - lo], dl_buf[: hi - lo], targets[lo:hi]

@@ -21,6 +21,7 @@ def engine_memory(
     half_gelu_in=False,
     epilogue=False,
     dgelu_epilogue=True,
+    half_logits=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -44,6 +45,8 @@ def engine_memory(
     writes GELU's half input itself (no float32 fc temporary in the forward) and the fc projection's backward makes
     the half dfc in its product (no float32 dgelu in the backward). dgelu_epilogue: the engine's versions["dgelu"] ==
     "cublaslt" (the default); False ("kernel") makes dfc as without the epilogues (a float32 dgelu, then one pass).
+    half_logits: the engine's versions["logits"] == "half" (bf16 only): the head's product writes bf16 logits and the
+    loss kernel writes the bf16 dlogits over them (one (rows, V) buffer of 2 bytes an element, no float32 logits).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -63,6 +66,8 @@ def engine_memory(
         raise ValueError(
             "engine_memory: epilogue=True describes the half-precision epilogue products; precision is fp32"
         )
+    if half_logits and precision != "bf16":
+        raise ValueError(f"engine_memory: half_logits=True describes bf16 logits; precision is {precision!r}")
     policy, k = parse_policy(policy, cfg.n_layer, "engine_memory")  # "sqrt:K" -> ("sqrt", K)
     if attention == "auto":  # the hip engine's default: flash where its kernels run, else the cuBLAS path
         from .gpu import flash_unsupported
@@ -115,11 +120,12 @@ def engine_memory(
         fwd_block += full_cache - NC * f
     elif policy == "sqrt":  # a block inside a segment: its input (the block below's output) is not kept either
         fwd_block += full_cache
+    lg = 0 if half_logits else f  # bytes of a logit beside its dlogit (half_logits: the dlogits are written over them)
     if ce_chunks == 1:
-        head = N * V * f + N * f + N * 4  # logits, losses, targets
-        head_bytes = NC * e + N * V * (f + dl) + N * f + N * 4  # the head's tensors: lnf_mm, logits, dlogits, ...
+        head = N * V * lg + N * f + N * 4  # logits, losses, targets (the dlogits are in top)
+        head_bytes = NC * e + N * V * (lg + dl) + N * f + N * 4  # the head's tensors: lnf_mm, logits, dlogits, ...
     else:  # one chunk's logits and dlogits (fp16: fp32 dlogits, x scale fp32, its fp16 copy) beside lnf_mm
-        head = NC * e + ce_rows * V * (f + (10 if precision == "fp16" else dl)) + N * f + N * 4
+        head = NC * e + ce_rows * V * (lg + (10 if precision == "fp16" else dl)) + N * f + N * 4
         head_bytes = head + NC * f  # and dlnf, filled chunk by chunk
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
     if epilogue and g != f and dgelu_epilogue:  # the half dfc out of the fc projection's product (DGELU_BGRAD)

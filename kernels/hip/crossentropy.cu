@@ -303,3 +303,80 @@ extern "C" __global__ void crossentropy_forward_backward_half4_f16(const float* 
         int V) {
     ce_fwd_bwd_half4<2>(logits, targets, losses, dlogits, N, V);
 }
+
+// ---- logits in half too (HF: 1 = bf16, 2 = fp16 bits), dlogits written over them or beside them -------------------
+// The head's product writes the logits in the run's half format (fp32 accumulation, rounded on the way out, as
+// PyTorch's autocast keeps them): half the bytes written by the product and read twice here. dlogits may be the
+// logits array itself: every thread reads its own elements before it writes them, and the target's logit is read
+// before the block's barrier (after it, another warp may already have overwritten it). So no __restrict__ on the two.
+template <int HF>
+__device__ __forceinline__ void ce_fwd_bwd_hh(const unsigned short* logits, const int* __restrict__ targets,
+                                              float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
+    int row = blockIdx.x;
+    if (row >= N) return;                                 // the whole block leaves together
+    const unsigned short* x = logits + (long long)row * V;
+    unsigned short* d = dlogits + (long long)row * V;
+    int t = targets[row];
+    float xt = half_to_f32<HF>(x[t]);                     // before any thread of the block writes
+    float m = CE_EMPTY, s = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) online_update(m, s, half_to_f32<HF>(x[j]));
+    block_stats_shfl(sh_m, sh_s, m, s);                   // every thread: the row's (max, sum)
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - xt;
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float p = expf(half_to_f32<HF>(x[j]) - m) * inv_s;
+        d[j] = f32_to_half_bits<HF>((j == t ? p - 1.0f : p) * inv_n);
+    }
+}
+
+// Four half logits per 8-byte load, four half dlogits per 8-byte store (V % 4 == 0, both arrays on 8 bytes).
+template <int HF>
+__device__ __forceinline__ void ce_fwd_bwd_hh4(const unsigned short* logits, const int* __restrict__ targets,
+                                               float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const uint2* x2 = reinterpret_cast<const uint2*>(logits + (long long)row * V);
+    uint2* d2 = reinterpret_cast<uint2*>(dlogits + (long long)row * V);
+    int t = targets[row], V4 = V / 4;
+    float xt = half_to_f32<HF>(logits[(long long)row * V + t]);   // before any thread of the block writes
+    float m = CE_EMPTY, s = 0.0f;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        uint2 w = x2[j];
+        online_update4(m, s, make_float4(half_to_f32<HF>(w.x & 0xFFFFu), half_to_f32<HF>(w.x >> 16),
+                                         half_to_f32<HF>(w.y & 0xFFFFu), half_to_f32<HF>(w.y >> 16)));
+    }
+    block_stats_shfl(sh_m, sh_s, m, s);
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - xt;
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        uint2 w = x2[j];                                  // this thread's own 4 logits: read, then overwritten
+        float p[4] = {expf(half_to_f32<HF>(w.x & 0xFFFFu) - m) * inv_s, expf(half_to_f32<HF>(w.x >> 16) - m) * inv_s,
+                      expf(half_to_f32<HF>(w.y & 0xFFFFu) - m) * inv_s, expf(half_to_f32<HF>(w.y >> 16) - m) * inv_s};
+        if (j == t / 4) p[t % 4] -= 1.0f;
+        d2[j] = make_uint2(pack_half2<HF>(p[0] * inv_n, p[1] * inv_n), pack_half2<HF>(p[2] * inv_n, p[3] * inv_n));
+    }
+}
+
+extern "C" __global__ void crossentropy_forward_backward_hh_bf16(const unsigned short* logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    ce_fwd_bwd_hh<1>(logits, targets, losses, dlogits, N, V);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_hh_f16(const unsigned short* logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    ce_fwd_bwd_hh<2>(logits, targets, losses, dlogits, N, V);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_hh4_bf16(const unsigned short* logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    ce_fwd_bwd_hh4<1>(logits, targets, losses, dlogits, N, V);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_hh4_f16(const unsigned short* logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    ce_fwd_bwd_hh4<2>(logits, targets, losses, dlogits, N, V);
+}

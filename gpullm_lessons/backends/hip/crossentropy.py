@@ -85,7 +85,11 @@ HALF_THREADS = 1024  # crossentropy_forward_backward_half: whole warps on either
 def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, threads=HALF_THREADS):
     """crossentropy_forward_backward with dlogits (N, V) uint16: the half bits ("bf16" | "fp16", rounded to
     nearest even) of (softmax - onehot) / N, written by the same one-pass kernel (no float32 dlogits). With V % 4 == 0
-    and rows on 16 bytes (logits) / 8 bytes (dlogits): the float4 entry point crossentropy_forward_backward_half4_*."""
+    and rows on 16 bytes (logits) / 8 bytes (dlogits): the float4 entry point crossentropy_forward_backward_half4_*.
+
+    logits may be float32, or uint16: the half bits of the same format (the head's product rounded them on the way
+    out), read by crossentropy_forward_backward_hh_* (hh4_*: 4 per 8-byte load when V % 4 == 0 and both arrays are on
+    8 bytes); then dlogits may be logits itself (overwritten in place, no second (N, V) buffer)."""
     fn = "crossentropy_forward_backward_half"
     N, V = check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=True)
     threads = int(threads)
@@ -94,9 +98,12 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
             f"{fn}: threads={threads} must be a multiple of 64 in [64, 1024] (whole warps on NVIDIA and AMD)"
         )
     if N:
-        # float4 loads / 8-byte half stores when the rows allow them (GPT-2's V = 50304 does), scalar otherwise
-        vec = "4" if V % 4 == 0 and logits.data.ptr % 16 == 0 and dlogits.data.ptr % 8 == 0 else ""
-        _kernel(f"crossentropy_forward_backward_half{vec}_{'bf16' if half == 'bf16' else 'f16'}")(
-            (N,), (threads,), (logits, targets, losses, dlogits, np.int32(N), np.int32(V))
-        )
+        fmt = "bf16" if half == "bf16" else "f16"
+        if str(logits.dtype) == "uint16":  # half logits: 8-byte rows of four
+            vec = "4" if V % 4 == 0 and logits.data.ptr % 8 == 0 and dlogits.data.ptr % 8 == 0 else ""
+            name = f"crossentropy_forward_backward_hh{vec}_{fmt}"
+        else:  # float4 loads / 8-byte half stores when the rows allow them (GPT-2's V = 50304 does), scalar otherwise
+            vec = "4" if V % 4 == 0 and logits.data.ptr % 16 == 0 and dlogits.data.ptr % 8 == 0 else ""
+            name = f"crossentropy_forward_backward_half{vec}_{fmt}"
+        _kernel(name)((N,), (threads,), (logits, targets, losses, dlogits, np.int32(N), np.int32(V)))
     return losses, dlogits
