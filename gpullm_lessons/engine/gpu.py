@@ -810,8 +810,8 @@ class GPUEngine(Engine):
         Half copies: in bf16 the loss kernel writes the chunk's dlogits as bf16 bits (no fp32 dlogits), the products'
         input, as without chunks (versions logits "half": over the chunk's bf16 logits, one buffer); in fp16 it
         writes fp32 dlogits, which are multiplied by the loss scale (and n / N) and rounded to fp16 chunk by chunk,
-        right before the chunk's two products (without chunks: in backward, on the whole (N, V)). fp16 uses the loss scale of this step (self.scaler.scale), which backward applies when
-        the head has not."""
+        right before the chunk's two products (without chunks: in backward, on the whole (N, V)). fp16 uses the loss
+        scale of this step (self.scaler.scale), which backward applies when the head has not."""
         xp, V, N = self.xp, self.cfg.vocab_size, lnf_mm.shape[0]
         from ..reference.head import chunk_bounds
 
