@@ -331,6 +331,8 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
         assert got["ce_chunks"] == 8 and got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half"}, what
         assert bench.main(argv + ["--dgelu", "kernel"]) == 0, what
         assert got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half", "dgelu": "kernel"}, what
+        assert bench.main(argv + ["--logits", "half"]) == 0, what
+        assert got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half", "logits": "half"}, what
 
 
 def test_graph_pool_of_reads_the_pool_or_derives_it_for_runs_that_held_the_copy_on_the_gpu():
