@@ -77,12 +77,15 @@ class GPUEngine(Engine):
     # "cublaslt" (in the product, DGELU_BGRAD) or "kernel" (a plain product to float32, then colsum_convert's one
     # pass: GELU's derivative, the half dfc and the fc bias gradient, as without the epilogues). On an H100 the
     # DGELU_BGRAD product ran at a quarter of the rate of the step's other products of its size
-    # (results/gputime_gpt2_lean_epilogue_h100.json); "kernel" is the choice to measure beside it
+    # (results/gputime_gpt2_lean_epilogue_h100.json); with "kernel" the fc backward took 3.72 ms per GPT-2 step against
+    # DGELU_BGRAD's 5.71 on the same card (results/gputime_gpt2_lean_halflogits_h100.json, one H100 day: the default
+    # stays "cublaslt" until the H200 is measured too)
     # "logits": the format the tied head's product writes the logits in, with targets in a bf16 run: "f32" (cuBLAS
     # writes float32 logits, the loss kernel writes bf16 dlogits beside them) or "half" (cuBLAS rounds the logits to
     # bf16 on the way out, as PyTorch's autocast keeps them; the loss kernel reads them and writes the bf16 dlogits
     # over them: half the bytes written by the product and read by the loss, and one (rows, V) buffer instead of
-    # two). The loss is then the loss of the rounded logits. Evaluation and next_logits keep float32 logits
+    # two; GPT-2's head 3.59 against 5.01 ms per step on an H100, results/gputime_gpt2_lean_halflogits_h100.json). The
+    # loss is then the loss of the rounded logits. Evaluation and next_logits keep float32 logits
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
