@@ -280,6 +280,16 @@ def test_half_dlogits_errors():
         ce.crossentropy_forward_backward_half(logits, targets, losses, np.zeros((3, 7), np.uint16), half="bf16")
 
 
+def _gpu_module(backend):
+    """The launchers module and array kind of a GPU test's backend (Numba's skipped where it has no NVIDIA GPU)."""
+    if backend == "numba" and not device.numba_on_gpu():
+        pytest.skip("Numba on an NVIDIA GPU only")
+    if backend == "hip":
+        from gpullm_lessons.backends.hip import crossentropy as mod
+        return mod, "cupy"
+    return ce, "numba"
+
+
 # ---- logits in half too (the head's product rounds them on the way out), dlogits beside them or over them ------------
 def _to_half_bits(x, half):
     if half == "bf16":
@@ -354,13 +364,7 @@ def test_half_logits_errors():
                          ids=["50304", "50304-odd", "50257", "4"])
 def test_half_logits_on_gpu(backend, half, in_place, N, V, offset):
     """HIP: V % 4 == 0 on 8-byte rows runs hh4 (4 logits per load), V = 50257 or a 2-byte offset the scalar hh."""
-    if backend == "numba" and not device.numba_on_gpu():
-        pytest.skip("Numba on an NVIDIA GPU only")
-    if backend == "hip":
-        from gpullm_lessons.backends.hip import crossentropy as mod
-        arrays = "cupy"
-    else:
-        mod, arrays = ce, "numba"
+    mod, arrays = _gpu_module(backend)
     _check_half_logits(mod, arrays, N, V, half, seed=11, in_place=in_place, offset=offset)
 
 
@@ -370,11 +374,5 @@ def test_half_logits_on_gpu(backend, half, in_place, N, V, offset):
 @pytest.mark.parametrize("N, V", [(257, 50304), (33, 50257), (7, 4)], ids=["50304", "50257", "4"])
 def test_half_dlogits_on_gpu(backend, half, N, V):
     """HIP: V % 4 == 0 runs the float4 entry point (half4), V = 50257 the scalar one."""
-    if backend == "numba" and not device.numba_on_gpu():
-        pytest.skip("Numba on an NVIDIA GPU only")
-    if backend == "hip":
-        from gpullm_lessons.backends.hip import crossentropy as mod
-        arrays = "cupy"
-    else:
-        mod, arrays = ce, "numba"
+    mod, arrays = _gpu_module(backend)
     _check_half(mod, arrays, N, V, half, seed=7)
