@@ -722,7 +722,7 @@ def test_gpu_engine_memory_of_half_logits_within_10_percent_of_the_pool_peak(log
     cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=2, n_head=6, d_model=384)
     r = measure_engine(cfg, 16, 256, "bf16", "none", steps=2, versions={"logits": logits}, ce_chunks=ce_chunks)
     predicted = engine.engine_memory(cfg, 16, 256, "bf16", ce_chunks=ce_chunks, half_logits=logits == "half")["total"]
-    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"])
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"], r["peak_at"])
 
 
 @pytest.mark.gpu
@@ -1153,3 +1153,28 @@ def test_gpu_time_profile_lists_the_epilogue_products():
     assert bt.gpu_time_group("gemm+dgelu_bgrad") == "matrix products"
     assert len(replayed) == len(r["rows"]) and r["ce_chunks"] == 2 and r["versions"]["epilogue"] == "cublaslt"
     assert blaslt.matmul_epilogue is real
+
+
+def test_peak_tracker_names_the_phase_and_the_site(monkeypatch):
+    """measure_engine's PeakTracker: a new peak records the innermost step phase (engine.profiler's ranges, through
+    range_hook) and the course function that allocated; a smaller allocation later moves nothing."""
+    from gpullm_lessons.bench.train_step import PeakTracker
+    from gpullm_lessons.engine.profiler import nvtx_range, range_hook
+
+    t = PeakTracker()
+    with range_hook(t.phase):
+        t.note(10, 10)
+        assert t.at["phase"] == "outside the step" and t.at["site"] == "elsewhere"
+        with nvtx_range("backward"):
+            t.note(5, 5)
+            assert t.high == 10 and t.at["bytes"] == 10
+        eng = engine.build(TOY, "numba", precision="bf16")
+        real = eng.K.crossentropy_forward_backward_half
+        monkeypatch.setattr(eng.K, "crossentropy_forward_backward_half",
+                            lambda *a, **k: (t.note(10**9, 7), real(*a, **k))[1])
+        x, y = batch(TOY, 2, 8)
+        eng.train_step(x, y, lr=1e-3, weight_decay=0.0, grad_clip=0.0)
+    assert t.high == 10**9 and t.at["phase"] == "forward" and t.at["bytes"] == 7
+    assert t.at["site"].startswith("_forward (gpu.py:"), t.at
+    t.note(20, 1)
+    assert t.high == 10**9 and t.at["bytes"] == 7

@@ -26,6 +26,7 @@ the fragmentation of its free blocks.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import re
@@ -149,6 +150,43 @@ def validated_steps(step, batches, reference, tol, time_steps=None) -> dict:
     return validate_then_time(run, lambda _: {k: first[k] for k in want}, want, tol, timer)
 
 
+class PeakTracker:
+    """Where a pool's live peak was reached: the step's phase (the innermost engine.profiler.nvtx_range: "forward",
+    "backward", "optimizer", ...; "outside the step" between them), the size of the allocation that set it and the
+    innermost function of the course's engine or launchers that asked for it ("site": "name (file:line)").
+    measure_engine reports it as "peak_at", so a peak the memory model did not predict names its phase."""
+
+    def __init__(self):
+        self.high, self.at, self._phases = 0, None, []
+
+    @contextlib.contextmanager
+    def phase(self, name):  # engine.profiler.range_hook's hook
+        self._phases.append(name)
+        try:
+            yield
+        finally:
+            self._phases.pop()
+
+    def note(self, used_bytes, size):
+        """After an allocation of `size` bytes the pool holds `used_bytes` in use: a new peak records where."""
+        if used_bytes > self.high:
+            self.high = int(used_bytes)
+            self.at = {"phase": self._phases[-1] if self._phases else "outside the step", "bytes": int(size),
+                       "site": _course_site(sys._getframe(1))}
+
+
+def _course_site(frame) -> str:
+    """The innermost caller in the course's engine, backends or kernels (not this module): "name (file:line)"."""
+    here = __file__
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if path != here and any(part in path for part in ("gpullm_lessons/engine/", "gpullm_lessons/backends/",
+                                                          "gpullm_lessons/runtime/", "/kernels/")):
+            return f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+        frame = frame.f_back
+    return "elsewhere"
+
+
 def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", steps=10, versions=None,
                    graphs="off", ce_chunks=1, optimizer_state="fp32", offload_optimizer=False, reference=None) -> dict:
     """Step time and CuPy-pool peak bytes of our engine on random tokens (ce_chunks, optimizer_state,
@@ -166,17 +204,21 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
 
     from .. import engine
 
+    from ..engine.profiler import range_hook
+
     pool = cp.get_default_memory_pool()
     gc.collect()                                     # an earlier engine (and its graphs) must be gone: its arrays
     pool.free_all_blocks()                           # would count in this one's bytes
-    high = [0]
+    peak = PeakTracker()
 
     def tracking_malloc(size):                       # every allocation goes through the pool; note the live peak
         mem = pool.malloc(size)
-        high[0] = max(high[0], pool.used_bytes())
+        peak.note(pool.used_bytes(), size)
         return mem
 
     cp.cuda.set_allocator(tracking_malloc)
+    phases = range_hook(peak.phase)
+    phases.__enter__()
     engine_precision, more = ENGINE_PRECISION.get(precision, (precision, {}))
     versions = {**(versions or {}), **more} or None
     try:
@@ -191,16 +233,17 @@ def measure_engine(cfg, B, T, precision="fp32", policy="none", backend="hip", st
             checked = validated_steps(step, batches, reference, TRAIN_TOL[precision])
         reserved = pool.total_bytes()                # what the pool holds: the live peak plus fragmentation
         graph_bytes = eng.graph_pool_bytes() if eng.graphs else 0
-        high[0] += graph_bytes
+        high = peak.high + graph_bytes
         reserved += graph_bytes
         graphed = bool(eng.graphs)
         eng = None                                   # the engine's buffers back to the pool (step still names it)
     finally:
         cp.cuda.set_allocator(pool.malloc)
+        phases.__exit__(None, None, None)
     gc.collect()
     pool.free_all_blocks()
     sec = checked.pop("sec", None)
-    return {**({"step_ms": 1e3 * sec} if sec is not None else {}), "peak_bytes": int(high[0]),
+    return {**({"step_ms": 1e3 * sec} if sec is not None else {}), "peak_bytes": int(high), "peak_at": peak.at,
             "reserved_bytes": int(reserved), "model_bytes": int(model_bytes), "cuda_graph": graphed,
             **({"graph_pool_bytes": int(graph_bytes)} if graphed else {}), **checked}
 
