@@ -239,6 +239,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
         gelu_half = kw.pop("gelu_in", "f32") == "half"  # engine versions: the model's half_gelu_in and epilogue
         epi = kw.pop("epilogue", "none") == "cublaslt"
         dgelu = kw.pop("dgelu", "cublaslt")
+        logits = kw.pop("logits", "f32")
         want = engine.engine_memory(
             cfg,
             B,
@@ -248,12 +249,14 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
             half_gelu_in=gelu_half,
             epilogue=epi,
             dgelu_epilogue=dgelu == "cublaslt",
+            half_logits=logits == "half",
             **kw,
         )["total"]
         assert r["predicted_bytes"] == want, name
         assert r.get("gelu_in", "f32") == ("half" if gelu_half else "f32"), name
         assert r.get("epilogue", "none") == ("cublaslt" if epi else "none"), name
         assert r.get("dgelu", "cublaslt") == dgelu, name
+        assert r.get("logits", "f32") == logits, name
         if kw["optimizer_state"] == "int8":
             assert r["error"] == "no int8 here"
         elif kw["offload_optimizer"]:
@@ -268,6 +271,8 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
     assert len(epi_calls) == 2 * sum(opts.get("epilogue") == "cublaslt" for _, opts in bt.MEMORY_TECHNIQUES) > 0
     kernel_calls = [c for c in calls if (c.get("versions") or {}).get("dgelu") == "kernel"]
     assert len(kernel_calls) == 2 * sum(opts.get("dgelu") == "kernel" for _, opts in bt.MEMORY_TECHNIQUES) > 0
+    half_logit_calls = [c for c in calls if (c.get("versions") or {}).get("logits") == "half"]
+    assert len(half_logit_calls) == 2 * sum(opts.get("logits") == "half" for _, opts in bt.MEMORY_TECHNIQUES) > 0
     text = bt.format_memory(result)
     assert all(name in text for name in rows) and "no int8 here" in text
     # fp32: the epilogue technique is refused in its row (half precision only), the others are measured

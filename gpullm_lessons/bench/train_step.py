@@ -677,6 +677,8 @@ MEMORY_TECHNIQUES = (
     ("ce_chunks 8, GELU half", {"ce_chunks": 8, "gelu_in": "half"}),
     ("… and epilogues", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt"}),
     ("… epilogues, dfc in a pass", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel"}),
+    ("… and bf16 logits", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel",
+                           "logits": "half"}),
 )
 
 
