@@ -433,6 +433,42 @@ def test_engine_memory_counts_half_logits():
         engine.engine_memory(cfg, B, T, "fp16", half_logits=True)
 
 
+# ---- versions dgelu_out "half": the fc projection's backward product writes GELU's output gradient in half -----------
+@pytest.mark.parametrize("precision,v", [("bf16", {}), ("fp16", {}), ("bf16", {"epilogue": "cublaslt", "dgelu": "kernel"})])
+def test_a_half_gelu_gradient_is_read_by_the_pass_and_keeps_the_gradients_close(monkeypatch, precision, v):
+    """versions dgelu_out "half" (gelu_in "half", non-zero biases): colsum_convert's pass gets GELU's output gradient
+    as uint16 bits (the product's rounding) in every layer; the gradients stay within the half run's bounds of the
+    fp32 NumPy engine's and close to the float32-dgelu run's, and differ from them (the rounding is used)."""
+    x, y = batch(TOY, 2, 8)
+    _, g_ref = grads_of(with_biases(engine.build(TOY, "numpy")), x, y)
+    base = {"gelu_in": "half", **v}
+    eng = with_biases(engine.build(TOY, "numba", precision=precision, versions={**base, "dgelu_out": "half"}))
+    seen = []
+    colsum = eng.K.colsum_convert
+    monkeypatch.setattr(eng.K, "colsum_convert",
+                        lambda inp, *a, **k: (k.get("gelu_of") is not None and seen.append(str(inp.dtype)),
+                                              colsum(inp, *a, **k))[1])
+    loss, g = grads_of(eng, x, y)
+    assert seen == ["uint16"] * TOY.n_layer
+    monkeypatch.setattr(eng.K, "colsum_convert", colsum)
+    _, g32 = grads_of(with_biases(engine.build(TOY, "numba", precision=precision, versions=base)), x, y)
+    assert max_rel(g, g_ref) < (3e-2 if precision == "bf16" else 5e-3)
+    assert 0 < max_rel(g, g32) < (2e-2 if precision == "bf16" else 3e-3)
+
+
+def test_engine_memory_counts_a_half_gelu_gradient():
+    """dgelu_out "half": the fc projection's backward holds GELU's output gradient in 2 bytes an element: where a
+    block's backward is the step's largest working set (a small vocabulary), the peak falls."""
+    cfg, B, T = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128), 8, 64
+    NC = B * T * cfg.d_model
+    f32 = engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_gelu_in=True)
+    half = engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_gelu_in=True, half_dgelu=True)
+    # the fc projection's stages lose 4 * NC * 2 bytes; the peak falls to the next largest stage's
+    assert 0 < f32["working_set"] - half["working_set"] <= 4 * NC * 2 and f32["activations"] == half["activations"]
+    with pytest.raises(ValueError, match="half_dgelu=True describes a half GELU gradient beside half_gelu_in=True"):
+        engine.engine_memory(cfg, B, T, "bf16", half_dgelu=True)
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -459,6 +495,14 @@ def test_build_errors_name_the_problem():
         engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "dgelu": "kernel"})
     with pytest.raises(engine.EngineError, match="this run has epilogue='none', gelu_in='half'"):
         engine.build(TOY, "numba", precision="bf16", versions={"gelu_in": "half", "dgelu": "cublaslt"})
+    with pytest.raises(engine.EngineError, match="dgelu_out must be 'f32' or 'half', got 'bf16'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"dgelu_out": "bf16"})
+    for v, why in (({"precision": "fp32", "gelu_in": "half"}, "precision='fp32'"),
+                   ({"precision": "bf16"}, "gelu_in='f32'"),
+                   ({"precision": "bf16", "gelu_in": "half", "epilogue": "cublaslt"}, "dgelu='cublaslt'")):
+        prec = v.pop("precision")
+        with pytest.raises(engine.EngineError, match=f"dgelu_out='half' .*{why}"):
+            engine.build(TOY, "numba", precision=prec, versions={**v, "dgelu_out": "half"})
     with pytest.raises(engine.EngineError, match="logits must be 'f32' or 'half', got 'bf16'"):
         engine.build(TOY, "numba", precision="bf16", versions={"logits": "bf16"})
     for precision in ("fp32", "fp16"):
@@ -701,6 +745,34 @@ def test_gpu_half_logits_track_fp32_and_the_float32_logits_run(ce_chunks, gpu_ba
     _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=v, ce_chunks=ce_chunks), x, y)
     _, g32 = grads_of(engine.build(SMALL, "hip", precision="bf16", ce_chunks=ce_chunks), x, y)
     assert 0 < max_rel(g, g32) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [{}, {"epilogue": "cublaslt", "dgelu": "kernel"}], ids=["plain", "epilogues"])
+def test_gpu_half_gelu_gradient_tracks_fp32_and_its_memory_is_predicted(v, gpu_batches, gpu_reference):
+    """versions dgelu_out "half" on the GPU (gelu_in "half"; the fc projection's backward product writes bf16 dgelu,
+    colsum_convert's _hin pass reads it): 10 bf16 steps track the fp32 reference, the first step's gradients are the
+    float32-dgelu run's within bf16's rounding, and engine_memory(..., half_dgelu=True) is within 10% of the pool's
+    peak on a model whose block backward is the largest phase."""
+    from gpullm_lessons import device as dev
+    from gpullm_lessons.bench.train_step import measure_engine
+    if v and dev.kind() != "cuda":
+        pytest.skip("the epilogue products call NVIDIA's cuBLASLt")
+    base = {"gelu_in": "half", **v}
+    half = {**base, "dgelu_out": "half"}
+    eng = engine.build(SMALL, "hip", precision="bf16", versions=half)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    x, y = gpu_batches[0]
+    _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=half), x, y)
+    _, g32 = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=base), x, y)
+    assert 0 < max_rel(g, g32) < 2e-2
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
+    r = measure_engine(cfg, 32, 256, "bf16", "none", steps=2, versions={**half, "attention": "flash"})
+    predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True,
+                                     epilogue="epilogue" in v, dgelu_epilogue=False, half_dgelu=True)["total"]
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"], r["peak_at"])
 
 
 @pytest.mark.gpu

@@ -103,6 +103,7 @@ SINGLE_BACKEND = {
     "crossentropy_forward_backward_hh*": "half logits read directly; Numba widens them in a kernel first",
     "layernorm_backward_v4*": "lesson 04's tuned stage-1/2 pair, HIP only",
     "colsum_partials_v1_x4*": "v1 with four columns per thread (float4 loads), HIP only; v1's sums bit for bit",
+    "colsum_partials_v1_gelu_hpre_hin_*": "half GELU gradient read directly; Numba widens it to float32 first",
     "layernorm_backward_v5_*": "register-blocked family w{W}_k{K} + its reduce, HIP only",
     "softmax_backward_v5": "float4 registers (HIP only, lesson 03's tuning)",
     "softmax_backward_v6_k*": "K floats per lane in registers, one entry per K, HIP only",

@@ -226,6 +226,26 @@ def test_colsum_convert_with_a_half_gelu_input(half, N, C):
         assert not np.all(np.abs(dgelu.sum(axis=0) - want.sum(axis=0)) <= 1e-5 * scale + 1e-30)
 
 
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C", [(1, 1), (70, 23)])
+def test_colsum_convert_reads_a_half_gelu_gradient_as_its_values(half, N, C):
+    """inp uint16 (GELU's output gradient as its product rounded it) with the half pre: the bits of the float32 call
+    on the same values; the values, not the unrounded float32 ones, are what it reads."""
+    rng = np.random.default_rng()
+    dgelu, pre = rand(rng, N, C), to_half((rand(rng, N, C) * 3).astype(np.float32), half)
+    bits = to_half(dgelu, half)
+    colsum, out = empty_out((C,), None), empty_out((N, C), half)
+    nb.colsum_convert(bits, colsum, out=out, half=half, threads=32, gelu_of=pre)
+    colsum2, out2 = empty_out((C,), None), empty_out((N, C), half)
+    nb.colsum_convert(from_half(bits, half), colsum2, out=out2, half=half, threads=32, gelu_of=pre)
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(colsum.view(np.uint32), colsum2.view(np.uint32))
+    if N * C >= 100:  # the unrounded gradient gives other sums
+        colsum3 = empty_out((C,), None)
+        nb.colsum_convert(dgelu, colsum3, out=empty_out((N, C), half), half=half, threads=32, gelu_of=pre)
+        assert not np.array_equal(colsum3, colsum)
+
+
 def test_half_gelu_input_arguments_are_checked():
     x, b6, u = np.zeros((4, 6), np.float32), np.zeros(6, np.float32), np.zeros((4, 6), np.uint16)
     with pytest.raises(ValueError, match="bias_gelu_forward: pre is uint16 .* but half=None"):
@@ -236,6 +256,10 @@ def test_half_gelu_input_arguments_are_checked():
         nb.colsum_convert(x, b6.copy(), out=u.copy(), half="bf16", gelu_of=u, gelu_bias=b6)
     with pytest.raises(ValueError, match="colsum_convert: gelu_of is given but out is None"):
         nb.colsum_convert(x, b6.copy(), gelu_of=u)
+    with pytest.raises(ValueError, match="colsum_convert: inp is uint16 .* with gelu_of uint16"):
+        nb.colsum_convert(u, b6.copy(), out=u.copy(), half="bf16")
+    with pytest.raises(ValueError, match="colsum_convert: inp is uint16 .* with gelu_of uint16"):
+        nb.colsum_convert(u, b6.copy(), out=u.copy(), half="bf16", gelu_of=x, gelu_bias=b6)
     with pytest.raises(ValueError, match="gelu_half: half=None must be 'bf16' or 'fp16'"):
         nb.gelu_half(u, u.copy(), None)
     with pytest.raises(TypeError, match="gelu_half: inp has dtype float32, expected uint16"):
@@ -549,7 +573,8 @@ def test_hip_entry_points_exist_for_every_launch():
     needed = {"bias_add_v1", "bias_add_res_v1", "colsum_partials_v1", "colsum_reduce_v1", "colsum_partials_v1_bf16",
               "colsum_partials_v1_f16", "colsum_partials_v1_gelu_bf16", "colsum_partials_v1_gelu_f16",
               "layernorm_forward_half_v1_bf16", "layernorm_forward_half_v1_f16"}
-    needed |= {f"colsum_partials_v1{x4}_gelu_hpre_{s}" for x4 in ("", "_x4") for s in ("bf16", "f16")}
+    needed |= {f"colsum_partials_v1{x4}_gelu_hpre_{h}{s}" for x4 in ("", "_x4") for h in ("", "hin_")
+               for s in ("bf16", "f16")}
     assert needed <= entries, needed - entries
 
 
@@ -759,6 +784,33 @@ def test_gpu_colsum_convert_with_gelu(half, N, C):
         gelu_backward(d.reshape(-1), p.reshape(-1), dfc.reshape(-1))
         colsum2, out2 = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
         mod.colsum_convert(dfc, colsum2, out=out2, half=half)
+        np.testing.assert_array_equal(out.get(), out2.get(), err_msg=name)
+        np.testing.assert_array_equal(colsum.get().view(np.uint32), colsum2.get().view(np.uint32), err_msg=name)
+        assert np.all(np.abs(colsum.get() - want.sum(axis=0)) <= 1e-5 * scale), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("N, C, offset", [(16384, 3072, 0), (1003, 772, 1), (1001, 33, 0)],
+                         ids=["x4", "x4-odd", "C33"])
+def test_gpu_colsum_convert_reads_a_half_gelu_gradient(half, N, C, offset):
+    """inp uint16 with the half pre on each GPU backend: the bits of that backend's float32 call on the same values
+    (HIP: the _hin entry points, x4 on 8-byte rows, the one-column kernel 2 bytes off), and the float64 chain rule."""
+    import cupy as cp
+    rng = np.random.default_rng()
+    dgelu, fc = rand(rng, N, C), (rand(rng, N, C) * 3).astype(np.float32)
+    bits, pre = to_half(dgelu, half), to_half(fc, half)
+    values = from_half(bits, half)
+    want = values.astype(np.float64) * gelu_grad64(from_half(pre, half))
+    scale = np.abs(want).sum(axis=0) + 0.1 * np.abs(values).sum(axis=0)
+    for name, mod in gpu_backends():
+        buf = cp.zeros(N * C + offset, cp.uint16)
+        d = buf[offset:].reshape(N, C)
+        d[...] = cp.asarray(bits)
+        colsum, out = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+        mod.colsum_convert(d, colsum, out=out, half=half, gelu_of=cp.asarray(pre))
+        colsum2, out2 = cp.full(C, cp.nan, cp.float32), empty_out((N, C), half, "cupy")
+        mod.colsum_convert(cp.asarray(values), colsum2, out=out2, half=half, gelu_of=cp.asarray(pre))
         np.testing.assert_array_equal(out.get(), out2.get(), err_msg=name)
         np.testing.assert_array_equal(colsum.get().view(np.uint32), colsum2.get().view(np.uint32), err_msg=name)
         assert np.all(np.abs(colsum.get() - want.sum(axis=0)) <= 1e-5 * scale), name

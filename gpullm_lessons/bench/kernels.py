@@ -839,6 +839,10 @@ def main(argv=None) -> int:
     ap.add_argument("--logits", choices=("f32", "half"), default=None,
                     help="`train` / `gputime` / `timeline`: the format the engine's tied head writes the logits in, "
                          "in bf16 (default f32; half: bf16 logits, the bf16 dlogits written over them)")
+    ap.add_argument("--dgelu-out", choices=("f32", "half"), default=None,
+                    help="`train` / `gputime` / `timeline`: with --gelu-in half, where dfc is made in colsum_convert's "
+                         "pass, the format the fc projection's backward product writes GELU's output gradient in "
+                         "(default f32)")
     ap.add_argument("--ce-chunks", type=int, default=1,
                     help="`train` / `gputime` / `timeline`: our engine's loss head in that many chunks of rows "
                          "(default 1)")
@@ -931,14 +935,15 @@ def main(argv=None) -> int:
 
 def engine_versions(args) -> dict:
     """The engine versions the command line asks for (--scores, --attention, --flash-version, --gelu-in, --epilogue,
-    --dgelu, --logits)."""
+    --dgelu, --logits, --dgelu-out)."""
     return {**({"scores": args.scores} if args.scores else {}),
             **({"attention": args.attention} if args.attention else {}),
             **({"flash": args.flash_version} if args.flash_version else {}),
             **({"gelu_in": args.gelu_in} if args.gelu_in else {}),
             **({"epilogue": args.epilogue} if args.epilogue else {}),
             **({"dgelu": args.dgelu} if args.dgelu else {}),
-            **({"logits": args.logits} if args.logits else {})}
+            **({"logits": args.logits} if args.logits else {}),
+            **({"dgelu_out": args.dgelu_out} if args.dgelu_out else {})}
 
 
 def run_metadata(what: str, argv) -> dict:

@@ -679,6 +679,8 @@ MEMORY_TECHNIQUES = (
     ("… epilogues, dfc in a pass", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel"}),
     ("… and bf16 logits", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel",
                            "logits": "half"}),
+    ("… and bf16 dgelu", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel",
+                          "logits": "half", "dgelu_out": "half"}),
 )
 
 
@@ -703,17 +705,19 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
         # engine versions, not build() options: the GELU input's format and the products' epilogues
         gelu_in, epilogue = opts.get("gelu_in", "f32"), opts.get("epilogue", "none")
         dgelu, logits = opts.get("dgelu", "cublaslt"), opts.get("logits", "f32")
+        dgelu_out = opts.get("dgelu_out", "f32")
         try:
             pred = engine_memory(cfg, B, T, precision, attention=att, half_gelu_in=gelu_in == "half",
                                  epilogue=epilogue == "cublaslt", dgelu_epilogue=dgelu == "cublaslt",
-                                 half_logits=logits == "half", **kw)
+                                 half_logits=logits == "half", half_dgelu=dgelu_out == "half", **kw)
         except ValueError as e:  # a technique this precision does not have (the epilogues in fp32)
             rows.append({"technique": name, **kw, "predicted_bytes": 0, "error": str(e)})
             continue
         row = {"technique": name, **kw, "predicted_bytes": int(pred["total"]), "host_bytes": int(pred.get("host", 0))}
         ver = dict(versions or {})
         for key, value, default in (("gelu_in", gelu_in, "f32"), ("epilogue", epilogue, "none"),
-                                    ("dgelu", dgelu, "cublaslt"), ("logits", logits, "f32")):
+                                    ("dgelu", dgelu, "cublaslt"), ("logits", logits, "f32"),
+                                    ("dgelu_out", dgelu_out, "f32")):
             if value != default:
                 row[key] = ver[key] = value
         ver = ver or None

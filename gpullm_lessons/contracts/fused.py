@@ -121,7 +121,8 @@ def check_merge(fn, inp, out, col0, B, T, nh, half, check=check_array):
 def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None, gelu_bias=None):
     """Returns (N, C, mode); mode 0 when out is None. GELU's input is gelu_of (N, C) + gelu_bias (C,), float32, given
     together, or gelu_of alone as uint16, the half bits of GELU's input with its bias in (bias_gelu_forward's half
-    pre), in half's format; they need out."""
+    pre), in half's format; they need out. inp is float32, or uint16 (half bits of half's format) with a uint16
+    gelu_of: GELU's output gradient as its product rounded it."""
     if half_pre(gelu_of):
         if gelu_bias is not None:
             raise ValueError(
@@ -146,7 +147,15 @@ def check_colsum(fn, inp, colsum, out, half, check=check_array, gelu_of=None, ge
             raise ValueError(f"{fn}: out is given: pass half='bf16' or half='fp16' (the format of its bits)")
         mode, _ = half_mode(fn, half, out)
     N, C = _array(fn, "inp", inp, 2, "(N, C)")
-    check(fn, "inp", inp, (N, C), "float32")
+    if str(getattr(inp, "dtype", "")) == "uint16":  # half inp: only as GELU's output gradient beside a half pre
+        if not half_pre(gelu_of):
+            raise ValueError(
+                f"{fn}: inp is uint16 (half bits): it is read only as GELU's output gradient, with gelu_of uint16 "
+                "(GELU's input as half bits) and out; otherwise give inp float32"
+            )
+        check(fn, "inp", inp, (N, C), "uint16")
+    else:
+        check(fn, "inp", inp, (N, C), "float32")
     check(fn, "colsum", colsum, (C,), "float32")
     if out is not None:
         check(fn, "out", out, (N, C), "uint16")

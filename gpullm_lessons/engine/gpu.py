@@ -32,6 +32,7 @@ _NUMBA_VERSIONS = {
     "epilogue": "none",
     "dgelu": "cublaslt",
     "logits": "f32",
+    "dgelu_out": "f32",
 }
 
 
@@ -86,6 +87,10 @@ class GPUEngine(Engine):
     # over them: half the bytes written by the product and read by the loss, and one (rows, V) buffer instead of
     # two; GPT-2's head 3.59 against 5.01 ms per step on an H100, results/gputime_gpt2_lean_halflogits_h100.json). The
     # loss is then the loss of the rounded logits. Evaluation and next_logits keep float32 logits
+    # "dgelu_out": where the fc projection's backward is a plain product followed by colsum_convert's pass (epilogue
+    # "none", or dgelu "kernel") with gelu_in "half": the format that product writes GELU's output gradient in,
+    # "f32" or "half" (cuBLAS rounds it to the run's half format, as PyTorch's autocast keeps it: the product writes
+    # and the pass reads 2 bytes an element instead of 4; dfc = dgelu * gelu'(x) is then made from the rounded dgelu)
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -162,6 +167,19 @@ class GPUEngine(Engine):
             raise EngineError(
                 f"versions: logits='half' has the head's product write bf16 logits; precision={precision!r} "
                 "(fp16's loss scaling multiplies float32 dlogits before rounding them: use bf16)"
+            )
+        if self.ver["dgelu_out"] not in ("f32", "half"):
+            raise EngineError(f"versions: dgelu_out must be 'f32' or 'half', got {self.ver['dgelu_out']!r}")
+        if self.ver["dgelu_out"] == "half" and (
+            precision == "fp32"
+            or self.ver["gelu_in"] != "half"
+            or (self.ver["epilogue"] == "cublaslt" and self.ver["dgelu"] == "cublaslt")
+        ):
+            raise EngineError(
+                "versions: dgelu_out='half' has the fc projection's backward product write GELU's output gradient in "
+                "half for colsum_convert's pass; it needs a half precision run, gelu_in='half' and that pass (epilogue="
+                f"'none', or dgelu='kernel'); this run has precision={precision!r}, gelu_in={self.ver['gelu_in']!r}, "
+                f"epilogue={self.ver['epilogue']!r}, dgelu={self.ver['dgelu']!r}"
             )
         if self.ver["epilogue"] == "cublaslt" and self.on_gpu and device.kind() != "cuda":
             raise EngineError("versions: epilogue='cublaslt' calls NVIDIA's cuBLASLt; on AMD keep epilogue='none'")
@@ -608,7 +626,8 @@ class GPUEngine(Engine):
             del dfc
         else:  # GELU's backward inside the fc layer's pass over dfc (colsum_convert): no float32 dfc
             # fc kept without its bias (float32), or GELU's input itself as half bits (gelu_in "half")
-            dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C)
+            half_dgelu = self.ver["dgelu_out"] == "half"  # the product rounds dgelu to half (gelu_in "half" only)
+            dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C, out_mm=half_dgelu)
             gelu_in = (c["fc"], None if c["fc"].dtype == xp.uint16 else self.params["fcb"][l])
             dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_in=gelu_in)
             del dgelu

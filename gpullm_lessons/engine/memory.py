@@ -22,6 +22,7 @@ def engine_memory(
     epilogue=False,
     dgelu_epilogue=True,
     half_logits=False,
+    half_dgelu=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -47,6 +48,8 @@ def engine_memory(
     "cublaslt" (the default); False ("kernel") makes dfc as without the epilogues (a float32 dgelu, then one pass).
     half_logits: the engine's versions["logits"] == "half" (bf16 only): the head's product writes bf16 logits and the
     loss kernel writes the bf16 dlogits over them (one (rows, V) buffer of 2 bytes an element, no float32 logits).
+    half_dgelu: the engine's versions["dgelu_out"] == "half" (with half_gelu_in, where dfc is made in colsum_convert's
+    pass): GELU's output gradient in the backward is half, 2 bytes an element instead of 4.
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -65,6 +68,11 @@ def engine_memory(
     if epilogue and precision == "fp32":
         raise ValueError(
             "engine_memory: epilogue=True describes the half-precision epilogue products; precision is fp32"
+        )
+    if half_dgelu and not (half_gelu_in and precision != "fp32"):
+        raise ValueError(
+            "engine_memory: half_dgelu=True describes a half GELU gradient beside half_gelu_in=True in half "
+            f"precision; got half_gelu_in={half_gelu_in}, precision {precision!r}"
         )
     if half_logits and precision != "bf16":
         raise ValueError(f"engine_memory: half_logits=True describes bf16 logits; precision is {precision!r}")
@@ -135,10 +143,11 @@ def engine_memory(
             2 * NC * f,  # dln2, dx1
         ]
     else:
+        dg = h if half_dgelu else f  # bytes of an element of dgelu
         stages = [
-            NC * h + 4 * NC * f,  # fcproj: dx_mm, dgelu
-            4 * NC * f + (4 * NC * h if half else 4 * NC * f),  # dgelu, dfc (half runs: only dfc_mm, GELU fused)
-            4 * NC * f + 4 * NC * h + NC * f,  # fc: dfc, dfc_mm, dln2
+            NC * h + 4 * NC * dg,  # fcproj: dx_mm, dgelu
+            4 * NC * dg + (4 * NC * h if half else 4 * NC * f),  # dgelu, dfc (half runs: only dfc_mm, GELU fused)
+            4 * NC * dg + 4 * NC * h + NC * f,  # fc: dgelu (fp32 runs: dfc), dfc_mm, dln2
             2 * NC * f,  # dln2, dx1
         ]
     if flash:  # the projection's product writes dy in the matmul format; the kernels write dqkv directly

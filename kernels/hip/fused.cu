@@ -294,8 +294,24 @@ template <int H> __device__ __forceinline__ float4 gelu_in4(const unsigned short
                        half_to_f32<H>((unsigned short)(w.y & 0xFFFFu)), half_to_f32<H>((unsigned short)(w.y >> 16)));
 }
 
-template <int H, bool GELU = false, typename P = float>
-__device__ __forceinline__ void colsum_partials_body(const float* __restrict__ inp, float* __restrict__ partial,
+// inp's element as float32: float32 itself, or half bits of format H (GELU's output gradient written in half by its
+// product: colsum_convert's gelu_hpre_hin entry points); colsum_in4: four of them (16-byte loads of float32, 8-byte
+// of half bits)
+template <int H> __device__ __forceinline__ float colsum_in(const float* __restrict__ inp, long long i) { return inp[i]; }
+template <int H> __device__ __forceinline__ float colsum_in(const unsigned short* __restrict__ inp, long long i) {
+    return half_to_f32<H>(inp[i]);
+}
+template <int H> __device__ __forceinline__ float4 colsum_in4(const float* __restrict__ inp, long long i) {
+    return *reinterpret_cast<const float4*>(inp + i);
+}
+template <int H> __device__ __forceinline__ float4 colsum_in4(const unsigned short* __restrict__ inp, long long i) {
+    uint2 w = *reinterpret_cast<const uint2*>(inp + i);
+    return make_float4(half_to_f32<H>((unsigned short)(w.x & 0xFFFFu)), half_to_f32<H>((unsigned short)(w.x >> 16)),
+                       half_to_f32<H>((unsigned short)(w.y & 0xFFFFu)), half_to_f32<H>((unsigned short)(w.y >> 16)));
+}
+
+template <int H, bool GELU = false, typename P = float, typename I = float>
+__device__ __forceinline__ void colsum_partials_body(const I* __restrict__ inp, float* __restrict__ partial,
                                                      unsigned short* __restrict__ out, int N, int C, int chunk_rows,
                                                      const P* __restrict__ pre = nullptr,
                                                      const float* __restrict__ gbias = nullptr) {
@@ -307,7 +323,7 @@ __device__ __forceinline__ void colsum_partials_body(const float* __restrict__ i
     if (col < C) {
         for (int r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
             long long i = (long long)r * C + col;
-            float v = inp[i];
+            float v = colsum_in<H>(inp, i);
             if (GELU) v = v * gelu_local_grad(gelu_in<H>(pre, gbias, i, col));
             s += v;
             if (H != 0) out[i] = f32_to_half_bits<H>(v);
@@ -352,8 +368,8 @@ extern "C" __global__ void colsum_partials_v1_gelu_f16(const float* __restrict__
 // x4: four consecutive columns per thread where C % 4 == 0 (16-byte loads of inp and pre, 8-byte half stores): a
 // block of blockDim.x threads covers 4 blockDim.x columns. Each column gets the same rows per thread and the same
 // order of additions as colsum_partials_body: the same bits, a quarter of the memory instructions.
-template <int H, bool GELU, typename P = float>
-__device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict__ inp, float* __restrict__ partial,
+template <int H, bool GELU, typename P = float, typename I = float>
+__device__ __forceinline__ void colsum_partials_x4_body(const I* __restrict__ inp, float* __restrict__ partial,
                                                         unsigned short* __restrict__ out, int N, int C, int chunk_rows,
                                                         const P* __restrict__ pre,
                                                         const float* __restrict__ gbias) {
@@ -365,7 +381,7 @@ __device__ __forceinline__ void colsum_partials_x4_body(const float* __restrict_
     if (col < C) {
         for (int r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
             long long i = (long long)r * C + col;
-            float4 v = *reinterpret_cast<const float4*>(inp + i);
+            float4 v = colsum_in4<H>(inp, i);
             if (GELU) {
                 float4 p = gelu_in4<H>(pre, gbias, i, col);
                 v.x = v.x * gelu_local_grad(p.x);
@@ -433,6 +449,19 @@ COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_gelu_hpre_bf16, colsum_partials_body, 
 COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_gelu_hpre_f16, colsum_partials_body, 2)
 COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_x4_gelu_hpre_bf16, colsum_partials_x4_body, 1)
 COLSUM_GELU_HPRE_ENTRY(colsum_partials_v1_x4_gelu_hpre_f16, colsum_partials_x4_body, 2)
+
+// the same with inp itself as half bits of the format (GELU's output gradient rounded by its product, as PyTorch's
+// autocast keeps it): _hin; x4 loads 8 bytes of inp
+#define COLSUM_GELU_HPRE_HIN_ENTRY(NAME, BODY, H)                                                                   \
+    extern "C" __global__ void NAME(const unsigned short* __restrict__ inp, const unsigned short* __restrict__ pre, \
+                                    float* __restrict__ partial, unsigned short* __restrict__ out, int N, int C,   \
+                                    int chunk_rows) {                                                              \
+        BODY<H, true, unsigned short, unsigned short>(inp, partial, out, N, C, chunk_rows, pre, nullptr);          \
+    }
+COLSUM_GELU_HPRE_HIN_ENTRY(colsum_partials_v1_gelu_hpre_hin_bf16, colsum_partials_body, 1)
+COLSUM_GELU_HPRE_HIN_ENTRY(colsum_partials_v1_gelu_hpre_hin_f16, colsum_partials_body, 2)
+COLSUM_GELU_HPRE_HIN_ENTRY(colsum_partials_v1_x4_gelu_hpre_hin_bf16, colsum_partials_x4_body, 1)
+COLSUM_GELU_HPRE_HIN_ENTRY(colsum_partials_v1_x4_gelu_hpre_hin_f16, colsum_partials_x4_body, 2)
 
 // Stage 2: colsum[col] = partial[0, col] + partial[1, col] + ... in chunk order; one thread per column, grid-stride.
 extern "C" __global__ void colsum_reduce_v1(const float* __restrict__ partial, float* __restrict__ colsum,

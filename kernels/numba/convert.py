@@ -173,6 +173,26 @@ def f32_to_f16(src, dst, version="v1", threads=256):
     _launch("f32_to_f16", "f32_to_f16", version, threads, n, (src, as_uint16(dst)))
 
 
+def widen_half(bits, half):
+    """A float32 copy of the half bits `bits` (format half: "bf16" | "fp16"), exact, same shape: NumPy arrays in and
+    out in the simulator; on a GPU device memory (the bf16_to_f32 kernel; fp16 through CuPy's cast). For launchers
+    that take half inputs into a float32 kernel (their HIP twins read the bits as they are)."""
+    from gpullm_lessons import device
+    from gpullm_lessons.kernels.numba import device_scratch
+    if isinstance(bits, np.ndarray):
+        if half == "bf16":
+            return (bits.astype(np.uint32) << 16).view(np.float32)
+        return bits.view(np.float16).astype(np.float32)
+    if half == "bf16":
+        wide = device_scratch(bits.shape, np.float32)
+        bf16_to_f32(bits.reshape(-1), wide.reshape(-1))
+        return wide
+    if device.numba_on_gpu():
+        import cupy as cp
+        return cp.asarray(bits).view(cp.float16).astype(cp.float32)
+    return bits.copy_to_host().view(np.float16).astype(np.float32)   # the simulator's device array
+
+
 def nonfinite_count(flat, out, version="v1", threads=256):
     """out[0] = how many elements of flat (float32 (n,), the flat gradient buffer) are inf or NaN; out int32 (1,).
 

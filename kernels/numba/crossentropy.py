@@ -413,7 +413,7 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
     kernel into a float32 scratch, then the conversion kernel (the HIP twin writes the half bits directly).
     logits may be uint16, the half bits of the same format: widened to a float32 scratch first (the HIP twin reads
     them as they are); dlogits may then be logits itself (written over them)."""
-    from .convert import bf16_to_f32, f32_to_bf16, f32_to_f16
+    from .convert import f32_to_bf16, f32_to_f16, widen_half
     fn = "crossentropy_forward_backward_half"
     N, V = check_half_inputs(fn, logits, targets, losses, dlogits, half)
     if not N:
@@ -423,17 +423,7 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
     else:
         scratch = device_scratch((N, V), np.float32)          # CuPy's pool on a GPU
     if str(logits.dtype) == "uint16":  # the half logits as float32, exactly
-        if half == "bf16":
-            wide = np.empty((N, V), np.float32) if isinstance(logits, np.ndarray) else device_scratch((N, V), np.float32)
-            bf16_to_f32(logits.reshape(-1), wide.reshape(-1))
-        elif isinstance(logits, np.ndarray):
-            wide = logits.view(np.float16).astype(np.float32)
-        elif device.numba_on_gpu():  # a device array: CuPy's cast (there is no f16 -> f32 kernel in convert.py)
-            import cupy as cp
-            wide = cp.asarray(logits).view(cp.float16).astype(cp.float32)
-        else:  # the simulator's device array: its host copy
-            wide = logits.copy_to_host().view(np.float16).astype(np.float32)
-        logits = wide
+        logits = widen_half(logits, half)
     crossentropy_forward_backward(logits, targets, losses, scratch, threads=threads)
     (f32_to_bf16 if half == "bf16" else f32_to_f16)(scratch.reshape(-1), dlogits.reshape(-1))
     return losses, dlogits

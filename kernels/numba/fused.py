@@ -368,13 +368,17 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     uint16 and half 'bf16'/'fp16', also out = the half bits of inp, in the same pass. gelu_of (N, C) and gelu_bias
     (C,) float32, GELU's input gelu_of + gelu_bias[col] (needs out): inp is the gradient of GELU's output; the pass
     sums and converts inp * gelu'(gelu_of + gelu_bias) instead, with gelu_backward's bits; gelu_of uint16 alone: GELU's
-    input as half bits of half's format, its bias in (bias_gelu_forward's half pre)."""
+    input as half bits of half's format, its bias in (bias_gelu_forward's half pre); then inp may be uint16 too, the
+    half bits of GELU's output gradient (widened to a float32 scratch here; the HIP twin reads the bits)."""
     fn = "colsum_convert"
     N, C, mode = check_colsum(fn, inp, colsum, out, half, gelu_of=gelu_of, gelu_bias=gelu_bias)
     check_version(fn, version, VERSIONS)
     threads = check_threads(fn, threads)
     if C == 0:
         return
+    if str(inp.dtype) == "uint16":
+        from gpullm_lessons.kernels.numba.convert import widen_half
+        inp = widen_half(inp, half)
     chunks = colsum_chunks(N)
     partial = device_scratch((chunks, C), np.float32)             # scratch, every element written
     dummy = out if out is not None else device_scratch((1, 1), np.uint16)   # mode 0: never written

@@ -184,7 +184,8 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     gelu_of (N, C) and gelu_bias (C,) float32, GELU's input gelu_of + gelu_bias[col] (needs out): inp is the gradient
     of GELU's output, and the pass sums and converts inp * gelu'(gelu_of + gelu_bias) (gelu_backward's bits)
     instead: the fc layer's dfc without a float32 copy. gelu_of uint16 alone: GELU's input as half bits of half's
-    format, its bias in (bias_gelu_forward's half pre).
+    format, its bias in (bias_gelu_forward's half pre); then inp may be uint16 too, the half bits of GELU's output
+    gradient in half's format (its product rounded it): the _hin entry points.
     threads: the stage-2 block; stage 1 always runs 32 x 8 blocks."""
     fn = "colsum_convert"
     N, C, mode = check_colsum(fn, inp, colsum, out, half, check=_check_cupy, gelu_of=gelu_of, gelu_bias=gelu_bias)
@@ -197,14 +198,18 @@ def colsum_convert(inp, colsum, out=None, half=None, version="v1", threads=256, 
     partial = cupy.empty((chunks, C), cupy.float32)  # scratch: every element written by stage 1
     # x4 (four columns per thread, 16-byte loads) where C % 4 == 0 and the rows are aligned for them: the same sums
     hpre = half_pre(gelu_of)  # GELU's input as half bits, its bias in: 8-byte loads of it in x4
-    x4 = C % 4 == 0 and inp.data.ptr % 16 == 0 and (gelu_of is None or gelu_of.data.ptr % (8 if hpre else 16) == 0)
+    hin = str(inp.dtype) == "uint16"  # GELU's output gradient as half bits (with hpre only): 8-byte loads in x4
+    x4 = C % 4 == 0 and inp.data.ptr % (8 if hin else 16) == 0
+    x4 = x4 and (gelu_of is None or gelu_of.data.ptr % (8 if hpre else 16) == 0)
     x4 = x4 and (out is None or out.data.ptr % 8 == 0)
     grid1 = (-(-C // (COLSUM_TILE * (4 if x4 else 1))), chunks)
     block1 = (COLSUM_TILE, COLSUM_ROWS)
     sizes = (np.int32(N), np.int32(C), np.int32(rows))
     name = "colsum_partials_v1" + ("_x4" if x4 else "")
     if hpre:
-        _kernel(f"{name}_gelu_hpre_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, partial, out, *sizes))
+        _kernel(f"{name}_gelu_hpre_{'hin_' if hin else ''}{SUFFIX[mode]}")(
+            grid1, block1, (inp, gelu_of, partial, out, *sizes)
+        )
     elif gelu_of is not None:
         _kernel(f"{name}_gelu_{SUFFIX[mode]}")(grid1, block1, (inp, gelu_of, gelu_bias, partial, out, *sizes))
     elif mode == 0 and x4:
