@@ -61,6 +61,7 @@ NOT_CONVENTION = {
     "crossentropy_forward_backward_half4_*": "its float4 form; _half4_bf16 is stored in results/timeline_*.json",
     "crossentropy_forward_backward_hh_*": "half logits in, half dlogits out (in place allowed), one entry per format",
     "crossentropy_forward_backward_hh4_*": "its 4-per-load form, one entry per format",
+    "crossentropy_forward_backward_hh8_*": "its 8-per-load form, one entry per format",
 }
 
 # (b1) Twins under two names (Numba -> HIP): the same kernel, not renamed because the names are stored or taught.

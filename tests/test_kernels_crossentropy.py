@@ -360,10 +360,12 @@ def test_half_logits_errors():
 @pytest.mark.parametrize("backend", ["hip", "numba"])
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in_place"])
-@pytest.mark.parametrize("N, V, offset", [(257, 50304, 0), (33, 50304, 1), (33, 50257, 0), (7, 4, 0)],
-                         ids=["50304", "50304-odd", "50257", "4"])
+@pytest.mark.parametrize("N, V, offset", [(257, 50304, 0), (33, 50304, 4), (33, 50300, 0), (33, 50304, 1),
+                                          (33, 50257, 0), (7, 4, 0)],
+                         ids=["50304", "50304-8B", "50300", "50304-odd", "50257", "4"])
 def test_half_logits_on_gpu(backend, half, in_place, N, V, offset):
-    """HIP: V % 4 == 0 on 8-byte rows runs hh4 (4 logits per load), V = 50257 or a 2-byte offset the scalar hh."""
+    """HIP: V % 8 == 0 on 16-byte rows runs hh8 (8 logits per load); V % 4 == 0 on 8-byte rows hh4 (an 8-byte
+    offset, or V = 50300); V = 50257 or a 2-byte offset the scalar hh."""
     mod, arrays = _gpu_module(backend)
     _check_half_logits(mod, arrays, N, V, half, seed=11, in_place=in_place, offset=offset)
 

@@ -361,6 +361,60 @@ __device__ __forceinline__ void ce_fwd_bwd_hh4(const unsigned short* logits, con
     }
 }
 
+// Eight half logits per 16-byte load and eight half dlogits per 16-byte store (V % 8 == 0, both arrays on 16 bytes):
+// the same sums as hh4 in another grouping, so the last bits may differ from it.
+__device__ __forceinline__ void half8_unpack(uint4 w, unsigned short b[8]) {
+    unsigned int u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) { b[2 * k] = (unsigned short)(u[k] & 0xFFFFu); b[2 * k + 1] = (unsigned short)(u[k] >> 16); }
+}
+
+template <int HF>
+__device__ __forceinline__ void ce_fwd_bwd_hh8(const unsigned short* logits, const int* __restrict__ targets,
+                                               float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    __shared__ float sh_m[MAX_WARPS_PER_BLOCK], sh_s[MAX_WARPS_PER_BLOCK];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const uint4* x8 = reinterpret_cast<const uint4*>(logits + (long long)row * V);
+    uint4* d8 = reinterpret_cast<uint4*>(dlogits + (long long)row * V);
+    int t = targets[row], V8 = V / 8;
+    float xt = half_to_f32<HF>(logits[(long long)row * V + t]);   // before any thread of the block writes
+    float m = CE_EMPTY, s = 0.0f;
+#pragma unroll 2
+    for (int j = threadIdx.x; j < V8; j += blockDim.x) {
+        unsigned short b[8];
+        half8_unpack(x8[j], b);
+        online_update4(m, s, make_float4(half_to_f32<HF>(b[0]), half_to_f32<HF>(b[1]), half_to_f32<HF>(b[2]),
+                                         half_to_f32<HF>(b[3])));
+        online_update4(m, s, make_float4(half_to_f32<HF>(b[4]), half_to_f32<HF>(b[5]), half_to_f32<HF>(b[6]),
+                                         half_to_f32<HF>(b[7])));
+    }
+    block_stats_shfl(sh_m, sh_s, m, s);
+    if (threadIdx.x == 0) losses[row] = m + logf(s) - xt;
+    float inv_s = 1.0f / s, inv_n = 1.0f / (float)N;
+#pragma unroll 2
+    for (int j = threadIdx.x; j < V8; j += blockDim.x) {
+        unsigned short b[8];
+        half8_unpack(x8[j], b);                           // this thread's own 8 logits: read, then overwritten
+        float p[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) p[k] = expf(half_to_f32<HF>(b[k]) - m) * inv_s;
+        if (j == t / 8) p[t % 8] -= 1.0f;
+        d8[j] = make_uint4(pack_half2<HF>(p[0] * inv_n, p[1] * inv_n), pack_half2<HF>(p[2] * inv_n, p[3] * inv_n),
+                           pack_half2<HF>(p[4] * inv_n, p[5] * inv_n), pack_half2<HF>(p[6] * inv_n, p[7] * inv_n));
+    }
+}
+
+extern "C" __global__ void crossentropy_forward_backward_hh8_bf16(const unsigned short* logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    ce_fwd_bwd_hh8<1>(logits, targets, losses, dlogits, N, V);
+}
+
+extern "C" __global__ void crossentropy_forward_backward_hh8_f16(const unsigned short* logits,
+        const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
+    ce_fwd_bwd_hh8<2>(logits, targets, losses, dlogits, N, V);
+}
+
 extern "C" __global__ void crossentropy_forward_backward_hh_bf16(const unsigned short* logits,
         const int* __restrict__ targets, float* __restrict__ losses, unsigned short* dlogits, int N, int V) {
     ce_fwd_bwd_hh<1>(logits, targets, losses, dlogits, N, V);

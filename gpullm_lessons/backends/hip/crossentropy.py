@@ -88,8 +88,9 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
     and rows on 16 bytes (logits) / 8 bytes (dlogits): the float4 entry point crossentropy_forward_backward_half4_*.
 
     logits may be float32, or uint16: the half bits of the same format (the head's product rounded them on the way
-    out), read by crossentropy_forward_backward_hh_* (hh4_*: 4 per 8-byte load when V % 4 == 0 and both arrays are on
-    8 bytes); then dlogits may be logits itself (overwritten in place, no second (N, V) buffer)."""
+    out), read by crossentropy_forward_backward_hh_* (hh8_*: 8 per 16-byte load when V % 8 == 0 and both arrays are
+    on 16 bytes; else hh4_*: 4 per 8-byte load when V % 4 == 0 and both are on 8 bytes); then dlogits may be logits
+    itself (overwritten in place, no second (N, V) buffer)."""
     fn = "crossentropy_forward_backward_half"
     N, V = check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=True)
     threads = int(threads)
@@ -99,8 +100,9 @@ def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half, t
         )
     if N:
         fmt = "bf16" if half == "bf16" else "f16"
-        if str(logits.dtype) == "uint16":  # half logits: 8-byte rows of four
-            vec = "4" if V % 4 == 0 and logits.data.ptr % 8 == 0 and dlogits.data.ptr % 8 == 0 else ""
+        if str(logits.dtype) == "uint16":  # half logits: 16-byte loads of eight, or 8-byte of four, where aligned
+            ptrs = (logits.data.ptr, dlogits.data.ptr)
+            vec = next((str(k) for k in (8, 4) if V % k == 0 and all(p % (2 * k) == 0 for p in ptrs)), "")
             name = f"crossentropy_forward_backward_hh{vec}_{fmt}"
         else:  # float4 loads / 8-byte half stores when the rows allow them (GPT-2's V = 50304 does), scalar otherwise
             vec = "4" if V % 4 == 0 and logits.data.ptr % 16 == 0 and dlogits.data.ptr % 8 == 0 else ""
