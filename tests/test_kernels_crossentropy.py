@@ -5,6 +5,8 @@ loss, v3 the same way with the wrappers' GPU guard lifted (simwarp's shuffles), 
 validation. On a GPU (`pytest -m gpu`): every version, Numba and HIP, at the checker's large size (V = 50257) and
 awkward block sizes. PTX for every KERNELS entry: tests/test_kernels_numba.py.
 """
+import types
+
 import numpy as np
 import pytest
 
@@ -328,18 +330,37 @@ def test_half_logits_in_simulator(half, in_place):
     _check_half_logits(ce, "numba", 5, 33, half, seed=2, in_place=in_place)
 
 
-def test_half_logits_checker_catches_float32_reads():
-    """The check above fails a kernel that treats the half logits' values as exact float32 logits of another
-    rounding (here: the float32 logits before rounding, a plausible 'forgot the product rounds' mistake)."""
-    class Wrong:
-        @staticmethod
-        def crossentropy_forward_backward_half(logits, targets, losses, dlogits, half):
-            N, V = logits.shape
-            x = _half_values(np.asarray(logits), half).astype(np.float32) + np.float32(0.05)  # off by a shift
-            x[np.arange(N), targets] += np.float32(0.02)                                       # and at the target
-            ce.crossentropy_forward_backward_half(x, targets, losses, dlogits, half=half)
-    with pytest.raises(AssertionError):
-        _check_half_logits(Wrong, "numpy", 5, 33, "bf16", seed=2, in_place=False)
+def _planted(mistake):
+    """A stand-in launcher with one plausible mistake of a half-logits loss kernel, on top of the real one."""
+    def launch(logits, targets, losses, dlogits, half):
+        x = np.asarray(logits)
+        if mistake == "wrong_format":  # the bits read as the other half format
+            ce.crossentropy_forward_backward_half(x, targets, losses, dlogits, half="fp16" if half == "bf16" else "bf16")
+            return
+        x = x.copy()  # the logits as given (dlogits may be the same array)
+        ce.crossentropy_forward_backward_half(x.copy(), targets, losses, dlogits, half=half)
+        N = x.shape[0]
+        if mistake == "target_after_overwrite":  # the loss's logits[target] read after dlogits were written over it
+            rows = np.arange(N)
+            losses += (_half_values(x[rows, targets], half) - _half_values(dlogits[rows, targets], half)).astype(np.float32)
+        elif mistake == "no_onehot":  # the target's 1 never subtracted
+            rows = np.arange(N)
+            d = _half_values(dlogits[rows, targets], half) + 1.0 / N
+            dlogits[rows, targets] = _to_half_bits(d.astype(np.float32), half)
+        elif mistake == "first_row_only":  # the grid covers one row
+            dlogits[1:] = 0xFFFF
+            losses[1:] = np.nan
+    return types.SimpleNamespace(crossentropy_forward_backward_half=launch)
+
+
+@pytest.mark.parametrize("mistake", ["wrong_format", "target_after_overwrite", "no_onehot", "first_row_only"])
+def test_half_logits_check_catches_planted_mistakes(mistake):
+    """_check_half_logits (the simulator's and the GPU's check of the half-logits kernels) fails each mistake, in
+    place and beside; the real launcher passes the same calls."""
+    _check_half_logits(ce, "numpy", 5, 33, "bf16", seed=2, in_place=True)
+    for in_place in (False, True):
+        with pytest.raises(AssertionError):
+            _check_half_logits(_planted(mistake), "numpy", 5, 33, "bf16", seed=2, in_place=in_place)
 
 
 def test_half_logits_errors():

@@ -7,13 +7,13 @@ from gpullm_lessons.contracts import check_array
 HALF_FORMATS = ("bf16", "fp16")  # crossentropy_forward_backward_half's half=
 
 
-def check_inputs(fn, logits, targets, *, cupy=False, **outputs):
-    """logits (N, V) float32, targets (N,) int32, outputs losses (N,) / dlogits (N, V) float32, all C-contiguous;
-    returns (N, V). cupy=True: CuPy arrays only (the HIP wrappers)."""
+def check_inputs(fn, logits, targets, *, cupy=False, logits_dtype="float32", **outputs):
+    """logits (N, V) float32 (or logits_dtype), targets (N,) int32, outputs losses (N,) / dlogits (N, V) float32, all
+    C-contiguous; returns (N, V). cupy=True: CuPy arrays only (the HIP wrappers)."""
     if not hasattr(logits, "shape") or len(logits.shape) != 2:
         raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {getattr(logits, 'shape', None)}")
     N, V = logits.shape
-    check_array(fn, "logits", logits, (N, V), "float32", cupy=cupy)
+    check_array(fn, "logits", logits, (N, V), logits_dtype, cupy=cupy)
     check_array(fn, "targets", targets, (N,), "int32", cupy=cupy)
     for name, a in outputs.items():
         check_array(fn, name, a, (N,) if name == "losses" else (N, V), "float32", cupy=cupy)
@@ -31,19 +31,10 @@ def check_half_inputs(fn, logits, targets, losses, dlogits, half, cupy=False):
             f"{fn}: dlogits must be a uint16 array (the half bits), got "
             f"{getattr(dlogits, 'dtype', type(dlogits).__name__)}"
         )
-    if hasattr(logits, "dtype") and str(logits.dtype) == "uint16":  # half logits: check them as float32's shape
-        if len(logits.shape) != 2:
-            raise ValueError(f"{fn}: logits must be 2-D (N, V), got shape {tuple(logits.shape)}")
-        N, V = logits.shape
-        check_array(fn, "logits", logits, (N, V), "uint16", cupy=cupy)
-        check_array(fn, "targets", targets, (N,), "int32", cupy=cupy)
-        check_array(fn, "losses", losses, (N,), "float32", cupy=cupy)
-    elif hasattr(logits, "dtype") and str(logits.dtype) != "float32":
-        raise TypeError(
-            f"{fn}: logits has dtype {logits.dtype}, expected float32 or uint16 (the {half} bits, as dlogits)"
-        )
-    else:
-        N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy)
+    dtype = str(getattr(logits, "dtype", "float32"))
+    if dtype not in ("float32", "uint16"):
+        raise TypeError(f"{fn}: logits has dtype {dtype}, expected float32 or uint16 (the {half} bits, as dlogits)")
+    N, V = check_inputs(fn, logits, targets, losses=losses, cupy=cupy, logits_dtype=dtype)
     if tuple(dlogits.shape) != (N, V):
         raise ValueError(f"{fn}: dlogits has shape {tuple(dlogits.shape)}, expected {(N, V)}")
     if not (dlogits.flags.c_contiguous if cupy else dlogits.flags["C_CONTIGUOUS"]):
