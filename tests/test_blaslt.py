@@ -277,3 +277,106 @@ def test_gpu_bias_epilogue_with_the_residual_matches_the_reference(M, K, N):
         np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         with pytest.raises(AssertionError):
             np.testing.assert_allclose(out.get(), p + bias, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# ---- cuBLASLt's candidates, timed on the first call of each plan ------------------------------------------------
+
+
+def test_tuning_is_on_unless_gpullm_blaslt_tune_is_0(monkeypatch):
+    monkeypatch.delenv("GPULLM_BLASLT_TUNE", raising=False)
+    assert blaslt.tuning()
+    monkeypatch.setenv("GPULLM_BLASLT_TUNE", "0")
+    assert not blaslt.tuning()
+    monkeypatch.setenv("GPULLM_BLASLT_TUNE", "1")
+    assert blaslt.tuning()
+
+
+def _new_plan(call):
+    """Run call() and return the plan key it added to blaslt._PLANS (the shapes below are used by no other test)."""
+    before = set(blaslt._PLANS)
+    call()
+    added = set(blaslt._PLANS) - before
+    assert len(added) == 1, added
+    return added.pop()
+
+
+@pytest.mark.gpu
+@needs_nvidia
+@pytest.mark.parametrize("epilogue", blaslt.EPILOGUES)
+def test_gpu_every_candidate_cublaslt_offers_matches_the_reference(epilogue):
+    """Tuning may keep any of cuBLASLt's candidates: each one, run on its own, gives the reference's answer."""
+    import cupy as cp
+
+    trans_a = epilogue == "bgrad_b"
+    M, K, N = (1000, 704, 2112) if not trans_a else (704, 1000, 2112)
+    a, b, bias, aux, p, opb = case(M, K, N, trans_a, False, seed=5)
+    want, want_aux, want_bias = expected(epilogue, p, wide(bits(bias)), aux, opb)
+    gb_in = bits(bias) if epilogue in ("bias", "gelu_aux_bias") else np.zeros(bias.shape, np.uint16)
+    ga, gbm = cp.asarray(a), cp.asarray(b)
+    key = _new_plan(lambda: _gpu_run(epilogue, a, b, bias, aux, trans_a, False))
+    plan = blaslt._PLANS[key]
+    lt, (handle, workspace) = blaslt._lt(), blaslt._STATE[cp.cuda.Device().id]
+    assert len(plan[4]) >= 1
+    for i in range(len(plan[4])):
+        out, gb = cp.zeros((M, N), cp.uint16), cp.asarray(gb_in)
+        gx = cp.asarray(np.zeros_like(aux) if epilogue == "gelu_aux_bias" else aux) if epilogue in blaslt._AUX else None
+        ptrs = (ga.data.ptr, gbm.data.ptr, out.data.ptr, out.data.ptr, gb.data.ptr, None if gx is None else gx.data.ptr)
+        blaslt._launch(lt, handle, workspace, plan, i, *ptrs)
+        cp.cuda.Device().synchronize()
+        half_close(out.get(), want, ("out", epilogue, i), roundings=2 if epilogue == "dgelu_bgrad" else 1)
+        if want_aux is not None:
+            half_close(gx.get(), want_aux, ("aux", i))
+        if epilogue == "dgelu_bgrad":
+            partial_sums_close(gb.get(), wide(out.get()), ("bias gradient", i))
+        elif want_bias is not None:
+            bias_grad_close(gb.get(), want_bias, ("bias gradient", i))
+
+
+@pytest.mark.gpu
+@needs_nvidia
+def test_gpu_tuning_keeps_the_fastest_and_writes_only_its_scratch(monkeypatch):
+    """The first call of a plan times the candidates on scratch outputs: with the residual read from out itself
+    (c is out, the engine's in-place residual) the result is still P + bias + the residual, once (a tuning that wrote
+    out would have added the product once per timed launch), and the kept candidate is the fastest timed."""
+    import cupy as cp
+
+    monkeypatch.setenv("GPULLM_BLASLT_TUNE", "1")
+    M, K, N = 2000, 704, 704
+    a, b, bias, aux, p, opb = case(M, K, N, seed=6)
+    res = np.random.default_rng(6).standard_normal((M, N)).astype(np.float32)
+    out = cp.asarray(res)
+    key = _new_plan(lambda: matmul_epilogue(cp.asarray(a), cp.asarray(b), out, "bias", bias=cp.asarray(bias), c=out))
+    want = p + bias + res
+    np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    tuned = blaslt.TUNED.get(key)
+    if len(blaslt._PLANS[key][4]) > 1:
+        assert tuned is not None and tuned["candidates"] == len(blaslt._PLANS[key][4])
+        timed = [(t, i) for i, t in enumerate(tuned["us"]) if t is not None]
+        assert timed and tuned["chosen"] == min(timed)[1] == blaslt._PLANS[key][7]
+    print("candidates and their µs:", tuned)
+
+
+@pytest.mark.gpu
+@needs_nvidia
+def test_gpu_no_tuning_inside_a_graph_capture(monkeypatch):
+    """A plan first met while a CUDA graph is being captured keeps the heuristic's first candidate (timing would
+    need events synchronised mid-capture); the captured product replays the right answer."""
+    import cupy as cp
+
+    monkeypatch.setenv("GPULLM_BLASLT_TUNE", "1")
+    M, K, N = 3000, 704, 704
+    a, b, bias, aux, p, opb = case(M, K, N, seed=7)
+    ga, gbm, gbias = cp.asarray(a), cp.asarray(b), cp.asarray(bias)
+    out = cp.zeros((M, N), cp.float32)
+    stream = cp.cuda.Stream()
+    with stream:
+        stream.begin_capture(mode=cp.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            key = _new_plan(lambda: matmul_epilogue(ga, gbm, out, "bias", bias=gbias))
+        finally:
+            graph = stream.end_capture()
+    assert key not in blaslt.TUNED and blaslt._PLANS[key][7] == 0
+    graph.launch(stream)
+    stream.synchronize()
+    want = p + bias
+    np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

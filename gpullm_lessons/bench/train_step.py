@@ -486,6 +486,7 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
     def result():
         return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows,
                 "versions": dict(versions or {}),  # the engine's versions asked for beyond its defaults
+                "blaslt_tune": _blaslt_tuning(),  # cuBLASLt's candidates timed on first calls (runtime/blaslt.py)
                 **({"ce_chunks": ce_chunks} if ce_chunks != 1 else {})}
 
     for preset in presets:
@@ -870,6 +871,12 @@ def _call_key(name, args, kwargs):
     return name, tuple(d(a) for a in args), tuple(sorted((k, d(v)) for k, v in kwargs.items()))
 
 
+def _blaslt_tuning() -> bool:
+    from ..runtime.blaslt import tuning
+
+    return tuning()
+
+
 def record_step_calls(eng, x, y, lr=1e-4) -> list:
     """Every distinct launcher call and matrix product of one eager train_step of a GPUEngine, in first-call order:
     [{"op", "key", "count", "fn", "args", "kwargs"}] (the arguments are kept, so each call can be replayed). The
@@ -956,7 +963,8 @@ def gpu_time_profile(preset="gpt2", precision="bf16", backend="hip", cfg=None, B
         r["share"] = None if r["ms"] is None else r["ms"] / total
     out = {"card": _card() if device.has_gpu() else "the CUDA simulator (CPU)",
            "date": datetime.date.today().isoformat(), "preset": preset, "precision": precision, "backend": backend,
-           "B": B, "T": T, "total_ms": total, "rows": rows, "versions": dict(eng.ver), "ce_chunks": ce_chunks}
+           "B": B, "T": T, "total_ms": total, "rows": rows, "versions": dict(eng.ver), "ce_chunks": ce_chunks,
+           "blaslt_tune": _blaslt_tuning()}
     if with_torch:
         eng = None
         gc.collect()

@@ -252,38 +252,113 @@ def _cublaslt(a, b, out, epilogue, bias, aux, c, trans_a, trans_b, fmt, M, N, K)
         ):
             v = np.array(value, dtype=lt.get_matmul_preference_attribute_dtype(attr))
             lt.matmul_preference_set_attribute(pref, attr, v.ctypes.data, v.itemsize)
-        found = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        found = np.zeros(CANDIDATES, dtype=lt.matmul_heuristic_result_dtype)
         n = np.zeros(1, np.int32)
-        lt.matmul_algo_get_heuristic(handle, desc, la, lb, ld, ld, pref, 1, found.ctypes.data, n.ctypes.data)
+        lt.matmul_algo_get_heuristic(handle, desc, la, lb, ld, ld, pref, CANDIDATES, found.ctypes.data, n.ctypes.data)
         if n[0] == 0:
             raise EpilogueError(
                 f"matmul_epilogue: cuBLASLt has no algorithm for {epilogue} at M {M}, N {N}, K {K} "
                 f"({fmt}, out {out.dtype}, pointers aligned to {align} bytes)"
             )
         beta = np.array(0.0 if c is None else 1.0, np.float32)  # out = P + beta * c (+ the epilogue)
-        _PLANS[key] = (desc, la, lb, ld, found, np.array(1.0, np.float32), beta)
-    desc, la, lb, ld, found, one, beta = _PLANS[key]
+        plan = [desc, la, lb, ld, found[: int(n[0])], np.array(1.0, np.float32), beta, 0]
+        if n[0] > 1 and tuning() and not _capturing(cp):
+            plan[7] = _tune(lt, handle, workspace, plan, key, a, b, out, epilogue, bias, aux, c)
+        _PLANS[key] = tuple(plan)
+    desc, la, lb, ld, found, one, beta, pick = _PLANS[key]
     src = out if c is None else c  # cuBLASLt's C: out itself (beta 0), or the residual (beta 1)
+    ptrs = (a.data.ptr, b.data.ptr, src.data.ptr, out.data.ptr, bias.data.ptr, None if aux is None else aux.data.ptr)
+    _launch(lt, handle, workspace, _PLANS[key], pick, *ptrs)
+
+
+def _launch(lt, handle, workspace, plan, pick, a, b, src, out, bias, aux):
+    """One cuBLASLt matmul (device pointers a, b, src = cuBLASLt's C, out, bias, aux or None) with the plan's
+    candidate `pick`; the bias (and aux) pointers are set on the plan's descriptor first."""
+    import cupy as cp
+
+    desc, la, lb, ld, found, one, beta, _ = plan
     A = lt.MatmulDescAttribute
-    _set(lt, desc, A.BIAS_POINTER, bias.data.ptr)
+    _set(lt, desc, A.BIAS_POINTER, bias)
     if aux is not None:
-        _set(lt, desc, A.EPILOGUE_AUX_POINTER, aux.data.ptr)
-    algo = found.ctypes.data + found.dtype.fields["algo"][1]
+        _set(lt, desc, A.EPILOGUE_AUX_POINTER, aux)
+    algo = found.ctypes.data + pick * found.itemsize + found.dtype.fields["algo"][1]
     lt.matmul(
         handle,
         desc,
         one.ctypes.data,
-        b.data.ptr,
+        b,
         la,
-        a.data.ptr,
+        a,
         lb,
         beta.ctypes.data,
-        src.data.ptr,
+        src,
         ld,
-        out.data.ptr,
+        out,
         ld,
         algo,
         workspace.ptr,
         WORKSPACE_BYTES,
         cp.cuda.get_current_stream().ptr,
     )
+
+
+# ---- choosing among cuBLASLt's candidates by timing them --------------------------------------------------------------
+# cuBLASLt's heuristic ranks its algorithms by a model of the GPU, and its first choice need not be the fastest: on
+# an H100 the GPT-2 attention projection with its bias and residual, (16384, 768) @ (768, 768) written in float32,
+# took 81 µs (results/gputime_gpt2_lean_halflogits_h100.json), where its FLOPs at the rate of the same product
+# written in bf16 (33 µs) and its 125 MB at the memory's rate take about 35 µs each. As PyTorch's TunableOp and
+# nvmath's Matmul.autotune do, the first call of each plan (outside a CUDA graph capture) times up to CANDIDATES of
+# cuBLASLt's candidates and keeps the fastest; the choice is the process's (a later process may choose another,
+# whose sums may round differently). GPULLM_BLASLT_TUNE=0 keeps the heuristic's first.
+CANDIDATES = 8
+TUNE_REPS = 5
+TUNED: dict = {}  # plan key -> {"candidates": n, "chosen": index, "us": [median µs per candidate, None: failed]}
+
+
+def tuning() -> bool:
+    """Whether first calls time cuBLASLt's candidates (GPULLM_BLASLT_TUNE, default on; "0" keeps the first)."""
+    import os
+
+    return os.environ.get("GPULLM_BLASLT_TUNE", "1") != "0"
+
+
+def _capturing(cp) -> bool:
+    return bool(cp.cuda.get_current_stream().is_capturing())
+
+
+def _tune(lt, handle, workspace, plan, key, a, b, out, epilogue, bias, aux, c):
+    """Time each candidate of the plan on scratch outputs (out, and the bias or aux it writes: straight from the
+    driver, not from CuPy's pool, so that no pool's peak sees them) and return the index of the fastest; the
+    inputs (a, b, c, and aux where it is read) are only read. A candidate that fails to launch is skipped."""
+    import cupy as cp
+
+    held = [cp.cuda.memory.Memory(out.nbytes)]  # freed when this returns
+    o = held[0].ptr
+    if epilogue in _WRITES_BIAS:
+        held.append(cp.cuda.memory.Memory(bias.nbytes))
+    bias_p = held[-1].ptr if epilogue in _WRITES_BIAS else bias.data.ptr
+    if epilogue == "gelu_aux_bias":
+        held.append(cp.cuda.memory.Memory(aux.nbytes))
+    aux_p = held[-1].ptr if epilogue == "gelu_aux_bias" else (None if aux is None else aux.data.ptr)
+    ptrs = (a.data.ptr, b.data.ptr, o if c is None else c.data.ptr, o, bias_p, aux_p)
+    stream = cp.cuda.get_current_stream()
+    us = []
+    for i in range(len(plan[4])):
+        try:
+            _launch(lt, handle, workspace, plan, i, *ptrs)  # warm-up
+            times = []
+            for _ in range(TUNE_REPS):
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record(stream)
+                _launch(lt, handle, workspace, plan, i, *ptrs)
+                stop.record(stream)
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+            us.append(float(np.median(times)))
+        except Exception:  # noqa: BLE001 - cuBLASLt refused this candidate here: not a choice
+            us.append(None)
+    stream.synchronize()
+    timed = [(t, i) for i, t in enumerate(us) if t is not None]
+    pick = min(timed)[1] if timed else 0
+    TUNED[key] = {"candidates": len(us), "chosen": pick, "us": us}
+    return pick
