@@ -846,11 +846,24 @@ def main(argv=None) -> int:
     ap.add_argument("--ce-chunks", type=int, default=1,
                     help="`train` / `gputime` / `timeline`: our engine's loss head in that many chunks of rows "
                          "(default 1)")
+    ap.add_argument("--variant", action="append", default=None, metavar="LABEL:key=value,...",
+                    help="`train`, repeatable: our engine once per variant (its versions, e.g. flash=v4 or "
+                         "attention=cublas, and ce_chunks over the other options) beside one PyTorch measurement")
     ap.add_argument("--compile", action="store_true", help="`train`: also PyTorch through torch.compile")
     ap.add_argument("--json", help="write the result as JSON here")
     ap.add_argument("--plot", help="`kernels`: write the roofline plot PNG here")
     ap.add_argument("--labels", help=argparse.SUPPRESS)                  # ncu-target: where the call labels go
     args = ap.parse_args(argv)
+    if args.variant and args.what != "train":
+        ap.error(f"--variant goes with `train`, not `{args.what}`")
+    if args.variant:
+        from .train_step import parse_variant
+        try:
+            variants = [parse_variant(v) for v in args.variant]
+        except ValueError as e:
+            ap.error(str(e))
+        if len({label for label, _ in variants}) != len(variants):
+            ap.error("--variant: each variant needs its own label")
     if args.what == "ncu-target":
         ncu_target(args.ops.split(",") if args.ops else None, args.small, args.labels)
         return 0
@@ -900,7 +913,8 @@ def main(argv=None) -> int:
             elif args.what == "train":
                 precs = tuple((args.precisions or "fp32,tf32,bf16").split(","))
                 result = bt.bench_train(presets, precs, versions=versions or None, with_compile=args.compile,
-                                        on_config=keep, ce_chunks=args.ce_chunks)
+                                        on_config=keep, ce_chunks=args.ce_chunks,
+                                        variants=variants if args.variant else None)
                 print(bt.format_train(result))
             else:
                 precs = tuple((args.precisions or "fp32").split(","))
@@ -965,7 +979,9 @@ def run_metadata(what: str, argv) -> dict:
 
     # the commit measured (GPULLM_COMMIT where the tree has no git history), as make gpu-test records it
     meta = {"command": " ".join(["python -m gpullm_lessons.bench", *args]), **_commit(Path(__file__).parents[2])}
-    if what in ("train", "gputime", "long", "profile", "timeline") and not any("cublas" in a for a in args):
+    variant = any(a == "--variant" or a.startswith("--variant=") for a in args)  # versions per variant
+    if what in ("train", "gputime", "long", "profile", "timeline") and not variant and \
+            not any("cublas" in a for a in args):
         from ..backends.hip import flash
 
         asked = [a.split("=", 1)[1] for a in args if a.startswith("--flash-version=")]

@@ -459,7 +459,8 @@ def _card():
 
 
 def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"), steps=10, backend="hip",
-                with_torch=True, versions=None, with_compile=False, on_config=None, ce_chunks=1) -> dict:
+                with_torch=True, versions=None, with_compile=False, on_config=None, ce_chunks=1,
+                variants=None) -> dict:
     """Step time, tokens/s, MFU and peak memory of our engine (launched from Python, and replayed as a CUDA graph)
     beside the same model in PyTorch eager and, with_compile, through torch.compile: every ratio from one run.
 
@@ -470,7 +471,12 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
 
     on_config(result): called after each (preset, precision) with the result so far, marked "partial": True (a run cut
     short keeps what it finished); each configuration's seconds and the NumPy reference's go to stderr.
-    ce_chunks: our engine's loss head in that many chunks of rows (lesson 12; 1: the whole batch at once)."""
+    ce_chunks: our engine's loss head in that many chunks of rows (lesson 12; 1: the whole batch at once).
+
+    variants: [(label, {version: value, ..., optionally "ce_chunks": n})]: our engine measured once per variant (its
+    versions over `versions`, its ce_chunks over `ce_chunks`) beside one PyTorch measurement per configuration, so
+    that a run compares several of our versions with the same PyTorch rows. Each of our rows then carries "variant"
+    (its label) and the result a "variants" table {label: (versions, ce_chunks)}. See parse_variant."""
     device.require_gpu("benchmarking the training step")
     from ..engine import EngineError
     from .timing import matmul_rate
@@ -482,12 +488,21 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
     except ImportError:
         with_torch = False
     rows = []
+    runs_of = [(None, dict(versions or {}), ce_chunks)]
+    if variants:
+        runs_of = []
+        for label, v in variants:
+            v = dict(v)
+            chunks = v.pop("ce_chunks", ce_chunks)
+            runs_of.append((label, {**(versions or {}), **v}, chunks))
 
     def result():
         return {"card": _card(), "date": datetime.date.today().isoformat(), "matmul_rates": rates, "rows": rows,
                 "versions": dict(versions or {}),  # the engine's versions asked for beyond its defaults
                 "blaslt_tune": _blaslt_tuning(),  # cuBLASLt's candidates timed on first calls (runtime/blaslt.py)
-                **({"ce_chunks": ce_chunks} if ce_chunks != 1 else {})}
+                **({"ce_chunks": ce_chunks} if ce_chunks != 1 else {}),
+                **({"variants": {label: {"versions": v, "ce_chunks": c} for label, v, c in runs_of}}
+                   if variants else {})}
 
     for preset in presets:
         cfg, B = _cfg(preset)
@@ -499,14 +514,26 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
               file=sys.stderr, flush=True)
         for prec in precisions:
             started = time.perf_counter()
-            runs = [("ours", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
-                                                     versions=versions, reference=reference, ce_chunks=ce_chunks))]
-            try:
-                runs.append(("ours+graph", backend, measure_engine(cfg, B, T, prec, backend=backend, steps=steps,
-                                                                   versions=versions, graphs="on",
-                                                                   reference=reference, ce_chunks=ce_chunks)))
-            except EngineError as e:  # a step that cannot be captured (fp16: the loss scaler decides on the host)
-                print(f"{preset} {prec}: no CUDA-graph row ({e})", file=sys.stderr)
+            runs = []
+            for label, v, chunks in runs_of:
+                tag = {} if label is None else {"variant": label}
+                try:
+                    r = measure_engine(cfg, B, T, prec, backend=backend, steps=steps, versions=v or None,
+                                       reference=reference, ce_chunks=chunks)
+                except EngineError as e:
+                    if label is None:
+                        raise
+                    runs.append(("ours", backend, {**tag, "status": "error", "error": f"{type(e).__name__}: {e}",
+                                                   "validation": {"ok": None, "why_not": "not run: the engine "
+                                                                  "refused this variant (error)"}}))
+                    continue  # this variant cannot run here; the others go on
+                runs.append(("ours", backend, {**tag, **r}))
+                try:
+                    runs.append(("ours+graph", backend, {**tag, **measure_engine(
+                        cfg, B, T, prec, backend=backend, steps=steps, versions=v or None, graphs="on",
+                        reference=reference, ce_chunks=chunks)}))
+                except EngineError as e:  # a step that cannot be captured (fp16: the loss scaler decides on the host)
+                    print(f"{preset} {prec}: no CUDA-graph row ({e})", file=sys.stderr)
             if with_torch:
                 unvalidated = {"status": "unvalidated", "validation": {"ok": None, "why_not": TORCH_WHY_NOT}}
                 r = measure_torch(cfg, B, T, prec, steps=steps)
@@ -530,19 +557,24 @@ def bench_train(presets=("course", "gpt2"), precisions=("fp32", "tf32", "bf16"),
 def format_train(result) -> str:
     """The step table of bench_train; a configuration whose first step did not match the NumPy engine's shows
     "wrong (max err X > tol Y at loss)" and no time."""
+    w = max([14] + [len(r["who"]) + len(r["variant"]) + 4 for r in result["rows"] if "variant" in r])
     lines = [f"training step on {result['card']} ({result['date']})",
              "MFU against the measured matmul rate: "
              + ", ".join(f"{p} {r['TFLOP/s']:.0f} TFLOP/s" for p, r in result["matmul_rates"].items()),
-             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<14}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+             f"{'preset':<8}{'B':>4}{'T':>6} {'prec':<6}{'who':<{w}}{'ms/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
              f"{'MFU':>7}{'peak GiB':>10}"]
     for r in result["rows"]:
-        head = f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{r['who']:<14}"
+        who = r["who"] + (f" [{r['variant']}]" if "variant" in r else "")
+        head = f"{r['preset']:<8}{r['B']:>4}{r['T']:>6} {r['precision']:<6}{who:<{w}}"
         if "step_ms" not in r:
             lines.append(f"{head}{wrong_message(r['validation']) if r.get('status') == 'wrong' else r.get('error')}")
             continue
         lines.append(f"{head}{r['step_ms']:9.2f}"
                      f"{r['tokens_per_s']:11,.0f}{r['TFLOP/s']:9.1f}{100 * r['MFU']:6.1f}%"
                      f"{r['peak_bytes'] / 2**30:10.2f}")
+    for label, v in (result.get("variants") or {}).items():
+        shown = ", ".join(f"{k} {val}" for k, val in v["versions"].items()) or "the engine's defaults"
+        lines.append(f"[{label}]: {shown}, ce_chunks {v['ce_chunks']}")
     checked = [r for r in result["rows"] if (r.get("validation") or {}).get("ok")]
     if checked:
         lines.append(f"validated: each of our rows' first step against the NumPy engine's (loss, gradient norm); "
@@ -875,6 +907,33 @@ def _blaslt_tuning() -> bool:
     from ..runtime.blaslt import tuning
 
     return tuning()
+
+
+def parse_variant(text: str):
+    """"LABEL:key=value,key=value" (bench train --variant) -> (label, {key: value}); the keys are the engine's
+    version names (GPUEngine.DEFAULT_VERSIONS) or ce_chunks (a positive integer). "LABEL:" alone: the defaults."""
+    from ..engine import GPUEngine
+
+    names = GPUEngine.DEFAULT_VERSIONS["hip"]
+
+    label, sep, spec = text.partition(":")
+    if not sep or not label.strip():
+        raise ValueError(f"--variant {text!r}: write LABEL:key=value[,key=value] (e.g. v4:flash=v4)")
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not value:
+            raise ValueError(f"--variant {text!r}: {item!r} is not key=value")
+        if key == "ce_chunks":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--variant {text!r}: ce_chunks must be a positive integer, got {value!r}")
+            out[key] = int(value)
+        elif key not in names:
+            raise ValueError(f"--variant {text!r}: {key!r} is not an engine version (one of "
+                             f"{', '.join(sorted(names))}, or ce_chunks)")
+        else:
+            out[key] = value
+    return label.strip(), out
 
 
 def record_step_calls(eng, x, y, lr=1e-4) -> list:
