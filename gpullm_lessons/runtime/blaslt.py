@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference.gelu import gelu_backward, gelu_forward
-from .blas import _is_cupy, _store_half, _to_f32
+from .blas import _capturing, _is_cupy, _store_half, _to_f32
 
 EPILOGUES = ("bias", "gelu_aux_bias", "dgelu_bgrad", "bgrad_b")
 FORMATS = ("bf16", "fp16")
@@ -262,7 +262,7 @@ def _cublaslt(a, b, out, epilogue, bias, aux, c, trans_a, trans_b, fmt, M, N, K)
             )
         beta = np.array(0.0 if c is None else 1.0, np.float32)  # out = P + beta * c (+ the epilogue)
         plan = [desc, la, lb, ld, found[: int(n[0])], np.array(1.0, np.float32), beta, 0]
-        if n[0] > 1 and tuning() and not _capturing(cp):
+        if n[0] > 1 and tuning() and not _capturing(cp.cuda.get_current_stream()):
             plan[7] = _tune(lt, handle, workspace, plan, key, a, b, out, epilogue, bias, aux, c)
         _PLANS[key] = tuple(plan)
     desc, la, lb, ld, found, one, beta, pick = _PLANS[key]
@@ -320,10 +320,6 @@ def tuning() -> bool:
     import os
 
     return os.environ.get("GPULLM_BLASLT_TUNE", "1") != "0"
-
-
-def _capturing(cp) -> bool:
-    return bool(cp.cuda.get_current_stream().is_capturing())
 
 
 def _tune(lt, handle, workspace, plan, key, a, b, out, epilogue, bias, aux, c):
