@@ -1,11 +1,13 @@
 """runtime/blaslt.py: matrix products with their epilogues (bias; bias + GELU keeping GELU's input; GELU's derivative
 with the bias gradient; the bias gradient of the weight-gradient product).
 
-CPU: the NumPy path against float64 arithmetic on the same half inputs, for every epilogue and both transposes, and
+CPU: the NumPy path against float64 arithmetic on the same half inputs, for every epilogue and both transposes,
+the timing of cuBLASLt's candidates (with stand-ins for CuPy and cuBLASLt: the fastest kept, scratch outputs only), and
 the argument errors. GPU (`make gpu-test`, NVIDIA with nvmath-python): cuBLASLt against the NumPy path on fresh random
 inputs at GPT-2's fc shape and at awkward ones, a second call with other bias and aux arrays (the cached plan must
 read the new pointers), operands at offsets that are not 256-byte aligned; and the comparison shown to fail on the
-planted wrong answers (no bias, GELU of the wrong value, the bias gradient of the other operand)."""
+planted wrong answers (no bias, GELU of the wrong value, the bias gradient of the other operand); every candidate
+cuBLASLt offers against the reference, the tuning's in-place residual and its choice, and none inside a capture."""
 
 import numpy as np
 import pytest
@@ -380,3 +382,111 @@ def test_gpu_no_tuning_inside_a_graph_capture(monkeypatch):
     stream.synchronize()
     want = p + bias
     np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+class _FakeCuda:
+    """Just enough of CuPy (memory, events, the current stream) and of cuBLASLt's bindings for _tune on a CPU: each
+    launch is recorded with its pointers, and "candidate i" takes times[i] µs between two events."""
+
+    def __init__(self, times, refuses=()):
+        import types
+
+        self.times, self.refuses, self.launches, self.set = times, set(refuses), [], {}
+        self.next_ptr, self.clock, self.last = 1 << 40, 0.0, None
+        fake = self
+
+        class Memory:
+            def __init__(self, n):
+                self.ptr, fake.next_ptr = fake.next_ptr, fake.next_ptr + ((n + 255) // 256 + 1) * 256
+
+        class Event:
+            def record(self, stream=None):
+                self.at = fake.clock
+
+            def synchronize(self):
+                pass
+
+        stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+        cuda = types.SimpleNamespace(
+            memory=types.SimpleNamespace(Memory=Memory),
+            Event=Event,
+            get_current_stream=lambda: stream,
+            get_elapsed_time=lambda s, e: (e.at - s.at) / 1e3,
+        )
+        self.cupy = types.SimpleNamespace(cuda=cuda)
+        self.lt = types.SimpleNamespace(
+            MatmulDescAttribute=types.SimpleNamespace(BIAS_POINTER="bias", EPILOGUE_AUX_POINTER="aux"),
+            get_matmul_desc_attribute_dtype=lambda attr: np.uint64,
+            matmul_desc_set_attribute=self._set_attr,
+            matmul=self._matmul,
+        )
+
+    def _set_attr(self, desc, attr, ptr, size):  # the value, read from the host buffer _set passes
+        import ctypes
+
+        self.set[attr] = int(np.frombuffer(ctypes.string_at(ptr, size), np.uint64)[0])
+
+    def _matmul(self, handle, desc, alpha, b, la, a, lb, beta, src, ldc, out, ldd, algo, ws, wsize, stream):
+        i = (algo - self.found_base) // self.itemsize
+        if i in self.refuses:
+            raise RuntimeError(f"CUBLAS_STATUS_NOT_SUPPORTED (candidate {i})")
+        self.launches.append({"i": i, "a": a, "b": b, "src": src, "out": out, **self.set})
+        self.clock += self.times[i]
+
+
+class _Arr:
+    """A stand-in device array: a pointer and a size."""
+
+    def __init__(self, ptr, nbytes):
+        import types
+
+        self.data, self.nbytes = types.SimpleNamespace(ptr=ptr), nbytes
+
+
+@pytest.mark.parametrize("epilogue", blaslt.EPILOGUES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_tuning_times_every_candidate_on_scratch_and_keeps_the_fastest(epilogue, residual, monkeypatch):
+    """_tune (CPU, with stand-ins for CuPy and cuBLASLt): every candidate is launched, the fastest that launches is
+    kept (candidate 2 would be faster but is refused), and no launch writes the caller's out, nor the bias or aux that
+    the epilogue writes; the inputs, and the residual c read in place of out's old value, are the caller's."""
+    import sys
+
+    if residual and epilogue != "bias":
+        pytest.skip("the residual goes with the bias epilogue")
+    fake = _FakeCuda(times=[9.0, 7.0, 1.0, 5.0, 8.0], refuses=[2])
+    monkeypatch.setitem(sys.modules, "cupy", fake.cupy)
+    found = np.zeros(5, dtype=[("algo", np.uint8, 64), ("workspace", np.uint64)])
+    fake.found_base = found.ctypes.data + found.dtype.fields["algo"][1]
+    fake.itemsize = found.itemsize
+    plan = ("desc", "la", "lb", "ld", found, np.array(1.0, np.float32), np.array(0.0, np.float32), 0)
+    a, b, out, bias = _Arr(0x1000, 64), _Arr(0x2000, 64), _Arr(0x3000, 4096), _Arr(0x4000, 128)
+    aux = _Arr(0x5000, 4096) if epilogue in blaslt._AUX else None
+    c = out if residual else None  # the engine's in-place residual: c is out
+    key = ("test", epilogue, residual)
+    pick = blaslt._tune(fake.lt, "handle", _Arr(0x6000, 1).data, plan, key, a, b, out, epilogue, bias, aux, c)
+    assert pick == 3 and blaslt.TUNED.pop(key) == {"candidates": 5, "chosen": 3, "us": [9.0, 7.0, None, 5.0, 8.0]}
+    assert sorted({x["i"] for x in fake.launches}) == [0, 1, 3, 4]
+    assert all(x["a"] == a.data.ptr and x["b"] == b.data.ptr for x in fake.launches)
+    assert not any(x["out"] == out.data.ptr for x in fake.launches)  # out: scratch only
+    assert all(x["src"] == (c.data.ptr if residual else x["out"]) for x in fake.launches)
+    if epilogue in blaslt._WRITES_BIAS:
+        assert not any(x["bias"] == bias.data.ptr for x in fake.launches)
+    else:
+        assert all(x["bias"] == bias.data.ptr for x in fake.launches)
+    if epilogue == "gelu_aux_bias":
+        assert not any(x["aux"] == aux.data.ptr for x in fake.launches)
+    elif epilogue == "dgelu_bgrad":
+        assert all(x["aux"] == aux.data.ptr for x in fake.launches)  # read: the caller's GELU input
+
+
+def test_tuning_with_every_candidate_refused_keeps_the_first(monkeypatch):
+    import sys
+
+    fake = _FakeCuda(times=[1.0, 1.0], refuses=[0, 1])
+    monkeypatch.setitem(sys.modules, "cupy", fake.cupy)
+    found = np.zeros(2, dtype=[("algo", np.uint8, 64)])
+    fake.found_base, fake.itemsize = found.ctypes.data, found.itemsize
+    plan = ("desc", "la", "lb", "ld", found, np.array(1.0, np.float32), np.array(0.0, np.float32), 0)
+    arrs = [_Arr(0x1000 * (i + 1), 64) for i in range(4)]
+    assert blaslt._tune(fake.lt, "h", arrs[0].data, plan, "k", *arrs[:3], "bias", arrs[3], None, None) == 0
+    assert blaslt.TUNED.pop("k")["us"] == [None, None]
