@@ -469,6 +469,23 @@ def test_engine_memory_counts_a_half_gelu_gradient():
         engine.engine_memory(cfg, B, T, "bf16", half_dgelu=True)
 
 
+def test_engine_memory_counts_a_half_dqkv():
+    """dqkv_out "half" (flash with the epilogues): the flash backward writes dqkv in 2 bytes an element and no half
+    copy of it is made: where a block's backward is the step's largest working set (a small vocabulary), its attention
+    stages hold 3 NC (4 - 2) bytes less and its qkv stage 3 NC 4 bytes less (no float32 dqkv beside the half copy)."""
+    cfg, B, T = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128), 8, 64
+    NC = B * T * cfg.d_model
+    kw = dict(attention="flash", half_gelu_in=True, epilogue=True, dgelu_epilogue=False, half_dgelu=True)
+    f32 = engine.engine_memory(cfg, B, T, "bf16", **kw)
+    half = engine.engine_memory(cfg, B, T, "bf16", half_dqkv=True, **kw)
+    assert 0 < f32["working_set"] - half["working_set"] <= 3 * NC * 4 and f32["activations"] == half["activations"]
+    assert f32["total"] - half["total"] == f32["working_set"] - half["working_set"]
+    with pytest.raises(ValueError, match="half_dqkv=True describes the flash backward's half dqkv beside epilogue"):
+        engine.engine_memory(cfg, B, T, "bf16", attention="flash", half_dqkv=True)
+    with pytest.raises(ValueError, match="attention 'cublas'"):
+        engine.engine_memory(cfg, B, T, "bf16", attention="cublas", epilogue=True, half_dqkv=True)
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(engine.EngineError, match="unknown backend 'cuda'"):
         engine.build(TOY, "cuda")
@@ -503,6 +520,13 @@ def test_build_errors_name_the_problem():
         prec = v.pop("precision")
         with pytest.raises(engine.EngineError, match=f"dgelu_out='half' .*{why}"):
             engine.build(TOY, "numba", precision=prec, versions={**v, "dgelu_out": "half"})
+    with pytest.raises(engine.EngineError, match="dqkv_out must be 'f32' or 'half', got 'bf16'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"dqkv_out": "bf16"})
+    # the simulator (and the numba backend) run the cuBLAS attention path: no flash backward to write half dqkv
+    with pytest.raises(engine.EngineError, match="dqkv_out='half' .*attention='cublas', flash='v6', epilogue='cublaslt'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"epilogue": "cublaslt", "dqkv_out": "half"})
+    with pytest.raises(engine.EngineError, match="dqkv_out='half' .*epilogue='none'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"dqkv_out": "half"})
     with pytest.raises(engine.EngineError, match="logits must be 'f32' or 'half', got 'bf16'"):
         engine.build(TOY, "numba", precision="bf16", versions={"logits": "bf16"})
     for precision in ("fp32", "fp16"):
@@ -772,6 +796,33 @@ def test_gpu_half_gelu_gradient_tracks_fp32_and_its_memory_is_predicted(v, gpu_b
     r = measure_engine(cfg, 32, 256, "bf16", "none", steps=2, versions={**half, "attention": "flash"})
     predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True,
                                      epilogue="epilogue" in v, dgelu_epilogue=False, half_dgelu=True)["total"]
+    assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"], r["peak_at"])
+
+
+@pytest.mark.gpu
+def test_gpu_half_dqkv_tracks_fp32_and_its_memory_is_predicted(gpu_batches, gpu_reference):
+    """versions dqkv_out "half" on the GPU (flash v6's _hg backward writes dqkv in bf16; the qkv bias gradient comes
+    from the weight-gradient product's BGRADB epilogue): 10 bf16 steps track the fp32 reference; the first step's
+    gradients, the qkv bias gradient among them, are the float32-dqkv run's within bf16's rounding and not equal to
+    them; engine_memory(..., half_dqkv=True) is within 10% of the pool's peak where a block's backward is the peak."""
+    from gpullm_lessons import device as dev
+    from gpullm_lessons.bench.train_step import measure_engine
+    if dev.kind() != "cuda":
+        pytest.skip("the qkv bias gradient comes from cuBLASLt's BGRADB epilogue (NVIDIA)")
+    base = {"attention": "flash", "epilogue": "cublaslt"}
+    half = {**base, "dqkv_out": "half"}
+    eng = engine.build(SMALL, "hip", precision="bf16", versions=half)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    x, y = gpu_batches[0]
+    _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=half), x, y)
+    _, g32 = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=base), x, y)
+    assert 0 < max_rel(g, g32) < 2e-2
+    assert 0 < max_rel({"qkvb": g["qkvb"]}, {"qkvb": g32["qkvb"]}) < 2e-2  # BGRADB's sums, not zeros or another's
+    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=6, d_model=384)
+    r = measure_engine(cfg, 32, 256, "bf16", "none", steps=2, versions=half)
+    predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", epilogue=True, half_dqkv=True)["total"]
     assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"], r["peak_at"])
 
 

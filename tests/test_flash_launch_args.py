@@ -89,11 +89,11 @@ def run_heads(version, half, hs, fused=False):
     return {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_packed(version, half, hs, fused=False):
+def run_packed(version, half, hs, fused=False, half_grads=False):
     B, T, nh = 2, 70, 3
     C = nh * hs
     qkv, out, dout = dev((B, T, 3 * C), np.uint16), dev((B, T, C), np.uint16), dev((B, T, C), np.uint16)
-    lse, dqkv = dev((B, nh, T), np.float32), dev((B, T, 3 * C), np.float32)
+    lse, dqkv = dev((B, nh, T), np.float32), dev((B, T, 3 * C), np.uint16 if half_grads else np.float32)
     hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half, version=version)
     hflash.flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half=half, version=version, fused=fused)
     return {"qkv": qkv, "out": out, "dout": dout, "lse": lse, "dqkv": dqkv}
@@ -177,6 +177,34 @@ def test_every_launch_hands_its_kernel_exactly_the_declared_parameters(recorded,
             assert ctype.endswith("*") == (not isinstance(arg, np.generic)), (name, ctype, pname)
 
 
+@pytest.mark.parametrize("half", hflash.HALF_FORMATS)
+@pytest.mark.parametrize("hs", hflash.HEAD_SIZES)
+def test_half_gradients_launch_the_hg_entry_points_with_their_parameters(recorded, half, hs):
+    """dqkv in the half format (uint16): v6's _hg entry points, handed exactly their parameters, dqkv as given."""
+    arrays = run_packed("v6", half, hs, half_grads=True)
+    names = [c[0] for c in recorded]
+    sfx = "bf16" if half == "bf16" else "f16"
+    assert names[1:] == [f"flash_attention_backward_v6_packed_hg_dq_hs{hs}_{sfx}",
+                         f"flash_attention_backward_v6_packed_hg_dkdv_hs{hs}_{sfx}"]
+    assert names[1:] == [f for f, _ in hflash.backward_plan("v6", half, hs, packed=True, half_grads=True)]
+    for name, _, _, args, _ in recorded[1:]:
+        params = FLASH[name]
+        assert len(args) == len(params), (name, params)
+        for (ctype, pname), arg in zip(params, args):
+            if pname in arrays:
+                assert arg is arrays[pname], (name, pname)
+            assert str(arg.dtype) == hip.PARAM_DTYPES[ctype], (name, ctype, pname, arg.dtype)
+        assert ("unsigned short*", "dqkv") in params
+
+
+@pytest.mark.parametrize("version", ["v4", "v5"])
+def test_half_gradients_of_a_version_without_them_are_refused_by_name(recorded, version):
+    with pytest.raises(ValueError, match=r"dqkv in the half format \(uint16\) is written by version v6"):
+        run_packed(version, "bf16", 64, half_grads=True)
+    with pytest.raises(ValueError, match="half gradients are written by v6 on the packed layout"):
+        hflash.backward_plan("v6", "bf16", 64, packed=False, half_grads=True)
+
+
 def test_the_backwards_run_in_each_versions_order(recorded):
     run_heads("v2", "bf16", 64)
     assert [c[0] for c in recorded[1:]] == [
@@ -204,6 +232,8 @@ def test_every_flash_entry_point_is_reached_by_a_launcher():
                 reached.add(hflash.forward_entry(version, half, hs, packed))
                 reached.update(f for f, _ in hflash.backward_plan(version, half, hs, packed, fused))
                 reached.update(general_plan(half, hs))
+                if packed and version in hflash.HALF_GRADS:
+                    reached.update(f for f, _ in hflash.backward_plan(version, half, hs, True, half_grads=True))
     assert set(FLASH) == reached, sorted(set(FLASH) ^ reached)
 
 

@@ -305,6 +305,44 @@ def test_packed_layout_matches_the_heads_layout_bit_for_bit(shape, half, version
         assert err < TOL[half], f"{name}: max error {err:.3g} of its magnitude (tolerance {TOL[half]}), seed {seed}"
 
 
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_packed_half_gradients_are_the_float32_ones_rounded(shape, half):
+    """v6's backward with dqkv in the half format (the _hg entry points): every element is the float32 backward's,
+    rounded to nearest even, bit for bit; nothing beside dqkv is written; a second call gives the same bits. The bit
+    comparison is shown to reject a plausible mistake on the same inputs (dk and dv swapped; for bf16 also rounding
+    toward zero, the upper 16 bits of the float32)."""
+    import cupy as cp
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    B, nh, T, hs = shape
+    C = nh * hs
+    (_, qb), (_, kb), (_, vb), (_, dob) = (_rounded(rng, shape, half) for _ in range(4))
+    qkv = cp.asarray(np.concatenate([_pack(qb), _pack(kb), _pack(vb)], axis=2))
+    dout = cp.asarray(_pack(dob))
+    out, lse = cp.empty((B, T, C), cp.uint16), cp.empty((B, nh, T), cp.float32)
+    hflash.flash_attention_forward_packed(qkv, out, lse, nh, half=half, version="v6")
+    d32 = cp.empty((B, T, 3 * C), cp.float32)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, d32, nh, half=half, version="v6")
+    want = _half_bits(d32.get(), half)
+    hbuf, dh = _guarded_like(cp, (B, T, 3 * C), cp.uint16, 0xFFFF)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dh, nh, half=half, version="v6")
+    got = dh.get()
+    assert _guards_equal(hbuf, 0xFFFF), f"written beside dqkv, seed {seed}"
+    assert np.array_equal(got, want), f"{int((got != want).sum())} of {got.size} elements differ, seed {seed}"
+    dh.fill(0xFFFF)
+    hflash.flash_attention_backward_packed(qkv, out, dout, lse, dh, nh, half=half, version="v6")
+    assert np.array_equal(dh.get(), got), f"a second backward gave other bits, seed {seed}"
+    swapped = np.concatenate([want[:, :, :C], want[:, :, 2 * C :], want[:, :, C : 2 * C]], axis=2)
+    assert not np.array_equal(swapped, got)
+    if half == "bf16" and T > 1:
+        truncated = (d32.get().view(np.uint32) >> 16).astype(np.uint16)
+        assert not np.array_equal(truncated, got)
+
+
 def test_packed_launchers_refuse_bad_arguments():
     """Argument errors name the problem before anything touches a GPU; the HIP backend (the engine's kernels) has
     both launchers."""
@@ -320,9 +358,12 @@ def test_packed_launchers_refuse_bad_arguments():
     ((label, kw),) = hip_backend.variants("flash_attention_backward")  # the kernel benchmark's extra row
     assert label == "v5-fused" and kw == {"version": "v5", "fused": True}
     with pytest.raises(TypeError, match="qkv must be a CuPy array"):
-        hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, **kw)
+        hip_backend.flash_attention_backward_packed(qkv, out, out, lse, np.zeros((1, 4, 384), np.float32), 2, **kw)
     with pytest.raises(ValueError, match="version='v3' is not one of v4, v5, v6"):
         hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, version="v3")
+    for version in ("v4", "v5"):  # a half dqkv (uint16): only v6 writes one
+        with pytest.raises(ValueError, match=r"dqkv in the half format \(uint16\) is written by version v6"):
+            hip_backend.flash_attention_backward_packed(qkv, out, out, lse, out, 2, version=version)
 
 
 @needs_gpu

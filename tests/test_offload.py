@@ -241,6 +241,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
         dgelu = kw.pop("dgelu", "cublaslt")
         logits = kw.pop("logits", "f32")
         dgelu_out = kw.pop("dgelu_out", "f32")
+        dqkv_out = kw.pop("dqkv_out", "f32")
         want = engine.engine_memory(
             cfg,
             B,
@@ -252,6 +253,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
             dgelu_epilogue=dgelu == "cublaslt",
             half_logits=logits == "half",
             half_dgelu=dgelu_out == "half",
+            half_dqkv=dqkv_out == "half",
             **kw,
         )["total"]
         assert r["predicted_bytes"] == want, name
@@ -260,6 +262,7 @@ def test_bench_memory_measures_each_technique_eager_and_as_a_graph_and_records_r
         assert r.get("dgelu", "cublaslt") == dgelu, name
         assert r.get("logits", "f32") == logits, name
         assert r.get("dgelu_out", "f32") == dgelu_out, name
+        assert r.get("dqkv_out", "f32") == dqkv_out, name
         if kw["optimizer_state"] == "int8":
             assert r["error"] == "no int8 here"
         elif kw["offload_optimizer"]:
@@ -343,6 +346,8 @@ def test_bench_train_hands_ce_chunks_and_versions_to_every_engine_row_and_record
         assert got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half", "logits": "half"}, what
         assert bench.main(argv + ["--dgelu-out", "half"]) == 0, what
         assert got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half", "dgelu_out": "half"}, what
+        assert bench.main(argv + ["--dqkv-out", "half"]) == 0, what
+        assert got["versions"] == {"epilogue": "cublaslt", "gelu_in": "half", "dqkv_out": "half"}, what
 
 
 def test_graph_pool_of_reads_the_pool_or_derives_it_for_runs_that_held_the_copy_on_the_gpu():

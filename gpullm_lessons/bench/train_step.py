@@ -714,6 +714,8 @@ MEMORY_TECHNIQUES = (
                            "logits": "half"}),
     ("… and bf16 dgelu", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel",
                           "logits": "half", "dgelu_out": "half"}),
+    ("… and bf16 dqkv", {"ce_chunks": 8, "gelu_in": "half", "epilogue": "cublaslt", "dgelu": "kernel",
+                         "logits": "half", "dgelu_out": "half", "dqkv_out": "half"}),
 )
 
 
@@ -738,11 +740,12 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
         # engine versions, not build() options: the GELU input's format and the products' epilogues
         gelu_in, epilogue = opts.get("gelu_in", "f32"), opts.get("epilogue", "none")
         dgelu, logits = opts.get("dgelu", "cublaslt"), opts.get("logits", "f32")
-        dgelu_out = opts.get("dgelu_out", "f32")
+        dgelu_out, dqkv_out = opts.get("dgelu_out", "f32"), opts.get("dqkv_out", "f32")
         try:
             pred = engine_memory(cfg, B, T, precision, attention=att, half_gelu_in=gelu_in == "half",
                                  epilogue=epilogue == "cublaslt", dgelu_epilogue=dgelu == "cublaslt",
-                                 half_logits=logits == "half", half_dgelu=dgelu_out == "half", **kw)
+                                 half_logits=logits == "half", half_dgelu=dgelu_out == "half",
+                                 half_dqkv=dqkv_out == "half", **kw)
         except ValueError as e:  # a technique this precision does not have (the epilogues in fp32)
             rows.append({"technique": name, **kw, "predicted_bytes": 0, "error": str(e)})
             continue
@@ -750,7 +753,7 @@ def bench_memory(preset="gpt2", precision="bf16", steps=6, attention=None, techn
         ver = dict(versions or {})
         for key, value, default in (("gelu_in", gelu_in, "f32"), ("epilogue", epilogue, "none"),
                                     ("dgelu", dgelu, "cublaslt"), ("logits", logits, "f32"),
-                                    ("dgelu_out", dgelu_out, "f32")):
+                                    ("dgelu_out", dgelu_out, "f32"), ("dqkv_out", dqkv_out, "f32")):
             if value != default:
                 row[key] = ver[key] = value
         ver = ver or None

@@ -33,6 +33,7 @@ _NUMBA_VERSIONS = {
     "dgelu": "cublaslt",
     "logits": "f32",
     "dgelu_out": "f32",
+    "dqkv_out": "f32",
 }
 
 
@@ -91,6 +92,10 @@ class GPUEngine(Engine):
     # "none", or dgelu "kernel") with gelu_in "half": the format that product writes GELU's output gradient in,
     # "f32" or "half" (cuBLAS rounds it to the run's half format, as PyTorch's autocast keeps it: the product writes
     # and the pass reads 2 bytes an element instead of 4; dfc = dgelu * gelu'(x) is then made from the rounded dgelu)
+    # "dqkv_out": the format the flash backward writes dqkv in, "f32" or "half" (flash v6's _hg entry points, each
+    # gradient rounded once; needs epilogue "cublaslt": the qkv weight-gradient product sums dqkv's rows into the qkv
+    # bias gradient in its epilogue, BGRADB, so no pass over dqkv converts it or sums its columns; the half dqkv is
+    # what the products read without it too)
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -181,6 +186,20 @@ class GPUEngine(Engine):
                 f"'none', or dgelu='kernel'); this run has precision={precision!r}, gelu_in={self.ver['gelu_in']!r}, "
                 f"epilogue={self.ver['epilogue']!r}, dgelu={self.ver['dgelu']!r}"
             )
+        if self.ver["dqkv_out"] not in ("f32", "half"):
+            raise EngineError(f"versions: dqkv_out must be 'f32' or 'half', got {self.ver['dqkv_out']!r}")
+        if self.ver["dqkv_out"] == "half":
+            from ..backends.hip.flash import HALF_GRADS
+
+            if (self.ver["attention"], self.ver["epilogue"]) != ("flash", "cublaslt") or self.ver[
+                "flash"
+            ] not in HALF_GRADS:
+                raise EngineError(
+                    "versions: dqkv_out='half' has the flash backward write dqkv in half and the qkv weight-gradient "
+                    f"product sum it into the bias gradient (cuBLASLt's BGRADB); it needs attention='flash', flash in "
+                    f"{', '.join(HALF_GRADS)} and epilogue='cublaslt'; this run has attention={self.ver['attention']!r}, "
+                    f"flash={self.ver['flash']!r}, epilogue={self.ver['epilogue']!r}"
+                )
         if self.ver["epilogue"] == "cublaslt" and self.on_gpu and device.kind() != "cuda":
             raise EngineError("versions: epilogue='cublaslt' calls NVIDIA's cuBLASLt; on AMD keep epilogue='none'")
         if self.ver["tf32"] not in ("off", "on"):
@@ -405,13 +424,26 @@ class GPUEngine(Engine):
             )
         return self._linear_products(dout_mm, inp_mm, name_w, l, in_features, out_mm)
 
-    def _linear_products(self, dout_mm, inp_mm, name_w, l, in_features, out_mm=False):
+    def _linear_products(self, dout_mm, inp_mm, name_w, l, in_features, out_mm=False, bias_grad=None):
         """A layer's two backward products from its output gradient in the matmul format: dinp = dout @ W.T (float32,
-        or out_mm: the matmul format) and grads[name_w][l] = inp.T @ dout. Returns dinp."""
+        or out_mm: the matmul format) and grads[name_w][l] = inp.T @ dout. bias_grad (a bias's name, half precision
+        with epilogue "cublaslt"): the dW product also writes grads[bias_grad][l], the column sums of dout, in its
+        epilogue (cuBLASLt's BGRADB, float32 like dW). Returns dinp."""
         shape = (dout_mm.shape[0], in_features)
         dinp = self._mm_empty(shape) if out_mm else self.xp.empty(shape, self.xp.float32)
         self._gemm(dout_mm, self._w(name_w, l), dinp, trans_b=True)  # dinp = dout @ W.T
-        self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
+        if bias_grad is None:
+            self._gemm(inp_mm, dout_mm, self.grads[name_w][l], trans_a=True)  # dW = inp.T @ dout
+        else:  # dW = inp.T @ dout, db = the column sums of dout
+            self._epilogue_product(
+                "gemm+bgrad",
+                inp_mm,
+                dout_mm,
+                self.grads[name_w][l],
+                "bgrad_b",
+                bias=self.grads[bias_grad][l],
+                trans_a=True,
+            )
         return dinp
 
     def _layernorm(self, x, name_w, name_b, l):
@@ -634,9 +666,11 @@ class GPUEngine(Engine):
         dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)
         del dln2
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
+        half_dqkv = "lse" in c and self.ver["dqkv_out"] == "half"
         if "lse" in c:  # flash: dq, dk, dv from the kept y (atty_mm) and lse, the probabilities recomputed tile by tile
             dy = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C, out_mm=True)  # (B*T, C)
-            dqkv = xp.empty((B * T, 3 * C), xp.float32)  # every element written: dq, dk, dv side by side
+            # every element written: dq, dk, dv side by side (dqkv_out "half": in the matmul format)
+            dqkv = self._mm_empty((B * T, 3 * C)) if half_dqkv else xp.empty((B * T, 3 * C), xp.float32)
             y, dqkv3 = c["atty_mm"].reshape(B, T, C), dqkv.reshape(B, T, 3 * C)
             self.K.flash_attention_backward_packed(
                 c["qkv_mm"], y, dy.reshape(B, T, C), c["lse"], dqkv3, nh, half=half, version=self.ver["flash"]
@@ -650,7 +684,10 @@ class GPUEngine(Engine):
             box = [dy]  # the helper drops dy as soon as it is used up (no reference left here)
             del dy
             dqkv = self._attention_backward_cublas(box, c, B, T, hs)
-        dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
+        if half_dqkv:  # the products read the half dqkv as written; the bias gradient from the dW product (BGRADB)
+            dln1 = self._linear_products(dqkv, c["ln1_mm"], "qkvw", l, C, bias_grad="qkvb")
+        else:
+            dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
         del dqkv
         dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l, residual=dx1)
         del dln1

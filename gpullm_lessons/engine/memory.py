@@ -23,6 +23,7 @@ def engine_memory(
     dgelu_epilogue=True,
     half_logits=False,
     half_dgelu=False,
+    half_dqkv=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -50,6 +51,8 @@ def engine_memory(
     loss kernel writes the bf16 dlogits over them (one (rows, V) buffer of 2 bytes an element, no float32 logits).
     half_dgelu: the engine's versions["dgelu_out"] == "half" (with half_gelu_in, where dfc is made in colsum_convert's
     pass): GELU's output gradient in the backward is half, 2 bytes an element instead of 4.
+    half_dqkv: the engine's versions["dqkv_out"] == "half" (flash attention with epilogue): the flash backward writes
+    dqkv (N, 3C) in half, which the products read as it is (no float32 dqkv, no half copy of it).
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -76,6 +79,11 @@ def engine_memory(
         )
     if half_logits and precision != "bf16":
         raise ValueError(f"engine_memory: half_logits=True describes bf16 logits; precision is {precision!r}")
+    if half_dqkv and not (epilogue and attention == "flash"):
+        raise ValueError(
+            "engine_memory: half_dqkv=True describes the flash backward's half dqkv beside epilogue=True (its bias "
+            f"gradient from the product); got epilogue={epilogue}, attention {attention!r}"
+        )
     policy, k = parse_policy(policy, cfg.n_layer, "engine_memory")  # "sqrt:K" -> ("sqrt", K)
     if attention == "auto":  # the hip engine's default: flash where its kernels run, else the cuBLAS path
         from .gpu import flash_unsupported
@@ -150,10 +158,11 @@ def engine_memory(
             4 * NC * dg + 4 * NC * h + NC * f,  # fc: dgelu (fp32 runs: dfc), dfc_mm, dln2
             2 * NC * f,  # dln2, dx1
         ]
+    dq = 3 * NC * (h if half_dqkv else f)  # bytes of dqkv as the flash kernels write it
     if flash:  # the projection's product writes dy in the matmul format; the kernels write dqkv directly
         stages += [
             NC * f + NC * h + NC * e,  # attproj: dx1, dx1_mm, dy
-            4 * NC * f + NC * e + B * nh * T * f,  # dx1, dy, dqkv, delta
+            NC * f + dq + NC * e + B * nh * T * f,  # dx1, dqkv, dy, delta
         ]
     else:
         stages += [
@@ -164,7 +173,7 @@ def engine_memory(
             5 * NC * f + TT * e,  # dx1, dqkv, dv / part, dpre
         ]
     stages += [
-        5 * NC * f + 3 * NC * h,  # qkv: dx1, dqkv, dqkv_mm, dln1
+        2 * NC * f + dq + (0 if half_dqkv else 3 * NC * h),  # qkv: dx1, dqkv, dqkv_mm (half_dqkv: dqkv itself), dln1
         3 * NC * f,
     ]  # dx1, dln1, dx0
     recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f, "sqrt": m * full_cache - NC * f}[policy]

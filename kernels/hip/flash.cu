@@ -1091,12 +1091,13 @@ __device__ void flash_forward_v4(const unsigned short* __restrict__ q, const uns
 // one of the block's rows, delta = sum over the row of dO O, dO from the rows staged in shared memory and O (format H
 // on the packed layout, float32 on the heads layout: `out`, rows ld_out apart) from global memory, 8 elements at a
 // time in the same order on both layouts; the block keeps it for its warps and writes it for the dK dV kernel.
-// v4 and v5 read the delta pass's (out is not read).
-template <int H, int HS, int LV, typename OT>
+// v4 and v5 read the delta pass's (out is not read). GT, dQ's type: float, or unsigned short (the half bits of
+// format H, each value rounded once from the float32 sum: v6's _hg entry points on the packed layout).
+template <int H, int HS, int LV, typename OT, typename GT>
 __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                             const unsigned short* __restrict__ v, const OT* __restrict__ out,
                             const unsigned short* __restrict__ dout, const float* __restrict__ lse,
-                            float* __restrict__ delta, float* __restrict__ dq, int T, float scale, int nh, int ld,
+                            float* __restrict__ delta, GT* __restrict__ dq, int T, float scale, int nh, int ld,
                             int ld_out, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, KT = FLASH_KTILE, KC = FLASH4_KC, RT = FLASH4_RT;
     constexpr int NT = LV >= 2 ? FLASH4_WARPS * MMA_WARP : 0;
@@ -1264,12 +1265,13 @@ __device__ void flash_dq_v4(const unsigned short* __restrict__ q, const unsigned
 
 // dK, dV: a block owns 128 key rows (16 per warp, 8 warps) and walks the query tiles from its first key on, double-
 // buffered with their lse and delta; per tile v3's math: S^T = K Q^T and dP^T = V dO^T in registers, P^T,
-// dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in registers.
-template <int H, int HS, int LV>
+// dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q accumulate in registers. GT: dK's and dV's type, as
+// flash_dq_v4's.
+template <int H, int HS, int LV, typename GT>
 __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                               const unsigned short* __restrict__ v, const unsigned short* __restrict__ dout,
-                              const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk,
-                              float* __restrict__ dv, int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
+                              const float* __restrict__ lse, const float* __restrict__ delta, GT* __restrict__ dk,
+                              GT* __restrict__ dv, int T, float scale, int nh, int ld, int ld_do, int ld_grad) {
     constexpr int LD = HS + FLASH_PAD, QT = FLASH_KTILE, NT = LV >= 2 ? FLASH4_DKDV_WARPS * MMA_WARP : 0;
     constexpr bool LEAN = LV >= 1, FAST = LV >= 2;
     static_assert(2 * QT == FLASH4_ROWS && 16 * FLASH4_DKDV_WARPS == FLASH4_ROWS,
@@ -1441,6 +1443,26 @@ __device__ void flash_dkdv_v4(const unsigned short* __restrict__ q, const unsign
         flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, C,     \
                                3 * C);                                                                                \
     }
+// v6 on the packed layout with dqkv (B, T, 3C) in format H instead of float32 (_hg: half gradients): each of dq, dk,
+// dv rounded once from the float32 sums the float32 entry points write, so the result is those entry points' rounded
+// to format H, bit for bit; the products that read dqkv take it as it is (no conversion pass)
+#define FLASH_ENTRIES_PACKED_HG(HS, FMT, H, V, LV)                                                                  \
+    extern "C" __global__ void __launch_bounds__(FLASH4_DKDV_WARPS * MMA_WARP)                                        \
+        flash_attention_backward_##V##_packed_hg_dkdv_hs##HS##_##FMT(                                                 \
+            const unsigned short* qkv, const unsigned short* dout, const float* lse, const float* delta,              \
+            unsigned short* dqkv, int T, int nh, float scale) {                                                      \
+        const int C = nh * HS;                                                                                        \
+        flash_dkdv_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, dout, lse, delta, dqkv + C, dqkv + 2 * C, T, scale, nh, \
+                                   3 * C, C, 3 * C);                                                                  \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(FLASH4_WARPS * MMA_WARP)                                             \
+        flash_attention_backward_##V##_packed_hg_dq_hs##HS##_##FMT(                                                   \
+            const unsigned short* qkv, const unsigned short* out, const unsigned short* dout, const float* lse,       \
+            float* delta, unsigned short* dqkv, int T, int nh, float scale) {                                         \
+        const int C = nh * HS;                                                                                        \
+        flash_dq_v4<H, HS, LV>(qkv, qkv + C, qkv + 2 * C, out, dout, lse, delta, dqkv, T, scale, nh, 3 * C, C, C,     \
+                               3 * C);                                                                                \
+    }
 #if FLASH_PART(4, 1)  // v4, bf16
 FLASH_ENTRIES_V4(16, bf16, 1, v4, 0)
 FLASH_ENTRIES_PACKED(16, bf16, 1, v4, 0)
@@ -1484,22 +1506,30 @@ FLASH_ENTRIES_PACKED(64, f16, 2, v5, 1)
 #if FLASH_PART(6, 1)  // v6, bf16
 FLASH_ENTRIES_V4(16, bf16, 1, v6, 2)
 FLASH_ENTRIES_PACKED(16, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED_HG(16, bf16, 1, v6, 2)
 FLASH_ENTRIES_V4(32, bf16, 1, v6, 2)
 FLASH_ENTRIES_PACKED(32, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED_HG(32, bf16, 1, v6, 2)
 FLASH_ENTRIES_V4(48, bf16, 1, v6, 2)
 FLASH_ENTRIES_PACKED(48, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED_HG(48, bf16, 1, v6, 2)
 FLASH_ENTRIES_V4(64, bf16, 1, v6, 2)
 FLASH_ENTRIES_PACKED(64, bf16, 1, v6, 2)
+FLASH_ENTRIES_PACKED_HG(64, bf16, 1, v6, 2)
 #endif
 #if FLASH_PART(6, 2)  // v6, f16
 FLASH_ENTRIES_V4(16, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(16, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED_HG(16, f16, 2, v6, 2)
 FLASH_ENTRIES_V4(32, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(32, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED_HG(32, f16, 2, v6, 2)
 FLASH_ENTRIES_V4(48, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(48, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED_HG(48, f16, 2, v6, 2)
 FLASH_ENTRIES_V4(64, f16, 2, v6, 2)
 FLASH_ENTRIES_PACKED(64, f16, 2, v6, 2)
+FLASH_ENTRIES_PACKED_HG(64, f16, 2, v6, 2)
 #endif
 
 // ==== v5 fused: v5's backward in one kernel (fused=True; slower than the two on the H200, lesson 11) =================

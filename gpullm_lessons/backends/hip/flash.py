@@ -55,6 +55,7 @@ GEOMETRY = {
     "v6": {"forward": (128, 4), "dkdv": (128, 8), "dq": (128, 4)},
 }
 PACKED = ("v4", "v5", "v6")  # the versions with entry points on the engine's packed layout
+HALF_GRADS = ("v6",)  # the packed versions whose backward can write dqkv in the half format (_hg entry points)
 # v7: Hopper's warpgroup products (kernels/sm90/flash_v7.cu through runtime/sm90.py), NVIDIA H100 / H200 only, on the
 # packed layout alone, bf16, head size 64, T a multiple of 64; not a version of flash.cu (no AMD form)
 SM90 = ("v7",)
@@ -180,11 +181,13 @@ def _run(function, values, version, half, role, heads, T, hs):
     kern(*_launch("v5", "fused", heads, T), hip.launch_args("flash", function, values), shared_mem=smem)
 
 
-def backward_plan(version, half, hs, packed=False, fused=False) -> list:
+def backward_plan(version, half, hs, packed=False, fused=False, half_grads=False) -> list:
     """The kernels one backward launches, in order: [(entry point, role)] (role as _run's). v6: dQ first (it computes
     delta and writes it for dK dV), then dK dV; v2-v5: the delta pass, dK dV, then dQ; fused (v5): the delta pass and
-    the one-kernel backward."""
-    sfx, layout = _SUFFIX[half], "_packed" if packed else ""
+    the one-kernel backward. half_grads (v6, packed): the entry points that write dqkv in the half format (_hg)."""
+    if half_grads and not (packed and version in HALF_GRADS):
+        raise ValueError(f"backward_plan: half gradients are written by {', '.join(HALF_GRADS)} on the packed layout")
+    sfx, layout = _SUFFIX[half], ("_packed" if packed else "") + ("_hg" if half_grads else "")
     name = f"flash_attention_backward_{version}{layout}_{{}}_hs{hs}_{sfx}".format
     delta = f"flash_attention_backward_{'v4_packed' if packed else 'v2'}_delta_{sfx}"
     if version in DQ_DELTA:
@@ -433,12 +436,20 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
     """dqkv (B, T, 3C) float32: dq, dk, dv side by side in each row, of out = flash_attention_forward_packed(qkv),
     from qkv, out and dout (B, T, C) uint16 in format `half`, and lse; summed in a fixed order (the same bits on every
     run). Every element of dqkv is written. version: v6 (dQ computing delta, then dK dV), v5 or v4 (the delta pass, dK
-    dV, then dQ); fused=True: v5's one-kernel backward (with version="v5")."""
+    dV, then dQ); fused=True: v5's one-kernel backward (with version="v5").
+    dqkv uint16 (version v6): the same gradients written in format `half`, each rounded once from the float32 result
+    (the bits of the float32 call's dqkv rounded to nearest even), for the products that read dqkv in that format."""
     fn = "flash_attention_backward_packed"
     check_version(fn, version, PACKED + SM90)
     _check_fused(fn, version, fused)
+    half_grads = str(getattr(dqkv, "dtype", "")) == "uint16"
+    if half_grads and version not in HALF_GRADS:
+        raise ValueError(
+            f"{fn}: dqkv in the half format (uint16) is written by version {' or '.join(HALF_GRADS)}; "
+            f"version={version!r} writes float32 dqkv"
+        )
     pairs = [("qkv", qkv, 3, "uint16"), ("out", out, 1, "uint16"), ("dout", dout, 1, "uint16")]
-    pairs += [("lse", lse, 0, "float32"), ("dqkv", dqkv, 3, "float32")]
+    pairs += [("lse", lse, 0, "float32"), ("dqkv", dqkv, 3, "uint16" if half_grads else "float32")]
     B, T, nh, hs = _check_packed(fn, half, nh, pairs)
     if B * T == 0:
         return
@@ -463,5 +474,5 @@ def flash_attention_backward_packed(qkv, out, dout, lse, dqkv, nh, half="bf16", 
         "rows": np.int64(B * T * nh),
         "hs": np.int32(hs),
     }
-    for function, role in backward_plan(version, half, hs, packed=True, fused=fused):
+    for function, role in backward_plan(version, half, hs, packed=True, fused=fused, half_grads=half_grads):
         _run(function, values, version, half, role, B * nh, T, hs)
