@@ -184,8 +184,10 @@ def test_half_gradients_launch_the_hg_entry_points_with_their_parameters(recorde
     arrays = run_packed("v6", half, hs, half_grads=True)
     names = [c[0] for c in recorded]
     sfx = "bf16" if half == "bf16" else "f16"
-    assert names[1:] == [f"flash_attention_backward_v6_packed_hg_dq_hs{hs}_{sfx}",
-                         f"flash_attention_backward_v6_packed_hg_dkdv_hs{hs}_{sfx}"]
+    assert names[1:] == [
+        f"flash_attention_backward_v6_packed_hg_dq_hs{hs}_{sfx}",
+        f"flash_attention_backward_v6_packed_hg_dkdv_hs{hs}_{sfx}",
+    ]
     assert names[1:] == [f for f, _ in hflash.backward_plan("v6", half, hs, packed=True, half_grads=True)]
     for name, _, _, args, _ in recorded[1:]:
         params = FLASH[name]
