@@ -382,3 +382,69 @@ def test_v3_hip_is_captured_in_a_cuda_graph():
     np.testing.assert_array_equal(dwte.get(), _v3_model(dout2, idx2, V)[0])
     _, dwpe_ref = _expected(dout2, idx2, V, T)
     np.testing.assert_allclose(dwpe.get(), dwpe_ref, rtol=1e-4, atol=1e-4)
+
+
+# ---- accumulate=True: the sums added into what dwte holds (the engine's tied head's share) -----------------------
+def _accumulate_case(mod, arrays, version, B=3, T=7, C=8, V=11, maxT=9, seed=3):
+    """(plain dwte, dwpe), (accumulated dwte, dwpe), the prefilled dwte: one call each on the same inputs."""
+    dout, idx = _inputs(B, T, C, V, maxT, seed)
+    start = np.random.default_rng(seed + 1).standard_normal((V, C)).astype(np.float32)
+    outs = {}
+    for acc in (False, True):
+        dwte = to_backend(start.copy() if acc else np.full((V, C), np.nan, np.float32), arrays)
+        dwpe = to_backend(np.full((maxT, C), np.nan, np.float32), arrays)
+        kw = {"accumulate": True} if acc else {}
+        mod.encoder_backward(to_backend(dout, arrays), to_backend(idx, arrays), dwte, dwpe, version=version, **kw)
+        outs[acc] = (to_numpy(dwte), to_numpy(dwpe))
+    return outs[False], outs[True], start
+
+
+@pytest.mark.parametrize("version", SIM_VERSIONS)
+def test_accumulate_adds_the_sums_into_dwte(version):
+    """accumulate=True in the simulator: dwte = what it held + the sums the plain call writes (v2 and v3: that very
+    float32 addition, bit for bit; v1: its atomics add into dwte in their own order), dwpe as the plain call's; shown
+    failing on the sums written over dwte and on dwte left out."""
+    (plain, wpe0), (acc, wpe1), start = _accumulate_case(enc, "numpy", version)
+    np.testing.assert_array_equal(wpe1, wpe0)
+    if version == "v1":
+        np.testing.assert_allclose(acc, start + plain, rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(acc, start + plain)
+    assert not np.allclose(acc, plain) and not np.allclose(acc, start)
+    with pytest.raises(TypeError, match="accumulate must be True or False"):
+        enc.encoder_backward(np.zeros((1, 2, 3), np.float32), np.zeros((1, 2), np.int32), np.zeros((4, 3), np.float32),
+                             np.zeros((2, 3), np.float32), version=version, accumulate=1)
+
+
+def test_numpy_backend_accumulate():
+    from gpullm_lessons.backends import numpy as np_backend
+
+    dout, idx = _inputs(2, 5, 4, 6, 5, seed=1)
+    start = np.ones((6, 4), np.float32)
+    plain, acc = np.zeros((6, 4), np.float32), start.copy()
+    np_backend.encoder_backward(dout, idx, plain, np.zeros((5, 4), np.float32))
+    np_backend.encoder_backward(dout, idx, acc, np.zeros((5, 4), np.float32), accumulate=True)
+    np.testing.assert_array_equal(acc, start + plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", enc.VERSIONS)
+@pytest.mark.parametrize("backend", ["numba", "hip"])
+def test_accumulate_on_gpu(backend, version):
+    """accumulate=True on the GPU at GPT-2's vocabulary: v3 (v3_finish_add: its one pass) and v2 bit for bit the
+    plain call's sums added to what dwte held, v1 within float32 rounding (atomics into dwte)."""
+    if backend == "hip":
+        from gpullm_lessons.backends.hip import encoder as mod
+        arrays = "cupy"
+    else:
+        if not __import__("gpullm_lessons").device.numba_on_gpu():
+            pytest.skip("Numba kernels run on NVIDIA GPUs only")
+        mod, arrays = enc, "numba"
+    (plain, wpe0), (acc, wpe1), start = _accumulate_case(mod, arrays, version, B=8, T=256, C=768, V=50304,
+                                                         maxT=1024, seed=11)
+    np.testing.assert_array_equal(wpe1, wpe0)
+    if version == "v1":
+        np.testing.assert_allclose(acc, start + plain, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(acc, start + plain)
+    assert not np.allclose(acc, plain) and not np.allclose(acc, start)

@@ -393,3 +393,79 @@ def test_hip_v5_tunables_on_gpu(N, C, offset):
     settings += [dict(threads=t, blocks_per_sm=b) for t in (64, 128, 256, 512) for b in (1, 3, 8)]
     settings += [dict(threads=t) for t in (128, 512)]
     _check_v4_v5(N, C, offset, [dict(version="v5", **s) for s in settings])
+
+
+# ---- residual=: the gradient past the sublayer added into dinp (the engine's residual stream) -----------------------
+
+def _residual_case(N, C, seed):
+    rng = np.random.default_rng(seed)
+    inp = (rng.standard_normal((N, C)) + rng.standard_normal((N, 1))).astype(np.float32)
+    mean, rstd = (x.astype(np.float32) for x in reference.layernorm_stats(inp))
+    dout = rng.standard_normal((N, C)).astype(np.float32)
+    weight = rng.normal(1.0, 0.5, C).astype(np.float32)
+    residual = (rng.standard_normal((N, C)) * 3).astype(np.float32)
+    return [dout, inp, weight, mean, rstd], residual
+
+
+@pytest.mark.parametrize("module", ["numba", "numpy"])
+def test_residual_is_added_into_dinp(module):
+    """residual=: dinp = the launcher's dinp without it + residual, bit for bit (the add after the kernels), and the
+    parameter gradients unchanged; the residual is refused when it is dinp itself or of another shape."""
+    from gpullm_lessons.backends import numpy as np_backend
+
+    mod = nb if module == "numba" else np_backend
+    kw = {"version": "v1"} if module == "numba" else {}
+    args, residual = _residual_case(6, 40, seed=secrets.randbelow(1_000_000))
+    plain = [np.full(s, np.nan, np.float32) for s in ((6, 40), (40,), (40,))]
+    mod.layernorm_backward(*args, *plain, **kw)
+    outs = [np.full(s, np.nan, np.float32) for s in ((6, 40), (40,), (40,))]
+    kept = residual.copy()
+    mod.layernorm_backward(*args, *outs, residual=residual, **kw)
+    np.testing.assert_array_equal(outs[0], plain[0] + residual)
+    np.testing.assert_array_equal(outs[1], plain[1])
+    np.testing.assert_array_equal(outs[2], plain[2])
+    np.testing.assert_array_equal(residual, kept)  # read, not written
+    assert not np.array_equal(outs[0], plain[0])
+    if module == "numba":
+        with pytest.raises(ValueError, match="residual must be another array than dinp"):
+            nb.layernorm_backward(*args, outs[0], outs[1], outs[2], residual=outs[0], version="v1")
+        with pytest.raises(ValueError, match="residual"):
+            nb.layernorm_backward(*args, *outs, residual=residual[:5], version="v1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,offset", [(16384, 768, 0), (4099, 768, 0), (37, 771, 0), (300, 768, 1), (70, 100, 0),
+                                        (64, 2052, 0), (1, 1, 0)])
+@pytest.mark.parametrize("version", ["v5", "v3"])
+def test_hip_residual_on_gpu(version, N, C, offset):
+    """residual= on the GPU: v5 adds it in its own pass (the _res entry points, float4 and scalar; C = 2052: v3 and
+    the add), the others after the kernel. dinp within one float32 rounding of (the same call's dinp without the
+    residual) + residual (the kernel may fuse the add into an fma), dweight and dbias the same bits, the residual
+    untouched; shown failing on the residual left out and on it added twice."""
+    cp = pytest.importorskip("cupy")
+    hipln = _hip_or_skip()
+    host, residual = _residual_case(N, C, seed=N * 7 + C)
+
+    def placed(a):  # a C-contiguous view that starts `offset` floats into its buffer
+        buf = cp.full(a.size + offset, cp.nan, cp.float32)
+        view = buf[offset:].reshape(a.shape)
+        view[...] = cp.asarray(a)
+        return view
+
+    args = [placed(x) for x in host[:3]] + [cp.asarray(x) for x in host[3:]]
+    plain = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
+    hipln.layernorm_backward(*args, *plain, version=version)
+    res = placed(residual)
+    outs = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
+    hipln.layernorm_backward(*args, *outs, version=version, residual=res)
+    got, base = outs[0].get().astype(np.float64), plain[0].get().astype(np.float64)
+    want = base + residual
+    tol = 2.0**-23 * (np.abs(base) + np.abs(residual) + np.abs(want)) + 1e-30
+    assert np.all(np.abs(got - want) <= tol), float(np.max(np.abs(got - want) / tol))
+    np.testing.assert_array_equal(outs[1].get(), plain[1].get())
+    np.testing.assert_array_equal(outs[2].get(), plain[2].get())
+    np.testing.assert_array_equal(res.get(), residual)
+    for wrong in (base, base + 2 * residual):
+        assert not np.all(np.abs(got - wrong) <= tol)
+    with pytest.raises(ValueError, match="residual must be another array than dinp"):
+        hipln.layernorm_backward(*args, *outs, version=version, residual=outs[0])

@@ -144,7 +144,8 @@ def test_the_two_choices_claims(ns):
     """Section 6: the fc backward 5.71 -> 3.72 ms (2.0 less), the head 5.01 -> 3.59 ms (1.4 less, the bytes predicted
     1.7 at the rate section 5's loss kernel moved), the kernel time
     40.78 -> 37.01 ms (3.8 less, most of it those two), the graph step 39.93 ms at 1.09x its own torch.compile (1.14x
-    before), 410k tokens/s; the eager peak 7.63 against 7.85 GiB, the model 7.73 against 7.85; the graph step 7.96 GiB
+    before), 410k tokens/s; the eager peak 7.63 against 7.85 GiB, the model 7.73 against 7.85 for the run's engine (the
+    embedding's backward its largest working set, 490 MiB with dwte's 147 MiB copy) and 7.63 now; the graph step 7.96 GiB
     with the model, 0.94x torch.compile's peak, more than the epilogue step's 7.87; from Python 47.28 against 57.37
     ms; torch.compile 36.47 and 37.43 in the two runs; flash's backward 4.75 ms."""
     from gpullm_lessons.engine.memory import engine_memory
@@ -170,9 +171,15 @@ def test_the_two_choices_claims(ns):
     assert f"{ns['rows_new']['ours']['peak_bytes'] / GiB:.2f}" == "7.63" and f"{before['ours']['peak_bytes'] / GiB:.2f}" == "7.85"
     cfg = ns["cfg"]
     kw = dict(ce_chunks=8, attention="flash", half_gelu_in=True, epilogue=True, dgelu_epilogue=False)
-    assert f"{engine_memory(cfg, 16, 1024, 'bf16', half_logits=True, **kw)['total'] / GiB:.2f}" == "7.73"
+    now = engine_memory(cfg, 16, 1024, "bf16", half_logits=True, **kw)
     assert f"{engine_memory(cfg, 16, 1024, 'bf16', **kw)['total'] / GiB:.2f}" == "7.85"
-    assert "peaks at 7.63 GiB, against 7.85 GiB" in TEXT and "predicts 7.73 against 7.85 GiB" in TEXT
+    assert f"{ns['then'] / GiB:.2f}" == "7.73" and f"{now['total'] / GiB:.2f}" == "7.63"
+    assert "peaks at 7.63 GiB, against 7.85 GiB" in TEXT and "predicts 7.73 against 7.85 GiB for the engine of this run" in TEXT
+    # the run's engine: its largest working set the embedding's backward (dx, dwte's float32 copy, v3's int64 sums)
+    embed_then = 16 * 1024 * cfg.d_model * 4 + cfg.vocab_size * cfg.d_model * 12
+    assert ns["embed_then"] == embed_then > now["working_set"] and f"{embed_then / 2**20:.0f}" == "490"
+    assert f"{cfg.vocab_size * cfg.d_model * 4 / 2**20:.0f}" == "147" and "embedding's backward, 490 MiB" in TEXT
+    assert "dwte (147 MiB)" in TEXT and "predicts 7.63 GiB for the engine as it is now" in TEXT
     from gpullm_lessons.bench.train_step import graph_pool_of
     old = before["ours+graph"]
     assert f"{ns['on_gpu_new'] / GiB:.2f}" == "7.96" and f"{ns['on_gpu_new'] / comp['peak_bytes']:.2f}" == "0.94"

@@ -17,10 +17,13 @@ def softmax_backward(dout, out, dinp):
     dinp[...] = ref.softmax_backward(dout, {"out": out})
 
 
-def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias):
-    """dout, inp (N,C), weight (C,), mean, rstd (N,) -> dinp (N,C), dweight (C,), dbias (C,)."""
+def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, residual=None):
+    """dout, inp (N,C), weight (C,), mean, rstd (N,) -> dinp (N,C), dweight (C,), dbias (C,); residual (N,C): added
+    into dinp (the gradient that reaches the input past the sublayer)."""
     cache = {"inp": inp, "weight": weight, "mean": mean, "rstd": rstd}
     dinp[...], dweight[...], dbias[...] = ref.layernorm_backward(dout, cache)
+    if residual is not None:
+        dinp += residual
 
 
 def gelu_backward(dout, inp, dinp):
@@ -39,10 +42,15 @@ def attention_backward(dout, qkv, att, dqkv, n_head):
     dqkv[...] = ref.attention_backward(dout, {"qkv": qkv, "att": att, "n_head": n_head})
 
 
-def encoder_backward(dout, idx, dwte, dwpe):
-    """dout (B,T,C), idx (B,T) -> dwte (V,C), dwpe (maxT,C): zeroed, then scatter-added."""
+def encoder_backward(dout, idx, dwte, dwpe, accumulate=False):
+    """dout (B,T,C), idx (B,T) -> dwte (V,C), dwpe (maxT,C): zeroed, then scatter-added (accumulate=True: dwte's
+    sums added to what it holds)."""
     cache = {"idx": idx, "V": dwte.shape[0], "maxT": dwpe.shape[0], "dtype": dwte.dtype}
-    dwte[...], dwpe[...] = ref.encoder_backward(dout, cache)
+    g_wte, dwpe[...] = ref.encoder_backward(dout, cache)
+    if accumulate:
+        dwte += g_wte
+    else:
+        dwte[...] = g_wte
 
 
 def residual_backward(dout, da, db):

@@ -468,9 +468,9 @@ class GPUEngine(Engine):
         dw = self.grads[name_w] if l is None else self.grads[name_w][l]
         db = self.grads[name_b] if l is None else self.grads[name_b][l]
         dx = xp.empty_like(x)
-        self.K.layernorm_backward(dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"])
-        if residual is not None:
-            dx += residual
+        self.K.layernorm_backward(
+            dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"], residual=residual
+        )  # residual: added into dx by the launcher (hip v5: in the kernel's own pass, no pass of its own)
         return dx
 
     def _gelu_mm(self, fc, l):
@@ -795,7 +795,7 @@ class GPUEngine(Engine):
         """Every gradient of the last forward's loss (times loss_scale) written into self.grads; grads_ready(k) right
         after the launches that finish layer k's (k indexes params.layer_segments: L + 1 the final LayerNorm, 1 + l
         block l, 0 the embeddings): work queued next on the current stream sees them final."""
-        xp, cfg = self.xp, self.cfg
+        cfg = self.cfg
         c = self._cache
         if c is None:
             raise RuntimeError("backward: call forward(x, y) with targets first")
@@ -833,13 +833,17 @@ class GPUEngine(Engine):
             ready(1 + l)
             c["blocks"][l] = None  # free the block's cache
             del blk  # (before the next recompute)
-        dwte_enc = xp.empty_like(self.grads["wte"])
+        # the embedding's share of dwte added to the head's (hip v3: in its last pass, no (V, C) scratch)
         self.K.encoder_backward(
-            dx.reshape(B, T, cfg.d_model), c["idx"], dwte_enc, self.grads["wpe"][:T], version=self.ver["encoder"]
+            dx.reshape(B, T, cfg.d_model),
+            c["idx"],
+            self.grads["wte"],
+            self.grads["wpe"][:T],
+            version=self.ver["encoder"],
+            accumulate=True,
         )
         if T < cfg.block_size:
             self.grads["wpe"][T:] = 0
-        self.grads["wte"] += dwte_enc
         ready(0)
 
     def _head_backward(self, c, loss_scale):

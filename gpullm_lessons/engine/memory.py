@@ -182,7 +182,7 @@ def engine_memory(
         bwd_block = max(bwd_block, NC * f + recompute + temps)
     fp16_copy = N * V * (f + 2) if precision == "fp16" else 0  # dlogits * scale, then its fp16 cast
     bwd_head = fp16_copy + NC * f if ce_chunks == 1 else NC * f  # chunks: dlnf kept (top), dx of lnf's backward
-    embed_bwd = NC * f + V * C * (f + 8)  # dx, the embedding's dwte, v3's int64 accumulator (V, C)
+    embed_bwd = NC * f + V * C * 8  # dx, v3's int64 accumulator (V, C) (it adds its sums into dwte itself)
     # the blocks' backward runs after the head's: the dlogits the forward kept (ce_chunks 1) are freed by then
     freed = N * V * dl if ce_chunks == 1 else 0
     peak_set = max(fwd_block, head, bwd_head, bwd_block - freed, embed_bwd)

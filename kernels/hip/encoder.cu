@@ -160,3 +160,13 @@ extern "C" __global__ void encoder_backward_v3_finish(const unsigned long long* 
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dwte[i] = (float)((double)(long long)acc[i] * inv);
 }
+
+// v3_finish_add: v3_finish adding into dwte (the launcher's accumulate=True: the tied head's share is already there):
+// dwte[i] += its float32 value, the same rounding as writing it and adding it in a pass of its own
+extern "C" __global__ void encoder_backward_v3_finish_add(const unsigned long long* __restrict__ acc,
+                                                          const float* __restrict__ scale, float* __restrict__ dwte,
+                                                          long long n) {
+    double inv = (double)scale[1];
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dwte[i] = dwte[i] + (float)((double)(long long)acc[i] * inv);
+}

@@ -25,6 +25,9 @@
 //     both paths in one kernel). Each block adds its warps' partials in warp order in shared memory and writes one
 //     partial row (dweight | dbias, 2C floats) to scratch (gridDim.x, 2C); layernorm_backward_v5_reduce adds the
 //     rows per column in a fixed order. Deterministic; C <= 32 * warpSize (1024 on NVIDIA), else the launcher runs v3.
+//     layernorm_backward_v5_res_*: the same, and the residual's gradient (another (N, C) array) added into each dinp
+//     value before it is stored: dinp = dLN + residual in the one pass, where a separate add would read dinp and the
+//     residual and write dinp again (the engine's layer norms sit on the residual stream).
 // No atomics: atomicAdd into dweight would be one kernel, but the float sum order (and so the last bits of the
 // result) would change from run to run.
 #include "portable.h"
@@ -391,11 +394,11 @@ extern "C" __global__ void layernorm_backward_v4_reduce(const float* __restrict_
 // Registers per lane: g and xhat of the current row (2 * W * K), the partials aw, ab (2 * W * K), plus ~20.
 #define LN_V5_WARP_MAX 64     // the widest warp (AMD CDNA): sizes the shared partial row (C <= W * K * warpSize)
 
-template <int W, int K>
+template <int W, int K, bool RES>
 __device__ __forceinline__ void layernorm_backward_v5_body(
         const float* __restrict__ dout, const float* __restrict__ inp, const float* __restrict__ weight,
-        const float* __restrict__ mean, const float* __restrict__ rstd, float* __restrict__ dinp,
-        float* __restrict__ part, int N, int C, float* sh) {
+        const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ res,
+        float* __restrict__ dinp, float* __restrict__ part, int N, int C, float* sh) {
     const int P = W * K;                              // floats per lane per row
     int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, n_warps = blockDim.x / warpSize;
     float aw[P], ab[P];                               // dweight, dbias partials of column c0(k) + e at k * W + e
@@ -433,13 +436,18 @@ __device__ __forceinline__ void layernorm_backward_v5_body(
         }
         float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;   // every lane: mean(g), mean(g * xhat)
         float* di = dinp + (long long)row * C;
+        const float* rs = RES ? res + (long long)row * C : nullptr;
 #pragma unroll
         for (int k = 0; k < K; k++) {
             int c0 = W * (lane + k * warpSize);
             if (c0 < C) {
-                float ov[4];
+                float ov[4], rv[4];
+                if (RES) ln_load<W>(rs + c0, rv);    // the residual's gradient, added before the one store
 #pragma unroll
-                for (int e = 0; e < W; e++) ov[e] = r * (g[k * W + e] - mg - xh[k * W + e] * mgx);
+                for (int e = 0; e < W; e++) {
+                    ov[e] = r * (g[k * W + e] - mg - xh[k * W + e] * mgx);
+                    if (RES) ov[e] += rv[e];         // (the compiler may fuse it into one fma: one rounding)
+                }
                 ln_store<W>(di + c0, ov);
             }
         }
@@ -476,7 +484,15 @@ __device__ __forceinline__ void layernorm_backward_v5_body(
                                       const float* __restrict__ rstd, float* __restrict__ dinp,                      \
                                       float* __restrict__ part, int N, int C) {                                      \
         __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
-        layernorm_backward_v5_body<W, K>(dout, inp, weight, mean, rstd, dinp, part, N, C, sh);                       \
+        layernorm_backward_v5_body<W, K, false>(dout, inp, weight, mean, rstd, nullptr, dinp, part, N, C, sh);       \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(LB)                                                                  \
+    layernorm_backward_v5_res_w##W##_k##K(const float* __restrict__ dout, const float* __restrict__ inp,             \
+                                          const float* __restrict__ weight, const float* __restrict__ mean,          \
+                                          const float* __restrict__ rstd, const float* __restrict__ residual,        \
+                                          float* __restrict__ dinp, float* __restrict__ part, int N, int C) {        \
+        __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
+        layernorm_backward_v5_body<W, K, true>(dout, inp, weight, mean, rstd, residual, dinp, part, N, C, sh);       \
     }
 LN_V5_ENTRY(4, 1, 1024)
 LN_V5_ENTRY(4, 2, 1024)

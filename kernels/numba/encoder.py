@@ -21,7 +21,8 @@ v3: deterministic AND all on the GPU: fixed-point integer atomics (no copy to th
     (B*T) * m * 2^e < 2^62 (the worst case: every position holds the same token), kept on the device in
     scale = [2^e, 2^-e]. v3_zero zeroes an int64 scratch acc (V, C); v3_add, one thread per (b, t, c), adds the
     integer q = rint(dout[b, t, c] * 2^e) into acc[idx[b, t], c] with cuda.atomic.add; v3_finish writes
-    dwte = acc * 2^-e; dwpe as v2 (v2_dwpe). Same bits every run and for any order of the positions. The price:
+    dwte = acc * 2^-e (v3_finish_add adds it into dwte: the launcher's accumulate=True); dwpe as v2
+    (v2_dwpe). Same bits every run and for any order of the positions. The price:
     an element of dwte is exact to (its token's count) * 2^-e / 2, about max|dout| * (B*T)^2 * 2^-63: elements far
     below max|dout| lose relative accuracy (a dout of 1e30 wipes out the O(1) ones); a non-finite dout makes all of
     dwte NaN; 8 bytes of scratch per element of dwte.
@@ -29,7 +30,8 @@ v1 and v3 do not check that idx is in [0, V) (that needs idx on the host: the en
 before they reach the GPU); v2 does.
 
 Launch wrapper (destination-passing, the checker's signature):
-    encoder_backward(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C), version="v2", threads=None)
+    encoder_backward(dout (B,T,C), idx (B,T) int32, dwte (V,C), dwpe (maxT,C), version="v2", threads=None,
+                     accumulate=False)
 """
 import numba
 import numpy as np
@@ -224,11 +226,23 @@ def encoder_backward_v3_finish(acc, scale, dwte):
         dwte[v, c] = numba.float32(numba.float64(acc[v, c]) * inv)
 
 
+# v3_finish_add: v3_finish adding into dwte (accumulate=True): dwte += acc * 2^-e, the same float32 rounding of the
+# sum as writing it and adding it afterwards
+@cuda.jit
+def encoder_backward_v3_finish_add(acc, scale, dwte):
+    V, C = dwte.shape
+    inv = numba.float64(scale[1])
+    for i in range(cuda.grid(1), V * C, cuda.gridsize(1)):
+        v = i // C
+        c = i % C
+        dwte[v, c] = dwte[v, c] + numba.float32(numba.float64(acc[v, c]) * inv)
+
+
 KERNELS = {"v1_zero": encoder_backward_v1_zero, "v1": encoder_backward_v1,
            "v2": encoder_backward_v2, "v2_dwpe": encoder_backward_v2_dwpe,
            "v3_amax": encoder_backward_v3_amax, "v3_scale": encoder_backward_v3_scale,
            "v3_zero": encoder_backward_v3_zero, "v3_add": encoder_backward_v3_add,
-           "v3_finish": encoder_backward_v3_finish}
+           "v3_finish": encoder_backward_v3_finish, "v3_finish_add": encoder_backward_v3_finish_add}
 SIGNATURES = {
     "v1_zero": "void(float32[:, ::1])",
     "v1": "void(float32[:, :, ::1], int32[:, ::1], float32[:, ::1], float32[:, ::1])",
@@ -239,6 +253,7 @@ SIGNATURES = {
     "v3_zero": "void(int64[:, ::1])",
     "v3_add": "void(float32[:, :, ::1], int32[:, ::1], float32[::1], int64[:, ::1])",
     "v3_finish": "void(int64[:, ::1], float32[::1], float32[:, ::1])",
+    "v3_finish_add": "void(int64[:, ::1], float32[::1], float32[:, ::1])",
 }
 GPU_ONLY = set()
 VERSIONS = ("v1", "v2", "v3")
@@ -248,8 +263,10 @@ def _blocks(n, threads):
     return max((n + threads - 1) // threads, 1)
 
 
-def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None):
+def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None, accumulate=False):
     """dwte = 0, dwpe = 0, then dwte[idx[b, t]] += dout[b, t] and dwpe[t] += dout[b, t] for every (b, t).
+    accumulate=True: dwte is not zeroed first: the sums are added to what it holds (the tied head's share of the
+    embedding's gradient); v1 adds into it, v3 in its last pass (v3_finish_add), v2 into a scratch array then added.
 
     Arrays: Numba device arrays or CuPy arrays on a GPU; Numba simulator arrays or NumPy arrays in the simulator.
     v1 and v3 do not check that idx is in [0, V) (that would need a copy to the host); v2 does.
@@ -263,8 +280,21 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None):
         threads = 256 if device.numba_on_gpu() else 64
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"encoder_backward: threads={threads}, expected 1..{MAX_THREADS}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"encoder_backward: accumulate must be True or False, got {accumulate!r}")
+    if accumulate and version == "v2":  # v2 writes each element once: into scratch, then added
+        tmp = device_scratch((V, C), np.float32)
+        encoder_backward(dout, idx, tmp, dwpe, version, threads)
+        if hasattr(type(dwte), "__iadd__"):  # NumPy (the simulator) or CuPy
+            dwte += tmp
+        else:  # a Numba device array: the course's vector add kernel
+            from gpullm_lessons.kernels.numba.vector_add import vector_add
+
+            vector_add(dwte.reshape(V * C), tmp.reshape(V * C), dwte.reshape(V * C))
+        return dwte, dwpe
     if version == "v1":
-        encoder_backward_v1_zero[_blocks(V * C, threads), threads, launch_stream()](dwte)
+        if not accumulate:
+            encoder_backward_v1_zero[_blocks(V * C, threads), threads, launch_stream()](dwte)
         encoder_backward_v1_zero[_blocks(maxT * C, threads), threads, launch_stream()](dwpe)
         if B * T * C:
             encoder_backward_v1[_blocks(B * T * C, threads), threads, launch_stream()](dout, idx, dwte, dwpe)
@@ -281,7 +311,8 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=None):
         encoder_backward_v3_scale[1, red, launch_stream()](partial, B * T, scale)
         encoder_backward_v3_zero[min(_blocks(V * C, threads), cap), threads, launch_stream()](acc)
         encoder_backward_v3_add[min(_blocks(n, threads), cap), threads, launch_stream()](dout, idx, scale, acc)
-        encoder_backward_v3_finish[min(_blocks(V * C, threads), cap), threads, launch_stream()](acc, scale, dwte)
+        finish = encoder_backward_v3_finish_add if accumulate else encoder_backward_v3_finish
+        finish[min(_blocks(V * C, threads), cap), threads, launch_stream()](acc, scale, dwte)
         encoder_backward_v2_dwpe[_blocks(maxT * C, threads), threads, launch_stream()](dout, dwpe)
     else:
         order, starts = token_buckets(arrays.to_numpy(idx), V)

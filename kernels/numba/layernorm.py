@@ -359,12 +359,21 @@ def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2"
     return out
 
 
+def _ptr(a):
+    """The address of an array's first element (NumPy, CuPy or Numba device array)."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return a.__cuda_array_interface__["data"][0]
+
+
 def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version="v2", threads=128,
-                       rows_per_chunk=ROWS_PER_CHUNK):
+                       rows_per_chunk=ROWS_PER_CHUNK, residual=None):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,). float32.
 
     v1: dinp one thread per row, dweight/dbias one thread per column. v2/v3: dinp one block per row, dweight/dbias
     by the two-stage reduction over chunks of rows_per_chunk rows (scratch allocated here, (n_chunks, C) x 2).
+    residual (N, C), another array than dinp: dinp = the input gradient + residual, added after the kernels (the HIP
+    launcher's v5 adds it in its own pass over the row).
     """
     fn = "layernorm_backward"
     N, C = check_rows(fn, inp)
@@ -372,6 +381,19 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
                            ("mean", mean, (N,)), ("rstd", rstd, (N,)), ("dinp", dinp, (N, C)),
                            ("dweight", dweight, (C,)), ("dbias", dbias, (C,))):
         check_array(fn, name, x, shape)
+    if residual is not None:
+        check_array(fn, "residual", residual, (N, C))
+        if residual is dinp or _ptr(residual) == _ptr(dinp):
+            raise ValueError(f"{fn}: residual must be another array than dinp (dinp is written while residual is read)")
+        layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version, threads, rows_per_chunk)
+        if hasattr(type(dinp), "__iadd__"):  # NumPy (the simulator) or CuPy
+            dinp += residual
+        else:  # a Numba device array (no arithmetic of its own): the course's vector add kernel
+            from gpullm_lessons.kernels.numba.vector_add import vector_add
+
+            flat = dinp.reshape(N * C)
+            vector_add(flat, residual.reshape(N * C), flat)
+        return dinp, dweight, dbias
     threads = _check_launch(fn, version, threads)
     if not isinstance(rows_per_chunk, (int, np.integer)) or rows_per_chunk < 1:
         raise ValueError(f"{fn}: rows_per_chunk={rows_per_chunk!r}, expected a positive int")

@@ -22,8 +22,11 @@ AMAX_BLOCKS = 1024  # v3: at most this many partial maxima (the amax kernel is g
 MAX_BLOCKS = 65535  # v3: grid-stride kernels launch at most this many blocks
 
 
-def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256):
+def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256, accumulate=False):
     """dwte = 0, dwpe = 0, then dwte[idx[b, t]] += dout[b, t] and dwpe[t] += dout[b, t] for every (b, t).
+    accumulate=True: dwte is not zeroed first: the sums are added to what it holds (the tied head's share of the
+    embedding's gradient); v1 adds into it, v3 in its last pass (v3_finish_add: no (V, C) float32 scratch and no
+    pass of its own), v2 into a scratch array then added.
     v1 and v3 do not check that idx is in [0, V) (that would need a copy to the host); v2 does.
     v3 reads nothing back to the host: its scratch (partial maxima, scale [2^e, 2^-e], acc (V, C) int64) comes from
     cupy.empty on the current stream, so it can be captured in a CUDA graph (keep the pool private, as the engine
@@ -33,15 +36,24 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256):
         raise ValueError(f"encoder_backward: version={version!r}, expected one of {', '.join(VERSIONS)}")
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"encoder_backward: threads={threads}, expected 1..{MAX_THREADS}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"encoder_backward: accumulate must be True or False, got {accumulate!r}")
     import cupy  # lazy: an optional extra
     from gpullm_lessons.runtime import hip
+
+    if accumulate and version == "v2":  # v2 writes each element once: into scratch, then added
+        tmp = cupy.empty_like(dwte)
+        encoder_backward(dout, idx, tmp, dwpe, version, threads)
+        dwte += tmp
+        return dwte, dwpe
 
     def blocks(n):
         return (max((n + threads - 1) // threads, 1),)
 
     if version == "v1":
         zero = hip.kernel("encoder", "encoder_backward_v1_zero")
-        zero(blocks(V * C), (threads,), (dwte, np.int64(V * C)))
+        if not accumulate:
+            zero(blocks(V * C), (threads,), (dwte, np.int64(V * C)))
         zero(blocks(maxT * C), (threads,), (dwpe, np.int64(maxT * C)))
         if B * T * C:
             hip.kernel("encoder", "encoder_backward_v1")(
@@ -62,7 +74,8 @@ def encoder_backward(dout, idx, dwte, dwpe, version="v2", threads=256):
         hip.kernel("encoder", "encoder_backward_v3_add")(
             (min(blocks(n)[0], MAX_BLOCKS),), (threads,), (dout, idx, scale, acc, np.int64(n), np.int32(C))
         )
-        hip.kernel("encoder", "encoder_backward_v3_finish")(grid, (threads,), (acc, scale, dwte, np.int64(V * C)))
+        finish = "encoder_backward_v3_finish_add" if accumulate else "encoder_backward_v3_finish"
+        hip.kernel("encoder", finish)(grid, (threads,), (acc, scale, dwte, np.int64(V * C)))
         hip.kernel("encoder", "encoder_backward_v2_dwpe")(
             blocks(maxT * C), (threads,), (dout, dwpe, np.int32(B), np.int32(T), np.int32(maxT), np.int32(C))
         )

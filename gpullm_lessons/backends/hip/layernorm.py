@@ -80,6 +80,15 @@ def _check_arrays(fn, N, C, **arrays):
     return list(arrays.items())
 
 
+def _check_residual(fn, N, C, residual, dinp):
+    """The residual of layernorm_backward: (N, C) float32 like dinp, and not dinp itself (the kernel reads it and
+    writes dinp as separate arrays). Returns the (name, array) pair for _check_on_gpu."""
+    check_array(fn, "residual", residual, (N, C), cupy=True)
+    if residual.data.ptr == dinp.data.ptr:
+        raise ValueError(f"{fn}: residual must be another array than dinp (dinp is written while residual is read)")
+    return [("residual", residual)]
+
+
 def _check_launch(fn, version, threads):
     check_version(fn, version, VERSIONS)
     threads = check_block(fn, version, threads)
@@ -121,16 +130,22 @@ def _aligned16(*arrays) -> bool:
     return all(int(a.data.ptr) % 16 == 0 for a in arrays)
 
 
-def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid):
-    """v5's two launches; returns False (nothing launched) when C is too wide for it."""
+def _layernorm_backward_v5(
+    dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid, residual=None
+):
+    """v5's two launches; returns False (nothing launched) when C is too wide for it. residual: the _res entry
+    points (the residual's gradient added into dinp in the same pass)."""
     import cupy
 
     N, C = inp.shape
     props = hip.device_properties(int(dout.device.id))
     ws = int(props["warpSize"])
-    name = v5_entry_point(C, ws, _aligned16(dout, inp, weight, dinp))
+    extra = () if residual is None else (residual,)
+    name = v5_entry_point(C, ws, _aligned16(dout, inp, weight, dinp, *extra))
     if name is None:
         return False
+    if residual is not None:
+        name = name.replace("layernorm_backward_v5_", "layernorm_backward_v5_res_")
     k = hip.kernel("layernorm", name)
     # the big-K entry points are compiled for smaller blocks (__launch_bounds__): lower threads to whole warps below
     threads = max(ws, min(threads, int(getattr(k, "max_threads_per_block", 1024)) // ws * ws))
@@ -144,7 +159,7 @@ def _layernorm_backward_v5(dout, inp, weight, mean, rstd, dinp, dweight, dbias, 
         blocks = min(blocks, per_sm * hip.sm_count(int(dout.device.id)))
     part = cupy.empty((blocks, 2 * C), dtype=cupy.float32)  # one (dweight | dbias) row per block, all written
     n, c = np.int32(N), np.int32(C)
-    k((blocks,), (threads,), (dout, inp, weight, mean, rstd, dinp, part, n, c))
+    k((blocks,), (threads,), (dout, inp, weight, mean, rstd, *extra, dinp, part, n, c))
     hip.kernel("layernorm", "layernorm_backward_v5_reduce")(
         ((2 * C + 31) // 32,), (V5_REDUCE_THREADS,), (part, dweight, dbias, np.int32(blocks), c)
     )
@@ -179,8 +194,13 @@ def layernorm_backward(
     rows_per_chunk=ROWS_PER_CHUNK,
     blocks_per_sm=None,
     grid=None,
+    residual=None,
 ):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,).
+
+    residual (N, C) float32, another array than dinp: dinp = the layer norm's input gradient + residual (the
+    gradient that reaches the input past the sublayer, on the residual stream). v5 adds it in its one pass over the
+    row (layernorm_backward_v5_res_*); the other versions in a pass of their own after the kernel.
 
     threads: per block; None: 256 for v4 and v5, 128 otherwise. v4 and v5 lower threads to what their register use
     allows (the kernel's max_threads_per_block: about 384 for v4 on NVIDIA; 512 or 256 for v5's wide entry points).
@@ -192,6 +212,8 @@ def layernorm_backward(
     named = _check_arrays(
         fn, N, C, dout=dout, inp=inp, weight=weight, mean=mean, rstd=rstd, dinp=dinp, dweight=dweight, dbias=dbias
     )
+    if residual is not None:
+        named += _check_residual(fn, N, C, residual, dinp)
     if threads is None:
         threads = {"v4": V4_THREADS, "v5": V5_THREADS}.get(version, 128)
     threads = _check_launch(fn, version, threads)
@@ -201,6 +223,17 @@ def layernorm_backward(
     _check_on_gpu(fn, named)
     n, c = np.int32(N), np.int32(C)
     col_blocks = (C + threads - 1) // threads
+    if version == "v5" and residual is not None and N:
+        if _layernorm_backward_v5(
+            dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid, residual
+        ):
+            return dinp, dweight, dbias
+    if residual is not None:  # the other versions (and v5 on rows too wide for it): the kernel, then the add
+        layernorm_backward(
+            dout, inp, weight, mean, rstd, dinp, dweight, dbias, version, threads, rows_per_chunk, blocks_per_sm, grid
+        )
+        dinp += residual
+        return dinp, dweight, dbias
     if version == "v1":
         hip.kernel("layernorm", "layernorm_backward_v1")(
             ((N + threads - 1) // threads,), (threads,), (dout, inp, weight, mean, rstd, dinp, n, c)
