@@ -456,6 +456,67 @@ def test_a_half_gelu_gradient_is_read_by_the_pass_and_keeps_the_gradients_close(
     assert 0 < max_rel(g, g32) < (2e-2 if precision == "bf16" else 3e-3)
 
 
+TOY2 = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16)  # two blocks: dx crosses one
+
+
+@pytest.mark.parametrize(
+    "precision,v",
+    [("bf16", {}), ("bf16", {"gelu_in": "half"}), ("bf16", {"gelu_in": "half", "dgelu": "kernel"}), ("fp16", {})],
+    ids=["bf16", "gelu-half", "gelu-half-kernel", "fp16"],
+)
+def test_the_half_residual_gradient_copy_replaces_the_projections_passes(monkeypatch, precision, v):
+    """versions dres_out "half" (epilogue "cublaslt"): the LayerNorm backwards write the residual stream's gradient's
+    half copy (every one but block 0's input gradient, which only the embedding reads), and the projections read it:
+    of the four colsum_convert passes over an (N, C) gradient only the last block's fc projection's is left (its dx
+    comes from the final LayerNorm). Every gradient but the projections' biases is the same bits as without it (the
+    same half copy, the same products); those two biases, now the sums of the half values, stay within the format's
+    rounding of the float32 sums and differ from them."""
+    x, y = batch(TOY2, 2, 8)
+    base = {"epilogue": "cublaslt", **v}
+    C = TOY2.d_model
+
+    def run(versions):
+        eng = with_biases(engine.build(TOY2, "numba", precision=precision, versions=versions))
+        seen = {"colsum": 0, "copies": 0}
+        colsum, lnb = eng.K.colsum_convert, eng.K.layernorm_backward
+
+        def counted_colsum(inp, *a, **k):
+            seen["colsum"] += inp.shape[1] == C
+            return colsum(inp, *a, **k)
+
+        def counted_lnb(*a, **k):
+            seen["copies"] += k.get("dinp_half") is not None
+            return lnb(*a, **k)
+
+        with monkeypatch.context() as m:  # eng.K is the backend's module: the counters leave with the run
+            m.setattr(eng.K, "colsum_convert", counted_colsum)
+            m.setattr(eng.K, "layernorm_backward", counted_lnb)
+            _, g = grads_of(eng, x, y)
+        return g, seen
+
+    g32, seen32 = run(base)
+    g, seen = run({**base, "dres_out": "half"})
+    assert seen32 == {"colsum": 4, "copies": 0} and seen == {"colsum": 1, "copies": 3}
+    biases = ("attprojb", "fcprojb")
+    for k in g:
+        if k not in biases:
+            np.testing.assert_array_equal(g[k], g32[k], err_msg=k)
+    assert 0 < max_rel({k: g[k] for k in biases}, {k: g32[k] for k in biases}) < (1e-2 if precision == "bf16" else 1e-3)
+
+
+def test_dres_out_is_refused_without_the_epilogues():
+    with pytest.raises(engine.EngineError, match="dres_out must be 'f32' or 'half', got 'bf16'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"dres_out": "bf16"})
+    with pytest.raises(engine.EngineError, match="dres_out='half' .*epilogue='none', precision='bf16'"):
+        engine.build(TOY, "numba", precision="bf16", versions={"dres_out": "half"})
+    cfg, B, T = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128), 8, 64
+    kw = dict(attention="flash", epilogue=True)
+    f32, half = (engine.engine_memory(cfg, B, T, "bf16", half_dres=h, **kw) for h in (False, True))
+    assert 0 <= half["working_set"] - f32["working_set"] <= B * T * cfg.d_model * 2
+    with pytest.raises(ValueError, match="half_dres=True describes the LayerNorm backward's half copy"):
+        engine.engine_memory(cfg, B, T, "bf16", half_dres=True)
+
+
 def test_engine_memory_counts_a_half_gelu_gradient():
     """dgelu_out "half": the fc projection's backward holds GELU's output gradient in 2 bytes an element: where a
     block's backward is the step's largest working set (a small vocabulary), the peak falls."""
@@ -797,6 +858,30 @@ def test_gpu_half_gelu_gradient_tracks_fp32_and_its_memory_is_predicted(v, gpu_b
     predicted = engine.engine_memory(cfg, 32, 256, "bf16", attention="flash", half_gelu_in=True,
                                      epilogue="epilogue" in v, dgelu_epilogue=False, half_dgelu=True)["total"]
     assert abs(predicted - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (predicted, r["peak_bytes"], r["peak_at"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [{}, {"gelu_in": "half"}, {"gelu_in": "half", "dgelu": "kernel", "dqkv_out": "half"}],
+                         ids=["epilogue", "gelu-half", "all-half"])
+def test_gpu_half_residual_gradient_copy_tracks_fp32(v, gpu_batches, gpu_reference):
+    """versions dres_out "half" on the GPU (hip v5's _res_half LayerNorm backward; the projections' bias gradients
+    from BGRADB): 10 bf16 steps track the fp32 reference; the first step's gradients are the run without it within
+    bf16's rounding (the dW products now cuBLASLt's), the projections' biases among them."""
+    from gpullm_lessons import device as dev
+    if dev.kind() != "cuda":
+        pytest.skip("the bias gradients come from cuBLASLt's BGRADB epilogue (NVIDIA)")
+    base = {"attention": "flash", "epilogue": "cublaslt", **v}
+    half = {**base, "dres_out": "half"}
+    eng = engine.build(SMALL, "hip", precision="bf16", versions=half)
+    losses = [eng.train_step(x, y, lr=3e-3, weight_decay=0.1, grad_clip=1.0)["loss"] for x, y in gpu_batches]
+    rel = np.abs(np.array(losses) - gpu_reference) / np.array(gpu_reference)
+    assert rel.max() < 2e-2, rel
+    x, y = gpu_batches[0]
+    _, g = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=half), x, y)
+    _, g32 = grads_of(engine.build(SMALL, "hip", precision="bf16", versions=base), x, y)
+    assert max_rel(g, g32) < 2e-2
+    biases = ("attprojb", "fcprojb")
+    assert 0 < max_rel({k: g[k] for k in biases}, {k: g32[k] for k in biases}) < 2e-2
 
 
 @pytest.mark.gpu

@@ -469,3 +469,64 @@ def test_hip_residual_on_gpu(version, N, C, offset):
         assert not np.all(np.abs(got - wrong) <= tol)
     with pytest.raises(ValueError, match="residual must be another array than dinp"):
         hipln.layernorm_backward(*args, *outs, version=version, residual=outs[0])
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("module", ["numba", "numpy"])
+def test_half_copy_is_dinp_rounded(module, half):
+    """dinp_half= (with residual): the half bits of the very dinp written, rounded to nearest even; refused without
+    a residual or a format, or of another shape or type."""
+    from gpullm_lessons.backends import numpy as np_backend
+    from gpullm_lessons.model.precision import f32_to_bf16_bits
+
+    mod = nb if module == "numba" else np_backend
+    kw = {"version": "v1"} if module == "numba" else {}
+    args, residual = _residual_case(5, 24, seed=secrets.randbelow(1_000_000))
+    outs = [np.full(s, np.nan, np.float32) for s in ((5, 24), (24,), (24,))]
+    bits = np.zeros((5, 24), np.uint16)
+    mod.layernorm_backward(*args, *outs, residual=residual, dinp_half=bits, half=half, **kw)
+    want = f32_to_bf16_bits(outs[0]) if half == "bf16" else outs[0].astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(bits, want)
+    assert np.isfinite(outs[0]).all()
+    truncated = (outs[0].view(np.uint32) >> 16).astype(np.uint16)
+    assert half == "fp16" or not np.array_equal(bits, truncated)  # the rounding, not the top 16 bits
+    if module == "numba":
+        with pytest.raises(ValueError, match="dinp_half is written with a residual"):
+            nb.layernorm_backward(*args, *outs, dinp_half=bits, half=half, version="v1")
+        with pytest.raises(ValueError, match="dinp_half needs half='bf16' or 'fp16'"):
+            nb.layernorm_backward(*args, *outs, residual=residual, dinp_half=bits, half="bf8", version="v1")
+        with pytest.raises(ValueError, match="dinp_half must be uint16 of shape"):
+            nb.layernorm_backward(*args, *outs, residual=residual, dinp_half=bits[:4], half=half, version="v1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,offset", [(16384, 768, 0), (37, 771, 0), (300, 768, 1), (70, 100, 0), (64, 2052, 0)])
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_hip_half_copy_on_gpu(half, N, C, offset):
+    """dinp_half= on the GPU: v5's _res_half entry points (float4 with 8-byte half stores, scalar) and, for C = 2052,
+    v3 and the conversion kernel: the half bits are dinp's own values rounded to nearest even, bit for bit, and dinp,
+    dweight, dbias are the residual call's without a copy, bit for bit."""
+    cp = pytest.importorskip("cupy")
+    hipln = _hip_or_skip()
+    from gpullm_lessons.model.precision import f32_to_bf16_bits
+
+    host, residual = _residual_case(N, C, seed=N + 3 * C)
+
+    def placed(a, dtype=cp.float32, fill=cp.nan):
+        buf = cp.full(a.size + offset, fill, dtype)
+        view = buf[offset:].reshape(a.shape)
+        view[...] = cp.asarray(a)
+        return view
+
+    args = [placed(x) for x in host[:3]] + [cp.asarray(x) for x in host[3:]]
+    res = placed(residual)
+    plain = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
+    hipln.layernorm_backward(*args, *plain, version="v5", residual=res)
+    outs = [placed(np.full(s, np.nan, np.float32)) for s in ((N, C), (C,), (C,))]
+    bits = placed(np.zeros((N, C), np.uint16), cp.uint16, 0)
+    hipln.layernorm_backward(*args, *outs, version="v5", residual=res, dinp_half=bits, half=half)
+    for got, want in zip(outs, plain):
+        np.testing.assert_array_equal(got.get(), want.get())
+    d = outs[0].get()
+    want = f32_to_bf16_bits(d) if half == "bf16" else d.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(bits.get(), want)

@@ -17,13 +17,19 @@ def softmax_backward(dout, out, dinp):
     dinp[...] = ref.softmax_backward(dout, {"out": out})
 
 
-def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, residual=None):
+def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, residual=None, dinp_half=None, half=None):
     """dout, inp (N,C), weight (C,), mean, rstd (N,) -> dinp (N,C), dweight (C,), dbias (C,); residual (N,C): added
-    into dinp (the gradient that reaches the input past the sublayer)."""
+    into dinp (the gradient that reaches the input past the sublayer); dinp_half (N,C) uint16: dinp's bits in
+    `half` ("bf16" | "fp16"), rounded to nearest even."""
     cache = {"inp": inp, "weight": weight, "mean": mean, "rstd": rstd}
     dinp[...], dweight[...], dbias[...] = ref.layernorm_backward(dout, cache)
     if residual is not None:
         dinp += residual
+    if dinp_half is not None:
+        from ..model.precision import f32_to_bf16_bits
+
+        bits = f32_to_bf16_bits(dinp) if half == "bf16" else dinp.astype("float16").view("uint16")
+        dinp_half[...] = bits
 
 
 def gelu_backward(dout, inp, dinp):

@@ -847,6 +847,10 @@ def main(argv=None) -> int:
                     help="`train` / `gputime` / `timeline`: with flash v6 and --epilogue cublaslt, the format the flash "
                          "backward writes dqkv in (default f32; half: the products read it as written and the qkv "
                          "bias gradient comes from the weight-gradient product's epilogue)")
+    ap.add_argument("--dres-out", choices=("f32", "half"), default=None,
+                    help="`train` / `gputime` / `timeline`: with --epilogue cublaslt, what the LayerNorm backwards write "
+                         "of the residual stream's gradient (default f32; half: its half copy too, in the same pass, "
+                         "and the projections' bias gradients from their weight-gradient products)")
     ap.add_argument("--ce-chunks", type=int, default=1,
                     help="`train` / `gputime` / `timeline`: our engine's loss head in that many chunks of rows "
                          "(default 1)")
@@ -953,7 +957,7 @@ def main(argv=None) -> int:
 
 def engine_versions(args) -> dict:
     """The engine versions the command line asks for (--scores, --attention, --flash-version, --gelu-in, --epilogue,
-    --dgelu, --logits, --dgelu-out, --dqkv-out)."""
+    --dgelu, --logits, --dgelu-out, --dqkv-out, --dres-out)."""
     return {**({"scores": args.scores} if args.scores else {}),
             **({"attention": args.attention} if args.attention else {}),
             **({"flash": args.flash_version} if args.flash_version else {}),
@@ -962,7 +966,8 @@ def engine_versions(args) -> dict:
             **({"dgelu": args.dgelu} if args.dgelu else {}),
             **({"logits": args.logits} if args.logits else {}),
             **({"dgelu_out": args.dgelu_out} if args.dgelu_out else {}),
-            **({"dqkv_out": args.dqkv_out} if args.dqkv_out else {})}
+            **({"dqkv_out": args.dqkv_out} if args.dqkv_out else {}),
+            **({"dres_out": args.dres_out} if args.dres_out else {})}
 
 
 def run_metadata(what: str, argv) -> dict:

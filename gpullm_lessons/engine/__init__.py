@@ -15,8 +15,10 @@ products go through cuBLAS / hipBLAS (gpullm_lessons.runtime.blas.gemm), as less
 course's own kernels: LayerNorm forward/backward, GELU forward/backward, causal softmax forward/backward, the
 fused softmax + cross-entropy, the embedding backward, the fused AdamW and the precision kernels, and the glue
 kernels between the products (kernels/hip/fused.cu: bias + residual, bias + GELU, head split / merge, bias gradient
-+ half copy, LayerNorm with a half output). The only CuPy elementwise operations inside a block are the two
-residual-gradient additions of the backward (dx1 += dx, dx0 += dx1 in _block_backward).
++ half copy, LayerNorm with a half output). The two residual-gradient additions of the backward (dx1 = dLN2 + dx,
+dx0 = dLN1 + dx1) are the LayerNorm backward's (layernorm_backward(..., residual=): inside the HIP v5 kernel, a pass
+of their own after the other versions), and the embedding's backward adds its sums into the head's dwte
+(encoder_backward(..., accumulate=True)).
 
 CUDA graphs (hip backend, fp32 / bf16, on by default): train_step captures the whole step once per batch shape and
 replays it (StepGraph, engine/graph.py); see GPUEngine.train_step.

@@ -34,6 +34,7 @@ _NUMBA_VERSIONS = {
     "logits": "f32",
     "dgelu_out": "f32",
     "dqkv_out": "f32",
+    "dres_out": "f32",
 }
 
 
@@ -96,6 +97,11 @@ class GPUEngine(Engine):
     # gradient rounded once; needs epilogue "cublaslt": the qkv weight-gradient product sums dqkv's rows into the qkv
     # bias gradient in its epilogue, BGRADB, so no pass over dqkv converts it or sums its columns; the half dqkv is
     # what the products read without it too)
+    # "dres_out": what the LayerNorm backwards inside the blocks write of the residual stream's gradient: "f32"
+    # (float32; a layer's colsum_convert pass then makes its half copy and its bias gradient) or "half" (float32 and,
+    # in the same pass, its half copy: hip v5's _res_half entry points; with epilogue "cublaslt" the fc and attention
+    # projections' bias gradients come from their weight-gradient products' BGRADB epilogue: no pass over the
+    # float32 gradient. The last block's incoming gradient, from the final LayerNorm, keeps the pass)
     DEFAULT_VERSIONS = {
         "hip": {**_NUMBA_VERSIONS, "layernorm_backward": "v5", "encoder": "v3", "adamw": "v3", "attention": "flash"},
         "numba": _NUMBA_VERSIONS,
@@ -200,6 +206,14 @@ class GPUEngine(Engine):
                     f"{', '.join(HALF_GRADS)} and epilogue='cublaslt'; this run has attention={self.ver['attention']!r}, "
                     f"flash={self.ver['flash']!r}, epilogue={self.ver['epilogue']!r}"
                 )
+        if self.ver["dres_out"] not in ("f32", "half"):
+            raise EngineError(f"versions: dres_out must be 'f32' or 'half', got {self.ver['dres_out']!r}")
+        if self.ver["dres_out"] == "half" and self.ver["epilogue"] != "cublaslt":
+            raise EngineError(
+                "versions: dres_out='half' takes the projections' bias gradients from their weight-gradient products "
+                f"(cuBLASLt's BGRADB); it needs epilogue='cublaslt' (half precision); this run has "
+                f"epilogue={self.ver['epilogue']!r}, precision={precision!r}"
+            )
         if self.ver["epilogue"] == "cublaslt" and self.on_gpu and device.kind() != "cuda":
             raise EngineError("versions: epilogue='cublaslt' calls NVIDIA's cuBLASLt; on AMD keep epilogue='none'")
         if self.ver["tf32"] not in ("off", "on"):
@@ -460,14 +474,32 @@ class GPUEngine(Engine):
             self.K.layernorm_forward_half(x, w, b, out, mean, rstd, half=self._half)
         return out, mean, rstd
 
-    def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l, residual=None):
+    def _layernorm_backward(self, dout, x, mean, rstd, name_w, name_b, l, residual=None, half_copy=False):
         """dout (N, C) -> dx (N, C); writes the layernorm's weight and bias gradients. residual: the gradient that
-        reaches x past the sublayer (the residual connection), added into dx in place."""
+        reaches x past the sublayer (the residual connection), added into dx in place. half_copy (with residual, half
+        precision): returns (dx, dx_mm), dx_mm its half bits written in the same launch."""
         xp = self.xp
         w = self.params[name_w] if l is None else self.params[name_w][l]
         dw = self.grads[name_w] if l is None else self.grads[name_w][l]
         db = self.grads[name_b] if l is None else self.grads[name_b][l]
         dx = xp.empty_like(x)
+        if half_copy:
+            dx_mm = self._mm_empty(x.shape)
+            self.K.layernorm_backward(
+                dout,
+                x,
+                w,
+                mean,
+                rstd,
+                dx,
+                dw,
+                db,
+                version=self.ver["layernorm_backward"],
+                residual=residual,
+                dinp_half=dx_mm,
+                half=self._half,
+            )
+            return dx, dx_mm
         self.K.layernorm_backward(
             dout, x, w, mean, rstd, dx, dw, db, version=self.ver["layernorm_backward"], residual=residual
         )  # residual: added into dx by the launcher (hip v5: in the kernel's own pass, no pass of its own)
@@ -607,16 +639,28 @@ class GPUEngine(Engine):
         c["ln2_mm"] = self._layernorm(c["x1"], "ln2w", "ln2b", l)[0]
         c["gelu_mm"] = self._gelu_mm(c["fc"], l)
 
-    def _dgelu_linear_backward(self, dout, gelu_mm, pre_half, l, hidden):
+    def _dgelu_linear_backward(self, dout, gelu_mm, pre_half, l, hidden, dout_mm=None):
         """The fc projection's backward with the epilogues (versions epilogue "cublaslt", gelu_in "half"): its bias
         gradient and the half dout in one pass (colsum_convert), its weight gradient, then dfc = (dout @ W.T) *
         gelu'(pre) in the product, rounded to half, with the fc bias gradient summed in the same epilogue (in half:
-        cuBLASLt writes it in out's type, as PyTorch's autocast does; widened into the float32 gradient here)."""
+        cuBLASLt writes it in out's type, as PyTorch's autocast does; widened into the float32 gradient here).
+        dout_mm (versions dres_out "half"): dout's half copy, already made: the bias gradient from the dW product."""
         from ..runtime.blas import _to_f32
 
-        dout_mm = self._mm_empty(dout.shape)
-        self.K.colsum_convert(dout, self.grads["fcprojb"][l], out=dout_mm, half=self._half)
-        self._gemm(gelu_mm, dout_mm, self.grads["fcprojw"][l], trans_a=True)  # dW = gelu.T @ dout
+        if dout_mm is None:
+            dout_mm = self._mm_empty(dout.shape)
+            self.K.colsum_convert(dout, self.grads["fcprojb"][l], out=dout_mm, half=self._half)
+            self._gemm(gelu_mm, dout_mm, self.grads["fcprojw"][l], trans_a=True)  # dW = gelu.T @ dout
+        else:  # dW = gelu.T @ dout and the bias gradient, its column sums, in the product
+            self._epilogue_product(
+                "gemm+bgrad",
+                gelu_mm,
+                dout_mm,
+                self.grads["fcprojw"][l],
+                "bgrad_b",
+                bias=self.grads["fcprojb"][l],
+                trans_a=True,
+            )
         dfc_mm = self._mm_empty((dout.shape[0], hidden))
         dfcb = self.xp.empty(hidden, self.xp.uint16)  # the fc bias gradient in half, as cuBLASLt writes it
         self._epilogue_product(
@@ -632,8 +676,12 @@ class GPUEngine(Engine):
         self.grads["fcb"][l][...] = _to_f32(dfcb, self.precision, self.xp)
         return dfc_mm
 
-    def _block_backward(self, dx, c, l, B, T):
+    def _block_backward(self, dx, c, l, B, T, dx_mm=None):
         """d(block output) (B*T, C) -> d(block input); writes layer l's gradients.
+
+        dx_mm (versions dres_out "half"): dx's half copy, made by the LayerNorm backward above (None for the last
+        block: the final LayerNorm's backward makes none); then returns (d(block input), its half copy, None for
+        block 0, whose gradient only the embedding reads).
 
         Temporaries are dropped (del) as soon as they are used up, so that the backward's working set stays one
         or two (B, T, 4C) tensors plus, on the cuBLAS attention path, one (B, nh, T, T): engine_memory() counts the
@@ -643,10 +691,11 @@ class GPUEngine(Engine):
         hs = C // nh
         half = self._half
         # MLP: x2 = x1 + fcproj(gelu(fc(ln2(x1))))
+        dres = self.ver["dres_out"] == "half"
         if self.ver["epilogue"] == "cublaslt" and c["fc"].dtype == xp.uint16 and self.ver["dgelu"] == "cublaslt":
             # GELU's backward and the fc bias gradient inside the product that makes dgelu (DGELU_BGRAD): the half
             # dfc comes out of the product, with no float32 dgelu and no pass over it
-            dfc_mm = self._dgelu_linear_backward(dx, c["gelu_mm"], c["fc"], l, 4 * C)
+            dfc_mm = self._dgelu_linear_backward(dx, c["gelu_mm"], c["fc"], l, 4 * C, dout_mm=dx_mm)
             dln2 = self._linear_products(dfc_mm, c["ln2_mm"], "fcw", l, C)  # its bias gradient came with dfc
             del dfc_mm
         elif half is None:
@@ -659,16 +708,24 @@ class GPUEngine(Engine):
         else:  # GELU's backward inside the fc layer's pass over dfc (colsum_convert): no float32 dfc
             # fc kept without its bias (float32), or GELU's input itself as half bits (gelu_in "half")
             half_dgelu = self.ver["dgelu_out"] == "half"  # the product rounds dgelu to half (gelu_in "half" only)
-            dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C, out_mm=half_dgelu)
+            if dx_mm is not None:  # the half copy made by the LayerNorm backward above; the bias gradient in the dW
+                dgelu = self._linear_products(dx_mm, c["gelu_mm"], "fcprojw", l, 4 * C, half_dgelu, "fcprojb")
+            else:
+                dgelu = self._linear_backward(dx, c["gelu_mm"], "fcprojw", "fcprojb", l, 4 * C, out_mm=half_dgelu)
             gelu_in = (c["fc"], None if c["fc"].dtype == xp.uint16 else self.params["fcb"][l])
             dln2 = self._linear_backward(dgelu, c["ln2_mm"], "fcw", "fcb", l, C, gelu_in=gelu_in)
             del dgelu
-        dx1 = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, residual=dx)
-        del dln2
+        dx_mm = None
+        out = self._layernorm_backward(dln2, c["x1"], c["mean2"], c["rstd2"], "ln2w", "ln2b", l, dx, half_copy=dres)
+        dx1, dx1_mm = out if dres else (out, None)
+        del dln2, out
         # attention: x1 = x + attproj(attention(qkv(ln1(x))))
         half_dqkv = "lse" in c and self.ver["dqkv_out"] == "half"
         if "lse" in c:  # flash: dq, dk, dv from the kept y (atty_mm) and lse, the probabilities recomputed tile by tile
-            dy = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C, out_mm=True)  # (B*T, C)
+            if dx1_mm is not None:  # (B*T, C) in the matmul format; the bias gradient in the dW product
+                dy = self._linear_products(dx1_mm, c["atty_mm"], "attprojw", l, C, True, "attprojb")
+            else:
+                dy = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C, out_mm=True)
             # every element written: dq, dk, dv side by side (dqkv_out "half": in the matmul format)
             dqkv = self._mm_empty((B * T, 3 * C)) if half_dqkv else xp.empty((B * T, 3 * C), xp.float32)
             y, dqkv3 = c["atty_mm"].reshape(B, T, C), dqkv.reshape(B, T, 3 * C)
@@ -677,7 +734,10 @@ class GPUEngine(Engine):
             )
             del dy
         else:
-            datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
+            if dx1_mm is not None:
+                datty = self._linear_products(dx1_mm, c["atty_mm"], "attprojw", l, C, bias_grad="attprojb")
+            else:
+                datty = self._linear_backward(dx1, c["atty_mm"], "attprojw", "attprojb", l, C)
             dy = self._mm_empty((B * nh, T, hs))
             self.K.split_heads(datty, 0, dy, B, T, nh, half=half)  # (B*nh, T, hs)
             del datty
@@ -689,9 +749,13 @@ class GPUEngine(Engine):
         else:
             dln1 = self._linear_backward(dqkv, c["ln1_mm"], "qkvw", "qkvb", l, C)
         del dqkv
-        dx0 = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l, residual=dx1)
+        del dx1_mm
+        copy = dres and l > 0  # block 0's input gradient goes to the embedding only: no half copy
+        out = self._layernorm_backward(dln1, c["x"], c["mean1"], c["rstd1"], "ln1w", "ln1b", l, dx1, half_copy=copy)
         del dln1
-        return dx0
+        if not dres:
+            return out
+        return out if copy else (out, None)
 
     def _attention_backward_cublas(self, box, c, B, T, hs):
         """dqkv (B*T, 3C) fp32 from dy (B*nh, T, hs; box = [dy], emptied here) and the saved probabilities att_mm:
@@ -816,6 +880,7 @@ class GPUEngine(Engine):
         policy, k = parse_policy(self.policy, cfg.n_layer)
         segment_of = {l: a for a, b in segments(cfg.n_layer, k) for l in range(a, b)} if policy == "sqrt" else {}
         held = {}  # sqrt: the recomputed caches of the segment backward is in, each dropped after its block's backward
+        dres, dx_mm = self.ver["dres_out"] == "half", None  # the last block's dx has no half copy (see _block_backward)
         for l in reversed(range(cfg.n_layer)):
             blk = c["blocks"][l]
             if policy == "full":
@@ -829,7 +894,10 @@ class GPUEngine(Engine):
                         h, held[j] = self._block_forward(h, j, B, T, "none")
                     del h  # the segment's output (the next segment's saved input, or the kept lnf input)
                 blk = held.pop(l)
-            dx = self._block_backward(dx, blk, l, B, T)
+            if dres:  # (dx, its half copy) from block to block
+                dx, dx_mm = self._block_backward(dx, blk, l, B, T, dx_mm=dx_mm)
+            else:
+                dx = self._block_backward(dx, blk, l, B, T)
             ready(1 + l)
             c["blocks"][l] = None  # free the block's cache
             del blk  # (before the next recompute)

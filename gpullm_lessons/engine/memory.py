@@ -24,6 +24,7 @@ def engine_memory(
     half_logits=False,
     half_dgelu=False,
     half_dqkv=False,
+    half_dres=False,
 ) -> dict:
     """Predicted peak GPU memory (bytes) of GPUEngine.train_step on a (B, T) batch: what this engine allocates.
 
@@ -53,6 +54,8 @@ def engine_memory(
     pass): GELU's output gradient in the backward is half, 2 bytes an element instead of 4.
     half_dqkv: the engine's versions["dqkv_out"] == "half" (flash attention with epilogue): the flash backward writes
     dqkv (N, 3C) in half, which the products read as it is (no float32 dqkv, no half copy of it).
+    half_dres: the engine's versions["dres_out"] == "half" (with epilogue): the LayerNorm backwards write the residual
+    stream's gradient's half copy too, which lives from there to the projection that reads it.
     ce_chunks: the engine's ce_chunks (lesson 12): the loss head over the B*T rows in chunks of ceil(B*T / ce_chunks),
     its backward in the forward, so one chunk's logits and dlogits exist at a time and dlnf (B*T, C) fp32 is kept for
     backward instead of dlogits (B*T, V).
@@ -79,6 +82,10 @@ def engine_memory(
         )
     if half_logits and precision != "bf16":
         raise ValueError(f"engine_memory: half_logits=True describes bf16 logits; precision is {precision!r}")
+    if half_dres and not epilogue:
+        raise ValueError(
+            "engine_memory: half_dres=True describes the LayerNorm backward's half copy beside epilogue=True"
+        )
     if half_dqkv and not (epilogue and attention == "flash"):
         raise ValueError(
             "engine_memory: half_dqkv=True describes the flash backward's half dqkv beside epilogue=True (its bias "
@@ -144,11 +151,12 @@ def engine_memory(
         head = NC * e + ce_rows * V * (lg + (10 if precision == "fp16" else dl)) + N * f + N * 4
         head_bytes = head + NC * f  # and dlnf, filled chunk by chunk
     # backward: the stages of _block_backward on top of the incoming dx (NC f)
+    ld = NC * h if half_dres else 0  # the half copy of the residual stream's gradient the LayerNorm backward writes
     if epilogue and g != f and dgelu_epilogue:  # the half dfc out of the fc projection's product (DGELU_BGRAD)
         stages = [
             NC * h + 4 * NC * h,  # fcproj: dx_mm, dfc_mm
             4 * NC * h + NC * f,  # fc: dfc_mm, dln2
-            2 * NC * f,  # dln2, dx1
+            2 * NC * f + ld,  # dln2, dx1 (half_dres: and dx1's half copy)
         ]
     else:
         dg = h if half_dgelu else f  # bytes of an element of dgelu
@@ -156,7 +164,7 @@ def engine_memory(
             NC * h + 4 * NC * dg,  # fcproj: dx_mm, dgelu
             4 * NC * dg + (4 * NC * h if half else 4 * NC * f),  # dgelu, dfc (half runs: only dfc_mm, GELU fused)
             4 * NC * dg + 4 * NC * h + NC * f,  # fc: dgelu (fp32 runs: dfc), dfc_mm, dln2
-            2 * NC * f,  # dln2, dx1
+            2 * NC * f + ld,  # dln2, dx1 (half_dres: and dx1's half copy)
         ]
     dq = 3 * NC * (h if half_dqkv else f)  # bytes of dqkv as the flash kernels write it
     if flash:  # the projection's product writes dy in the matmul format; the kernels write dqkv directly
@@ -174,8 +182,8 @@ def engine_memory(
         ]
     stages += [
         2 * NC * f + dq + (0 if half_dqkv else 3 * NC * h),  # qkv: dx1, dqkv, dqkv_mm (half_dqkv: dqkv itself), dln1
-        3 * NC * f,
-    ]  # dx1, dln1, dx0
+        3 * NC * f + ld,
+    ]  # dx1, dln1, dx0 (half_dres: and dx0's half copy)
     recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f, "sqrt": m * full_cache - NC * f}[policy]
     bwd_block = NC * f + max(stages) + recompute
     if policy in ("full", "sqrt"):  # the recompute's own forward locals (of its last block), before the stages

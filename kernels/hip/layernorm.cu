@@ -28,9 +28,12 @@
 //     layernorm_backward_v5_res_*: the same, and the residual's gradient (another (N, C) array) added into each dinp
 //     value before it is stored: dinp = dLN + residual in the one pass, where a separate add would read dinp and the
 //     residual and write dinp again (the engine's layer norms sit on the residual stream).
+//     layernorm_backward_v5_res_half_*_{bf16,f16}: and the half copy of dinp too (its float32 values rounded to
+//     nearest even), the matrix products' input for the layer below, instead of a pass that converts dinp.
 // No atomics: atomicAdd into dweight would be one kernel, but the float sum order (and so the last bits of the
 // result) would change from run to run.
 #include "portable.h"
+#include "half.h"
 
 // ---- block-wide sums: every thread of the block gets the total --------------------------------------------------
 
@@ -394,11 +397,12 @@ extern "C" __global__ void layernorm_backward_v4_reduce(const float* __restrict_
 // Registers per lane: g and xhat of the current row (2 * W * K), the partials aw, ab (2 * W * K), plus ~20.
 #define LN_V5_WARP_MAX 64     // the widest warp (AMD CDNA): sizes the shared partial row (C <= W * K * warpSize)
 
-template <int W, int K, bool RES>
+template <int W, int K, bool RES, int H>
 __device__ __forceinline__ void layernorm_backward_v5_body(
         const float* __restrict__ dout, const float* __restrict__ inp, const float* __restrict__ weight,
         const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ res,
-        float* __restrict__ dinp, float* __restrict__ part, int N, int C, float* sh) {
+        float* __restrict__ dinp, unsigned short* __restrict__ dh, float* __restrict__ part, int N, int C,
+        float* sh) {
     const int P = W * K;                              // floats per lane per row
     int lane = threadIdx.x % warpSize, warp = threadIdx.x / warpSize, n_warps = blockDim.x / warpSize;
     float aw[P], ab[P];                               // dweight, dbias partials of column c0(k) + e at k * W + e
@@ -449,6 +453,14 @@ __device__ __forceinline__ void layernorm_backward_v5_body(
                     if (RES) ov[e] += rv[e];         // (the compiler may fuse it into one fma: one rounding)
                 }
                 ln_store<W>(di + c0, ov);
+                if (H) {                             // the half copy of the same float32 values (H: 1 bf16, 2 f16)
+                    unsigned short* hp = dh + (long long)row * C + c0;
+                    if (W == 4) {
+                        *reinterpret_cast<uint2*>(hp) = make_uint2(pack_half2<H>(ov[0], ov[1]), pack_half2<H>(ov[2], ov[3]));
+                    } else {
+                        hp[0] = f32_to_half_bits<H>(ov[0]);
+                    }
+                }
             }
         }
     }
@@ -484,7 +496,8 @@ __device__ __forceinline__ void layernorm_backward_v5_body(
                                       const float* __restrict__ rstd, float* __restrict__ dinp,                      \
                                       float* __restrict__ part, int N, int C) {                                      \
         __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
-        layernorm_backward_v5_body<W, K, false>(dout, inp, weight, mean, rstd, nullptr, dinp, part, N, C, sh);       \
+        layernorm_backward_v5_body<W, K, false, 0>(dout, inp, weight, mean, rstd, nullptr, dinp, nullptr, part, N, C,  \
+                                                   sh);                                                               \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(LB)                                                                  \
     layernorm_backward_v5_res_w##W##_k##K(const float* __restrict__ dout, const float* __restrict__ inp,             \
@@ -492,7 +505,26 @@ __device__ __forceinline__ void layernorm_backward_v5_body(
                                           const float* __restrict__ rstd, const float* __restrict__ residual,        \
                                           float* __restrict__ dinp, float* __restrict__ part, int N, int C) {        \
         __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
-        layernorm_backward_v5_body<W, K, true>(dout, inp, weight, mean, rstd, residual, dinp, part, N, C, sh);       \
+        layernorm_backward_v5_body<W, K, true, 0>(dout, inp, weight, mean, rstd, residual, dinp, nullptr, part, N, C, \
+                                                  sh);                                                                \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(LB)                                                                  \
+    layernorm_backward_v5_res_half_w##W##_k##K##_bf16(                                                                \
+        const float* __restrict__ dout, const float* __restrict__ inp, const float* __restrict__ weight,              \
+        const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ residual,           \
+        float* __restrict__ dinp, unsigned short* __restrict__ dinp_half, float* __restrict__ part, int N, int C) {   \
+        __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
+        layernorm_backward_v5_body<W, K, true, 1>(dout, inp, weight, mean, rstd, residual, dinp, dinp_half, part, N,  \
+                                                  C, sh);                                                             \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(LB)                                                                  \
+    layernorm_backward_v5_res_half_w##W##_k##K##_f16(                                                                 \
+        const float* __restrict__ dout, const float* __restrict__ inp, const float* __restrict__ weight,              \
+        const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ residual,           \
+        float* __restrict__ dinp, unsigned short* __restrict__ dinp_half, float* __restrict__ part, int N, int C) {   \
+        __shared__ float sh[2 * W * K * LN_V5_WARP_MAX];                                                             \
+        layernorm_backward_v5_body<W, K, true, 2>(dout, inp, weight, mean, rstd, residual, dinp, dinp_half, part, N,  \
+                                                  C, sh);                                                             \
     }
 LN_V5_ENTRY(4, 1, 1024)
 LN_V5_ENTRY(4, 2, 1024)

@@ -367,13 +367,14 @@ def _ptr(a):
 
 
 def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version="v2", threads=128,
-                       rows_per_chunk=ROWS_PER_CHUNK, residual=None):
+                       rows_per_chunk=ROWS_PER_CHUNK, residual=None, dinp_half=None, half=None):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,). float32.
 
     v1: dinp one thread per row, dweight/dbias one thread per column. v2/v3: dinp one block per row, dweight/dbias
     by the two-stage reduction over chunks of rows_per_chunk rows (scratch allocated here, (n_chunks, C) x 2).
     residual (N, C), another array than dinp: dinp = the input gradient + residual, added after the kernels (the HIP
-    launcher's v5 adds it in its own pass over the row).
+    launcher's v5 adds it in its own pass over the row). dinp_half (N, C) uint16, with residual and half ("bf16" |
+    "fp16"): also dinp's half bits, through the conversion kernels (the HIP v5 writes them in its pass).
     """
     fn = "layernorm_backward"
     N, C = check_rows(fn, inp)
@@ -381,6 +382,21 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
                            ("mean", mean, (N,)), ("rstd", rstd, (N,)), ("dinp", dinp, (N, C)),
                            ("dweight", dweight, (C,)), ("dbias", dbias, (C,))):
         check_array(fn, name, x, shape)
+    if dinp_half is not None:
+        if half not in ("bf16", "fp16"):
+            raise ValueError(f"{fn}: dinp_half needs half='bf16' or 'fp16' (its format), got {half!r}")
+        if residual is None:
+            raise ValueError(f"{fn}: dinp_half is written with a residual (the residual stream's gradient); "
+                             "pass residual=")
+        if tuple(dinp_half.shape) != (N, C) or str(dinp_half.dtype) != "uint16":
+            raise ValueError(f"{fn}: dinp_half must be uint16 of shape {(N, C)}, got {dinp_half.dtype} "
+                             f"{tuple(dinp_half.shape)}")
+        from gpullm_lessons.kernels.numba.convert import f32_to_bf16, f32_to_f16
+
+        layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version, threads, rows_per_chunk,
+                           residual)
+        (f32_to_bf16 if half == "bf16" else f32_to_f16)(dinp.reshape(N * C), dinp_half.reshape(N * C))
+        return dinp, dweight, dbias
     if residual is not None:
         check_array(fn, "residual", residual, (N, C))
         if residual is dinp or _ptr(residual) == _ptr(dinp):

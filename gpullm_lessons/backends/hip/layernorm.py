@@ -80,6 +80,22 @@ def _check_arrays(fn, N, C, **arrays):
     return list(arrays.items())
 
 
+_FMT = {"bf16": "_bf16", "fp16": "_f16"}  # the engine's half formats -> the entry points' suffixes
+
+
+def _check_half_copy(fn, N, C, dinp_half, half, residual):
+    """dinp_half: (N, C) uint16 for the half bits, half "bf16" or "fp16", and a residual (the entry points that
+    write the copy are the residual's). Returns the (name, array) pair for _check_on_gpu."""
+    from gpullm_lessons.contracts import check_array as check_typed
+
+    if half not in _FMT:
+        raise ValueError(f"{fn}: dinp_half needs half='bf16' or 'fp16' (its format), got {half!r}")
+    if residual is None:
+        raise ValueError(f"{fn}: dinp_half is written with a residual (the residual stream's gradient); pass residual=")
+    check_typed(fn, "dinp_half", dinp_half, (N, C), "uint16", cupy=True)
+    return [("dinp_half", dinp_half)]
+
+
 def _check_residual(fn, N, C, residual, dinp):
     """The residual of layernorm_backward: (N, C) float32 like dinp, and not dinp itself (the kernel reads it and
     writes dinp as separate arrays). Returns the (name, array) pair for _check_on_gpu."""
@@ -131,20 +147,39 @@ def _aligned16(*arrays) -> bool:
 
 
 def _layernorm_backward_v5(
-    dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid, residual=None
+    dout,
+    inp,
+    weight,
+    mean,
+    rstd,
+    dinp,
+    dweight,
+    dbias,
+    threads,
+    blocks_per_sm,
+    grid,
+    residual=None,
+    dinp_half=None,
+    half=None,
 ):
     """v5's two launches; returns False (nothing launched) when C is too wide for it. residual: the _res entry
-    points (the residual's gradient added into dinp in the same pass)."""
+    points (the residual's gradient added into dinp in the same pass); dinp_half (with residual): the _res_half
+    entry points of format `half`, which also write dinp's half copy."""
     import cupy
 
     N, C = inp.shape
     props = hip.device_properties(int(dout.device.id))
     ws = int(props["warpSize"])
     extra = () if residual is None else (residual,)
-    name = v5_entry_point(C, ws, _aligned16(dout, inp, weight, dinp, *extra))
+    vector = _aligned16(dout, inp, weight, dinp, *extra) and (dinp_half is None or int(dinp_half.data.ptr) % 8 == 0)
+    name = v5_entry_point(C, ws, vector)
     if name is None:
         return False
-    if residual is not None:
+    outs = (dinp,)
+    if dinp_half is not None:  # the _res_half entry points: residual, dinp, dinp_half
+        name = name.replace("layernorm_backward_v5_", "layernorm_backward_v5_res_half_") + _FMT[half]
+        outs = (dinp, dinp_half)
+    elif residual is not None:
         name = name.replace("layernorm_backward_v5_", "layernorm_backward_v5_res_")
     k = hip.kernel("layernorm", name)
     # the big-K entry points are compiled for smaller blocks (__launch_bounds__): lower threads to whole warps below
@@ -159,7 +194,7 @@ def _layernorm_backward_v5(
         blocks = min(blocks, per_sm * hip.sm_count(int(dout.device.id)))
     part = cupy.empty((blocks, 2 * C), dtype=cupy.float32)  # one (dweight | dbias) row per block, all written
     n, c = np.int32(N), np.int32(C)
-    k((blocks,), (threads,), (dout, inp, weight, mean, rstd, *extra, dinp, part, n, c))
+    k((blocks,), (threads,), (dout, inp, weight, mean, rstd, *extra, *outs, part, n, c))
     hip.kernel("layernorm", "layernorm_backward_v5_reduce")(
         ((2 * C + 31) // 32,), (V5_REDUCE_THREADS,), (part, dweight, dbias, np.int32(blocks), c)
     )
@@ -195,12 +230,17 @@ def layernorm_backward(
     blocks_per_sm=None,
     grid=None,
     residual=None,
+    dinp_half=None,
+    half=None,
 ):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,).
 
     residual (N, C) float32, another array than dinp: dinp = the layer norm's input gradient + residual (the
     gradient that reaches the input past the sublayer, on the residual stream). v5 adds it in its one pass over the
     row (layernorm_backward_v5_res_*); the other versions in a pass of their own after the kernel.
+    dinp_half (N, C) uint16, with residual and half ("bf16" | "fp16"): also the half bits of dinp (each float32 value
+    rounded to nearest even), the input of the matrix products below; v5 writes them in the same pass
+    (layernorm_backward_v5_res_half_*), the others through the conversion kernel afterwards.
 
     threads: per block; None: 256 for v4 and v5, 128 otherwise. v4 and v5 lower threads to what their register use
     allows (the kernel's max_threads_per_block: about 384 for v4 on NVIDIA; 512 or 256 for v5's wide entry points).
@@ -214,6 +254,8 @@ def layernorm_backward(
     )
     if residual is not None:
         named += _check_residual(fn, N, C, residual, dinp)
+    if dinp_half is not None:
+        named += _check_half_copy(fn, N, C, dinp_half, half, residual)
     if threads is None:
         threads = {"v4": V4_THREADS, "v5": V5_THREADS}.get(version, 128)
     threads = _check_launch(fn, version, threads)
@@ -225,9 +267,43 @@ def layernorm_backward(
     col_blocks = (C + threads - 1) // threads
     if version == "v5" and residual is not None and N:
         if _layernorm_backward_v5(
-            dout, inp, weight, mean, rstd, dinp, dweight, dbias, threads, blocks_per_sm, grid, residual
+            dout,
+            inp,
+            weight,
+            mean,
+            rstd,
+            dinp,
+            dweight,
+            dbias,
+            threads,
+            blocks_per_sm,
+            grid,
+            residual,
+            dinp_half,
+            half,
         ):
             return dinp, dweight, dbias
+    if dinp_half is not None:  # the other versions (and v5 on rows too wide for it): then the conversion kernel
+        from . import convert
+
+        layernorm_backward(
+            dout,
+            inp,
+            weight,
+            mean,
+            rstd,
+            dinp,
+            dweight,
+            dbias,
+            version,
+            threads,
+            rows_per_chunk,
+            blocks_per_sm,
+            grid,
+            residual,
+        )
+        (convert.f32_to_bf16 if half == "bf16" else convert.f32_to_f16)(dinp.reshape(-1), dinp_half.reshape(-1))
+        return dinp, dweight, dbias
     if residual is not None:  # the other versions (and v5 on rows too wide for it): the kernel, then the add
         layernorm_backward(
             dout, inp, weight, mean, rstd, dinp, dweight, dbias, version, threads, rows_per_chunk, blocks_per_sm, grid
