@@ -512,7 +512,7 @@ def test_dres_out_is_refused_without_the_epilogues():
     cfg, B, T = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=128), 8, 64
     kw = dict(attention="flash", epilogue=True)
     f32, half = (engine.engine_memory(cfg, B, T, "bf16", half_dres=h, **kw) for h in (False, True))
-    assert 0 <= half["working_set"] - f32["working_set"] <= B * T * cfg.d_model * 2
+    assert 0 < half["working_set"] - f32["working_set"] <= 2 * B * T * cfg.d_model * 2  # at most two copies at once
     with pytest.raises(ValueError, match="half_dres=True describes the LayerNorm backward's half copy"):
         engine.engine_memory(cfg, B, T, "bf16", half_dres=True)
 

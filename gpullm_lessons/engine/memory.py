@@ -185,7 +185,9 @@ def engine_memory(
         3 * NC * f + ld,
     ]  # dx1, dln1, dx0 (half_dres: and dx0's half copy)
     recompute = {"none": 0, "selective": rebuilt, "full": full_cache - NC * f, "sqrt": m * full_cache - NC * f}[policy]
-    bwd_block = NC * f + max(stages) + recompute
+    bwd_block = (
+        NC * f + ld + max(stages) + recompute
+    )  # the incoming dx (half_dres: and its half copy, held by the loop)
     if policy in ("full", "sqrt"):  # the recompute's own forward locals (of its last block), before the stages
         bwd_block = max(bwd_block, NC * f + recompute + temps)
     fp16_copy = N * V * (f + 2) if precision == "fp16" else 0  # dlogits * scale, then its fp16 cast
