@@ -190,3 +190,17 @@ def test_the_two_choices_claims(ns):
     assert "(36.47 here, 37.43 there)" in TEXT
     flash_bwd = ns["op_ms"](ns["new_prof"], "flash_attention_backward_packed")
     assert f"{flash_bwd:.2f}" == "4.75" and "flash attention's backward takes 4.75 ms a step" in TEXT
+
+
+def test_what_the_profile_does_not_show(ns):
+    """Section 6's last cell: the graph step 39.93 ms against the profile's 37.01 (2.9 ms apart); the CuPy additions
+    of that run's engine 4.09 GB, 1.91 ms at the LayerNorm backward's rate; folded into the kernels, about 1.3 ms."""
+    assert f"{ns['gap_ms']:.1f}" == "2.9" and "Part of the 2.9 ms between them" in TEXT
+    assert "37.01 ms, where the graph\nstep takes 39.93" in TEXT or "37.01 ms, where the graph step takes 39.93" in TEXT
+    assert f"{(ns['res_adds'] + ns['wte_add']) / 1e9:.2f}" == "4.09" and "4.09 GB a step" in TEXT
+    assert f"{ns['hidden_ms']:.2f}" == "1.91" and "1.91 ms at the rate the LayerNorm backward" in TEXT
+    assert ns["hidden_ms"] < ns["gap_ms"]  # "part of" the gap, not more than it
+    assert f"{ns['fold_ms']:.1f}" == "1.3" and "about 1.3 ms less" in TEXT
+    # the rate is the profile's own LayerNorm backward's: 3 float32 (N, C) arrays per call
+    ln = ns["ln_bwd"]
+    assert ln["shapes"].startswith("[((16384, 768), 'float32')") and 2.0e12 < ns["ln_rate"] < 2.3e12
