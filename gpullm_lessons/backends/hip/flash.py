@@ -25,8 +25,9 @@ general tests compiled in; a causal call over Tq == Tk without a mask runs the v
 The packed launchers (flash_attention_forward_packed / _backward_packed) run v6 (or v5, v4; or v7 on an H100 / H200,
 runtime/sm90.py) on the engine's layout: q,
 k, v read straight out of the qkv product's rows (B, T, 3C), y written in format H into the (B, T, C) rows the attention
-projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv; the head split and merge passes around
-the heads layout disappear, and so does y's float32 copy (the backward's delta is taken from y in format H).
+projection reads, dq, dk, dv written into the (B, T, 3C) float32 rows of dqkv (v6: or its rows in format H, HALF_GRADS'
+_hg entry points); the head split and merge passes around the heads layout disappear, and so does y's float32 copy
+(the backward's delta is taken from y in format H).
 """
 
 from __future__ import annotations

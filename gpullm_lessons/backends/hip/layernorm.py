@@ -283,9 +283,7 @@ def layernorm_backward(
             half,
         ):
             return dinp, dweight, dbias
-    if dinp_half is not None:  # the other versions (and v5 on rows too wide for it): then the conversion kernel
-        from . import convert
-
+    if dinp_half is not None:  # the other versions (and v5 on rows too wide for it): then convert.cu's kernel
         layernorm_backward(
             dout,
             inp,
@@ -302,7 +300,11 @@ def layernorm_backward(
             grid,
             residual,
         )
-        (convert.f32_to_bf16 if half == "bf16" else convert.f32_to_f16)(dinp.reshape(-1), dinp_half.reshape(-1))
+        n = N * C  # convert.cu's float32 -> half bits, grid-stride (no launcher module imports another)
+        blocks = min((n + 255) // 256, 65535)
+        hip.kernel("convert", "f32_to_bf16_v1" if half == "bf16" else "f32_to_f16_v1")(
+            (blocks,), (256,), (dinp.reshape(-1), dinp_half.reshape(-1), np.int64(n))
+        )
         return dinp, dweight, dbias
     if residual is not None:  # the other versions (and v5 on rows too wide for it): the kernel, then the add
         layernorm_backward(
