@@ -495,8 +495,10 @@ def test_half_copy_is_dinp_rounded(module, half):
             nb.layernorm_backward(*args, *outs, dinp_half=bits, half=half, version="v1")
         with pytest.raises(ValueError, match="dinp_half needs half='bf16' or 'fp16'"):
             nb.layernorm_backward(*args, *outs, residual=residual, dinp_half=bits, half="bf8", version="v1")
-        with pytest.raises(ValueError, match="dinp_half must be uint16 of shape"):
+        with pytest.raises(ValueError, match=r"dinp_half has shape \(4, 24\), expected \(5, 24\)"):
             nb.layernorm_backward(*args, *outs, residual=residual, dinp_half=bits[:4], half=half, version="v1")
+        with pytest.raises((TypeError, ValueError), match="dinp_half.*uint16"):
+            nb.layernorm_backward(*args, *outs, residual=residual, dinp_half=outs[0].copy(), half=half, version="v1")
 
 
 @pytest.mark.gpu

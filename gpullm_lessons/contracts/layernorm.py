@@ -35,6 +35,33 @@ def check_array(fn, name, x, shape, cupy=False):
         )
 
 
+def _address(x) -> int:
+    """The address of an array's first element (NumPy, CuPy or Numba device array)."""
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0]
+    return x.__cuda_array_interface__["data"][0]
+
+
+def check_residual(fn, N, C, residual, dinp, cupy=False):
+    """layernorm_backward's residual: (N, C) float32 like dinp, and another array than dinp (the kernels read it
+    while they write dinp)."""
+    check_array(fn, "residual", residual, (N, C), cupy=cupy)
+    if _address(residual) == _address(dinp):
+        raise ValueError(f"{fn}: residual must be another array than dinp (dinp is written while residual is read)")
+
+
+def check_half_copy(fn, N, C, dinp_half, half, residual, cupy=False):
+    """layernorm_backward's dinp_half: half "bf16" or "fp16", given with a residual (the kernels that write the copy
+    are the residual's), uint16 of shape (N, C), C-contiguous."""
+    from gpullm_lessons.contracts import check_array as check_typed
+
+    if half not in ("bf16", "fp16"):
+        raise ValueError(f"{fn}: dinp_half needs half='bf16' or 'fp16' (its format), got {half!r}")
+    if residual is None:
+        raise ValueError(f"{fn}: dinp_half is written with a residual (the residual stream's gradient); pass residual=")
+    check_typed(fn, "dinp_half", dinp_half, (N, C), "uint16", cupy=cupy)
+
+
 def check_rows(fn, inp, cupy=False):
     """(N, C) from inp, which must be a non-empty 2-D array."""
     if not hasattr(inp, "shape"):

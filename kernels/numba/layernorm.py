@@ -30,7 +30,8 @@ import numpy as np
 from numba import cuda, float32
 
 from gpullm_lessons.contracts import check_version
-from gpullm_lessons.contracts.layernorm import check_array, check_block, check_rows   # shared with the HIP launchers
+from gpullm_lessons.contracts.layernorm import (check_array, check_block, check_half_copy,  # shared with the HIP
+                                                 check_residual, check_rows)                  # launchers
 from gpullm_lessons.kernels.numba import launch_stream, device_scratch
 
 MAX_THREADS = 1024              # largest block: the shared-memory tree buffer has one slot per thread
@@ -359,13 +360,6 @@ def layernorm_forward(inp, weight, bias, out, mean, rstd, eps=1e-5, version="v2"
     return out
 
 
-def _ptr(a):
-    """The address of an array's first element (NumPy, CuPy or Numba device array)."""
-    if isinstance(a, np.ndarray):
-        return a.__array_interface__["data"][0]
-    return a.__cuda_array_interface__["data"][0]
-
-
 def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version="v2", threads=128,
                        rows_per_chunk=ROWS_PER_CHUNK, residual=None, dinp_half=None, half=None):
     """dout, inp (N, C), weight (C,), mean, rstd (N,) -> writes dinp (N, C), dweight (C,), dbias (C,). float32.
@@ -383,14 +377,7 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
                            ("dweight", dweight, (C,)), ("dbias", dbias, (C,))):
         check_array(fn, name, x, shape)
     if dinp_half is not None:
-        if half not in ("bf16", "fp16"):
-            raise ValueError(f"{fn}: dinp_half needs half='bf16' or 'fp16' (its format), got {half!r}")
-        if residual is None:
-            raise ValueError(f"{fn}: dinp_half is written with a residual (the residual stream's gradient); "
-                             "pass residual=")
-        if tuple(dinp_half.shape) != (N, C) or str(dinp_half.dtype) != "uint16":
-            raise ValueError(f"{fn}: dinp_half must be uint16 of shape {(N, C)}, got {dinp_half.dtype} "
-                             f"{tuple(dinp_half.shape)}")
+        check_half_copy(fn, N, C, dinp_half, half, residual)
         from gpullm_lessons.kernels.numba.convert import f32_to_bf16, f32_to_f16
 
         layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version, threads, rows_per_chunk,
@@ -398,9 +385,7 @@ def layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, vers
         (f32_to_bf16 if half == "bf16" else f32_to_f16)(dinp.reshape(N * C), dinp_half.reshape(N * C))
         return dinp, dweight, dbias
     if residual is not None:
-        check_array(fn, "residual", residual, (N, C))
-        if residual is dinp or _ptr(residual) == _ptr(dinp):
-            raise ValueError(f"{fn}: residual must be another array than dinp (dinp is written while residual is read)")
+        check_residual(fn, N, C, residual, dinp)
         layernorm_backward(dout, inp, weight, mean, rstd, dinp, dweight, dbias, version, threads, rows_per_chunk)
         if hasattr(type(dinp), "__iadd__"):  # NumPy (the simulator) or CuPy
             dinp += residual

@@ -37,7 +37,7 @@ from gpullm_lessons.runtime import hip
 from gpullm_lessons.contracts import check_version, is_cupy
 
 # the shape/dtype/threads checks are the Numba wrappers' too (cupy=True: CuPy arrays, cupy in the hints)
-from gpullm_lessons.contracts.layernorm import check_array, check_block, check_rows
+from gpullm_lessons.contracts.layernorm import check_array, check_block, check_half_copy, check_residual, check_rows
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 FORWARD_VERSIONS = ("v1", "v2", "v3")  # v4, v5 are backward kernels only
@@ -81,28 +81,6 @@ def _check_arrays(fn, N, C, **arrays):
 
 
 _FMT = {"bf16": "_bf16", "fp16": "_f16"}  # the engine's half formats -> the entry points' suffixes
-
-
-def _check_half_copy(fn, N, C, dinp_half, half, residual):
-    """dinp_half: (N, C) uint16 for the half bits, half "bf16" or "fp16", and a residual (the entry points that
-    write the copy are the residual's). Returns the (name, array) pair for _check_on_gpu."""
-    from gpullm_lessons.contracts import check_array as check_typed
-
-    if half not in _FMT:
-        raise ValueError(f"{fn}: dinp_half needs half='bf16' or 'fp16' (its format), got {half!r}")
-    if residual is None:
-        raise ValueError(f"{fn}: dinp_half is written with a residual (the residual stream's gradient); pass residual=")
-    check_typed(fn, "dinp_half", dinp_half, (N, C), "uint16", cupy=True)
-    return [("dinp_half", dinp_half)]
-
-
-def _check_residual(fn, N, C, residual, dinp):
-    """The residual of layernorm_backward: (N, C) float32 like dinp, and not dinp itself (the kernel reads it and
-    writes dinp as separate arrays). Returns the (name, array) pair for _check_on_gpu."""
-    check_array(fn, "residual", residual, (N, C), cupy=True)
-    if residual.data.ptr == dinp.data.ptr:
-        raise ValueError(f"{fn}: residual must be another array than dinp (dinp is written while residual is read)")
-    return [("residual", residual)]
 
 
 def _check_launch(fn, version, threads):
@@ -253,9 +231,11 @@ def layernorm_backward(
         fn, N, C, dout=dout, inp=inp, weight=weight, mean=mean, rstd=rstd, dinp=dinp, dweight=dweight, dbias=dbias
     )
     if residual is not None:
-        named += _check_residual(fn, N, C, residual, dinp)
+        check_residual(fn, N, C, residual, dinp, cupy=True)
+        named.append(("residual", residual))
     if dinp_half is not None:
-        named += _check_half_copy(fn, N, C, dinp_half, half, residual)
+        check_half_copy(fn, N, C, dinp_half, half, residual, cupy=True)
+        named.append(("dinp_half", dinp_half))
     if threads is None:
         threads = {"v4": V4_THREADS, "v5": V5_THREADS}.get(version, 128)
     threads = _check_launch(fn, version, threads)
